@@ -1,0 +1,1 @@
+"""Conversion CLI front; the logic lives in megatron_qarl.weights."""

@@ -1,0 +1,62 @@
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DIST_DIR = Path(__file__).resolve().parent / "dist"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(nproc: int, script: str, *args: str, timeout: int = 600) -> dict:
+    """Run tests/dist/<script> under torchrun (gloo) and return the JSON rank 0 wrote to $QARL_RESULT.
+
+    Worker scripts assert themselves; the JSON carries numbers for the parent test to compare.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        env = dict(os.environ)
+        env.update(
+            OMP_NUM_THREADS="1",
+            TORCHDYNAMO_DISABLE="1",
+            QARL_RESULT=str(result),
+            PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+        )
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+            str(DIST_DIR / script), *args,
+        ]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
+        if proc.returncode != 0:
+            raise AssertionError(
+                f"torchrun {script} {' '.join(args)} failed (rc={proc.returncode})\n"
+                f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-12000:]}"
+            )
+        return json.loads(result.read_text()) if result.exists() else {}
+
+
+@pytest.fixture
+def torchrun():
+    return run_torchrun
