@@ -1,0 +1,101 @@
+"""Per-call RL metrics with stable names, and their reduction across micro-batches / ranks.
+
+Every loss call returns a flat ``{name: float}`` dict. Names and how they combine:
+
+- ``count/tokens``, ``count/seqs``: this call's response tokens / non-empty sequences (reduce: sum);
+- ``loss/value``: this call's loss contribution, already divided by the global normaliser (reduce: sum);
+- ``*/max`` (reduce: max), ``*/min`` (reduce: min);
+- everything else is a per-call mean or fraction, reduced as a mean weighted by ``count/tokens`` for
+  token-level families (``token_ratio/``, ``token_mismatch/``, ``mismatch/``, ``policy/``, ``clip/``,
+  ``positive_only/``) and by ``count/seqs`` otherwise (``seq_ratio/``, ``seq_mismatch/``, ``tbpo/``,
+  ``gspo/``, ``mis/``, ``adv/``). Percentiles ``*/p1``, ``*/p99`` are per-call; their weighted mean is an
+  approximation of the global percentile (exact when there is a single call).
+
+KL estimators between sampler and learner, per token, with x = old_logp - sampler_logp (samples come from
+the sampler): ``mismatch/k1`` = mean(-x) = mean(sampler - learner), an unbiased estimate of
+KL(sampler || learner); ``mismatch/k3`` = mean(exp(x) - 1 - x), also unbiased for it and always >= 0.
+``policy/k3`` is the same estimator between the current and the old learner.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List
+
+import torch
+
+TOKEN_FAMILIES = ("token_ratio/", "token_mismatch/", "mismatch/", "policy/", "clip/", "positive_only/")
+
+
+def quantile(values: torch.Tensor, q: float) -> float:
+    """Linear-interpolated quantile of a 1-D tensor (sort based, no size limit); 0.0 for an empty tensor."""
+    if values.numel() == 0:
+        return 0.0
+    v = values.detach().flatten().to(torch.float64).sort().values
+    pos = q * (v.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, v.numel() - 1)
+    return float(v[lo] + (v[hi] - v[lo]) * (pos - lo))
+
+
+def masked_stats(prefix: str, values: torch.Tensor) -> Dict[str, float]:
+    """mean / p1 / p99 / min / max of a 1-D tensor of per-token values."""
+    if values.numel() == 0:
+        return {f"{prefix}/{k}": 0.0 for k in ("mean", "p1", "p99", "min", "max")}
+    v = values.detach().to(torch.float64)
+    return {
+        f"{prefix}/mean": float(v.mean()),
+        f"{prefix}/p1": quantile(v, 0.01),
+        f"{prefix}/p99": quantile(v, 0.99),
+        f"{prefix}/min": float(v.min()),
+        f"{prefix}/max": float(v.max()),
+    }
+
+
+def sequence_stats(prefix: str, values: torch.Tensor) -> Dict[str, float]:
+    """mean / min / max of per-sequence values."""
+    if values.numel() == 0:
+        return {f"{prefix}/{k}": 0.0 for k in ("mean", "min", "max")}
+    v = values.detach().to(torch.float64)
+    return {f"{prefix}/mean": float(v.mean()), f"{prefix}/min": float(v.min()), f"{prefix}/max": float(v.max())}
+
+
+def mismatch_metrics(logp: torch.Tensor, old_logp: torch.Tensor, sampler_logp: torch.Tensor) -> Dict[str, float]:
+    """Token mismatch weight exp(old - sampler) stats and k1/k3 KL estimates (inputs: 1-D masked tokens)."""
+    x = (old_logp - sampler_logp).detach().to(torch.float64)
+    out = masked_stats("token_mismatch", torch.exp(x))
+    if x.numel() == 0:
+        out.update({"mismatch/k1": 0.0, "mismatch/k3": 0.0, "policy/k3": 0.0})
+        return out
+    out["mismatch/k1"] = float((-x).mean())
+    out["mismatch/k3"] = float((torch.expm1(x) - x).mean())
+    y = (logp - old_logp).detach().to(torch.float64)
+    out["policy/k3"] = float((torch.expm1(y) - y).mean())
+    return out
+
+
+def _weight_key(name: str) -> str:
+    return "count/tokens" if name.startswith(TOKEN_FAMILIES) else "count/seqs"
+
+
+def reduce_metrics(per_call: Iterable[Dict[str, float]]) -> Dict[str, float]:
+    """Combine the metric dicts of several loss calls (micro-batches, or ranks after a gather) into one."""
+    calls: List[Dict[str, float]] = [d for d in per_call]
+    if not calls:
+        return {}
+    out: Dict[str, float] = {}
+    names = sorted({k for d in calls for k in d})
+    for name in names:
+        present = [d for d in calls if name in d]
+        if name.startswith("count/") or name == "loss/value":
+            out[name] = sum(d[name] for d in present)
+        elif name.endswith("/max"):
+            out[name] = max(d[name] for d in present if d.get(_weight_key(name), 1.0) > 0) if any(
+                d.get(_weight_key(name), 1.0) > 0 for d in present) else 0.0
+        elif name.endswith("/min"):
+            out[name] = min(d[name] for d in present if d.get(_weight_key(name), 1.0) > 0) if any(
+                d.get(_weight_key(name), 1.0) > 0 for d in present) else 0.0
+        else:
+            weights = [d.get(_weight_key(name), 1.0) for d in present]
+            total = sum(weights)
+            out[name] = sum(w * d[name] for w, d in zip(weights, present)) / total if total > 0 else 0.0
+    return out
