@@ -1,0 +1,116 @@
+"""Metrics sinks for a run: JSONL (always), wandb (offline unless a key or online mode is set), PNG plots.
+
+Only the rank that owns logging (global rank 0) creates a tracker; other ranks pass their numbers to it
+through the trainer's reductions.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# The curves a reader of a QaRL run looks at first: learning progress, response length, the
+# sampler<->learner mismatch, how much the trust band masks, and cost.
+PLOTTED_METRICS = (
+    ("reward/mean", "reward"),
+    ("response/length_mean", "response length (tokens)"),
+    ("mismatch/k3", "sampler-learner KL (k3)"),
+    ("tbpo/masked_frac", "masked sequence fraction"),
+    ("time/step_s", "step time (s)"),
+)
+
+
+@dataclass
+class TrackerConfig:
+    out_dir: str
+    project: str = "megatron-qarl"
+    run_name: str = "run"
+    wandb_mode: str = "offline"  # offline | online | disabled
+    config: dict | None = None
+
+
+class MetricsTracker:
+    def __init__(self, cfg: TrackerConfig, *, resume: bool = False):
+        self.out_dir = Path(cfg.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.out_dir / "metrics.jsonl"
+        if not resume and self.jsonl_path.exists():
+            self.jsonl_path.unlink()
+        self._wandb = _init_wandb(cfg, self.out_dir)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with open(self.jsonl_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(row, step=step)
+
+    def rows(self) -> list[dict]:
+        if not self.jsonl_path.exists():
+            return []
+        return [json.loads(line) for line in self.jsonl_path.read_text().splitlines() if line.strip()]
+
+    def finish(self) -> list[Path]:
+        plots = plot_metrics(self.rows(), self.out_dir)
+        if self._wandb is not None:
+            self._wandb.finish()
+        return plots
+
+
+def _wandb_mode(requested: str) -> str:
+    """Online only when asked for or when an API key is present; never block on a login prompt."""
+    if requested == "disabled":
+        return "disabled"
+    if requested == "online" or os.environ.get("WANDB_API_KEY"):
+        return "online"
+    return "offline"
+
+
+def _init_wandb(cfg: TrackerConfig, out_dir: Path):
+    mode = _wandb_mode(cfg.wandb_mode)
+    if mode == "disabled":
+        return None
+    import wandb
+
+    return wandb.init(
+        project=cfg.project, name=cfg.run_name, mode=mode, dir=str(out_dir), config=cfg.config or {},
+        settings=wandb.Settings(silent=True, console="off"),
+    )
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def plot_metrics(rows: list[dict], out_dir: Path) -> list[Path]:
+    """One PNG per plotted metric present in the rows; written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for key, label in PLOTTED_METRICS:
+        points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        if not points:
+            continue
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / f"{key.replace('/', '_')}.png"
+        tmp = path.with_suffix(".tmp.png")
+        fig.savefig(tmp, dpi=100)
+        plt.close(fig)
+        os.replace(tmp, path)
+        written.append(path)
+    return written
