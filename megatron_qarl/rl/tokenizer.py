@@ -1,0 +1,55 @@
+"""A character-level tokenizer for the tiny CPU demo model (vocab 128).
+
+Each character is one token (WordLevel over single characters), so ``123+456=`` is 8 tokens and the
+expected response ``579<eos>`` is 4. The vocabulary holds digits, letters, the punctuation the synthetic
+prompts use (including ``\\boxed{}``), space and newline: 87 tokens, well below the tiny model's 128.
+Unknown characters map to ``<unk>``. It is a ``transformers.PreTrainedTokenizerFast`` with a chat template,
+so ``save_pretrained`` / ``AutoTokenizer.from_pretrained`` round-trip it like any HF tokenizer.
+"""
+
+from __future__ import annotations
+
+import string
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+CHARACTERS = string.digits + string.ascii_lowercase + string.ascii_uppercase + "+-*/=().,?!:{}\\^_$' \n"
+
+# bos, then the conversation; an assistant turn ends with eos. No generation prefix: the model continues
+# right after the user text (``123+456=`` -> ``579<eos>``).
+CHAR_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n"
+    "{% elif message['role'] == 'user' %}{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}"
+    "{% endif %}"
+    "{% endfor %}"
+)
+
+
+def char_vocab() -> dict:
+    tokens = list(SPECIAL_TOKENS) + list(CHARACTERS)
+    if len(set(tokens)) != len(tokens):
+        raise AssertionError("duplicate characters in the char vocabulary")
+    return {tok: i for i, tok in enumerate(tokens)}
+
+
+def build_char_tokenizer():
+    """The demo tokenizer: ``pad=0, bos=1, eos=2, unk=3``, then one id per character."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel(vocab=char_vocab(), unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        chat_template=CHAR_CHAT_TEMPLATE,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    return tok
