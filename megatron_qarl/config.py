@@ -1,0 +1,562 @@
+"""Typed run configuration: dataclass schema + YAML + `key=value` overrides, validated up front.
+
+`load_config(path, overrides, world_size=None)` is the one way the trainer and the CLI get a `RunConfig`.
+Sub-configs owned elsewhere are composed, never copied: `ParallelLayout` (parallel), `QuantConfig`
+(quant), `LossConfig` and `OptimConfig` (train.loss / train.optim).
+
+YAML files may start with `extends: <other.yaml>` (path relative to the file, or a list of them); the
+bases are merged first, then the file, then the overrides. Every problem found is reported in one
+`ConfigError`, each line naming the key and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from megatron_qarl.optim import OptimConfig
+from megatron_qarl.parallel import ParallelLayout
+from megatron_qarl.quant.config import QuantConfig
+from megatron_qarl.rl.losses import LossConfig
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used; the message lists every problem and its fix."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Schema
+# --------------------------------------------------------------------------------------------------
+
+MODEL_PRESETS = ("tiny", "qwen3-30b-a3b")
+COMPUTE_DTYPES = ("bfloat16", "float32")
+ENGINES = ("embedded", "sglang", "vllm")
+SGLANG_MODES = ("colocated", "separate")
+REWARDS = ("exact_match", "math")
+DATA_SOURCES = ("file", "synthetic")
+SYNTHETIC_FORMATS = ("plain", "boxed")
+ROUTING_REPLAY = ("off", "replay")
+WANDB_MODES = ("offline", "online", "disabled")
+RESUME_KEYWORDS = ("auto", "none")
+
+
+@dataclass
+class ModelConfig:
+    # Exactly one of preset / hf_path names the architecture (hf_path: a dir with config.json).
+    preset: str | None = "tiny"
+    hf_path: str | None = None
+    # Megatron dist-checkpoint dir to initialise the master weights from (None: HF weights at hf_path,
+    # or random init for presets).
+    init_checkpoint: str | None = None
+    # Dtype of the learner's compute (GEMM inputs); masters are always fp32.
+    dtype: str = "bfloat16"
+    tokenizer: str | None = None  # None: from hf_path; "char": the synthetic task's char tokenizer
+
+
+@dataclass
+class QuantSection(QuantConfig):
+    """The ONE quantization config: it drives both the rollout payload and the learner's forward."""
+
+    # True: QaRL, the learner's forward runs the same low-bit arithmetic as the sampler.
+    # False: the "quantized rollout, BF16 learner" arm (only the published payload is low-bit).
+    learner_aligned: bool = True
+
+
+@dataclass
+class SGLangConfig:
+    url: str | None = None  # attach to a running server instead of launching one
+    mode: str = "colocated"  # colocated: shares the trainer's GPUs; separate: its own GPUs
+    tp_size: int = 1
+    ep_size: int = 1
+    # W4A16 refit needs the Marlin WNA16 MoE path, which "auto" selects; "triton" breaks refit.
+    moe_runner_backend: str = "auto"
+    mem_fraction_static: float = 0.5
+    api_key_env: str = "QARL_SGLANG_API_KEY"  # name of the env var holding the key, never the key
+    host: str = "127.0.0.1"
+    port: int = 30000
+    base_gpu_id: int = 0  # separate mode: first GPU of the engine on each node
+    startup_timeout_s: float = 900.0
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "embedded"
+    n: int = 4  # responses per prompt (group size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    max_new_tokens: int = 8
+    embedded_dtype: str = "bfloat16"
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+
+
+@dataclass
+class SyntheticDataConfig:
+    num_prompts: int = 200
+    digits: int = 3
+    operators: str = "+"
+    format: str = "plain"  # plain: "123+456=" -> "579"; boxed: answer in \boxed{}
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    source: str = "file"
+    path: str | None = "data/arith_sample.jsonl"
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    reward: str = "exact_match"
+    reward_timeout_s: float = 5.0
+    max_prompt_len: int = 32
+    shuffle_seed: int = 0
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 10
+    prompts_per_step: int = 16  # train_batch_size (prompts; sequences = prompts * rollout.n)
+    mini_batch_prompts: int = 4  # ppo_mini_batch_size: one optimizer step per mini-batch
+    micro_batch_size: int = 4  # sequences per forward/backward on one DP rank
+    # Optional token budget per micro-batch (paper: ppo_max_token_len_per_gpu 22528); None: fixed size.
+    max_tokens_per_micro_batch: int | None = None
+    recompute_activations: bool = False  # full-layer activation recompute (needed at 30B scale)
+    seed: int = 1234
+    routing_replay: str = "off"
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class PublishConfig:
+    bucket_mb: int = 512
+    verify: bool = False  # compare engine-side checksums with what was sent, after each publish
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None  # None: <logging.out_dir>/checkpoints
+    every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_last: int = 2
+    resume: str = "auto"  # auto: latest in dir if any; none; or a checkpoint path
+
+
+@dataclass
+class WandbConfig:
+    project: str = "megatron-qarl"
+    mode: str = "offline"
+    entity: str | None = None
+
+
+@dataclass
+class LoggingConfig:
+    out_dir: str = "runs/default"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    jsonl: bool = True
+    plots: bool = True
+    log_every: int = 1
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelLayout = field(default_factory=ParallelLayout)
+    quant: QuantSection = field(default_factory=QuantSection)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                *, world_size: int | None = None) -> RunConfig:
+    """Schema defaults <- YAML (with its `extends` bases) <- `key=value` overrides, then validated.
+
+    `world_size` (the trainer's process count) enables the layout checks that depend on it.
+    """
+    schema = _schema()
+    layers = [] if path is None else [_read_yaml_with_bases(Path(path), ())]
+    layers.append(_parse_overrides(overrides or []))
+    merged = schema
+    for layer in layers:
+        merged = _merge_checked(merged, layer)
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except (OmegaConfBaseException, ValueError, TypeError) as err:
+        raise ConfigError(f"invalid configuration: {err}") from err
+    validate_config(cfg, world_size=world_size)
+    return cfg
+
+
+def _schema():
+    """The structured schema, with composed sub-configs at their DECLARED defaults: some owners fill
+    `None` fields per variant in `__post_init__` (e.g. LossConfig's aggregation per loss name), and that
+    must happen after the YAML and overrides are merged, not when the schema is built."""
+    schema = OmegaConf.structured(RunConfig)
+    for dotted, cls in (("parallel", ParallelLayout), ("quant", QuantSection), ("train.loss", LossConfig),
+                        ("train.optim", OptimConfig)):
+        node = OmegaConf.select(schema, dotted)
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING and f.init:
+                node[f.name] = f.default
+    return schema
+
+
+def _read_yaml_with_bases(path: Path, seen: tuple[Path, ...]):
+    path = path.resolve()
+    if path in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path))
+        raise ConfigError(f"`extends` cycle: {chain}")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as err:  # YAML syntax errors come in several exception types
+        raise ConfigError(f"cannot parse {path}: {err}") from err
+    if not OmegaConf.is_dict(raw):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    bases = raw.pop("extends", None)
+    bases = [] if bases is None else ([bases] if isinstance(bases, str) else list(bases))
+    merged = OmegaConf.create({})
+    for base in bases:
+        merged = OmegaConf.merge(merged, _read_yaml_with_bases(path.parent / base, (*seen, path)))
+    return OmegaConf.merge(merged, raw)
+
+
+def _parse_overrides(overrides: list[str]):
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} is not of the form section.key=value "
+                              f"(e.g. train.steps=20)")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"cannot parse overrides {overrides}: {err}") from err
+
+
+def _merge_checked(base, layer):
+    """Merge, turning unknown keys and type mismatches into errors that name the key and a fix."""
+    _check_keys(base, layer, prefix="")
+    try:
+        return OmegaConf.merge(base, layer)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "?"
+        raise ConfigError(f"{key}: {getattr(err, 'msg', err)}") from err
+
+
+def _check_keys(schema_node, layer_node, prefix: str) -> None:
+    if not OmegaConf.is_dict(layer_node):
+        return
+    for key in layer_node.keys():
+        full = f"{prefix}{key}"
+        if not OmegaConf.is_dict(schema_node) or key not in schema_node:
+            known = list(schema_node.keys()) if OmegaConf.is_dict(schema_node) else []
+            raise ConfigError(_unknown_key_message(full, str(key), known, prefix))
+        child = schema_node._get_node(key)
+        if OmegaConf.is_dict(child) and OmegaConf.is_dict(layer_node._get_node(key)):
+            _check_keys(child, layer_node._get_node(key), f"{full}.")
+
+
+def _unknown_key_message(full: str, key: str, known: list, prefix: str) -> str:
+    close = difflib.get_close_matches(key, [str(k) for k in known], n=1, cutoff=0.5)
+    hint = f" Did you mean `{prefix}{close[0]}`?" if close else ""
+    section = prefix.rstrip(".") or "the top level"
+    return f"unknown config key `{full}`.{hint} Keys allowed in {section}: {', '.join(map(str, known))}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------------
+
+def validate_config(cfg: RunConfig, world_size: int | None = None) -> None:
+    """Raise ConfigError listing every problem; `world_size` adds the checks that depend on it."""
+    problems: list[str] = []
+    problems += _check_choices(cfg)
+    problems += _check_sub_configs(cfg)
+    problems += _check_model_source(cfg.model)
+    problems += _check_positive(cfg)
+    problems += _check_engine_quant(cfg)
+    if not problems:  # shapes need a resolvable model
+        problems += _check_shard_shapes(cfg)
+    if world_size is not None:
+        problems += _check_world(cfg, world_size)
+    if problems:
+        raise ConfigError("invalid run configuration:\n  - " + "\n  - ".join(problems))
+
+
+def _choice(key: str, value, allowed) -> list[str]:
+    if value in allowed:
+        return []
+    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.5)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return [f"{key}={value!r} is not one of {', '.join(map(repr, allowed))}{hint}"]
+
+
+def _check_choices(cfg: RunConfig) -> list[str]:
+    out = []
+    if cfg.model.preset is not None:
+        out += _choice("model.preset", cfg.model.preset, MODEL_PRESETS)
+    out += _choice("model.dtype", cfg.model.dtype, COMPUTE_DTYPES)
+    out += _choice("rollout.engine", cfg.rollout.engine, ENGINES)
+    out += _choice("rollout.embedded_dtype", cfg.rollout.embedded_dtype, COMPUTE_DTYPES)
+    out += _choice("rollout.sglang.mode", cfg.rollout.sglang.mode, SGLANG_MODES)
+    out += _choice("data.source", cfg.data.source, DATA_SOURCES)
+    out += _choice("data.reward", cfg.data.reward, REWARDS)
+    out += _choice("data.synthetic.format", cfg.data.synthetic.format, SYNTHETIC_FORMATS)
+    out += _choice("train.routing_replay", cfg.train.routing_replay, ROUTING_REPLAY)
+    out += _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
+    return out
+
+
+def _check_sub_configs(cfg: RunConfig) -> list[str]:
+    """Run the owners' own validation of the composed sub-configs, prefixed with their section."""
+    out = []
+    for section, sub in (("quant", cfg.quant), ("train.loss", cfg.train.loss),
+                         ("train.optim", cfg.train.optim)):
+        validate = getattr(sub, "validate", None)
+        if validate is None:
+            continue
+        try:
+            validate()
+        except ValueError as err:
+            out.append(f"{section}: {err}")
+    return out
+
+
+def _check_model_source(model: ModelConfig) -> list[str]:
+    if (model.preset is None) == (model.hf_path is None):
+        return ["model: set exactly one of model.preset (tiny | qwen3-30b-a3b) and model.hf_path "
+                f"(got preset={model.preset!r}, hf_path={model.hf_path!r}); use model.preset=null "
+                "to select hf_path"]
+    if model.hf_path is not None and not (Path(model.hf_path) / "config.json").is_file():
+        return [f"model.hf_path={model.hf_path!r} has no config.json; point it at a Hugging Face "
+                "model directory"]
+    return []
+
+
+def _check_positive(cfg: RunConfig) -> list[str]:
+    r, t, d = cfg.rollout, cfg.train, cfg.data
+    must_be_positive = {
+        "rollout.n": r.n, "rollout.max_new_tokens": r.max_new_tokens, "train.steps": t.steps,
+        "train.prompts_per_step": t.prompts_per_step, "train.mini_batch_prompts": t.mini_batch_prompts,
+        "train.micro_batch_size": t.micro_batch_size, "data.max_prompt_len": d.max_prompt_len,
+        "data.reward_timeout_s": d.reward_timeout_s, "publish.bucket_mb": cfg.publish.bucket_mb,
+        "checkpoint.keep_last": cfg.checkpoint.keep_last, "logging.log_every": cfg.logging.log_every,
+        "rollout.sglang.tp_size": r.sglang.tp_size, "rollout.sglang.ep_size": r.sglang.ep_size,
+    }
+    out = [f"{k}={v} must be > 0" for k, v in must_be_positive.items() if not v > 0]
+    if r.temperature < 0:
+        out.append(f"rollout.temperature={r.temperature} must be >= 0 (0 = greedy)")
+    if not 0.0 < r.top_p <= 1.0:
+        out.append(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    if r.top_k < 0:
+        out.append(f"rollout.top_k={r.top_k} must be >= 0 (0 disables top-k)")
+    if not 0.0 < r.sglang.mem_fraction_static < 1.0:
+        out.append(f"rollout.sglang.mem_fraction_static={r.sglang.mem_fraction_static} must be in (0, 1)")
+    if getattr(t.optim, "bf16", False) and cfg.model.dtype != "bfloat16":
+        out.append("train.optim.bf16=true keeps bf16 model params, which contradicts "
+                   f"model.dtype={cfg.model.dtype!r}; set model.dtype=bfloat16 or train.optim.bf16=false")
+    if cfg.checkpoint.every < 0:
+        out.append(f"checkpoint.every={cfg.checkpoint.every} must be >= 0 (0 = only at the end)")
+    if t.max_tokens_per_micro_batch is not None:
+        longest = d.max_prompt_len + r.max_new_tokens
+        if t.max_tokens_per_micro_batch < longest:
+            out.append(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} is below one "
+                       f"full sequence (data.max_prompt_len + rollout.max_new_tokens = {longest}); "
+                       f"raise it to at least {longest}")
+    if d.source == "file" and not d.path:
+        out.append("data.path is empty; set it to a JSONL/Parquet file or use data.source=synthetic")
+    if t.prompts_per_step % t.mini_batch_prompts:
+        out.append(f"train.prompts_per_step={t.prompts_per_step} is not divisible by "
+                   f"train.mini_batch_prompts={t.mini_batch_prompts}; choose a divisor, e.g. "
+                   f"{_nearest_divisor(t.prompts_per_step, t.mini_batch_prompts)}")
+    return out
+
+
+def _check_engine_quant(cfg: RunConfig) -> list[str]:
+    q, r = cfg.quant, cfg.rollout
+    out = []
+    if q.scheme == "none" and not q.learner_aligned:
+        out.append("quant.learner_aligned=false only makes sense with a low-bit rollout; with "
+                   "quant.scheme=none the learner and sampler already run the same bf16 arithmetic "
+                   "(leave learner_aligned at true)")
+    if r.engine == "sglang" and q.scheme == "w4a16":
+        if q.scope != "experts":
+            out.append(f"rollout.engine=sglang with quant.scheme=w4a16 and quant.scope={q.scope!r}: SGLang "
+                       "replaces dense W4A16 (attention) parameters at its Marlin repack, so they cannot "
+                       "be refit in place between steps; use quant.scope=experts (attention stays bf16)")
+        backend = r.sglang.moe_runner_backend
+        if backend == "triton":
+            out.append("rollout.sglang.moe_runner_backend=triton with quant.scheme=w4a16: SGLang's triton "
+                       "WNA16 MoE converts the weights to its own uint8 layout after loading, so in-place "
+                       "refit fails; use moe_runner_backend=auto (the Marlin WNA16 MoE path)")
+        elif backend != "auto":
+            out.append(f"rollout.sglang.moe_runner_backend={backend!r} with quant.scheme=w4a16: only "
+                       "'auto' (the Marlin WNA16 MoE path) supports compressed-tensors W4A16 refit")
+    if r.engine == "sglang" and r.sglang.mode == "separate" and r.sglang.url is None \
+            and cfg.rollout.sglang.base_gpu_id < 0:
+        out.append("rollout.sglang.base_gpu_id must be >= 0 in separate mode")
+    if cfg.train.routing_replay == "replay" and r.engine == "vllm":
+        out.append("train.routing_replay=replay needs routed experts from the engine; the vllm engine does "
+                   "not return them (use engine embedded or sglang, or routing_replay=off)")
+    return out
+
+
+def _check_shard_shapes(cfg: RunConfig) -> list[str]:
+    """Every rank's shard of a quantized weight must hold whole groups/blocks, else the learner's codes
+    (quantized per shard) would differ from the engine's (quantized on the gathered weight)."""
+    from megatron_qarl.memory import model_shape  # local: memory imports this module
+
+    try:
+        shape = model_shape(cfg.model)
+    except (ValueError, OSError, KeyError) as err:
+        return [f"model: {err}"]
+    layout = cfg.parallel
+    tp, ep = layout.tp, layout.ep
+    etp = layout.etp if layout.etp is not None else tp
+    out = []
+    if shape.num_attention_heads % tp or shape.num_key_value_heads % tp:
+        out.append(f"parallel.tp={tp} must divide the attention heads ({shape.num_attention_heads}) and the "
+                   f"KV heads ({shape.num_key_value_heads})")
+    if shape.num_experts % ep:
+        out.append(f"parallel.ep={ep} must divide the number of experts ({shape.num_experts})")
+    if shape.moe_intermediate_size % etp:
+        out.append(f"expert-TP {etp} must divide moe_intermediate_size {shape.moe_intermediate_size}")
+    if shape.vocab_size % tp:
+        out.append(f"parallel.tp={tp} must divide vocab_size {shape.vocab_size}")
+    if out or cfg.quant.scheme == "none":
+        return out
+    fp8 = cfg.quant.scheme == "fp8"
+    unit = cfg.quant.block_size if fp8 else cfg.quant.group_size
+    what = f"{cfg.quant.scheme} {'block' if fp8 else 'group'} {unit}"
+    for layer, dim_name, size, parts, axis in _quantized_shards(cfg.quant, shape, tp, etp):
+        if (size // parts) % unit:
+            fix = f"choose {axis} so that {size}/{axis} is a multiple of {unit}" if parts > 1 else \
+                f"this model cannot use {cfg.quant.scheme} with {'block' if fp8 else 'group'} {unit}"
+            out.append(f"{layer}: {dim_name} {size} split over {axis} {parts} gives {size // parts} per rank, "
+                       f"not a multiple of the {what}; {fix}")
+    return out
+
+
+def _quantized_shards(quant, shape, tp: int, etp: int):
+    """(layer, dimension, size, shard count, parallel axis) for each quantized dimension that must hold
+    whole groups (W4A16: input dim only) or whole blocks (FP8: both dims). Column-parallel layers split
+    the output dim, row-parallel ones (o_proj, down_proj) the input dim."""
+    from megatron_qarl.memory import quantized_groups
+
+    fp8 = quant.scheme == "fp8"
+    scope = quantized_groups(quant)
+    hidden, ffn, dense_ffn = shape.hidden_size, shape.moe_intermediate_size, shape.intermediate_size
+    q_out = shape.num_attention_heads * shape.head_dim
+    kv_out = shape.num_key_value_heads * shape.head_dim
+    rows = []
+    if "experts" in scope:
+        rows += [("mlp.experts.*.gate_proj/up_proj", "input dim (hidden)", hidden, 1, "ETP"),
+                 ("mlp.experts.*.down_proj", "input dim (moe_intermediate_size)", ffn, etp, "ETP")]
+        if fp8:
+            rows += [("mlp.experts.*.gate_proj/up_proj", "output dim (moe_intermediate_size)", ffn, etp, "ETP"),
+                     ("mlp.experts.*.down_proj", "output dim (hidden)", hidden, 1, "ETP")]
+    if "attention" in scope:
+        rows += [("self_attn.q_proj/k_proj/v_proj", "input dim (hidden)", hidden, 1, "TP"),
+                 ("self_attn.o_proj", "input dim (heads*head_dim)", q_out, tp, "TP")]
+        if fp8:
+            rows += [("self_attn.q_proj", "output dim (heads*head_dim)", q_out, tp, "TP"),
+                     ("self_attn.k_proj/v_proj", "output dim (kv_heads*head_dim)", kv_out, tp, "TP"),
+                     ("self_attn.o_proj", "output dim (hidden)", hidden, 1, "TP")]
+    if "dense_mlp" in scope and shape.dense_layers:
+        rows += [("mlp.gate_proj/up_proj", "input dim (hidden)", hidden, 1, "TP"),
+                 ("mlp.down_proj", "input dim (intermediate_size)", dense_ffn, tp, "TP")]
+        if fp8:
+            rows += [("mlp.gate_proj/up_proj", "output dim (intermediate_size)", dense_ffn, tp, "TP")]
+    return rows
+
+
+def _check_world(cfg: RunConfig, world_size: int) -> list[str]:
+    layout, t, r = cfg.parallel, cfg.train, cfg.rollout
+    out = []
+    try:
+        layout.validate(world_size)
+    except ValueError as err:
+        return [f"parallel: {err}"]
+    tp, ep, pp = layout.tp, layout.ep, layout.pp
+    etp = layout.etp if layout.etp is not None else tp
+    if world_size % (tp * pp) or world_size % (etp * ep * pp):
+        return [f"parallel: TP {tp} x PP {pp} and ETP {etp} x EP {ep} x PP {pp} must both divide the world "
+                f"size {world_size} (DP = world / (TP x PP))"]
+    dp = layout.dp(world_size)
+    seqs_step = t.prompts_per_step * r.n
+    seqs_mini = t.mini_batch_prompts * r.n
+    if seqs_step % dp:
+        out.append(f"train.prompts_per_step x rollout.n = {seqs_step} sequences is not divisible by DP {dp} "
+                   f"(world {world_size} / (TP {tp} x PP {pp}))")
+    if seqs_mini % dp:
+        out.append(f"train.mini_batch_prompts x rollout.n = {seqs_mini} sequences is not divisible by DP "
+                   f"{dp}; make the mini-batch a multiple of {dp // _gcd(dp, r.n)} prompts")
+    elif (seqs_mini // dp) % t.micro_batch_size:
+        out.append(f"each DP rank gets {seqs_mini // dp} sequences per mini-batch, not divisible by "
+                   f"train.micro_batch_size={t.micro_batch_size}; choose a divisor of {seqs_mini // dp}")
+    if r.engine == "sglang" and r.sglang.mode == "colocated":
+        engine_gpus = r.sglang.tp_size
+        if world_size % engine_gpus:
+            out.append(f"rollout.sglang.tp_size={engine_gpus} must divide the world size {world_size} "
+                       "in colocated mode (one engine per tp_size GPUs)")
+    if r.sglang.ep_size > r.sglang.tp_size or r.sglang.tp_size % r.sglang.ep_size:
+        out.append(f"rollout.sglang.ep_size={r.sglang.ep_size} must divide rollout.sglang.tp_size="
+                   f"{r.sglang.tp_size} (SGLang partitions experts inside its TP group)")
+    return out
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def _nearest_divisor(n: int, near: int) -> int:
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return min(divisors, key=lambda d: (abs(d - near), d))
+
+
+# --------------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------------
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The resolved config as YAML (loadable again by load_config)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Plain nested dict (for wandb/JSONL run metadata)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def save_yaml(cfg: RunConfig, path: str | os.PathLike) -> Path:
+    """Write the resolved config atomically (temp file + rename) and return its path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(to_yaml(cfg))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,281 @@
+"""Parameter counts and a per-GPU memory estimate for a run config (what `qarl-train --dry-run` prints).
+
+Everything is computed from the Hugging Face Qwen3-MoE config shapes; nothing is allocated.
+
+Trainer memory per GPU (bytes), for the parameters a rank holds under TP / EP / expert-TP sharding:
+  - fp32 master weights (4 B/param) and fp32 gradients (4 B/param; megatron accumulates `main_grad` in fp32);
+  - optimizer state: AdamW 2 fp32 states (8 B/param); Muon 1 fp32 momentum (4 B) for the hidden 2-D
+    matrices and AdamW's 8 B for embeddings, lm_head and norms (the split megatron_qarl.optim makes).
+    Not sharded over DP: megatron_qarl.optim does not use megatron's distributed optimizer;
+  - bf16 compute copy (2 B/param) when model.dtype is bfloat16, for weights the aligned forward does NOT
+    take from the quantized cache;
+  - quantized cache (QaRL aligned learner only): W4A16 int8 codes (1 B/elem, the spec keeps one code per
+    byte) + bf16 group scales (2 B per group); FP8 e4m3 (1 B/elem) + fp32 block scale_inv (4 B per
+    128x128 block); plus the dequantized bf16 weight (2 B/elem) for the `reference` backend;
+  - one publish bucket (publish.bucket_mb) in flight;
+  - activations of one micro-batch of T tokens (T = train.max_tokens_per_micro_batch, else
+    micro_batch_size x (max_prompt_len + max_new_tokens)), bf16, TP/SP-sharded, balanced routing:
+      attention per layer and token: 2 B x (2H + (2 n_heads + 2 n_kv) x head_dim) / TP
+        (layernorm in/out, q/k/v and attention output saved for the flash-attention backward)
+      MoE per layer and token:       2 B x 2H / TP + 8 B x E (fp32 router logits + probs)
+                                     + top_k x 2 B x (H + 3 F / ETP) / TP (permuted input, fc1 out, act out)
+      with train.recompute_activations: 2 B x H / TP per layer and token (layer inputs) plus ONE layer's
+      full activations during its recompute;
+      logits: T x V / TP x 6 B (bf16 logits + fp32 log-softmax), not chunked.
+    This is a rough upper-side estimate (no fused-kernel savings, no allocator fragmentation).
+
+Rollout engine weights: the published payload as the engine stores it (W4A16: int32-packed 0.5 B/elem +
+bf16 scales; FP8: 1 B/elem + fp32 block scales; everything else bf16), total and per engine GPU
+(divided by the SGLang TP size; the embedded CPU engine holds it all).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    vocab_size: int
+    intermediate_size: int = 0  # dense MLP layers only (mlp_only_layers / decoder_sparse_step)
+    tie_word_embeddings: bool = False
+    dense_layers: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> "ModelShape":
+        """From a transformers Qwen3MoeConfig or its config.json dict."""
+        get = (lambda k, d=None: hf.get(k, d)) if isinstance(hf, dict) else (lambda k, d=None: getattr(hf, k, d))
+        layers = int(get("num_hidden_layers"))
+        heads = int(get("num_attention_heads"))
+        head_dim = get("head_dim") or int(get("hidden_size")) // heads
+        sparse_step = int(get("decoder_sparse_step", 1) or 1)
+        mlp_only = set(get("mlp_only_layers", []) or [])
+        dense = tuple(i for i in range(layers)
+                      if i in mlp_only or not (int(get("num_experts", 0)) > 0 and (i + 1) % sparse_step == 0))
+        return cls(hidden_size=int(get("hidden_size")), num_hidden_layers=layers, num_attention_heads=heads,
+                   num_key_value_heads=int(get("num_key_value_heads", heads)), head_dim=int(head_dim),
+                   num_experts=int(get("num_experts")), num_experts_per_tok=int(get("num_experts_per_tok")),
+                   moe_intermediate_size=int(get("moe_intermediate_size")), vocab_size=int(get("vocab_size")),
+                   intermediate_size=int(get("intermediate_size", 0) or 0),
+                   tie_word_embeddings=bool(get("tie_word_embeddings", False)), dense_layers=dense)
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_hidden_layers - len(self.dense_layers)
+
+
+def model_shape(model_cfg) -> ModelShape:
+    """The architecture a `ModelConfig` names: a preset of the model module, or `<hf_path>/config.json`."""
+    if model_cfg.hf_path is not None:
+        path = Path(model_cfg.hf_path) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{path} not found; model.hf_path must be a Hugging Face model directory")
+        return ModelShape.from_hf(json.loads(path.read_text()))
+    from megatron_qarl.models.qwen3_moe import preset_hf_config
+
+    return ModelShape.from_hf(preset_hf_config(model_cfg.preset))
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameter counts
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ParamGroups:
+    """Parameter counts by how they are sharded and whether they can be quantized."""
+
+    attention: int  # q/k/v/o weights (TP-sharded)
+    dense_mlp: int  # gate/up/down of dense layers (TP-sharded)
+    experts: int  # routed expert weights (EP x ETP-sharded)
+    router: int  # replicated
+    norms: int  # 1-D, replicated
+    embedding: int  # vocab-parallel
+    lm_head: int  # vocab-parallel (0 when tied)
+
+    @property
+    def total(self) -> int:
+        return (self.attention + self.dense_mlp + self.experts + self.router + self.norms + self.embedding
+                + self.lm_head)
+
+
+def param_groups(shape: ModelShape, experts_per_layer: int | None = None) -> ParamGroups:
+    """Counts for the whole model; `experts_per_layer` = top-k gives the parameters active per token."""
+    h, hd = shape.hidden_size, shape.head_dim
+    e = shape.num_experts if experts_per_layer is None else experts_per_layer
+    q_out, kv_out = shape.num_attention_heads * hd, shape.num_key_value_heads * hd
+    attention = h * q_out + 2 * h * kv_out + q_out * h
+    per_layer_norms = 2 * h + 2 * hd  # input/post-attention layernorm, q_norm, k_norm
+    embedding = shape.vocab_size * h
+    return ParamGroups(
+        attention=attention * shape.num_hidden_layers,
+        dense_mlp=3 * h * shape.intermediate_size * len(shape.dense_layers),
+        experts=3 * h * shape.moe_intermediate_size * e * shape.moe_layers,
+        router=shape.num_experts * h * shape.moe_layers,
+        norms=per_layer_norms * shape.num_hidden_layers + h,
+        embedding=embedding,
+        lm_head=0 if shape.tie_word_embeddings else embedding,
+    )
+
+
+def count_params(shape: ModelShape) -> dict[str, int]:
+    return {"total": param_groups(shape).total,
+            "active": param_groups(shape, experts_per_layer=shape.num_experts_per_tok).total}
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------------------
+
+def quantized_groups(quant) -> tuple[str, ...]:
+    """Which ParamGroups fields the quantization scope covers (router/embeddings/lm_head never)."""
+    if quant.scheme == "none":
+        return ()
+    return {"experts": ("experts",), "experts+attention": ("experts", "attention"),
+            "all-linears": ("experts", "attention", "dense_mlp")}[quant.scope]
+
+
+def _local_params(groups: ParamGroups, tp: int, ep: int, etp: int) -> dict[str, float]:
+    return {"attention": groups.attention / tp, "dense_mlp": groups.dense_mlp / tp,
+            "experts": groups.experts / (ep * etp), "router": groups.router, "norms": groups.norms,
+            "embedding": groups.embedding / tp, "lm_head": groups.lm_head / tp}
+
+
+def _low_bit_bytes(numel: float, quant, *, packed: bool) -> float:
+    """Codes + scales of `numel` weight elements (packed: int4 as the engine stores it)."""
+    if quant.scheme == "w4a16":
+        return numel * (0.5 if packed else 1.0) + 2.0 * numel / quant.group_size
+    if quant.scheme == "fp8":
+        return numel + 4.0 * numel / (quant.block_size ** 2)
+    raise ValueError(f"no low-bit format for quant.scheme={quant.scheme!r}")
+
+
+def _optimizer_bytes(local: dict[str, float], optim) -> float:
+    """AdamW: 2 fp32 states everywhere. Muon (the optimizer module's split): 1 fp32 momentum for the 2-D
+    hidden matrices (attention, MLPs, experts, router); AdamW's 2 states for embeddings, lm_head, norms."""
+    if getattr(optim, "name", "adamw") != "muon":
+        return 8.0 * sum(local.values())
+    muon = sum(local[k] for k in ("attention", "dense_mlp", "experts", "router"))
+    return 4.0 * muon + 8.0 * (sum(local.values()) - muon)
+
+
+def _activation_bytes(cfg, shape: ModelShape, tp: int, etp: int) -> dict[str, float]:
+    t = cfg.train.max_tokens_per_micro_batch or (
+        cfg.train.micro_batch_size * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens))
+    h, hd, f = shape.hidden_size, shape.head_dim, shape.moe_intermediate_size
+    attn = 2.0 * (2 * h + (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads) * hd) / tp
+    moe = 2.0 * 2 * h / tp + 8.0 * shape.num_experts + \
+        shape.num_experts_per_tok * 2.0 * (h + 3 * f / etp) / tp
+    per_layer_token = attn + moe
+    if cfg.train.recompute_activations:
+        layers = t * (2.0 * h / tp * shape.num_hidden_layers + per_layer_token)
+    else:
+        layers = t * per_layer_token * shape.num_hidden_layers
+    logits = t * shape.vocab_size / tp * 6.0
+    return {"tokens_per_micro_batch": t, "layers": layers, "logits": logits}
+
+
+def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
+    """Per-GPU byte estimate for `cfg` on `world_size` trainer ranks (see the module docstring)."""
+    shape = model_shape(cfg.model)
+    layout = cfg.parallel
+    tp, ep = layout.tp, layout.ep
+    etp = layout.etp if layout.etp is not None else tp
+    dp = max(world_size // (tp * layout.pp), 1)
+    expert_dp = max(world_size // (etp * ep * layout.pp), 1)
+    groups = param_groups(shape)
+    local = _local_params(groups, tp, ep, etp)
+    local_total = sum(local.values())
+    quant = cfg.quant
+    in_scope = quantized_groups(quant)
+    aligned = quant.scheme != "none" and quant.learner_aligned
+
+    optimizer = _optimizer_bytes(local, cfg.train.optim)
+
+    cached = sum(local[g] for g in in_scope) if aligned else 0.0
+    compute_copy = 2.0 * (local_total - cached) if cfg.model.dtype == "bfloat16" else 0.0
+    quant_cache = 0.0
+    if cached:
+        quant_cache = _low_bit_bytes(cached, quant, packed=False)
+        if quant.backend == "reference":
+            quant_cache += 2.0 * cached
+    act = _activation_bytes(cfg, shape, tp, etp)
+    trainer = {
+        "master_fp32": 4.0 * local_total,
+        "grads_fp32": 4.0 * local_total,
+        "optimizer": optimizer,
+        "compute_copy_bf16": compute_copy,
+        "quant_cache": quant_cache,
+        "publish_bucket": cfg.publish.bucket_mb * 1024.0 ** 2,
+        "activations": act["layers"],
+        "logits": act["logits"],
+    }
+    trainer["total"] = sum(trainer.values())
+    engine = engine_weight_bytes(cfg, groups)
+    return {
+        "params": {**count_params(shape), "local_per_gpu": local_total},
+        "layout": {"world_size": world_size, "tp": tp, "ep": ep, "etp": etp, "pp": layout.pp, "dp": dp,
+                   "expert_dp": expert_dp},
+        "trainer_per_gpu": trainer,
+        "tokens_per_micro_batch": act["tokens_per_micro_batch"],
+        "engine": engine,
+    }
+
+
+def engine_weight_bytes(cfg, groups: ParamGroups) -> dict[str, float]:
+    """The rollout engine's weights: as published (quantized scope low-bit) and, for comparison, bf16."""
+    quant = cfg.quant
+    in_scope = quantized_groups(quant)
+    low_bit_numel = sum(getattr(groups, g) for g in in_scope)
+    bf16_all = 2.0 * groups.total
+    published = 2.0 * (groups.total - low_bit_numel)
+    if low_bit_numel:
+        published += _low_bit_bytes(low_bit_numel, quant, packed=True)
+    engine_gpus = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else 1
+    return {"published_total": published, "bf16_total": bf16_all, "engine_gpus": engine_gpus,
+            "per_engine_gpu": published / engine_gpus}
+
+
+# --------------------------------------------------------------------------------------------------
+# Dry run
+# --------------------------------------------------------------------------------------------------
+
+def format_dry_run(cfg, world_size: int) -> str:
+    """Resolved config + parallel layout + memory estimate, as `qarl-train --dry-run` prints it."""
+    from megatron_qarl.config import to_yaml, validate_config
+
+    validate_config(cfg, world_size=world_size)
+    est = estimate_memory(cfg, world_size)
+    lay, p, tr, eng = est["layout"], est["params"], est["trainer_per_gpu"], est["engine"]
+    sp = cfg.parallel.sp if cfg.parallel.sp is not None else lay["tp"] > 1
+    lines = ["# resolved config", to_yaml(cfg).rstrip(), "",
+             "# parallel layout",
+             f"world {lay['world_size']} = TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']}; experts: "
+             f"EP {lay['ep']} x ETP {lay['etp']} x expert-DP {lay['expert_dp']}; sequence parallel "
+             f"{'on' if sp else 'off'}",
+             "",
+             "# parameters",
+             f"total {p['total'] / 1e9:.3f} B, active per token {p['active'] / 1e9:.3f} B, "
+             f"held per GPU {p['local_per_gpu'] / 1e9:.3f} B",
+             "",
+             f"# trainer memory per GPU (GiB; micro-batch of {est['tokens_per_micro_batch']} tokens)"]
+    lines += [f"{k:<20}{v / GIB:10.2f}" for k, v in tr.items()]
+    lines += ["", "# rollout engine weights (GiB)",
+              f"published ({cfg.quant.scheme}) total {eng['published_total'] / GIB:.2f}, bf16 would be "
+              f"{eng['bf16_total'] / GIB:.2f}; per engine GPU ({eng['engine_gpus']}) "
+              f"{eng['per_engine_gpu'] / GIB:.2f}"]
+    if cfg.rollout.engine == "sglang" and cfg.rollout.sglang.mode == "colocated":
+        lines.append(f"colocated: the engine also takes mem_fraction_static "
+                     f"{cfg.rollout.sglang.mem_fraction_static} of each GPU while it is resident")
+    return "\n".join(lines) + "\n"
