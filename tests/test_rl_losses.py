@@ -266,8 +266,11 @@ def test_reduce_metrics_exact_for_means_and_extremes():
     _, full = tbpo_loss(logp, old, smp, adv, mask)
     norm = compute_loss_normalizer(mask)
     parts = [tbpo_loss(logp[s], old[s], smp[s], adv[s], mask[s], norm=norm)[1] for s in (slice(0, 3), slice(3, 7))]
+    # a micro-batch without response tokens reports placeholder zeros that must not move any statistic
+    parts.append(tbpo_loss(logp[:2], old[:2], smp[:2], adv[:2], torch.zeros(2, 2), norm=norm)[1])
     red = reduce_metrics(parts)
     for key in ("tbpo/masked_pos_high", "tbpo/kept_frac", "seq_ratio/mean", "seq_ratio/max", "token_ratio/max",
+                "seq_ratio/min", "token_mismatch/min",
                 "token_ratio/mean", "mismatch/k3", "mismatch/k1", "count/tokens", "count/seqs", "loss/value"):
         assert red[key] == pytest.approx(full[key], abs=1e-12), key
 
@@ -312,7 +315,7 @@ def _dp_worker(rank, world, port, out_dir):
         mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
         adv = torch.randn(B, generator=g, dtype=D)
         mine = [slice(rank * 4, rank * 4 + 2), slice(rank * 4 + 2, rank * 4 + 4)]  # 2 micro-batches per rank
-        norm = compute_loss_normalizer([mask[s] for s in mine], all_reduce=True)
+        norm = compute_loss_normalizer([mask[s] for s in mine], process_group=dist.group.WORLD)
         result = {}
         for name in ("tbpo", "grpo"):
             cfg = LossConfig(name=name, aggregation="token-mean" if name == "grpo" else "seq-mean")

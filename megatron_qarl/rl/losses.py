@@ -142,13 +142,16 @@ def compute_loss_normalizer(
     response_masks: Union[torch.Tensor, Sequence[torch.Tensor]],
     *,
     process_group=None,
-    all_reduce: bool = False,
+    all_reduce: Optional[bool] = None,
 ) -> LossNormalizer:
     """Count tokens and non-empty sequences over all micro-batches of a mini-batch (list of [B, T] masks).
 
-    With ``all_reduce=True`` the counts are summed over ``process_group`` (default: the world) so every
-    data-parallel rank normalises by the same global count.
+    When a ``process_group`` is given (or ``all_reduce=True``: the default group) the counts are summed
+    over its ranks, so every data-parallel rank normalises by the same global count. Pass the
+    data-parallel group, not the world, when tensor/pipeline/expert parallel ranks share a batch.
     """
+    if all_reduce is None:
+        all_reduce = process_group is not None
     masks = [response_masks] if isinstance(response_masks, torch.Tensor) else list(response_masks)
     if not masks:
         raise ValueError("compute_loss_normalizer needs at least one response mask")

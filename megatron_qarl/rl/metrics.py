@@ -83,19 +83,19 @@ def reduce_metrics(per_call: Iterable[Dict[str, float]]) -> Dict[str, float]:
     if not calls:
         return {}
     out: Dict[str, float] = {}
-    names = sorted({k for d in calls for k in d})
-    for name in names:
+    for name in sorted({k for d in calls for k in d}):
         present = [d for d in calls if name in d]
         if name.startswith("count/") or name == "loss/value":
             out[name] = sum(d[name] for d in present)
-        elif name.endswith("/max"):
-            out[name] = max(d[name] for d in present if d.get(_weight_key(name), 1.0) > 0) if any(
-                d.get(_weight_key(name), 1.0) > 0 for d in present) else 0.0
+            continue
+        weights = [d.get(_weight_key(name), 1.0) for d in present]
+        # a call without tokens/sequences reports placeholder zeros; they must not win a max/min
+        informative = [d[name] for w, d in zip(weights, present) if w > 0]
+        if name.endswith("/max"):
+            out[name] = max(informative, default=0.0)
         elif name.endswith("/min"):
-            out[name] = min(d[name] for d in present if d.get(_weight_key(name), 1.0) > 0) if any(
-                d.get(_weight_key(name), 1.0) > 0 for d in present) else 0.0
+            out[name] = min(informative, default=0.0)
         else:
-            weights = [d.get(_weight_key(name), 1.0) for d in present]
             total = sum(weights)
             out[name] = sum(w * d[name] for w, d in zip(weights, present)) / total if total > 0 else 0.0
     return out
