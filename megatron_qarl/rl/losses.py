@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
@@ -195,7 +196,20 @@ class _Batch:
         return (values * self.mask).sum(-1) / self.lengths.clamp(min=1)
 
 
+_warned_low_precision = False
+
+
+def _warn_if_low_precision(*tensors: torch.Tensor) -> None:
+    # TBPO's bands (3e-4 .. 7e-4) are below bf16's resolution (~4e-3 at |logp| ~ 1): log-probs must be fp32.
+    global _warned_low_precision
+    if not _warned_low_precision and any(t.dtype in (torch.bfloat16, torch.float16) for t in tensors):
+        warnings.warn("loss inputs are bf16/fp16 log-probs; compute log-probs in fp32, the trust bands are finer "
+                      "than half-precision resolution", stacklevel=3)
+        _warned_low_precision = True
+
+
 def _prepare(logp, old_logp, sampler_logp, advantages, response_mask) -> _Batch:
+    _warn_if_low_precision(logp, old_logp, sampler_logp)
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
     for name, t in (("old_logp", old_logp), ("sampler_logp", sampler_logp), ("response_mask", response_mask)):
