@@ -1,0 +1,99 @@
+"""`QuantConfig`: which scheme, which linears, which backend.
+
+Scopes name sets of linear layers, in HF Qwen3-MoE parameter naming:
+
+* ``experts``            routed experts ``mlp.experts.E.{gate,up,down}_proj`` only;
+* ``experts+attention``  plus ``self_attn.{q,k,v,o}_proj``;
+* ``all-linears``        every linear except the router (``mlp.gate``), embeddings and ``lm_head``
+                         (shared experts / dense MLPs included).
+
+Per scheme: W4A16 accepts all three (default ``experts``: the only scope SGLang can refit in place,
+see DESIGN "Default quantization scope"; the publisher decides whether an engine accepts a wider one).
+FP8 is defined on all linears (block-128, same as Qwen3-FP8 checkpoints), so FP8 requires
+``all-linears``; asking for an FP8 subset is rejected rather than silently widened.
+The router, embeddings and lm_head are never quantized by any scheme.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from megatron_qarl.quant.errors import QuantizationError
+
+SCHEMES = ("none", "w4a16", "fp8")
+SCOPES = ("experts", "experts+attention", "all-linears")
+BACKENDS = ("reference", "marlin", "te", "modelopt")
+BACKEND_SCHEMES = {
+    "reference": ("w4a16", "fp8"),
+    "marlin": ("w4a16",),
+    "te": ("fp8",),
+    "modelopt": ("w4a16", "fp8"),
+}
+SCHEME_SCOPES = {"w4a16": SCOPES, "fp8": ("all-linears",)}
+
+_EXPERT_LINEAR = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj(\.weight)?$")
+_ATTENTION_LINEAR = re.compile(r"\.self_attn\.(q|k|v|o)_proj(\.weight)?$")
+_OTHER_MLP_LINEAR = re.compile(r"\.mlp\.(shared_expert\.)?(gate|up|down)_proj(\.weight)?$")
+
+
+@dataclass
+class QuantConfig:
+    scheme: str = "none"
+    scope: str = "experts"
+    group_size: int = 128
+    block_size: int = 128
+    backend: str = "reference"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> "QuantConfig":
+        if self.scheme not in SCHEMES:
+            raise QuantizationError(f"unknown quant scheme {self.scheme!r}; choose one of {SCHEMES}")
+        if self.scope not in SCOPES:
+            raise QuantizationError(f"unknown quant scope {self.scope!r}; choose one of {SCOPES}")
+        if self.backend not in BACKENDS:
+            raise QuantizationError(f"unknown quant backend {self.backend!r}; choose one of {BACKENDS}")
+        for name in ("group_size", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0 or value % 8 != 0:
+                raise QuantizationError(
+                    f"{name} must be a positive multiple of 8 (int4 packs 8 codes per int32), got {value!r}"
+                )
+        if self.scheme == "none":
+            return self
+        if self.scope not in SCHEME_SCOPES[self.scheme]:
+            raise QuantizationError(
+                f"scheme {self.scheme!r} does not support scope {self.scope!r}: FP8 covers all linears "
+                f"except router/embeddings/lm_head; set scope='all-linears' (allowed: {SCHEME_SCOPES[self.scheme]})"
+            )
+        if self.scheme not in BACKEND_SCHEMES[self.backend]:
+            raise QuantizationError(
+                f"backend {self.backend!r} implements {BACKEND_SCHEMES[self.backend]}, not scheme "
+                f"{self.scheme!r}; use backend='reference' or one listed for {self.scheme!r}"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.scheme != "none"
+
+    def check_divisible(self, shape, name: str = "weight") -> None:
+        """Raise if a weight of `shape` cannot be quantized with this config's group size."""
+        if self.scheme == "w4a16" and shape[-1] % self.group_size != 0:
+            raise QuantizationError(
+                f"{name}: input dim K={shape[-1]} of shape {tuple(shape)} is not a multiple of "
+                f"group_size={self.group_size}"
+            )
+
+    def quantizes(self, hf_name: str) -> bool:
+        """Whether the linear with this HF name (with or without `.weight`) is quantized."""
+        if not self.enabled:
+            return False
+        if _EXPERT_LINEAR.search(hf_name):
+            return True
+        if _ATTENTION_LINEAR.search(hf_name):
+            return self.scope in ("experts+attention", "all-linears")
+        if _OTHER_MLP_LINEAR.search(hf_name):
+            return self.scope == "all-linears"
+        return False

@@ -1,0 +1,8 @@
+"""Error type raised for invalid quantization input or configuration."""
+
+
+class QuantizationError(ValueError):
+    """A weight, shape or config that the low-bit numerics spec cannot handle.
+
+    Subclasses ValueError so callers that only know the stdlib contract still catch it.
+    """

@@ -1,0 +1,124 @@
+"""FP8 W8A8 numerics spec: e4m3, weights in 128x128 blocks, activations per 1x128 tile along K.
+
+Scale rule (one rule for every backend): exact ``scale_inv = amax / 448`` in fp32, NOT rounded to a
+power of two. Why: it is what Qwen3-FP8 / DeepSeek-style block checkpoints store and what SGLang's
+own dynamic activation quantizer (`per_token_group_quant_fp8`, default `scale_ue8m0=False`) computes
+on Hopper, so the engine's activation scales and ours agree. TransformerEngine's `Float8BlockScaling`
+defaults to power-of-two scales; the `te` backend sets `NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1` to
+match this rule.
+
+* input: the master weight is first cast to the engine's weight dtype (bf16 by default), then to
+  fp32 for the scale computation and division (the engine would quantize its bf16 weight);
+* a block/tile whose amax is 0 gets scale_inv = 1 (its codes are all 0, no NaN);
+* ``q = clamp(x / scale_inv, -448, 448).to(float8_e4m3fn)``; the clamp matters because torch's CPU
+  cast does not saturate;
+* dequant = ``q.float() * scale_inv`` broadcast per block/tile.
+
+Shapes that are not multiples of the block are handled like the checkpoint format: the last
+block row/column is partial and scale_inv has ``ceil(N/128) x ceil(K/128)`` entries.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron_qarl.quant.errors import QuantizationError
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+ZERO_BLOCK_SCALE = 1.0
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """Block-quantized FP8 weight: qweight e4m3 [N, K], scale_inv fp32 [ceil(N/b), ceil(K/b)]."""
+
+    qweight: torch.Tensor
+    scale_inv: torch.Tensor
+    block: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return dequantize_fp8_block(self.qweight, self.scale_inv, self.block, dtype)
+
+
+def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    scale = amax.float() / FP8_MAX
+    return torch.where(amax == 0, torch.full_like(scale, ZERO_BLOCK_SCALE), scale)
+
+
+def _cast_fp8(scaled: torch.Tensor) -> torch.Tensor:
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _pad_to_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    n, k = x.shape
+    return F.pad(x, (0, math.ceil(k / block) * block - k, 0, math.ceil(n / block) * block - n))
+
+
+def _check_block(block: int, what: str) -> None:
+    if block <= 0:
+        raise QuantizationError(f"{what}: block size must be positive, got {block}")
+
+
+def quantize_fp8_block(
+    w: torch.Tensor, block: int = 128, weight_dtype: torch.dtype = torch.bfloat16
+) -> Fp8Weight:
+    """Quantize a (master) weight [N, K] to e4m3 with one fp32 scale per block x block tile."""
+    _check_block(block, "quantize_fp8_block")
+    if w.dim() != 2:
+        raise QuantizationError(f"quantize_fp8_block: expected a 2-D [N, K] weight, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    padded = _pad_to_blocks(w.detach().to(weight_dtype).float(), block)
+    nb, kb = padded.shape[0] // block, padded.shape[1] // block
+    tiles = padded.reshape(nb, block, kb, block)
+    scale_inv = _scale_from_amax(tiles.abs().amax(dim=(1, 3)))
+    q = _cast_fp8(tiles / scale_inv[:, None, :, None]).reshape(nb * block, kb * block)[:n, :k]
+    return Fp8Weight(qweight=q.contiguous(), scale_inv=scale_inv, block=block)
+
+
+def dequantize_fp8_block(
+    qweight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """e4m3 [N, K] x fp32 scale_inv [ceil(N/b), ceil(K/b)] -> weight [N, K] in `dtype`."""
+    _check_block(block, "dequantize_fp8_block")
+    n, k = qweight.shape
+    expected = (math.ceil(n / block), math.ceil(k / block))
+    if tuple(scale_inv.shape) != expected:
+        raise QuantizationError(
+            f"dequantize_fp8_block: scale_inv shape {tuple(scale_inv.shape)} does not match weight shape "
+            f"{(n, k)} with block={block} (expected {expected})"
+        )
+    scale_full = scale_inv.float().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return (qweight.float() * scale_full).to(dtype)
+
+
+def quantize_fp8_activation(x: torch.Tensor, tile: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token, per-1x`tile` quantization along the last dim.
+
+    Returns (q e4m3 [..., K], scale_inv fp32 [..., ceil(K / tile)]).
+    """
+    _check_block(tile, "quantize_fp8_activation")
+    k = x.shape[-1]
+    kt = math.ceil(k / tile)
+    xf = F.pad(x.detach().float(), (0, kt * tile - k)).unflatten(-1, (kt, tile))
+    scale_inv = _scale_from_amax(xf.abs().amax(dim=-1))
+    q = _cast_fp8(xf / scale_inv.unsqueeze(-1)).flatten(-2)[..., :k]
+    return q.contiguous(), scale_inv
+
+
+def dequantize_fp8_activation(q: torch.Tensor, scale_inv: torch.Tensor, tile: int = 128,
+                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `quantize_fp8_activation` (per 1x`tile` scales along the last dim)."""
+    k = q.shape[-1]
+    scale_full = scale_inv.float().repeat_interleave(tile, -1)[..., :k]
+    return (q.float() * scale_full).to(dtype)
