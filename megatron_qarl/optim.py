@@ -82,40 +82,40 @@ class OptimConfig:
 
     def validate(self) -> "OptimConfig":
         if self.name not in OPTIMIZER_NAMES:
-            raise OptimConfigError(f"optim.name={self.name!r}: choose one of {OPTIMIZER_NAMES}")
+            raise OptimConfigError(f"name={self.name!r}: choose one of {OPTIMIZER_NAMES}")
         if not self.lr > 0:
-            raise OptimConfigError(f"optim.lr={self.lr}: the learning rate must be > 0 (e.g. 1e-6)")
+            raise OptimConfigError(f"lr={self.lr}: the learning rate must be > 0 (e.g. 1e-6)")
         if self.weight_decay < 0:
-            raise OptimConfigError(f"optim.weight_decay={self.weight_decay}: must be >= 0")
+            raise OptimConfigError(f"weight_decay={self.weight_decay}: must be >= 0")
         betas = tuple(self.betas)
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise OptimConfigError(f"optim.betas={self.betas}: give two values in [0, 1), e.g. [0.9, 0.999]")
+            raise OptimConfigError(f"betas={self.betas}: give two values in [0, 1), e.g. [0.9, 0.999]")
         self.betas = (float(betas[0]), float(betas[1]))
         if not self.eps > 0:
-            raise OptimConfigError(f"optim.eps={self.eps}: must be > 0 (e.g. 1e-8)")
+            raise OptimConfigError(f"eps={self.eps}: must be > 0 (e.g. 1e-8)")
         if self.clip_grad < 0:
-            raise OptimConfigError(f"optim.clip_grad={self.clip_grad}: must be >= 0 (0 disables clipping)")
+            raise OptimConfigError(f"clip_grad={self.clip_grad}: must be >= 0 (0 disables clipping)")
         if self.lr_warmup_steps < 0 or int(self.lr_warmup_steps) != self.lr_warmup_steps:
-            raise OptimConfigError(f"optim.lr_warmup_steps={self.lr_warmup_steps}: must be an integer >= 0")
+            raise OptimConfigError(f"lr_warmup_steps={self.lr_warmup_steps}: must be an integer >= 0")
         if not 0.0 <= self.muon_momentum < 1.0:
-            raise OptimConfigError(f"optim.muon_momentum={self.muon_momentum}: must be in [0, 1), e.g. 0.95")
+            raise OptimConfigError(f"muon_momentum={self.muon_momentum}: must be in [0, 1), e.g. 0.95")
         if not 1 <= self.muon_ns_steps < 100:
-            raise OptimConfigError(f"optim.muon_ns_steps={self.muon_ns_steps}: must be in [1, 99], e.g. 5")
+            raise OptimConfigError(f"muon_ns_steps={self.muon_ns_steps}: must be in [1, 99], e.g. 5")
         if self.muon_adjust_lr not in MUON_ADJUST_LR:
-            raise OptimConfigError(f"optim.muon_adjust_lr={self.muon_adjust_lr!r}: choose one of {MUON_ADJUST_LR}")
+            raise OptimConfigError(f"muon_adjust_lr={self.muon_adjust_lr!r}: choose one of {MUON_ADJUST_LR}")
         if self.muon_tp_mode not in MUON_TP_MODES:
-            raise OptimConfigError(f"optim.muon_tp_mode={self.muon_tp_mode!r}: choose one of {MUON_TP_MODES}")
+            raise OptimConfigError(f"muon_tp_mode={self.muon_tp_mode!r}: choose one of {MUON_TP_MODES}")
         if self.muon_backend not in MUON_BACKENDS:
-            raise OptimConfigError(f"optim.muon_backend={self.muon_backend!r}: choose one of {MUON_BACKENDS}")
+            raise OptimConfigError(f"muon_backend={self.muon_backend!r}: choose one of {MUON_BACKENDS}")
         if self.name == "muon" and self.muon_backend == "megatron":
             if not megatron_muon_available():
                 raise OptimConfigError(
-                    "optim.muon_backend='megatron' needs the emerging_optimizers package (Python >= 3.12); "
-                    "install it or set optim.muon_backend='auto'/'torch' for the torch.optim.Muon fallback")
+                    "muon_backend='megatron' needs the emerging_optimizers package (Python >= 3.12); "
+                    "install it or set muon_backend='auto'/'torch' for the torch.Muon fallback")
             if self.muon_split_glu:
                 raise OptimConfigError(
-                    "optim.muon_split_glu=true is only implemented by the torch fallback; "
-                    "set optim.muon_backend='torch' or optim.muon_split_glu=false")
+                    "muon_split_glu=true is only implemented by the torch fallback; "
+                    "set muon_backend='torch' or muon_split_glu=false")
         return self
 
 
