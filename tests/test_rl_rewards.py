@@ -118,6 +118,7 @@ def test_exact_match_reward():
 
 
 def test_bad_reward_config():
+    assert RewardConfig(kind="math").kind == "math_verify"  # the run config's spelling
     with pytest.raises(ValueError, match="reward kind"):
         RewardConfig(kind="llm_judge")
     with pytest.raises(ValueError, match="answers"):

@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 VerifyFn = Callable[[str, str, int], float]
 
 REWARD_KINDS = ("math_verify", "exact_match")
+_REWARD_ALIASES = {"math": "math_verify"}
 
 
 @dataclass
@@ -39,6 +40,7 @@ class RewardConfig:
     worker_start_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
+        self.kind = _REWARD_ALIASES.get(self.kind, self.kind)
         if self.kind not in REWARD_KINDS:
             raise ValueError(f"unknown reward kind {self.kind!r}; use one of {', '.join(REWARD_KINDS)}")
         if self.timeout_s <= 0 or self.num_workers < 1:
