@@ -1,0 +1,164 @@
+"""Process-group setup: one call that brings up torch.distributed and megatron's model-parallel groups.
+
+Works under torchrun (env vars) or as a plain single process, on gloo without CUDA (with the CPU
+workarounds from ``compat_cpu``) and on nccl with it.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class ParallelLayoutError(ValueError):
+    """A parallel layout that does not fit the world size or is not supported."""
+
+
+@dataclass
+class ParallelLayout:
+    """Tensor (tp), expert (ep), expert-tensor (etp; None = tp) and pipeline (pp) parallel sizes.
+
+    ``sp`` None means sequence parallel on exactly when tp > 1 (megatron requires SP for MoE with TP).
+    """
+
+    tp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    pp: int = 1
+    sp: bool | None = None
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp > 1 if self.sp is None else self.sp
+
+    def dp(self, world_size: int) -> int:
+        """Data-parallel size of the dense part (world / (tp * pp))."""
+        self.validate(world_size)
+        return world_size // (self.tp * self.pp)
+
+    def validate(self, world_size: int) -> None:
+        for name in ("tp", "ep", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ParallelLayoutError(f"{name} must be a positive int, got {value!r}")
+        if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
+            raise ParallelLayoutError(f"etp must be a positive int or None (= tp), got {self.etp!r}")
+        if self.pp > 1:
+            raise ParallelLayoutError(
+                f"pp={self.pp}: pipeline parallelism is not supported yet; use pp=1 and scale with tp/ep/dp"
+            )
+        if world_size % (self.tp * self.pp):
+            raise ParallelLayoutError(
+                f"tp*pp={self.tp * self.pp} does not divide world size {world_size}; "
+                f"choose tp, pp with tp*pp dividing {world_size}"
+            )
+        if world_size % (self.expert_tp * self.ep * self.pp):
+            raise ParallelLayoutError(
+                f"etp*ep*pp={self.expert_tp * self.ep * self.pp} (etp={self.expert_tp}, ep={self.ep}, "
+                f"pp={self.pp}) does not divide world size {world_size}; choose ep/etp so it does"
+            )
+        if self.tp > 1 and self.sp is False:
+            raise ParallelLayoutError(
+                "sp=False with tp>1: megatron requires sequence parallel for MoE with tensor parallel; "
+                "leave sp=None (on when tp>1)"
+            )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_process_group(backend: str | None) -> None:
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend=backend)
+        return
+    # A plain process (tests, single-process tools): a world of one on a free loopback port.
+    dist.init_process_group(
+        backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+
+
+def init_distributed(layout: ParallelLayout | None = None, seed: int = 1234, backend: str | None = None) -> ParallelLayout:
+    """Initialise torch.distributed (if needed), megatron's model-parallel groups and the RNG seeds.
+
+    Without CUDA the megatron-core CPU workarounds are applied first. Returns the layout.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_qarl.compat_cpu import apply_cpu_workarounds
+
+    layout = layout or ParallelLayout()
+    if not dist.is_initialized():
+        _init_process_group(backend)
+    layout.validate(dist.get_world_size())
+    apply_cpu_workarounds()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    return layout
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's model-parallel groups and the default process group."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def tp_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank()
+
+
+def tp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def ep_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank()
+
+
+def ep_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_world_size()
+
+
+def dp_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank()
+
+
+def dp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_world_size()
