@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from megatron_qarl.models.qwen3_moe import PRESETS as MODEL_PRESETS
 from megatron_qarl.optim import OptimConfig
 from megatron_qarl.parallel import ParallelLayout
 from megatron_qarl.quant.config import QuantConfig
@@ -36,7 +37,6 @@ class ConfigError(ValueError):
 # Schema
 # --------------------------------------------------------------------------------------------------
 
-MODEL_PRESETS = ("tiny", "qwen3-30b-a3b")
 COMPUTE_DTYPES = ("bfloat16", "float32")
 ENGINES = ("embedded", "sglang", "vllm")
 SGLANG_MODES = ("colocated", "separate")
@@ -196,12 +196,26 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     merged = schema
     for layer in layers:
         merged = _merge_checked(merged, layer)
-    try:
-        cfg = OmegaConf.to_object(merged)
-    except (OmegaConfBaseException, ValueError, TypeError) as err:
-        raise ConfigError(f"invalid configuration: {err}") from err
+    cfg = _instantiate(merged)
     validate_config(cfg, world_size=world_size)
     return cfg
+
+
+_COMPOSED = (("parallel", ParallelLayout), ("quant", QuantSection), ("train.loss", LossConfig),
+             ("train.optim", OptimConfig))
+
+
+def _instantiate(merged) -> RunConfig:
+    """Build the dataclasses; sub-configs that validate in __post_init__ fail here, so name the section."""
+    try:
+        return OmegaConf.to_object(merged)
+    except (OmegaConfBaseException, ValueError, TypeError) as err:
+        for dotted, _ in _COMPOSED:
+            try:
+                OmegaConf.to_object(OmegaConf.select(merged, dotted))
+            except (OmegaConfBaseException, ValueError, TypeError) as section_err:
+                raise ConfigError(f"invalid run configuration:\n  - {dotted}: {section_err}") from err
+        raise ConfigError(f"invalid run configuration: {err}") from err
 
 
 def _schema():
@@ -209,8 +223,7 @@ def _schema():
     `None` fields per variant in `__post_init__` (e.g. LossConfig's aggregation per loss name), and that
     must happen after the YAML and overrides are merged, not when the schema is built."""
     schema = OmegaConf.structured(RunConfig)
-    for dotted, cls in (("parallel", ParallelLayout), ("quant", QuantSection), ("train.loss", LossConfig),
-                        ("train.optim", OptimConfig)):
+    for dotted, cls in _COMPOSED:
         node = OmegaConf.select(schema, dotted)
         for f in dataclasses.fields(cls):
             if f.default is not dataclasses.MISSING and f.init:
@@ -257,7 +270,8 @@ def _merge_checked(base, layer):
         return OmegaConf.merge(base, layer)
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
-        raise ConfigError(f"{key}: {getattr(err, 'msg', err)}") from err
+        message = str(getattr(err, "msg", err)).splitlines()[0]
+        raise ConfigError(f"{key}: {message}") from err
 
 
 def _check_keys(schema_node, layer_node, prefix: str) -> None:
@@ -292,7 +306,7 @@ def validate_config(cfg: RunConfig, world_size: int | None = None) -> None:
     problems += _check_model_source(cfg.model)
     problems += _check_positive(cfg)
     problems += _check_engine_quant(cfg)
-    if not problems:  # shapes need a resolvable model
+    if not any(p.startswith("model") for p in problems):  # shapes need a resolvable model
         problems += _check_shard_shapes(cfg)
     if world_size is not None:
         problems += _check_world(cfg, world_size)
@@ -311,7 +325,7 @@ def _choice(key: str, value, allowed) -> list[str]:
 def _check_choices(cfg: RunConfig) -> list[str]:
     out = []
     if cfg.model.preset is not None:
-        out += _choice("model.preset", cfg.model.preset, MODEL_PRESETS)
+        out += _choice("model.preset", cfg.model.preset, tuple(MODEL_PRESETS))
     out += _choice("model.dtype", cfg.model.dtype, COMPUTE_DTYPES)
     out += _choice("rollout.engine", cfg.rollout.engine, ENGINES)
     out += _choice("rollout.embedded_dtype", cfg.rollout.embedded_dtype, COMPUTE_DTYPES)

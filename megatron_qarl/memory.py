@@ -30,7 +30,6 @@ bf16 scales; FP8: 1 B/elem + fp32 block scales; everything else bf16), total and
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,8 +54,15 @@ class ModelShape:
 
     @classmethod
     def from_hf(cls, hf: Any) -> "ModelShape":
-        """From a transformers Qwen3MoeConfig or its config.json dict."""
-        get = (lambda k, d=None: hf.get(k, d)) if isinstance(hf, dict) else (lambda k, d=None: getattr(hf, k, d))
+        """From a transformers Qwen3MoeConfig, or a dict of its constructor arguments."""
+        if isinstance(hf, dict):
+            from transformers import Qwen3MoeConfig
+
+            hf = Qwen3MoeConfig(**hf)
+
+        def get(key, default=None):
+            return getattr(hf, key, default)
+
         layers = int(get("num_hidden_layers"))
         heads = int(get("num_attention_heads"))
         head_dim = get("head_dim") or int(get("hidden_size")) // heads
@@ -82,7 +88,9 @@ def model_shape(model_cfg) -> ModelShape:
         path = Path(model_cfg.hf_path) / "config.json"
         if not path.is_file():
             raise ValueError(f"{path} not found; model.hf_path must be a Hugging Face model directory")
-        return ModelShape.from_hf(json.loads(path.read_text()))
+        from transformers import AutoConfig  # resolves aliases/defaults (num_local_experts, head_dim)
+
+        return ModelShape.from_hf(AutoConfig.from_pretrained(str(model_cfg.hf_path)))
     from megatron_qarl.models.qwen3_moe import preset_hf_config
 
     return ModelShape.from_hf(preset_hf_config(model_cfg.preset))
@@ -138,12 +146,17 @@ def count_params(shape: ModelShape) -> dict[str, int]:
 # Memory
 # --------------------------------------------------------------------------------------------------
 
+# One representative HF linear name per ParamGroups kind; the quant config decides what its scope covers.
+_REPRESENTATIVE_HF_NAMES = {
+    "experts": "model.layers.0.mlp.experts.0.down_proj.weight",
+    "attention": "model.layers.0.self_attn.o_proj.weight",
+    "dense_mlp": "model.layers.0.mlp.down_proj.weight",
+}
+
+
 def quantized_groups(quant) -> tuple[str, ...]:
-    """Which ParamGroups fields the quantization scope covers (router/embeddings/lm_head never)."""
-    if quant.scheme == "none":
-        return ()
-    return {"experts": ("experts",), "experts+attention": ("experts", "attention"),
-            "all-linears": ("experts", "attention", "dense_mlp")}[quant.scope]
+    """Which ParamGroups kinds the quantization scope covers (router/embeddings/lm_head never)."""
+    return tuple(kind for kind, name in _REPRESENTATIVE_HF_NAMES.items() if quant.quantizes(name))
 
 
 def _local_params(groups: ParamGroups, tp: int, ep: int, etp: int) -> dict[str, float]:

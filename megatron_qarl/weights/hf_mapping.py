@@ -1,0 +1,175 @@
+"""HF Qwen3-MoE checkpoint names/tensors <-> megatron-core *full* (unsharded) names/tensors.
+
+Pure functions, no torch.distributed. Full mcore names use the GLOBAL expert id in
+`decoder.layers.{i}.mlp.experts.local_experts.{e}`; sharding.py maps global <-> local ids.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from megatron_qarl.models.qwen3_moe import hf_head_dim
+
+
+class WeightMappingError(ValueError):
+    """A checkpoint does not match the model: missing, unexpected or wrongly shaped tensors."""
+
+
+# per-layer 1:1 renames (HF suffix after `model.layers.{i}.` -> mcore suffix after `decoder.layers.{i}.`)
+_LAYER_RENAMES = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+    "mlp.gate.weight": "mlp.router.weight",
+}
+_GLOBAL_RENAMES = {
+    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+    "model.norm.weight": "decoder.final_layernorm.weight",
+    "lm_head.weight": "output_layer.weight",
+}
+
+
+def _dims(hf_config) -> dict[str, int]:
+    return dict(
+        h=hf_config.hidden_size, d=hf_head_dim(hf_config), nq=hf_config.num_attention_heads,
+        nkv=hf_config.num_key_value_heads, E=hf_config.num_experts, I=hf_config.moe_intermediate_size,
+        V=hf_config.vocab_size, L=hf_config.num_hidden_layers)
+
+
+def expected_hf_shapes(hf_config) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of an HF Qwen3-MoE checkpoint with its shape."""
+    s = _dims(hf_config)
+    h, d, nq, nkv, E, I = s["h"], s["d"], s["nq"], s["nkv"], s["E"], s["I"]
+    shapes = {"model.embed_tokens.weight": (s["V"], h), "model.norm.weight": (h,),
+              "lm_head.weight": (s["V"], h)}
+    for i in range(s["L"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (nq * d, h), p + "self_attn.k_proj.weight": (nkv * d, h),
+            p + "self_attn.v_proj.weight": (nkv * d, h), p + "self_attn.o_proj.weight": (h, nq * d),
+            p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate.weight": (E, h),
+        })
+        for e in range(E):
+            q = f"{p}mlp.experts.{e}."
+            shapes.update({q + "gate_proj.weight": (I, h), q + "up_proj.weight": (I, h),
+                           q + "down_proj.weight": (h, I)})
+    return shapes
+
+
+def expected_mcore_shapes(hf_config) -> dict[str, tuple[int, ...]]:
+    """Every full (unsharded, global expert id) mcore parameter name with its shape."""
+    s = _dims(hf_config)
+    h, d, nq, nkv, E, I = s["h"], s["d"], s["nq"], s["nkv"], s["E"], s["I"]
+    shapes = {"embedding.word_embeddings.weight": (s["V"], h), "decoder.final_layernorm.weight": (h,),
+              "output_layer.weight": (s["V"], h)}
+    for i in range(s["L"]):
+        p = f"decoder.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,),
+            p + "self_attention.linear_qkv.weight": ((nq + 2 * nkv) * d, h),
+            p + "self_attention.linear_proj.weight": (h, nq * d),
+            p + "self_attention.q_layernorm.weight": (d,), p + "self_attention.k_layernorm.weight": (d,),
+            p + "mlp.router.weight": (E, h),
+        })
+        for e in range(E):
+            q = f"{p}mlp.experts.local_experts.{e}."
+            shapes.update({q + "linear_fc1.weight": (2 * I, h), q + "linear_fc2.weight": (h, I)})
+    return shapes
+
+
+def validate_state(state: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]],
+                   what: str) -> None:
+    """Raise WeightMappingError listing missing, unexpected and wrongly shaped tensors."""
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    bad = []
+    for name in sorted(set(expected) & set(state)):
+        got, want = tuple(state[name].shape), tuple(expected[name])
+        if got != want:
+            hint = " (looks transposed)" if len(got) == 2 and got == want[::-1] else ""
+            bad.append(f"{name}: expected shape {want}, got {got}{hint}")
+    if not (missing or unexpected or bad):
+        return
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing tensor(s): " + ", ".join(_abbrev(missing)))
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected tensor(s): " + ", ".join(_abbrev(unexpected)))
+    if bad:
+        parts.append(f"{len(bad)} wrongly shaped tensor(s): " + "; ".join(_abbrev(bad)))
+    raise WeightMappingError(f"{what} does not match the model config: " + " | ".join(parts))
+
+
+def _abbrev(items: list[str], limit: int = 8) -> list[str]:
+    return items if len(items) <= limit else items[:limit] + [f"... ({len(items) - limit} more)"]
+
+
+def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int,
+                   head_dim: int) -> torch.Tensor:
+    """mcore linear_qkv rows: for each query group g, [q heads of g; k_g; v_g]."""
+    hidden = q.shape[-1]
+    q_per_group = q.shape[0] // (num_kv_heads * head_dim)
+    qg = q.reshape(num_kv_heads, q_per_group * head_dim, hidden)
+    kg = k.reshape(num_kv_heads, head_dim, hidden)
+    vg = v.reshape(num_kv_heads, head_dim, hidden)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, hidden)
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """Inverse of interleave_qkv -> (q, k, v) in HF row order."""
+    hidden = qkv.shape[-1]
+    q_per_group = num_heads // num_kv_heads
+    grouped = qkv.reshape(num_kv_heads, (q_per_group + 2) * head_dim, hidden)
+    q, k, v = torch.split(grouped, [q_per_group * head_dim, head_dim, head_dim], dim=1)
+    return (q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden))
+
+
+def hf_to_mcore(hf_config, hf_state: Mapping[str, torch.Tensor], *, validate: bool = True
+                ) -> dict[str, torch.Tensor]:
+    """HF checkpoint tensors -> full mcore state (global expert ids). Tensors are not copied when 1:1."""
+    if validate:
+        validate_state(hf_state, expected_hf_shapes(hf_config), "HF checkpoint")
+    s = _dims(hf_config)
+    out = {mc: hf_state[hf] for hf, mc in _GLOBAL_RENAMES.items()}
+    for i in range(s["L"]):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for hf_suffix, mc_suffix in _LAYER_RENAMES.items():
+            out[m + mc_suffix] = hf_state[p + hf_suffix]
+        out[m + "self_attention.linear_qkv.weight"] = interleave_qkv(
+            hf_state[p + "self_attn.q_proj.weight"], hf_state[p + "self_attn.k_proj.weight"],
+            hf_state[p + "self_attn.v_proj.weight"], s["nkv"], s["d"])
+        for e in range(s["E"]):
+            q, x = f"{p}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
+            out[x + "linear_fc1.weight"] = torch.cat(
+                [hf_state[q + "gate_proj.weight"], hf_state[q + "up_proj.weight"]], dim=0)
+            out[x + "linear_fc2.weight"] = hf_state[q + "down_proj.weight"]
+    return out
+
+
+def mcore_to_hf(hf_config, mcore_state: Mapping[str, torch.Tensor], *, validate: bool = True
+                ) -> dict[str, torch.Tensor]:
+    """Full mcore state (global expert ids) -> HF checkpoint tensors. Exact inverse of hf_to_mcore."""
+    if validate:
+        validate_state(mcore_state, expected_mcore_shapes(hf_config), "mcore state")
+    s = _dims(hf_config)
+    out = {hf: mcore_state[mc] for hf, mc in _GLOBAL_RENAMES.items()}
+    for i in range(s["L"]):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for hf_suffix, mc_suffix in _LAYER_RENAMES.items():
+            out[p + hf_suffix] = mcore_state[m + mc_suffix]
+        q, k, v = split_qkv(mcore_state[m + "self_attention.linear_qkv.weight"], s["nq"], s["nkv"], s["d"])
+        out[p + "self_attn.q_proj.weight"] = q.contiguous()
+        out[p + "self_attn.k_proj.weight"] = k.contiguous()
+        out[p + "self_attn.v_proj.weight"] = v.contiguous()
+        for e in range(s["E"]):
+            hq, x = f"{p}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
+            gate, up = torch.chunk(mcore_state[x + "linear_fc1.weight"], 2, dim=0)
+            out[hq + "gate_proj.weight"] = gate.contiguous()
+            out[hq + "up_proj.weight"] = up.contiguous()
+            out[hq + "down_proj.weight"] = mcore_state[x + "linear_fc2.weight"]
+    return out

@@ -1,0 +1,215 @@
+"""Full (unsharded) mcore tensors <-> the local shards of a megatron-core model under TP / EP / ETP.
+
+Rules (what megatron's own layers hold on a rank):
+  * tensor-parallel params carry `tensor_model_parallel=True` and `partition_dim` (0 column /
+    vocab-parallel, 1 row); the slice is contiguous along that dim ...
+  * ... except the fc1 of a gated MLP (SwiGLU), whose weight is [gate; up]: rank r holds
+    [gate_r; up_r], not rows r*2I/tp..(r+1)*2I/tp.
+  * expert params (`.mlp.experts.`) are split over the expert-TP group (not the attention TP
+    group), and local expert j on EP rank r is global expert r * E/ep + j.
+  * everything else (norms, router) is replicated.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+_LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """This process's position in the TP, EP and expert-TP groups."""
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+
+    @classmethod
+    def from_parallel_state(cls) -> "RankCoords":
+        from megatron.core import parallel_state as ps
+
+        return cls(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+                   ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
+                   ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+
+
+@dataclass(frozen=True)
+class ShardRule:
+    partition_dim: int | None  # None: replicated
+    glu: bool = False          # fc1 of a gated MLP: shard gate and up halves separately
+    expert: bool = False       # split over expert-TP (and EP) instead of TP
+
+
+def is_expert_param(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def shard_rule(name: str, param: torch.Tensor | None = None, *, gated_linear_unit: bool = True) -> ShardRule:
+    """How `name` is split. Megatron's param attributes win; the name is the fallback for full tensors."""
+    expert = is_expert_param(name)
+    glu = gated_linear_unit and name.endswith("linear_fc1.weight")
+    if param is not None:
+        if getattr(param, "tensor_model_parallel", False):
+            return ShardRule(int(param.partition_dim), glu and param.partition_dim == 0, expert)
+        return ShardRule(None, False, expert)
+    if name.endswith(("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight",
+                      "output_layer.weight")):
+        return ShardRule(0, glu, expert)
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return ShardRule(1, False, expert)
+    return ShardRule(None, False, expert)
+
+
+def slice_for_rank(full: torch.Tensor, rule: ShardRule, rank: int, size: int) -> torch.Tensor:
+    """The shard of `full` that rank `rank` of `size` holds under `rule`."""
+    if rule.partition_dim is None or size == 1:
+        return full
+    dim = rule.partition_dim
+    if full.shape[dim] % (2 * size if rule.glu else size):
+        raise ValueError(f"dim {dim} of a {tuple(full.shape)} tensor does not split evenly over {size} ranks"
+                         + (" (gated fc1: each half must split)" if rule.glu else ""))
+    if rule.glu:
+        gate, up = torch.chunk(full, 2, dim=dim)
+        return torch.cat([torch.chunk(gate, size, dim=dim)[rank], torch.chunk(up, size, dim=dim)[rank]], dim=dim)
+    return torch.chunk(full, size, dim=dim)[rank]
+
+
+def join_shards(shards: list[torch.Tensor], rule: ShardRule) -> torch.Tensor:
+    """Inverse of slice_for_rank over all ranks (shards in rank order)."""
+    if rule.partition_dim is None or len(shards) == 1:
+        return shards[0]
+    dim = rule.partition_dim
+    if rule.glu:
+        halves = [torch.chunk(s, 2, dim=dim) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
+    return torch.cat(shards, dim=dim)
+
+
+def local_to_global_name(name: str, ep_rank: int, num_local_experts: int) -> str:
+    return _LOCAL_EXPERT.sub(lambda m: f"{m[1]}{ep_rank * num_local_experts + int(m[2])}{m[3]}", name)
+
+
+def global_to_local_name(name: str, ep_rank: int, num_local_experts: int) -> str | None:
+    """Local name on `ep_rank`, or None when that global expert lives on another EP rank."""
+    match = _LOCAL_EXPERT.search(name)
+    if not match:
+        return name
+    owner, local = divmod(int(match[2]), num_local_experts)
+    if owner != ep_rank:
+        return None
+    return name[:match.start(2)] + str(local) + name[match.end(2):]
+
+
+def shard_full_tensor(name: str, full: torch.Tensor, coords: RankCoords, param: torch.Tensor | None = None,
+                      *, gated_linear_unit: bool = True) -> torch.Tensor:
+    rule = shard_rule(name, param, gated_linear_unit=gated_linear_unit)
+    rank, size = (coords.etp_rank, coords.etp_size) if rule.expert else (coords.tp_rank, coords.tp_size)
+    return slice_for_rank(full, rule, rank, size)
+
+
+def unwrap_model(model):
+    """The GPTModel inside DDP / Float16Module wrappers (and the first chunk of a list)."""
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise ValueError("virtual pipeline chunks are not supported here; pass a single model chunk")
+        model = model[0]
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def num_local_experts(model) -> int:
+    config = unwrap_model(model).config
+    if not config.num_moe_experts:
+        return 0
+    return config.num_moe_experts // config.expert_model_parallel_size
+
+
+@torch.no_grad()
+def load_full_state_into_model(model, full_state: Mapping[str, torch.Tensor], *,
+                               coords: RankCoords | None = None, strict: bool = True) -> None:
+    """Copy this rank's slices of a full mcore state (global expert ids) into the model's params."""
+    model = unwrap_model(model)
+    coords = coords or RankCoords.from_parallel_state()
+    gated = bool(model.config.gated_linear_unit)
+    n_local = num_local_experts(model)
+    params = dict(model.named_parameters())
+    wanted = {local_to_global_name(n, coords.ep_rank, n_local): n for n in params}
+    missing = sorted(set(wanted) - set(full_state))
+    if missing:
+        raise ValueError(f"full state lacks {len(missing)} tensor(s) the model needs: {missing[:8]}")
+    if strict:
+        unexpected = sorted(n for n in full_state if n not in wanted
+                            and global_to_local_name(n, coords.ep_rank, n_local) is not None)
+        if unexpected:
+            raise ValueError(f"full state has {len(unexpected)} tensor(s) the model does not: {unexpected[:8]}")
+    for global_name, local_name in wanted.items():
+        param = params[local_name]
+        shard = shard_full_tensor(global_name, full_state[global_name], coords, param, gated_linear_unit=gated)
+        if tuple(shard.shape) != tuple(param.shape):
+            raise ValueError(f"{global_name}: local shard has shape {tuple(shard.shape)} but the parameter "
+                             f"{local_name} has {tuple(param.shape)} (full tensor {tuple(full_state[global_name].shape)})")
+        param.copy_(shard)
+
+
+def _all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    tensor = tensor.detach().contiguous()
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(out, tensor, group=group)
+    return out
+
+
+@torch.no_grad()
+def gather_full_state(model, *, use_grad: bool = False) -> dict[str, torch.Tensor]:
+    """Full mcore state (global expert ids) assembled on every rank from TP / ETP / EP shards.
+
+    With use_grad=True the same is done for `param.main_grad` (Megatron DDP) or `param.grad`.
+    Collective: every rank of the model-parallel groups must call it.
+    """
+    from megatron.core import parallel_state as ps
+
+    model = unwrap_model(model)
+    coords = RankCoords.from_parallel_state()
+    gated = bool(model.config.gated_linear_unit)
+    n_local = num_local_experts(model)
+    full: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        tensor = _value(param, use_grad)
+        rule = shard_rule(name, param, gated_linear_unit=gated)
+        if rule.expert:
+            if rule.partition_dim is not None and coords.etp_size > 1:
+                tensor = join_shards(_all_gather(tensor, ps.get_expert_tensor_parallel_group(), coords.etp_size), rule)
+            if coords.ep_size > 1:
+                per_rank = _all_gather(tensor, ps.get_expert_model_parallel_group(), coords.ep_size)
+                for ep_rank, t in enumerate(per_rank):
+                    full[local_to_global_name(name, ep_rank, n_local)] = t
+                continue
+            full[local_to_global_name(name, coords.ep_rank, n_local)] = tensor.clone()
+        else:
+            if rule.partition_dim is not None and coords.tp_size > 1:
+                tensor = join_shards(_all_gather(tensor, ps.get_tensor_model_parallel_group(), coords.tp_size), rule)
+            full[name] = tensor.clone() if tensor is param or tensor.data_ptr() == param.data_ptr() else tensor
+    return dict(sorted(full.items(), key=lambda kv: _natural_key(kv[0])))
+
+
+def _value(param: torch.Tensor, use_grad: bool) -> torch.Tensor:
+    if not use_grad:
+        return param.detach()
+    grad = getattr(param, "main_grad", None)
+    if grad is None:
+        grad = param.grad
+    if grad is None:
+        return torch.zeros_like(param)
+    return grad.detach()
+
+
+def _natural_key(name: str):
+    return [int(tok) if tok.isdigit() else tok for tok in re.split(r"(\d+)", name)]

@@ -1,0 +1,200 @@
+"""Run config: shipped configs load, overrides and `extends` layer correctly, every bad config is refused
+with a message that names the problem."""
+from pathlib import Path
+
+import pytest
+
+from megatron_qarl.config import ConfigError, RunConfig, load_config, save_yaml, to_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+TINY_ARMS = {  # file -> (quant scheme, learner aligned, loss)
+    "tiny_bf16_gspo": ("none", True, "gspo"),
+    "tiny_w4a16_rollout_gspo": ("w4a16", False, "gspo"),
+    "tiny_qarl_w4a16_tbpo": ("w4a16", True, "tbpo"),
+    "tiny_qarl_fp8_tbpo": ("fp8", True, "tbpo"),
+}
+PAPER_ARMS = {
+    "qwen3_30b_a3b_bf16_gspo": ("none", True, "gspo"),
+    "qwen3_30b_a3b_w4a16_rollout_gspo": ("w4a16", False, "gspo"),
+    "qwen3_30b_a3b_qarl_w4a16_tbpo": ("w4a16", True, "tbpo"),
+    "qwen3_30b_a3b_qarl_fp8_tbpo": ("fp8", True, "tbpo"),
+    "qwen3_30b_a3b_qarl_w4a16_tbpo_multinode": ("w4a16", True, "tbpo"),
+}
+
+
+def _world_sizes(name: str):
+    if name.startswith(("tiny", "_base_tiny")):
+        return [1, 2, 4]
+    if "multinode" in name:
+        return [16, 32]
+    return [8]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_shipped_config_validates(path):
+    for world in _world_sizes(path.stem):
+        cfg = load_config(path, world_size=world)
+        assert isinstance(cfg, RunConfig)
+
+
+def test_all_arms_are_shipped():
+    assert set(TINY_ARMS) | set(PAPER_ARMS) <= {p.stem for p in CONFIGS}
+
+
+@pytest.mark.parametrize("name", sorted(TINY_ARMS))
+def test_tiny_arms_resolve(name):
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", world_size=1)
+    scheme, aligned, loss = TINY_ARMS[name]
+    assert (cfg.quant.scheme, cfg.quant.learner_aligned, cfg.train.loss.name) == (scheme, aligned, loss)
+    assert cfg.name == name and cfg.logging.out_dir == f"runs/{name}"
+    assert cfg.model.preset == "tiny" and cfg.rollout.engine == "embedded"
+    assert (ROOT / cfg.data.path).is_file()
+    assert cfg.train.prompts_per_step * cfg.rollout.n == 64 and cfg.rollout.max_new_tokens == 8
+    assert 5e-5 <= cfg.train.optim.lr <= 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_ARMS))
+def test_paper_arms_use_table_2(name):
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+    scheme, aligned, loss = PAPER_ARMS[name]
+    assert (cfg.quant.scheme, cfg.quant.learner_aligned, cfg.train.loss.name) == (scheme, aligned, loss)
+    t, r = cfg.train, cfg.rollout
+    assert (t.prompts_per_step, r.n, t.mini_batch_prompts) == (512, 8, 64)
+    assert (t.optim.name, t.optim.lr, t.optim.weight_decay) == ("muon", 1e-6, 0.01)
+    assert (r.temperature, r.top_p, r.max_new_tokens, cfg.data.max_prompt_len) == (1.0, 1.0, 16384, 2048)
+    assert t.max_tokens_per_micro_batch == 22528
+    assert cfg.model.preset == "qwen3-30b-a3b" and r.engine == "sglang"
+    if loss == "tbpo":
+        lc = t.loss
+        assert (lc.seq_clip_ratio_high, lc.seq_clip_ratio_low, lc.neg_seq_clip_ratio_high,
+                lc.neg_seq_clip_ratio_low, lc.seq_tis_imp_ratio_cap) == (4e-4, 3e-4, 7e-4, 3e-4, 2.0)
+    if scheme == "w4a16":
+        assert (cfg.quant.scope, cfg.quant.group_size, r.sglang.moe_runner_backend) == ("experts", 128, "auto")
+
+
+def test_defaults_without_a_file():
+    cfg = load_config(None, [])
+    assert cfg == load_config(None, None)
+    assert cfg.model.preset == "tiny" and cfg.publish.bucket_mb == 512
+
+
+def test_overrides_win_over_yaml_and_convert_types():
+    path = ROOT / "configs" / "tiny_qarl_w4a16_tbpo.yaml"
+    cfg = load_config(path, ["train.steps=3", "rollout.sglang.port=31000", "train.optim.lr=2e-5",
+                             "quant.learner_aligned=false", "logging.wandb.mode=disabled"])
+    assert cfg.train.steps == 3 and isinstance(cfg.train.steps, int)
+    assert cfg.rollout.sglang.port == 31000
+    assert cfg.train.optim.lr == pytest.approx(2e-5)
+    assert cfg.quant.learner_aligned is False and cfg.quant.scheme == "w4a16"  # untouched keys stay
+    assert cfg.logging.wandb.mode == "disabled"
+
+
+def test_extends_chain_precedence(tmp_path):
+    (tmp_path / "a.yaml").write_text("train:\n  steps: 5\n  seed: 7\nrollout:\n  'n': 2\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\ntrain:\n  steps: 6\n")
+    (tmp_path / "c.yaml").write_text("extends: [b.yaml]\nname: c\n")
+    cfg = load_config(tmp_path / "c.yaml", ["train.seed=9"])
+    assert (cfg.name, cfg.train.steps, cfg.train.seed, cfg.rollout.n) == ("c", 6, 9, 2)
+
+
+def test_loss_variant_defaults_follow_an_overridden_name():
+    # The schema must not freeze the default loss's derived fields (aggregation, clip range).
+    dapo = load_config(None, ["train.loss.name=dapo"]).train.loss
+    assert (dapo.clip_ratio_low, dapo.clip_ratio_high) == (0.2, 0.28)
+    assert dapo.aggregation == "token-mean"
+    assert load_config(None, ["train.loss.name=gspo"]).train.loss.aggregation == "seq-mean"
+
+
+def test_to_yaml_round_trip(tmp_path):
+    cfg = load_config(ROOT / "configs" / "qwen3_30b_a3b_qarl_fp8_tbpo.yaml", ["train.steps=7"])
+    out = save_yaml(cfg, tmp_path / "sub" / "resolved.yaml")
+    assert out.read_text() == to_yaml(cfg)
+    assert [p.name for p in out.parent.iterdir()] == ["resolved.yaml"]  # no temp file left behind
+    assert load_config(out) == cfg
+
+
+def test_world_dependent_checks_only_with_a_world_size():
+    # 64 sequences per step do not split over 3 data-parallel ranks; without a world size that is unknown.
+    load_config(None, [])
+    with pytest.raises(ConfigError, match="not divisible by DP 3"):
+        load_config(None, [], world_size=3)
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rollout.engine=sglng", "train.mini_batch_prompts=5"])
+    assert "did you mean 'sglang'" in str(err.value)
+    assert "train.mini_batch_prompts=5" in str(err.value)
+
+
+BAD_CONFIGS = [
+    # (overrides, world_size, expected message fragment)
+    pytest.param(["train.stpes=3"], None, "unknown config key `train.stpes`. Did you mean `train.steps`?",
+                 id="unknown-key"),
+    pytest.param(["rollot.n=3"], None, "Did you mean `rollout`?", id="unknown-section"),
+    pytest.param(["quant.learner_alinged=false"], None, "Did you mean `quant.learner_aligned`?",
+                 id="unknown-quant-key"),
+    pytest.param(["train.steps=abc"], None, "train.steps", id="wrong-type"),
+    pytest.param(["train.steps"], None, "not of the form section.key=value", id="override-syntax"),
+    pytest.param(["rollout.engine=sglng"], None, "rollout.engine='sglng' is not one of", id="bad-choice"),
+    pytest.param(["model.hf_path=/x"], None, "set exactly one of model.preset", id="preset-and-hf-path"),
+    pytest.param(["train.mini_batch_prompts=5"], None,
+                 "train.prompts_per_step=16 is not divisible by train.mini_batch_prompts=5", id="mini-batch"),
+    pytest.param([], 3, "64 sequences is not divisible by DP 3", id="step-not-divisible-by-dp"),
+    pytest.param(["train.mini_batch_prompts=1", "rollout.n=2", "train.prompts_per_step=2",
+                  "train.micro_batch_size=1"], 4,
+                 "train.mini_batch_prompts x rollout.n = 2 sequences is not divisible by DP 4",
+                 id="mini-not-divisible-by-dp"),
+    pytest.param(["train.micro_batch_size=3"], 1, "not divisible by train.micro_batch_size=3",
+                 id="micro-batch"),
+    pytest.param(["parallel.tp=2"], 3, "parallel", id="tp-does-not-divide-world"),
+    pytest.param(["parallel.ep=3"], None, "parallel.ep=3 must divide the number of experts (8)",
+                 id="ep-does-not-divide-experts"),
+    pytest.param(["rollout.engine=sglang", "quant.scheme=w4a16", "quant.scope=experts+attention"], None,
+                 "cannot be refit in place", id="sglang-w4a16-attention"),
+    pytest.param(["rollout.engine=sglang", "quant.scheme=w4a16", "rollout.sglang.moe_runner_backend=triton"],
+                 None, "moe_runner_backend=triton with quant.scheme=w4a16", id="sglang-w4a16-triton"),
+    pytest.param(["model.preset=qwen3-30b-a3b", "quant.scheme=w4a16", "parallel.tp=4", "parallel.etp=4",
+                  "parallel.ep=2"], None,
+                 "mlp.experts.*.down_proj: input dim (moe_intermediate_size) 768 split over ETP 4 gives 192 "
+                 "per rank, not a multiple of the w4a16 group 128", id="expert-shard-not-whole-groups"),
+    pytest.param(["quant.scheme=fp8", "quant.scope=all-linears", "parallel.tp=2"], None,
+                 "self_attn.k_proj/v_proj: output dim (kv_heads*head_dim) 128 split over TP 2 gives 64",
+                 id="fp8-kv-shard-smaller-than-block"),
+    pytest.param(["quant.scheme=none", "quant.learner_aligned=false"], None,
+                 "learner_aligned=false only makes sense with a low-bit rollout", id="unaligned-without-quant"),
+    pytest.param(["train.max_tokens_per_micro_batch=10"], None, "below one full sequence",
+                 id="token-budget-too-small"),
+    pytest.param(["rollout.engine=vllm", "train.routing_replay=replay"], None, "needs routed experts",
+                 id="replay-needs-routed-experts"),
+    pytest.param(["rollout.top_p=0"], None, "rollout.top_p=0.0 must be in (0, 1]", id="top-p"),
+    pytest.param(["quant.scheme=int3"], None, "quant:", id="quant-owner-validation"),
+    pytest.param(["train.optim.name=sgd"], None, "train.optim:", id="optim-owner-validation"),
+    pytest.param(["train.loss.name=ppo2"], None, "ppo2", id="loss-owner-validation"),
+    pytest.param(["model.dtype=float32", "train.optim.bf16=true"], None, "contradicts model.dtype",
+                 id="bf16-params-with-fp32-compute"),
+]
+
+
+@pytest.mark.parametrize("overrides,world_size,message", BAD_CONFIGS)
+def test_bad_config_is_refused_with_its_message(overrides, world_size, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides, world_size=world_size)
+    assert message in str(err.value)
+
+
+def test_unknown_key_in_a_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout:\n  temprature: 0.7\n")
+    with pytest.raises(ConfigError, match="Did you mean `rollout.temperature`"):
+        load_config(path)
+
+
+def test_extends_cycle_and_missing_file(tmp_path):
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(ConfigError, match="`extends` cycle"):
+        load_config(tmp_path / "a.yaml")
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")

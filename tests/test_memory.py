@@ -1,0 +1,164 @@
+"""Parameter counts and the per-GPU memory estimate against hand-computed numbers and transformers' model."""
+
+import pytest
+import torch
+
+from megatron_qarl.config import load_config
+from megatron_qarl.memory import ModelShape, count_params, estimate_memory, format_dry_run, model_shape
+
+TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, intermediate_size=512,
+            vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6, norm_topk_prob=True,
+            tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[])
+QWEN3_30B_A3B = dict(TINY, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                     moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
+                     max_position_embeddings=40960)
+
+# Hand-computed (H hidden, L layers, hd head_dim, E experts, k top-k, F moe ffn, V vocab):
+#   per layer: q H*nh*hd + k,v 2*H*nkv*hd + o nh*hd*H + norms 2H + 2hd + router E*H + experts E*3*H*F
+#   plus embed V*H + lm_head V*H + final norm H.
+# tiny:  attention 196,608 + norms 640 + router 2,048 + experts 1,572,864 = 1,772,160 per layer
+#        -> 3,544,320 + 32,768 + 32,768 + 256 = 3,610,112; active experts 2 of 8: 393,216 -> 1,250,816.
+# 30B:   attention 18,874,368 + norms 4,352 + router 262,144 + experts 603,979,776 = 623,120,640 per layer
+#        -> 29,909,790,720 + 2 x 311,164,928 + 2,048 = 30,532,122,624; active 8 of 128 -> 3,353,032,704.
+TINY_TOTAL, TINY_ACTIVE = 3_610_112, 1_250_816
+TINY_EXPERTS, TINY_ATTENTION = 3_145_728, 393_216  # whole model
+Q30_TOTAL, Q30_ACTIVE = 30_532_122_624, 3_353_032_704
+
+
+def _hf_counts(hf_kwargs):
+    """Independent reference: transformers' Qwen3-MoE built on the meta device."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(**hf_kwargs)
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    active = total - experts + experts * cfg.num_experts_per_tok // cfg.num_experts
+    return total, active
+
+
+@pytest.mark.parametrize("hf_kwargs,total,active", [(TINY, TINY_TOTAL, TINY_ACTIVE),
+                                                    (QWEN3_30B_A3B, Q30_TOTAL, Q30_ACTIVE)],
+                         ids=["tiny", "qwen3-30b-a3b"])
+def test_param_counts_match_hand_computed_and_transformers(hf_kwargs, total, active):
+    counts = count_params(ModelShape.from_hf(hf_kwargs))
+    assert counts == {"total": total, "active": active}
+    assert _hf_counts(hf_kwargs) == (total, active)
+
+
+def test_qwen3_30b_a3b_known_totals():
+    counts = count_params(ModelShape.from_hf(QWEN3_30B_A3B))
+    assert round(counts["total"] / 1e9, 1) == 30.5
+    assert round(counts["active"] / 1e9, 1) == 3.4  # Qwen reports "3.3B activated" (non-embedding ~2.7B)
+    assert 3.3e9 < counts["active"] < 3.4e9
+
+
+def test_presets_resolve_to_the_same_shapes():
+    tiny = model_shape(load_config(None, ["model.preset=tiny"]).model)
+    assert tiny == ModelShape.from_hf(TINY)
+    big = model_shape(load_config(None, ["model.preset=qwen3-30b-a3b"]).model)
+    assert count_params(big)["total"] == Q30_TOTAL
+
+
+def test_hf_path_config_json(tmp_path):
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(**TINY).save_pretrained(tmp_path)
+    cfg = load_config(None, ["model.preset=null", f"model.hf_path={tmp_path}"])
+    assert count_params(model_shape(cfg.model)) == {"total": TINY_TOTAL, "active": TINY_ACTIVE}
+
+
+def test_dense_layers_counted_with_their_mlp():
+    cfg = dict(TINY, mlp_only_layers=[0])
+    counts = count_params(ModelShape.from_hf(cfg))
+    assert counts["total"] == _hf_counts(cfg)[0]
+    # layer 0: dense MLP 3*256*512 instead of router + experts
+    assert counts["total"] == TINY_TOTAL - (2_048 + 1_572_864) + 3 * 256 * 512
+
+
+def _tiny(*overrides, world_size=1):
+    return load_config(None, ["model.preset=tiny", "data.max_prompt_len=16", "rollout.max_new_tokens=8",
+                              "train.micro_batch_size=4", "publish.bucket_mb=16", *overrides],
+                       world_size=world_size)
+
+
+def test_tiny_w4a16_reference_memory_hand_computed():
+    est = estimate_memory(_tiny("quant.scheme=w4a16", "quant.backend=reference", "train.optim.name=adamw"))
+    mem = est["trainer_per_gpu"]
+    assert est["params"]["local_per_gpu"] == TINY_TOTAL
+    assert mem["master_fp32"] == 4 * TINY_TOTAL == 14_440_448
+    assert mem["grads_fp32"] == 14_440_448
+    assert mem["optimizer"] == 8 * TINY_TOTAL == 28_880_896
+    # bf16 copy only of what the aligned forward does not take from the quantized cache
+    assert mem["compute_copy_bf16"] == 2 * (TINY_TOTAL - TINY_EXPERTS) == 928_768
+    # int8 codes 1 B + bf16 scale per 128 + reference backend's dequantized bf16 weight
+    assert mem["quant_cache"] == TINY_EXPERTS + 2 * TINY_EXPERTS / 128 + 2 * TINY_EXPERTS == 9_486_336
+    assert mem["publish_bucket"] == 16 * 2 ** 20
+    # T = 4 x (16 + 8) = 96 tokens; per layer and token: attention 2*(2*256 + (2*4 + 2*2)*64) = 2,560;
+    # MoE 2*2*256 + 8*8 + 2*2*(256 + 3*256) = 5,184 -> 7,744 x 2 layers x 96 tokens
+    assert est["tokens_per_micro_batch"] == 96
+    assert mem["activations"] == 96 * 7_744 * 2 == 1_486_848
+    assert mem["logits"] == 96 * 128 * 6 == 73_728
+    parts = [v for k, v in mem.items() if k != "total"]
+    assert mem["total"] == sum(parts)
+
+
+def test_bf16_learner_arm_has_no_cache_and_full_bf16_copy():
+    mem = estimate_memory(_tiny("quant.scheme=w4a16", "quant.learner_aligned=false"))["trainer_per_gpu"]
+    assert mem["quant_cache"] == 0
+    assert mem["compute_copy_bf16"] == 2 * TINY_TOTAL
+
+
+def test_sharding_and_muon_state():
+    # TP 2 x EP 2, expert-TP 1, world 4: attention/embeddings/lm_head halved, experts halved (EP 2),
+    # router and norms replicated.
+    est = estimate_memory(_tiny("parallel.tp=2", "parallel.ep=2", "parallel.etp=1", "train.optim.name=muon",
+                                world_size=4), world_size=4)
+    attention, embed, router, norms = TINY_ATTENTION / 2, 2 * 32_768 / 2, 2 * 2_048, 2 * 640 + 256
+    experts = TINY_EXPERTS / 2
+    local = attention + embed + router + norms + experts
+    assert est["params"]["local_per_gpu"] == local == 1_807_872
+    assert est["layout"] == {"world_size": 4, "tp": 2, "ep": 2, "etp": 1, "pp": 1, "dp": 2, "expert_dp": 2}
+    mem = est["trainer_per_gpu"]
+    # Muon: one fp32 momentum for attention/router/experts; AdamW's two for embeddings and norms
+    assert mem["optimizer"] == 4 * (attention + router + experts) + 8 * (embed + norms)
+    assert mem["master_fp32"] == 4 * local
+
+
+def test_activation_recompute_keeps_layer_inputs_and_one_layer():
+    mem = estimate_memory(_tiny("train.recompute_activations=true"))["trainer_per_gpu"]
+    assert mem["activations"] == 96 * (2 * 256 * 2 + 7_744)
+
+
+def test_engine_weight_bytes_tiny():
+    w4 = estimate_memory(_tiny("quant.scheme=w4a16"))["engine"]
+    rest = TINY_TOTAL - TINY_EXPERTS
+    # int4 packed 0.5 B + bf16 scale per group of 128; the rest bf16
+    assert w4["published_total"] == 2 * rest + TINY_EXPERTS / 2 + 2 * TINY_EXPERTS / 128 == 2_550_784
+    assert w4["bf16_total"] == 2 * TINY_TOTAL
+    fp8 = estimate_memory(_tiny("quant.scheme=fp8", "quant.scope=all-linears"))["engine"]
+    linears = TINY_EXPERTS + TINY_ATTENTION
+    # e4m3 1 B + fp32 scale_inv per 128x128 block
+    assert fp8["published_total"] == linears + 4 * linears / 128 ** 2 + 2 * (TINY_TOTAL - linears)
+
+
+def test_qwen3_30b_a3b_w4a16_engine_weights():
+    cfg = load_config(None, ["model.preset=qwen3-30b-a3b", "quant.scheme=w4a16", "rollout.engine=sglang",
+                             "rollout.sglang.tp_size=2"])
+    eng = estimate_memory(cfg)["engine"]
+    experts = 48 * 128 * 3 * 2048 * 768
+    expected = experts // 2 + 2 * experts // 128 + 2 * (Q30_TOTAL - experts)
+    assert eng["published_total"] == expected == 18_030_686_208  # ~16.8 GiB (int4 checkpoints are ~17 GB)
+    assert eng["bf16_total"] == 2 * Q30_TOTAL
+    assert eng["per_engine_gpu"] == expected / 2
+
+
+def test_format_dry_run_reports_layout_params_and_memory():
+    text = format_dry_run(_tiny("parallel.ep=2", world_size=2), world_size=2)
+    assert "world 2 = TP 1 x PP 1 x DP 2; experts: EP 2 x ETP 1 x expert-DP 1" in text
+    assert "total 0.004 B, active per token 0.001 B" in text
+    assert "master_fp32" in text and "quant_cache" in text and "total" in text
+    assert "preset: tiny" in text  # the resolved config is part of it
