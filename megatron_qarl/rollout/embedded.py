@@ -1,0 +1,350 @@
+"""EmbeddedEngine: an in-process CPU rollout engine on transformers' Qwen3-MoE.
+
+It holds exactly the published payload: ``update_weights`` takes engine-layout named tensors (see
+``megatron_qarl.weights.engine_layout``) and dequantizes W4A16 / FP8 ones with the quant spec's own
+functions, so it generates with the same weights an SGLang engine would hold after the same refit.
+
+transformers 5.19 keeps a Qwen3-MoE layer's experts fused in memory:
+``mlp.experts.gate_up_proj`` [E, 2I, H] (rows [0, I) = gate_proj, [I, 2I) = up_proj) and
+``mlp.experts.down_proj`` [E, H, I]; per-expert checkpoint names are mapped into those slices.
+
+Sampled-token logprobs are ``log_softmax(logits / temperature)`` at the sampled token, computed in
+fp32 BEFORE top-k/top-p truncation — the definition vLLM and SGLang use for their returned logprobs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
+
+_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+class EngineWeightError(ValueError):
+    """A pushed tensor has an unknown name, a wrong shape/dtype, or an incomplete quantized group."""
+
+
+@dataclass
+class EmbeddedEngineConfig:
+    """``hf_config``: a transformers Qwen3MoeConfig (or dict); or ``checkpoint_dir`` to load from."""
+
+    hf_config: Any = None
+    checkpoint_dir: str | None = None
+    dtype: str = "bfloat16"
+    collect_routed_experts: bool = False
+    pad_token_id: int = 0
+    seed: int = 0
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported engine dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _sha256(t: torch.Tensor) -> str:
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+
+
+class EmbeddedEngine:
+    """transformers Qwen3-MoE held in-process; implements ``RolloutEngine``."""
+
+    def __init__(self, model, dtype: torch.dtype = torch.bfloat16, collect_routed_experts: bool = False,
+                 pad_token_id: int = 0):
+        self.model = model.to(dtype).eval()
+        self.dtype = dtype
+        self.collect_routed_experts = collect_routed_experts
+        self.pad_token_id = pad_token_id
+        self._params = dict(self.model.named_parameters())
+        self._in_update = False
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._received_digests: dict[str, str] = {}
+        self.updates_applied = 0
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_hf_config(cls, hf_config, dtype: str | torch.dtype = "bfloat16", seed: int = 0, **kw) -> "EmbeddedEngine":
+        """Randomly initialised model (seeded) — weights normally arrive via ``update_weights``."""
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        if isinstance(hf_config, dict):
+            hf_config = Qwen3MoeConfig(**hf_config)
+        torch.manual_seed(seed)
+        return cls(Qwen3MoeForCausalLM(hf_config), _resolve_dtype(dtype), **kw)
+
+    @classmethod
+    def from_hf_checkpoint(cls, checkpoint_dir: str, dtype: str | torch.dtype = "bfloat16", **kw) -> "EmbeddedEngine":
+        """Load an exported bf16 / compressed-tensors W4A16 / FP8 checkpoint directory through transformers
+        (which decompresses compressed-tensors checkpoints with the compressed-tensors library)."""
+        from transformers import Qwen3MoeForCausalLM
+
+        dt = _resolve_dtype(dtype)
+        model = Qwen3MoeForCausalLM.from_pretrained(checkpoint_dir, dtype=dt)
+        return cls(model, dt, **kw)
+
+    @classmethod
+    def from_config(cls, cfg: EmbeddedEngineConfig) -> "EmbeddedEngine":
+        kw = dict(collect_routed_experts=cfg.collect_routed_experts, pad_token_id=cfg.pad_token_id)
+        if cfg.checkpoint_dir:
+            return cls.from_hf_checkpoint(cfg.checkpoint_dir, cfg.dtype, **kw)
+        if cfg.hf_config is None:
+            raise ValueError("EmbeddedEngineConfig needs hf_config or checkpoint_dir")
+        return cls.from_hf_config(cfg.hf_config, cfg.dtype, seed=cfg.seed, **kw)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    # ------------------------------------------------------------------ weight updates
+    def begin_weight_update(self) -> None:
+        if self._in_update:
+            raise RolloutEngineError("begin_weight_update called while an update is already open")
+        self._in_update = True
+        self._pending.clear()
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Any) -> None:
+        """Apply engine-layout tensors (or a ``FlattenedBucket``). Any subset of the model may be pushed;
+        a quantized linear is applied once all its component tensors have arrived."""
+        if not self._in_update:
+            raise RolloutEngineError("update_weights outside begin_weight_update()/end_weight_update()")
+        if hasattr(named_tensors, "flattened_tensor") and hasattr(named_tensors, "metadata"):
+            from megatron_qarl.weights.buckets import unflatten_bucket
+
+            named_tensors = unflatten_bucket(named_tensors)
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                self._receive(name, tensor)
+
+    def end_weight_update(self) -> None:
+        if not self._in_update:
+            raise RolloutEngineError("end_weight_update without begin_weight_update")
+        self._in_update = False
+        if self._pending:
+            missing = {p: sorted(c) for p, c in self._pending.items()}
+            self._pending.clear()
+            raise EngineWeightError(f"incomplete quantized tensors at end of update (prefix: parts received): {missing}")
+        self.updates_applied += 1
+
+    def _receive(self, name: str, tensor: torch.Tensor) -> None:
+        self._received_digests[name] = _sha256(tensor)
+        for suffix in (".weight_packed", ".weight_scale", ".weight_shape"):
+            if name.endswith(suffix):
+                return self._stage(name[: -len(suffix)], suffix[1:], tensor, _W4A16_PARTS)
+        if name.endswith(".weight_scale_inv"):
+            return self._stage(name[: -len(".weight_scale_inv")], "weight_scale_inv", tensor, _FP8_PARTS)
+        if name.endswith(".weight") and tensor.dtype == torch.float8_e4m3fn:
+            return self._stage(name[: -len(".weight")], "weight", tensor, _FP8_PARTS)
+        self._write(name, tensor)
+
+    def _stage(self, prefix: str, part: str, tensor: torch.Tensor, parts: tuple[str, ...]) -> None:
+        group = self._pending.setdefault(prefix, {})
+        group[part] = tensor
+        if set(parts) <= set(group):
+            del self._pending[prefix]
+            self._write(prefix + ".weight", _dequantize_group(prefix, group, self.dtype))
+
+    def _write(self, hf_name: str, value: torch.Tensor) -> None:
+        target = self._target(hf_name)
+        if tuple(value.shape) != tuple(target.shape):
+            raise EngineWeightError(
+                f"{hf_name}: shape {tuple(value.shape)} does not match the model's {tuple(target.shape)}"
+            )
+        if not (value.is_floating_point()):
+            raise EngineWeightError(f"{hf_name}: expected a floating-point weight, got {value.dtype}")
+        target.copy_(value.to(target.dtype))
+
+    def _target(self, hf_name: str) -> torch.Tensor:
+        """The model tensor (or fused-expert slice) that checkpoint name ``hf_name`` lives in."""
+        m = _EXPERT_RE.match(hf_name)
+        if m:
+            base, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+            fused = self._params.get(f"{base}.{'down_proj' if proj == 'down' else 'gate_up_proj'}")
+            if fused is None or expert >= fused.shape[0]:
+                raise EngineWeightError(f"unknown expert tensor {hf_name!r} (model has no such expert)")
+            if proj == "down":
+                return fused.data[expert]
+            inter = fused.shape[1] // 2
+            return fused.data[expert, :inter] if proj == "gate" else fused.data[expert, inter:]
+        if hf_name not in self._params:
+            raise EngineWeightError(
+                f"unknown tensor name {hf_name!r}: not a parameter of this Qwen3-MoE model "
+                "(expected HF checkpoint names such as model.layers.0.self_attn.q_proj.weight)"
+            )
+        return self._params[hf_name].data
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The held weights under per-expert HF checkpoint names (copies)."""
+        out = {}
+        for name, p in self._params.items():
+            if name.endswith("mlp.experts.gate_up_proj"):
+                base, inter = name[: -len(".gate_up_proj")], p.shape[1] // 2
+                for e in range(p.shape[0]):
+                    out[f"{base}.{e}.gate_proj.weight"] = p.data[e, :inter].clone()
+                    out[f"{base}.{e}.up_proj.weight"] = p.data[e, inter:].clone()
+            elif name.endswith("mlp.experts.down_proj"):
+                base = name[: -len(".down_proj")]
+                for e in range(p.shape[0]):
+                    out[f"{base}.{e}.down_proj.weight"] = p.data[e].clone()
+            else:
+                out[name] = p.data.clone()
+        return out
+
+    def checksum(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        """sha256 of each named tensor's bytes AS RECEIVED (engine layout: packed codes, scales, fp8
+        bytes), for verifying a publish end to end. Names never received raise KeyError."""
+        names = list(self._received_digests) if names is None else list(names)
+        missing = [n for n in names if n not in self._received_digests]
+        if missing:
+            raise KeyError(f"no tensor received under names {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        return {n: self._received_digests[n] for n in names}
+
+    # ------------------------------------------------------------------ generation
+    def health(self) -> bool:
+        return self.model is not None
+
+    def shutdown(self) -> None:
+        self.model = None
+        self._params = {}
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:
+        if self.model is None:
+            raise RolloutEngineError("engine was shut down")
+        if self._in_update:
+            raise RolloutEngineError("generate called during an open weight update")
+        if not prompt_token_ids or any(len(p) == 0 for p in prompt_token_ids):
+            raise ValueError("every prompt needs at least one token")
+        rows = [(i, p) for i, p in enumerate(prompt_token_ids) for _ in range(sampling.n)]
+        gen = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
+        return _SamplingLoop(self, rows, sampling, gen).run()
+
+
+_W4A16_PARTS = ("weight_packed", "weight_scale", "weight_shape")
+_FP8_PARTS = ("weight", "weight_scale_inv")
+
+
+def _dequantize_group(prefix: str, group: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    from megatron_qarl import quant
+
+    if "weight_packed" in group:
+        n, k = (int(v) for v in group["weight_shape"].tolist())
+        scales = group["weight_scale"]
+        if scales.dim() != 2 or scales.shape[0] != n or scales.shape[1] == 0 or k % scales.shape[1]:
+            raise EngineWeightError(f"{prefix}: weight_scale shape {tuple(scales.shape)} inconsistent with weight_shape {(n, k)}")
+        if tuple(group["weight_packed"].shape) != (n, k // 8):
+            raise EngineWeightError(f"{prefix}: weight_packed shape {tuple(group['weight_packed'].shape)} != {(n, k // 8)}")
+        codes = quant.unpack_int4_groupwise(group["weight_packed"], (n, k))
+        return quant.dequantize_int4_groupwise(codes, scales, group_size=k // scales.shape[1], dtype=dtype)
+    qweight, scale_inv = group["weight"], group["weight_scale_inv"]
+    n, k = qweight.shape
+    block = _fp8_block_size(n, k, scale_inv.shape, prefix)
+    return quant.dequantize_fp8_block(qweight, scale_inv, block=block, dtype=dtype)
+
+
+def _fp8_block_size(n: int, k: int, grid: torch.Size, prefix: str) -> int:
+    for block in (128, 64, 256, 32):
+        if tuple(grid) == (-(-n // block), -(-k // block)):
+            return block
+    raise EngineWeightError(f"{prefix}: weight_scale_inv grid {tuple(grid)} fits no block size for weight {(n, k)}")
+
+
+def _filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) tokens outside top-k and outside the top-p nucleus."""
+    if top_k > 0 and top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # keep a token if the mass strictly before it is < top_p (the top token always survives)
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+class _SamplingLoop:
+    """Batched, left-padded autoregressive sampling with a KV cache."""
+
+    def __init__(self, engine: EmbeddedEngine, rows, sampling: SamplingParams, gen: torch.Generator):
+        self.engine, self.rows, self.sp, self.gen = engine, rows, sampling, gen
+        self.collect = engine.collect_routed_experts
+
+    def _forward(self, ids, mask, past):
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+        self._captured = []
+        return self.engine.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=past,
+                                 use_cache=True)
+
+    def _install_route_hooks(self):
+        """Record each router's selected expert ids (its 3rd output) in layer order."""
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+        routers = [m for m in self.engine.model.modules() if isinstance(m, Qwen3MoeTopKRouter)]
+        return [r.register_forward_hook(lambda _m, _i, out: self._captured.append(out[2])) for r in routers]
+
+    def _routes(self, batch: int) -> torch.Tensor:
+        """[B, layers, topk] expert ids of the single token just fed."""
+        return torch.stack([idx.reshape(batch, -1) for idx in self._captured], dim=1).to(torch.uint8)
+
+    def run(self) -> list[GenerationResult]:
+        hooks = self._install_route_hooks() if self.collect else []
+        try:
+            return self._run()
+        finally:
+            for h in hooks:
+                h.remove()
+
+    def _run(self) -> list[GenerationResult]:
+        sp, batch = self.sp, len(self.rows)
+        max_len = max(len(p) for _, p in self.rows)
+        ids = torch.full((batch, max_len), self.engine.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((batch, max_len), dtype=torch.long)
+        for r, (_, p) in enumerate(self.rows):
+            ids[r, max_len - len(p):] = torch.tensor(p)
+            mask[r, max_len - len(p):] = 1
+        tokens, logps, routes = [[] for _ in range(batch)], [[] for _ in range(batch)], []
+        finish = [None] * batch
+        stop = set(sp.stop_token_ids)
+        out = self._forward(ids, mask, None)
+        for step in range(sp.max_new_tokens):
+            scaled = out.logits[:, -1].float() / sp.temperature
+            logp = torch.log_softmax(scaled, dim=-1)
+            probs = torch.softmax(_filter_logits(scaled, sp.top_k, sp.top_p), dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=self.gen)
+            for r in range(batch):
+                if finish[r] is None:
+                    t = int(nxt[r])
+                    tokens[r].append(t)
+                    logps[r].append(float(logp[r, t]))
+                    if t in stop:
+                        finish[r] = "stop"
+            if all(f is not None for f in finish):
+                break
+            if step + 1 == sp.max_new_tokens and not self.collect:
+                break
+            mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
+            out = self._forward(nxt, mask, out.past_key_values)
+            if self.collect:
+                routes.append(self._routes(batch))
+        if self.collect and len(routes) < max(len(t) for t in tokens):
+            # the last sampled token has not been fed yet: one more forward gives its routing
+            mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
+            out = self._forward(nxt, mask, out.past_key_values)
+            routes.append(self._routes(batch))
+        results = []
+        for r, (prompt_index, _) in enumerate(self.rows):
+            routed = torch.stack(routes[: len(tokens[r])], dim=0)[:, r] if self.collect else None
+            results.append(GenerationResult(prompt_index, tokens[r], logps[r], finish[r] or "length", routed))
+        return results

@@ -1,0 +1,110 @@
+"""The rollout-engine protocol the trainer talks to, its value types, and the engine factory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+FINISH_REASONS = ("stop", "length")
+
+
+class RolloutEngineError(RuntimeError):
+    """An engine failed to start, answer, or accept weights."""
+
+
+@dataclass
+class SamplingParams:
+    """Sampling settings. ``top_k <= 0`` and ``top_p >= 1`` disable those filters."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    n: int = 1
+
+    def __post_init__(self):
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (got {self.temperature}); use a small value for near-greedy")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+
+@dataclass
+class GenerationResult:
+    """One sampled response.
+
+    ``logprobs[t]`` = log_softmax(logits_t / temperature)[token_t]: the sampled token's log-probability
+    under the temperature-scaled distribution, BEFORE top-k/top-p truncation (what vLLM and SGLang
+    return). ``routed_experts``: uint8 [T, layers, topk] expert ids the engine routed each response
+    token's forward through, or None when not collected.
+    """
+
+    prompt_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    routed_experts: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} logprobs")
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:
+        """``n`` results per prompt, ordered by prompt then sample."""
+
+    def begin_weight_update(self) -> None: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Any) -> None:
+        """Engine-layout named tensors, or a ``FlattenedBucket``; only inside begin/end."""
+
+    def end_weight_update(self) -> None: ...
+
+    def health(self) -> bool: ...
+
+    def shutdown(self) -> None: ...
+
+
+ENGINE_NAMES = ("embedded", "sglang", "vllm")
+
+
+def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def make_engine(cfg: Any) -> RolloutEngine:
+    """Build the engine named by ``cfg.name`` (``embedded`` | ``sglang`` | ``vllm``).
+
+    ``cfg`` is a dict or object; remaining keys go to the engine's config dataclass.
+    """
+    name = _cfg_get(cfg, "name")
+    options = dict(cfg) if isinstance(cfg, dict) else {k: v for k, v in vars(cfg).items()}
+    options.pop("name", None)
+    if name == "embedded":
+        from megatron_qarl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
+
+        return EmbeddedEngine.from_config(EmbeddedEngineConfig(**options))
+    if name == "sglang":
+        from megatron_qarl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+
+        return SGLangEngine(SGLangEngineConfig(**options))
+    if name == "vllm":
+        raise NotImplementedError(
+            "the vLLM engine is not implemented yet; use rollout engine 'embedded' (CPU) or 'sglang' (GPU)"
+        )
+    raise ValueError(f"unknown rollout engine {name!r}; expected one of {ENGINE_NAMES}")

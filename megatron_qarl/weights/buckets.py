@@ -1,0 +1,190 @@
+"""Bucketing of engine-layout named tensors into SGLang ``flattened_bucket`` payloads.
+
+A bucket is one contiguous 1-D tensor plus per-tensor metadata ``(name, shape, dtype, start_idx,
+end_idx, numel)`` — the format of SGLang's ``FlattenedTensorBucket`` (srt/weight_sync/tensor_bucket.py).
+SGLang reconstructs with ``flattened[start:end].reshape(shape)`` followed by ``.to(dtype)`` — a value
+*cast*, not a bit view — so a bucket holds tensors of ONE dtype, indices count elements, and the
+flattened tensor has that dtype (slime and SGLang's own callers group by dtype the same way). A uint8
+byte buffer would be mis-read by SGLang (packed int32 weights would be cast from single bytes).
+
+Routed experts and the rest never share a bucket (experts are refit on a different path in the engine
+and are the bulk of the bytes). A tensor larger than the bucket size gets a bucket of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from megatron_qarl.weights.engine_layout import is_routed_expert
+
+DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+
+_ENGINE_SUFFIXES = (".weight_packed", ".weight_scale_inv", ".weight_scale", ".weight_shape", ".weight")
+
+
+def is_expert_engine_name(name: str) -> bool:
+    """Routed-expert tensor in engine layout (any of its W4A16 / FP8 / bf16 component names)."""
+    for suffix in _ENGINE_SUFFIXES:
+        if name.endswith(suffix):
+            return is_routed_expert(name[: -len(suffix)] + ".weight")
+    return False
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> "TensorMeta":
+        return cls(name, tuple(tensor.shape), tensor.dtype)
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    """One tensor inside a flattened bucket (field names are SGLang's FlattenedTensorMetadata)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+def _check_bucket_bytes(bucket_bytes: int) -> None:
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+
+
+def _bucket_key(name: str, dtype: torch.dtype) -> tuple[bool, torch.dtype]:
+    return (is_expert_engine_name(name), dtype)
+
+
+def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[TensorMeta]]:
+    """Group tensor metas into buckets of at most ``bucket_bytes`` (an oversized tensor: its own bucket).
+
+    Each bucket holds one kind (routed experts or not) and one dtype; groups are listed experts first,
+    then in order of first occurrence; tensor order within a group is preserved.
+    """
+    _check_bucket_bytes(bucket_bytes)
+    groups: dict[tuple[bool, torch.dtype], list[TensorMeta]] = {}
+    for m in metas:
+        groups.setdefault(_bucket_key(m.name, m.dtype), []).append(m)
+    out: list[list[TensorMeta]] = []
+    for key in sorted(groups, key=lambda k: not k[0]):  # sorted() is stable: experts first
+        out += _greedy(groups[key], bucket_bytes)
+    return out
+
+
+def _greedy(metas: list[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]]:
+    buckets: list[list[TensorMeta]] = []
+    current: list[TensorMeta] = []
+    used = 0
+    for m in metas:
+        if current and used + m.nbytes > bucket_bytes:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(m)
+        used += m.nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class FlattenedBucket:
+    """Several same-dtype named tensors back to back in one 1-D tensor, plus their metadata."""
+
+    def __init__(self, flattened_tensor: torch.Tensor, metadata: list[BucketEntry]):
+        if flattened_tensor.dim() != 1:
+            raise ValueError("flattened_tensor must be 1-D")
+        for m in metadata:
+            if m.dtype != flattened_tensor.dtype:
+                raise ValueError(
+                    f"bucket of dtype {flattened_tensor.dtype} cannot hold {m.name!r} of dtype {m.dtype}; "
+                    "use one bucket per dtype (SGLang casts values, it does not reinterpret bytes)"
+                )
+        self.flattened_tensor = flattened_tensor
+        self.metadata = metadata
+
+    @classmethod
+    def from_named_tensors(cls, named_tensors: list[tuple[str, torch.Tensor]]) -> "FlattenedBucket":
+        if not named_tensors:
+            raise ValueError("cannot build an empty bucket; skip the update instead")
+        dtypes = {t.dtype for _, t in named_tensors}
+        if len(dtypes) != 1:
+            raise ValueError(f"a bucket holds one dtype, got {sorted(map(str, dtypes))}; group by dtype first")
+        chunks, metadata, offset = [], [], 0
+        for name, tensor in named_tensors:
+            flat = tensor.detach().contiguous().reshape(-1)
+            metadata.append(BucketEntry(name, tensor.shape, tensor.dtype, offset, offset + flat.numel(), flat.numel()))
+            chunks.append(flat)
+            offset += flat.numel()
+        return cls(torch.cat(chunks), metadata)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.flattened_tensor.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.flattened_tensor.numel() * self.flattened_tensor.element_size()
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.metadata]
+
+    def to_sglang_dict(self) -> dict:
+        """``{"flattened_tensor", "metadata"}`` as ``update_weights_from_tensor(load_format=
+        "flattened_bucket")`` expects. Metadata become SGLang's own dataclass when it is importable (the
+        engine process unpickles them and may not import this package), else ours (same attributes)."""
+        try:
+            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata as Meta
+        except ImportError:
+            Meta = BucketEntry
+        meta = [
+            Meta(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx, end_idx=m.end_idx, numel=m.numel)
+            for m in self.metadata
+        ]
+        return {"flattened_tensor": self.flattened_tensor, "metadata": meta}
+
+
+def unflatten_bucket(bucket: FlattenedBucket) -> list[tuple[str, torch.Tensor]]:
+    """Named tensors back from a bucket: views of its buffer, bit-identical to what went in."""
+    return [(m.name, bucket.flattened_tensor[m.start_idx : m.end_idx].reshape(m.shape)) for m in bucket.metadata]
+
+
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Iterator[FlattenedBucket]:
+    """Stream buckets from a stream of named tensors.
+
+    At most one open bucket per (expert?, dtype) group — a handful (bf16, int32, fp8, fp32), never the
+    whole model; a bucket is emitted as soon as the next tensor would overflow it. A tensor larger
+    than ``bucket_bytes`` is emitted alone. An empty input yields nothing.
+    """
+    _check_bucket_bytes(bucket_bytes)
+    pending: dict[tuple[bool, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    used: dict[tuple[bool, torch.dtype], int] = {}
+    for name, tensor in named_tensors:
+        key = _bucket_key(name, tensor.dtype)
+        size = tensor.numel() * tensor.element_size()
+        if pending.get(key) and used[key] + size > bucket_bytes:
+            yield FlattenedBucket.from_named_tensors(pending[key])
+            pending[key], used[key] = [], 0
+        pending.setdefault(key, []).append((name, tensor))
+        used[key] = used.get(key, 0) + size
+    for items in pending.values():
+        if items:
+            yield FlattenedBucket.from_named_tensors(items)
