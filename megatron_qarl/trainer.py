@@ -11,6 +11,7 @@ One RL step:
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,9 +72,11 @@ def collect_rollouts(ctx, step: int) -> tuple[RolloutBatch, dict]:
     cfg = ctx.cfg
     payload = None
     if ctx.is_rollout_rank:
-        prompts = ctx.data.next_prompts(cfg.train.prompts_per_step)
-        prompt_ids = [p.token_ids for p in prompts for _ in range(cfg.rollout.n)]
-        results = ctx.engine.generate(prompt_ids, ctx.sampling)
+        prompts = ctx.data.next_batch(cfg.train.prompts_per_step)
+        prompt_ids = [p.prompt_ids for p in prompts for _ in range(cfg.rollout.n)]
+        # A per-step seed makes a resumed run sample exactly what the uninterrupted run sampled.
+        sampling = dataclasses.replace(ctx.sampling, seed=ctx.sampling.seed + step)
+        results = ctx.engine.generate(prompt_ids, sampling)
         texts = ctx.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
         answers = [p.answer for p in prompts for _ in range(cfg.rollout.n)]
         rewards = torch.tensor(ctx.reward_fn(texts, answers), dtype=torch.float32)
@@ -132,5 +135,6 @@ def policy_update(ctx, batch: RolloutBatch) -> dict:
     # Each rank's loss terms are already divided by the global count: summing over DP gives the loss.
     # The loss metrics include the sampler<->learner mismatch (mismatch/k1, k3): old vs sampler log-probs.
     out = reduce_metrics(ctx.gather_dp(call_metrics))
+    out["loss/value"] /= len(step_metrics)  # summed over mini-batches above: report their mean
     out.update(reduce_metrics(step_metrics))
     return out
