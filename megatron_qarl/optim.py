@@ -519,10 +519,18 @@ class QarlOptimizer:
         self.optimizer.zero_grad(set_to_none)
 
     def step(self):
-        """megatron's (success, grad_norm, num_zeros_in_grad); advances the schedule on success."""
+        """megatron's (success, grad_norm, num_zeros_in_grad); advances the schedule on success.
+
+        Ends by dropping the ``param.grad`` aliases of ``main_grad`` that megatron's optimizer set:
+        left in place, the next backward accumulates into ``param.grad`` (= ``main_grad``) and DDP's
+        hook then adds it to ``main_grad`` again, doubling the next gradients. (megatron's own
+        train_step avoids this with ``optimizer.zero_grad()`` at the start of every iteration.)
+        The gradients stay readable in ``param.main_grad`` until DDP's ``zero_grad_buffer()``.
+        """
         success, grad_norm, num_zeros = self.optimizer.step()
         if success:
             self.scheduler.step(1)
+        self.optimizer.zero_grad(set_to_none=True)
         return success, grad_norm, num_zeros
 
     def current_lr(self) -> float:
