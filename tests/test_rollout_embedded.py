@@ -98,8 +98,8 @@ def test_routed_experts_match_hf_router_choice(fp32_engine):
         seq = torch.tensor([prompt + r.token_ids])
         with torch.no_grad():
             router_logits = ref(input_ids=seq, output_router_logits=True).router_logits
-        expected = torch.stack([rl[len(prompt):].topk(2, dim=-1).indices for rl in router_logits], dim=1)
-        assert r.routed_experts.shape == (len(r.token_ids), 2, 2)
+        expected = torch.stack([rl[:-1].topk(2, dim=-1).indices for rl in router_logits], dim=1)
+        assert r.routed_experts.shape == (len(prompt) + len(r.token_ids) - 1, 2, 2)
         assert r.routed_experts.dtype == torch.uint8
         assert torch.equal(r.routed_experts.long().sort(-1).values, expected.sort(-1).values)
 

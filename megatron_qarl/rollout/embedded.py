@@ -294,9 +294,9 @@ class _SamplingLoop:
         routers = [m for m in self.engine.model.modules() if isinstance(m, Qwen3MoeTopKRouter)]
         return [r.register_forward_hook(lambda _m, _i, out: self._captured.append(out[2])) for r in routers]
 
-    def _routes(self, batch: int) -> torch.Tensor:
-        """[B, layers, topk] expert ids of the single token just fed."""
-        return torch.stack([idx.reshape(batch, -1) for idx in self._captured], dim=1).to(torch.uint8)
+    def _routes(self, batch: int, seq: int) -> torch.Tensor:
+        """[B, seq, layers, topk] expert ids of the tokens just fed."""
+        return torch.stack([idx.reshape(batch, seq, -1) for idx in self._captured], dim=2).to(torch.uint8)
 
     def run(self) -> list[GenerationResult]:
         hooks = self._install_route_hooks() if self.collect else []
@@ -318,6 +318,7 @@ class _SamplingLoop:
         finish = [None] * batch
         stop = set(sp.stop_token_ids)
         out = self._forward(ids, mask, None)
+        prompt_routes = self._routes(batch, max_len) if self.collect else None
         for step in range(sp.max_new_tokens):
             scaled = out.logits[:, -1].float() / sp.temperature
             logp = torch.log_softmax(scaled, dim=-1)
@@ -332,19 +333,18 @@ class _SamplingLoop:
                         finish[r] = "stop"
             if all(f is not None for f in finish):
                 break
-            if step + 1 == sp.max_new_tokens and not self.collect:
+            if step + 1 == sp.max_new_tokens:
                 break
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
             out = self._forward(nxt, mask, out.past_key_values)
             if self.collect:
-                routes.append(self._routes(batch))
-        if self.collect and len(routes) < max(len(t) for t in tokens):
-            # the last sampled token has not been fed yet: one more forward gives its routing
-            mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
-            out = self._forward(nxt, mask, out.past_key_values)
-            routes.append(self._routes(batch))
+                routes.append(self._routes(batch, 1)[:, 0])
         results = []
-        for r, (prompt_index, _) in enumerate(self.rows):
-            routed = torch.stack(routes[: len(tokens[r])], dim=0)[:, r] if self.collect else None
+        for r, (prompt_index, prompt) in enumerate(self.rows):
+            routed = None
+            if self.collect:
+                # SGLang's convention: every fed position, prompt + response minus the never-fed last token
+                fed = [prompt_routes[r, max_len - len(prompt):]] + [x[r : r + 1] for x in routes[: len(tokens[r]) - 1]]
+                routed = torch.cat(fed, dim=0)
             results.append(GenerationResult(prompt_index, tokens[r], logps[r], finish[r] or "length", routed))
         return results
