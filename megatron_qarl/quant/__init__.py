@@ -1,4 +1,11 @@
 """Low-bit numerics spec (int4 W4A16, FP8 block), aligned linear with STE, per-step cache, backends."""
+from megatron_qarl.quant.aligned import AlignedLinearFunction, aligned_linear, aligned_weight, fp8_fake_quant_activation
+from megatron_qarl.quant.backends import (
+    BackendUnavailableError,
+    get_backend,
+    install_spec_weight_quantizers,
+)
+from megatron_qarl.quant.cache import CacheCounters, CacheEntry, QuantCache
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.quant.engine_layout import (
     engine_tensors_for_linear,
@@ -24,6 +31,9 @@ from megatron_qarl.quant.int4 import (
 )
 
 __all__ = [
+    "AlignedLinearFunction", "BackendUnavailableError", "CacheCounters", "CacheEntry", "QuantCache",
+    "aligned_linear", "aligned_weight", "fp8_fake_quant_activation", "get_backend",
+    "install_spec_weight_quantizers",
     "FP8_MAX", "Fp8Weight", "Int4Weight", "QuantConfig", "QuantizationError",
     "dequantize_fp8_activation", "dequantize_fp8_block", "dequantize_int4_groupwise",
     "engine_tensors_for_linear", "fp8_engine_tensors", "int4_engine_tensors",

@@ -40,11 +40,14 @@ class Fp8Weight:
     scale_inv: torch.Tensor
     block: int
 
+    # fp32 holds e4m3 x fp32-scale products exactly; bf16 would round them.
+    exact_dtype = torch.float32
+
     @property
     def shape(self) -> torch.Size:
         return self.qweight.shape
 
-    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_fp8_block(self.qweight, self.scale_inv, self.block, dtype)
 
 
@@ -87,7 +90,7 @@ def dequantize_fp8_block(
     qweight: torch.Tensor,
     scale_inv: torch.Tensor,
     block: int = 128,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """e4m3 [N, K] x fp32 scale_inv [ceil(N/b), ceil(K/b)] -> weight [N, K] in `dtype`."""
     _check_block(block, "dequantize_fp8_block")

@@ -42,6 +42,11 @@ class Int4Weight:
     def shape(self) -> torch.Size:
         return self.codes.shape
 
+    @property
+    def exact_dtype(self) -> torch.dtype:
+        # code x scale is computed in the scales' dtype (bf16), so that dtype holds it exactly.
+        return self.scales.dtype
+
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return dequantize_int4_groupwise(self.codes, self.scales, self.group_size, dtype)
 

@@ -1,0 +1,237 @@
+"""GEMM backends behind `QuantConfig.backend`. Numerics are the spec's; backends only change speed.
+
+Every backend consumes the spec's codes/scales (never re-derives its own from the master weight):
+
+* `reference` -- pure torch dequantize-then-matmul (CPU and GPU), see `aligned.py` for the exact rule.
+* `marlin`    -- W4A16 GEMM of SGLang's kernel package (`gptq_marlin_gemm` via SGLang's
+                 `apply_gptq_marlin_linear`), fed the spec's packed codes transposed to the GPTQ layout
+                 and repacked exactly as SGLang's `CompressedTensorsWNA16.process_weights_after_loading`
+                 does. CUDA only.
+* `te`        -- TransformerEngine FP8 with `Float8BlockScaling` (128x128 weights, 1x128 activations),
+                 fp32 (non power-of-two) scales via `NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1` to match the
+                 spec's amax/448 rule; TE is given the spec-dequantized weight, whose re-quantization
+                 reproduces the spec codes (every block holds an exact e4m3 value times its scale and its
+                 amax maps to 448). CUDA only.
+* `modelopt`  -- the forward math of `reference`; `install_spec_weight_quantizers` swaps the weight
+                 quantizers that `modelopt.torch.quantization.quantize` inserted into a model for ones that
+                 apply the spec (modelopt's own INT4 rule maps amax to 7, not 7.5, so its codes differ).
+
+Backward is the straight-through rule of `AlignedLinearFunction` for all backends.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from megatron_qarl.quant.aligned import reference_fp8_forward, reference_w4a16_forward
+from megatron_qarl.quant.errors import QuantizationError
+from megatron_qarl.quant.fp8 import Fp8Weight
+from megatron_qarl.quant.int4 import Int4Weight, pack_int4_groupwise
+
+
+class BackendUnavailableError(QuantizationError):
+    """A backend whose hardware or package is missing on this machine."""
+
+
+def _require_cuda(backend: str, tensor: torch.Tensor, needs: str) -> None:
+    if not torch.cuda.is_available() or tensor.device.type != "cuda":
+        raise BackendUnavailableError(
+            f"quant backend {backend!r} needs CUDA ({needs}); this tensor is on {tensor.device} and "
+            f"torch.cuda.is_available()={torch.cuda.is_available()}. Use backend='reference' on CPU."
+        )
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def prepare(self, qweight, dequantized: torch.Tensor) -> Any:
+        return None
+
+    def forward(self, x, qweight, prepared, dequantized: torch.Tensor) -> torch.Tensor:
+        if isinstance(qweight, Int4Weight):
+            return reference_w4a16_forward(x, dequantized)
+        if isinstance(qweight, Fp8Weight):
+            return reference_fp8_forward(x, dequantized, qweight.block)
+        raise QuantizationError(f"reference backend: unsupported quantized weight {type(qweight).__name__}")
+
+
+@dataclass
+class MarlinWeight:
+    """Marlin-repacked weight and the side tensors `apply_gptq_marlin_linear` needs."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    workspace: torch.Tensor
+    empty: torch.Tensor
+    size_n: int
+    size_k: int
+
+
+def _sglang_marlin():
+    try:
+        from sglang.srt.layers.quantization import marlin_utils
+    except ImportError as exc:  # pragma: no cover - GPU-only dependency
+        raise BackendUnavailableError(
+            "quant backend 'marlin' needs sglang with its CUDA kernel package (sgl_kernel) installed"
+        ) from exc
+    try:
+        from sglang.kernels.ops.quantization.gptq_marlin_repack import gptq_marlin_repack
+    except ImportError:  # older sglang: the op lives in sgl_kernel
+        from sgl_kernel import gptq_marlin_repack
+    try:
+        from sglang.srt.layers.quantization.utils import get_scalar_types
+
+        _, scalar_types = get_scalar_types()
+    except ImportError:
+        from sgl_kernel.scalar_type import scalar_types
+    return marlin_utils, gptq_marlin_repack, scalar_types
+
+
+class MarlinBackend:
+    """W4A16 through SGLang's Marlin GEMM, consuming the spec's packed codes and bf16 scales."""
+
+    name = "marlin"
+
+    def prepare(self, qweight, dequantized: torch.Tensor) -> MarlinWeight:
+        if not isinstance(qweight, Int4Weight):
+            raise QuantizationError("marlin backend implements W4A16 only")
+        _require_cuda(self.name, qweight.codes, "SGLang Marlin int4 GEMM")
+        marlin_utils, gptq_marlin_repack, _ = _sglang_marlin()
+        n, k = qweight.codes.shape
+        device = qweight.codes.device
+        # compressed-tensors weight_packed [N, K/8] transposed is the GPTQ qweight [K/8, N] (same nibble
+        # order along K, same +8 offset = uint4b8); SGLang transposes the same way before repacking.
+        gptq_qweight = pack_int4_groupwise(qweight.codes).t().contiguous()
+        empty = marlin_utils.marlin_make_empty_g_idx(device)
+        repacked = gptq_marlin_repack(gptq_qweight, perm=empty, size_k=k, size_n=n, num_bits=4)
+        scales = marlin_utils.marlin_permute_scales(
+            qweight.scales.t().contiguous(), size_k=k, size_n=n, group_size=qweight.group_size
+        )
+        return MarlinWeight(repacked, scales, marlin_utils.marlin_make_workspace(device), empty, n, k)
+
+    def forward(self, x, qweight, prepared: MarlinWeight, dequantized) -> torch.Tensor:
+        _require_cuda(self.name, x, "SGLang Marlin int4 GEMM")
+        marlin_utils, _, scalar_types = _sglang_marlin()
+        return marlin_utils.apply_gptq_marlin_linear(
+            input=x,
+            weight=prepared.qweight,
+            weight_scale=prepared.scales,
+            weight_zp=prepared.empty,
+            g_idx=prepared.empty,
+            g_idx_sort_indices=prepared.empty,
+            workspace=prepared.workspace,
+            wtype=scalar_types.uint4b8,
+            output_size_per_partition=prepared.size_n,
+            input_size_per_partition=prepared.size_k,
+            is_k_full=True,
+        )
+
+
+TE_FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
+
+
+def _transformer_engine():
+    # TE reads this when it builds block-scaling quantizers; the spec's scale rule is exact amax/448.
+    os.environ[TE_FP32_SCALES_ENV] = "1"
+    try:
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import Float8BlockScaling
+    except ImportError as exc:  # pragma: no cover - GPU-only dependency
+        raise BackendUnavailableError("quant backend 'te' needs transformer_engine (CUDA build) installed") from exc
+    return te, Float8BlockScaling
+
+
+class TransformerEngineBackend:
+    """FP8 block-scaled GEMM through a TE `Linear` under a `Float8BlockScaling` autocast."""
+
+    name = "te"
+
+    def prepare(self, qweight, dequantized: torch.Tensor):
+        if not isinstance(qweight, Fp8Weight):
+            raise QuantizationError("te backend implements FP8 only")
+        if qweight.block != 128:
+            raise QuantizationError(f"te Float8BlockScaling uses 128x128 blocks, config has {qweight.block}")
+        _require_cuda(self.name, qweight.qweight, "TransformerEngine FP8 block scaling")
+        te, _ = _transformer_engine()
+        n, k = qweight.qweight.shape
+        layer = te.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device=qweight.qweight.device)
+        with torch.no_grad():
+            layer.weight.copy_(dequantized.to(torch.bfloat16))
+        layer.weight.requires_grad_(False)
+        return layer
+
+    def forward(self, x, qweight, prepared, dequantized) -> torch.Tensor:
+        _require_cuda(self.name, x, "TransformerEngine FP8 block scaling")
+        te, Float8BlockScaling = _transformer_engine()
+        with torch.no_grad(), te.fp8_autocast(enabled=True, fp8_recipe=Float8BlockScaling()):
+            return prepared(x)
+
+
+class ModeloptBackend(ReferenceBackend):
+    """Spec numerics inside modelopt-quantized models (see `install_spec_weight_quantizers`)."""
+
+    name = "modelopt"
+
+
+_BACKENDS = {
+    "reference": ReferenceBackend,
+    "marlin": MarlinBackend,
+    "te": TransformerEngineBackend,
+    "modelopt": ModeloptBackend,
+}
+_INSTANCES: dict[str, Any] = {}
+
+
+def get_backend(backend) -> Any:
+    """Backend object for a name (or pass an object through)."""
+    if not isinstance(backend, str):
+        return backend
+    if backend not in _BACKENDS:
+        raise QuantizationError(f"unknown quant backend {backend!r}; choose one of {tuple(_BACKENDS)}")
+    if backend not in _INSTANCES:
+        _INSTANCES[backend] = _BACKENDS[backend]()
+    return _INSTANCES[backend]
+
+
+class SpecWeightQuantizer(torch.nn.Module):
+    """Drop-in for a modelopt `weight_quantizer`: returns the spec-dequantized weight with STE backward.
+
+    With a `QuantCache` the weight is quantized once per optimizer step.
+    """
+
+    def __init__(self, quant_cfg, cache=None, name: Optional[str] = None):
+        super().__init__()
+        self.quant_cfg = quant_cfg
+        self.cache = cache
+        self.param_name = name
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        from megatron_qarl.quant.aligned import aligned_weight
+        from megatron_qarl.quant.engine_layout import quantize_weight
+
+        if self.cache is not None:
+            return self.cache.aligned_weight(weight, name=self.param_name, dtype=weight.dtype)
+        qweight = quantize_weight(weight, self.quant_cfg)
+        deq = qweight.dequantize(qweight.exact_dtype).to(weight.dtype)
+        return aligned_weight(weight, deq)
+
+
+def install_spec_weight_quantizers(model: torch.nn.Module, quant_cfg, cache=None) -> int:
+    """Replace every enabled modelopt `weight_quantizer` in `model` by `SpecWeightQuantizer`.
+
+    Returns the number replaced. Call after `modelopt.torch.quantization.quantize(model, ...)`.
+    """
+    replaced = 0
+    for module_name, module in model.named_modules():
+        quantizer = getattr(module, "weight_quantizer", None)
+        if quantizer is None or isinstance(quantizer, SpecWeightQuantizer):
+            continue
+        if not getattr(quantizer, "is_enabled", True):
+            continue
+        name = f"{module_name}.weight" if module_name else "weight"
+        module.weight_quantizer = SpecWeightQuantizer(quant_cfg, cache, name)
+        replaced += 1
+    return replaced

@@ -1,0 +1,122 @@
+"""Per-optimizer-step cache of quantized weights.
+
+Master weights change only at `optimizer.step()`, so each weight is quantized once per step and the
+result (codes + scales, the spec-dequantized weight, the backend's prepared form) is reused by every
+micro-batch's forward and by the weight publisher. An entry is stale when
+* `invalidate()` was called (hooked to `optimizer.step()` by `attach_to_optimizer`), or
+* the master tensor's `_version` counter or storage changed since it was quantized (any in-place
+  update, e.g. an optimizer not hooked, or a checkpoint load).
+
+Wiring into megatron's Column/RowParallelLinear (whose `_forward_impl` takes `weight`) is one line:
+``weight = cache.aligned_weight(self.weight, name)`` in place of ``self.weight``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from megatron_qarl.quant.aligned import aligned_linear, aligned_weight
+from megatron_qarl.quant.backends import get_backend
+from megatron_qarl.quant.config import QuantConfig
+from megatron_qarl.quant.engine_layout import QuantizedWeight, engine_tensors_for_linear, quantize_weight
+from megatron_qarl.quant.errors import QuantizationError
+
+
+@dataclass
+class CacheEntry:
+    qweight: QuantizedWeight
+    dequantized: torch.Tensor
+    prepared: Any
+    version: int
+    data_ptr: int
+    generation: int
+
+
+@dataclass
+class CacheCounters:
+    quantize_calls: int = 0
+    hits: int = 0
+    invalidations: int = 0
+
+
+@dataclass
+class QuantCache:
+    """Quantize-once-per-step cache keyed by parameter name (or tensor identity).
+
+    `dequant_dtype` is the dtype of the cached dequantized weight; None keeps the spec's exact output
+    (bf16 for int4, fp32 for FP8).
+    """
+
+    quant_cfg: QuantConfig
+    dequant_dtype: Optional[torch.dtype] = None
+    counters: CacheCounters = field(default_factory=CacheCounters)
+
+    def __post_init__(self) -> None:
+        if not self.quant_cfg.enabled:
+            raise QuantizationError("QuantCache needs a quantizing scheme; got scheme='none'")
+        self._entries: dict[Any, CacheEntry] = {}
+        self._generation = 0
+        self._backend = get_backend(self.quant_cfg.backend)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def invalidate(self) -> None:
+        """Mark every entry stale (the masters changed)."""
+        self._generation += 1
+        self.counters.invalidations += 1
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.invalidate()
+
+    def attach_to_optimizer(self, optimizer: torch.optim.Optimizer):
+        """Invalidate after every `optimizer.step()`; returns the hook handle."""
+        return optimizer.register_step_post_hook(lambda *_args, **_kwargs: self.invalidate())
+
+    # -- lookups ---------------------------------------------------------------------------------
+    def _key(self, master: torch.Tensor, name: Optional[str]):
+        return name if name is not None else id(master)
+
+    def _fresh(self, entry: Optional[CacheEntry], master: torch.Tensor) -> bool:
+        return (
+            entry is not None
+            and entry.generation == self._generation
+            and entry.version == master._version
+            and entry.data_ptr == master.data_ptr()
+        )
+
+    def entry(self, master: torch.Tensor, name: Optional[str] = None) -> CacheEntry:
+        """The cached quantization of `master`, quantizing it if missing or stale."""
+        key = self._key(master, name)
+        entry = self._entries.get(key)
+        if self._fresh(entry, master):
+            self.counters.hits += 1
+            return entry
+        with torch.no_grad():
+            qweight = quantize_weight(master, self.quant_cfg)
+            dequantized = qweight.dequantize(self.dequant_dtype or qweight.exact_dtype)
+            prepared = self._backend.prepare(qweight, dequantized)
+        self.counters.quantize_calls += 1
+        entry = CacheEntry(qweight, dequantized, prepared, master._version, master.data_ptr(), self._generation)
+        self._entries[key] = entry
+        return entry
+
+    # -- uses ------------------------------------------------------------------------------------
+    def aligned_weight(self, master: torch.Tensor, name: Optional[str] = None,
+                       dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """STE weight (value: spec-dequantized, grad: into `master`) for any linear taking `weight`."""
+        entry = self.entry(master, name)
+        deq = entry.dequantized if dtype is None else entry.dequantized.to(dtype)
+        return aligned_weight(master, deq)
+
+    def linear(self, x: torch.Tensor, master: torch.Tensor, name: Optional[str] = None,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Aligned linear through the configured backend with this step's cached weight."""
+        entry = self.entry(master, name)
+        return aligned_linear(x, master, entry.qweight, self._backend, bias=bias,
+                              dequantized=entry.dequantized, prepared=entry.prepared)
+
+    def engine_tensors(self, prefix: str, master: torch.Tensor, name: Optional[str] = None) -> dict:
+        """Engine-layout tensors for publishing, from the cached codes (never re-quantizes if fresh)."""
+        return engine_tensors_for_linear(prefix, self.entry(master, name).qweight, self.quant_cfg, quantized=True)
