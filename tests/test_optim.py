@@ -243,7 +243,7 @@ def test_adamw_through_megatron_equals_hand_adamw_with_clipping(torchrun):
 
 @pytest.mark.dist
 def test_muon_tp2_update_equals_whole_matrix_muon(torchrun):
-    out = torchrun(2, "optim_muon_tp.py", "2")
+    out = torchrun(2, "optim_muon_tp.py", "2", "1")
     assert out["max_abs_diff"] <= 1e-6
     checked = " ".join(out["checked"])
     for kind in ("linear_qkv", "linear_proj", "mlp.router", "local_experts.0.linear_fc1",
@@ -251,6 +251,14 @@ def test_muon_tp2_update_equals_whole_matrix_muon(torchrun):
         assert kind in checked, kind
     # Orthogonalising shards on their own is a different update, not a rounding effect.
     assert out["blockwise_rel_diff"] and max(out["blockwise_rel_diff"].values()) > 0.05
+
+
+@pytest.mark.dist
+def test_muon_ep2_experts_are_whole_and_match_torch_muon(torchrun):
+    out = torchrun(2, "optim_muon_tp.py", "1", "2")
+    assert out["max_abs_diff"] <= 1e-6
+    assert sum("local_experts" in name for name in out["checked"]) == 2 * 2 * 2  # layers x local experts x fc1/fc2
+    assert not out["blockwise_rel_diff"]  # nothing is TP-sharded
 
 
 @pytest.mark.dist

@@ -7,7 +7,7 @@ VOCAB = 128
 SEQ = 16
 
 
-def build_ddp_model(tp: int, seed: int = 1234):
+def build_ddp_model(tp: int, seed: int = 1234, ep: int = 1):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -21,6 +21,7 @@ def build_ddp_model(tp: int, seed: int = 1234):
         moe_grouped_gemm=False, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
         layernorm_epsilon=1e-6, qk_layernorm=True, add_bias_linear=False, hidden_dropout=0.0,
         attention_dropout=0.0, tensor_model_parallel_size=tp, expert_tensor_parallel_size=tp,
+        expert_model_parallel_size=ep,
         sequence_parallel=tp > 1, use_cpu_initialization=True, params_dtype=torch.float32,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, init_method_std=0.02)

@@ -1,7 +1,7 @@
-"""Muon fallback under TP (argv[1] = tp size, world = tp): each rank's updated shard must equal the
+"""Muon fallback under TP or EP (argv: tp, ep; world 2): each rank's updated shard must equal the
 slice of torch.optim.Muon applied to the WHOLE (TP=1 layout) matrix, reconstructed here from the
-gathered grads and params. Covers qkv (split into q/k/v), row-parallel proj/fc2, GLU fc1 (dense and
-expert-TP), and the router. Also checks the Muon/AdamW split, and measures blockwise vs whole."""
+gathered grads and params. Covers qkv (split into q/k/v), row-parallel proj/fc2, expert GLU fc1
+(sharded over expert-TP, or whole under EP), and the router. Also checks the Muon/AdamW split, and measures blockwise vs whole."""
 import sys
 
 import torch
@@ -17,9 +17,18 @@ STEPS = 2
 LR, WD = 0.02, 0.1
 
 
-def gather(t: torch.Tensor) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t.contiguous())
+def tp_group_of(p):
+    """The group a parameter is tensor-parallel-sharded over (expert TP for experts)."""
+    from megatron.core import parallel_state
+
+    if not getattr(p, "allreduce", True):
+        return parallel_state.get_expert_tensor_parallel_group()
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
     return out
 
 
@@ -75,10 +84,9 @@ def reference_muon(name, whole_param, whole_grad, cfg, shard_split: int = 1):
 
 
 def main():
-    tp = int(sys.argv[1])
-    init_distributed(ParallelLayout(tp=tp), seed=1234)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_ddp_model(tp)
+    tp, ep = int(sys.argv[1]), int(sys.argv[2])
+    init_distributed(ParallelLayout(tp=tp, ep=ep), seed=1234)
+    model = build_ddp_model(tp, ep=ep)
     tcfg = model.config
     names = param_names(model)
     opt = build_optimizer(OptimConfig(name="muon", lr=LR, weight_decay=WD, clip_grad=0.0), [model])
@@ -99,7 +107,9 @@ def main():
     before = {}
     for name, p in model.named_parameters():
         if id(p) in muon_ids:
-            before[name] = (to_whole(name, gather(p.detach()), p), to_whole(name, gather(p.main_grad), p))
+            group = tp_group_of(p)
+            before[name] = (to_whole(name, gather(p.detach(), group), p),
+                            to_whole(name, gather(p.main_grad, group), p))
     for _ in range(STEPS):
         success, grad_norm, _ = opt.step()
         assert success and grad_norm > 0
@@ -109,6 +119,8 @@ def main():
         if name not in before:
             continue
         whole_p, whole_g = before[name]
+        group = tp_group_of(p)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
         expected = from_whole(name, reference_muon(name, whole_p, whole_g, tcfg), p, rank, world)
         diff = (p.detach() - expected).abs().max().item()
         worst = max(worst, diff)
@@ -125,7 +137,7 @@ def main():
     worst_t = torch.tensor([worst])
     dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
     write_result({
-        "tp": tp, "max_abs_diff": worst_t.item(), "checked": checked,
+        "tp": tp, "ep": ep, "max_abs_diff": worst_t.item(), "checked": checked,
         "n_muon": len(muon_ids), "n_adamw": len(adam_ids),
         "blockwise_rel_diff": blockwise_rel,
     })
