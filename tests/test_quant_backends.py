@@ -1,0 +1,160 @@
+"""QuantConfig validation, backend selection, GPU backends vs reference, modelopt on CPU."""
+import copy
+
+import pytest
+import torch
+
+from megatron_qarl.quant import (
+    BackendUnavailableError,
+    QuantCache,
+    QuantConfig,
+    QuantizationError,
+    aligned_linear,
+    get_backend,
+    install_spec_weight_quantizers,
+    quantize_fp8_block,
+    quantize_int4_groupwise,
+)
+
+
+# -- config ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(scheme="int3"), "unknown quant scheme 'int3'"),
+        (dict(scheme="w4a16", scope="mlp"), "unknown quant scope 'mlp'"),
+        (dict(scheme="w4a16", backend="cutlass"), "unknown quant backend 'cutlass'"),
+        (dict(scheme="w4a16", group_size=100), "group_size must be a positive multiple of 8"),
+        (dict(scheme="fp8", block_size=0), "block_size must be a positive multiple of 8"),
+        (dict(scheme="fp8", scope="experts"), "scheme 'fp8' does not support scope 'experts'.*all-linears"),
+        (dict(scheme="w4a16", backend="te"), "backend 'te' implements .*fp8"),
+        (dict(scheme="fp8", scope="all-linears", backend="marlin"), "backend 'marlin' implements .*w4a16"),
+    ],
+)
+def test_config_errors_name_the_problem(kwargs, message):
+    with pytest.raises(QuantizationError, match=message):
+        QuantConfig(**kwargs)
+
+
+def test_config_validate_catches_later_mutation():
+    cfg = QuantConfig(scheme="w4a16")
+    cfg.scope = "everything"
+    with pytest.raises(ValueError, match="unknown quant scope"):
+        cfg.validate()
+
+
+def test_scope_membership_per_scheme():
+    expert = "model.layers.0.mlp.experts.7.down_proj.weight"
+    attn = "model.layers.0.self_attn.k_proj.weight"
+    never = ["model.layers.0.mlp.gate.weight", "model.embed_tokens.weight", "lm_head.weight",
+             "model.layers.0.input_layernorm.weight"]
+    experts = QuantConfig(scheme="w4a16", scope="experts")
+    wide = QuantConfig(scheme="w4a16", scope="experts+attention")
+    fp8 = QuantConfig(scheme="fp8", scope="all-linears")
+    assert experts.quantizes(expert) and not experts.quantizes(attn)
+    assert wide.quantizes(expert) and wide.quantizes(attn)
+    assert fp8.quantizes(expert) and fp8.quantizes(attn) and fp8.quantizes("model.layers.1.mlp.up_proj")
+    assert not any(cfg.quantizes(n) for cfg in (experts, wide, fp8) for n in never)
+    assert not QuantConfig().quantizes(expert)
+    with pytest.raises(QuantizationError, match="K=200"):
+        experts.check_divisible((64, 200), "w")
+
+
+# -- backend selection / CPU errors ---------------------------------------------------------------
+def test_unknown_backend_name():
+    with pytest.raises(QuantizationError, match="unknown quant backend"):
+        get_backend("triton")
+
+
+@pytest.mark.parametrize("backend, qweight", [
+    ("marlin", quantize_int4_groupwise(torch.randn(64, 256))),
+    ("te", quantize_fp8_block(torch.randn(128, 256))),
+])
+def test_gpu_backends_on_cpu_tensors_raise_clear_error(backend, qweight):
+    with pytest.raises(BackendUnavailableError, match=f"backend '{backend}' needs CUDA"):
+        get_backend(backend).prepare(qweight, qweight.dequantize(qweight.exact_dtype))
+
+
+def test_backend_rejects_the_other_scheme():
+    with pytest.raises(QuantizationError, match="W4A16 only"):
+        get_backend("marlin").prepare(quantize_fp8_block(torch.randn(128, 128)), None)
+    with pytest.raises(QuantizationError, match="FP8 only"):
+        get_backend("te").prepare(quantize_int4_groupwise(torch.randn(64, 128)), None)
+
+
+# -- GPU backends vs reference --------------------------------------------------------------------
+@pytest.mark.gpu
+def test_marlin_consumes_spec_codes_exactly_and_matches_reference_gemm():
+    pytest.importorskip("sgl_kernel")
+    torch.manual_seed(0)
+    n, k = 512, 1024
+    master = torch.randn(n, k, device="cuda") * 0.02
+    q = quantize_int4_groupwise(master)
+    deq = q.dequantize()
+    # Identity input reads the weight back: each output is one product (code*scale)*1, exact in bf16.
+    eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
+    y_eye = aligned_linear(eye, master, q, backend="marlin")
+    assert torch.equal(y_eye, deq.t()), "marlin does not reproduce the spec's dequantized weight"
+    x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    y = aligned_linear(x, master, q, backend="marlin")
+    ref = aligned_linear(x, master, q, backend="reference")
+    # Both accumulate in fp32 and round to bf16 once; differences are summation order -> ~1 bf16 ulp.
+    torch.testing.assert_close(y, ref, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_te_fp8_block_matches_reference():
+    pytest.importorskip("transformer_engine")
+    torch.manual_seed(0)
+    n, k = 512, 1024
+    master = torch.randn(n, k, device="cuda") * 0.02
+    q = quantize_fp8_block(master)
+    x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    y = aligned_linear(x, master, q, backend="te")
+    ref = aligned_linear(x, master, q, backend="reference")
+    # Same codes and scales; TE multiplies by 1/scale where the spec divides, which can flip a rare
+    # activation tie by one e4m3 step; accumulation order differs.
+    torch.testing.assert_close(y, ref, rtol=3e-2, atol=3e-2)
+
+
+# -- modelopt (runs on CPU when nvidia-modelopt is installed) -------------------------------------
+def test_modelopt_int4_native_codes_vs_spec_and_spec_quantizer_swap():
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    torch.manual_seed(0)
+    n, k = 256, 512
+    model = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False)).to(torch.bfloat16)
+    x = torch.randn(4, k, dtype=torch.bfloat16)
+    mtq.quantize(model, copy.deepcopy(mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG), forward_loop=lambda m: m(x))
+    layer = model[0]
+    with torch.no_grad():
+        native = layer.weight_quantizer(layer.weight).float()
+    # modelopt's INT4 block rule: scale = 7 / amax (fp32), codes round(w * scale) in [-7, 7].
+    scale = (7.0 / layer.weight_quantizer.amax.float().reshape(n, k // 128)).repeat_interleave(128, 1)
+    native_codes = torch.round(native * scale).to(torch.int8)
+    spec = quantize_int4_groupwise(layer.weight)
+    differing = int((native_codes != spec.codes).sum())
+    print(f"modelopt INT4 block native codes differing from the spec: {differing} of {spec.codes.numel()}")
+    # The backend therefore swaps in the spec's quantizer; after the swap 0 codes/values differ.
+    cfg = QuantConfig(scheme="w4a16", scope="all-linears", backend="modelopt")
+    assert install_spec_weight_quantizers(model, cfg) == 1
+    with torch.no_grad():
+        swapped = layer.weight_quantizer(layer.weight)
+    assert torch.equal(swapped, spec.dequantize())
+    assert torch.equal(model(x), x @ spec.dequantize().t())
+    # And gradients flow straight through into the weight.
+    model(x).float().sum().backward()
+    assert torch.equal(layer.weight.grad, (torch.ones(4, n, dtype=torch.bfloat16).t() @ x))
+
+
+def test_modelopt_swap_uses_the_step_cache():
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False))
+    x = torch.randn(2, 256)
+    mtq.quantize(model, copy.deepcopy(mtq.INT4_BLOCKWISE_WEIGHT_ONLY_CFG), forward_loop=lambda m: m(x))
+    cfg = QuantConfig(scheme="w4a16", scope="all-linears", backend="modelopt")
+    cache = QuantCache(cfg, dequant_dtype=torch.float32)
+    install_spec_weight_quantizers(model, cfg, cache)
+    for _ in range(3):
+        model(x)
+    assert cache.counters.quantize_calls == 1
