@@ -187,46 +187,34 @@ class _NoStream:
     """Placeholder for the alltoall dispatcher's class-level DtoH stream (never used on CPU)."""
 
 
+def _as_host_sizes(sizes):
+    return sizes.numpy() if torch.is_tensor(sizes) else sizes
+
+
 def _cpu_maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
-    # Split sizes and counts already live on the host: there is nothing to copy or wait for.
+    # megatron's CUDA path copies the split sizes to host numpy arrays on a side stream at
+    # cuda_dtoh_point; its helper skips tensors that are not CUDA, so on CPU the splits would stay
+    # tensors, which gloo's all_to_all_single rejects (TypeError). Same conversion, no streams/events.
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        self.input_splits = _as_host_sizes(self.input_splits)
+        self.output_splits = _as_host_sizes(self.output_splits)
+        self.output_splits_tp = _as_host_sizes(self.output_splits_tp)
     return tokens_per_expert
 
 
 @_workaround
 def alltoall_dispatcher_streams() -> list[Patch]:
-    """``MoEAlltoAllTokenDispatcher.__init__`` creates ``torch.cuda.Stream()`` and
-    ``_maybe_dtoh_and_synchronize`` uses ``torch.cuda.current_stream/stream`` and events to copy split
-    sizes to the host ("torch.cuda.Stream requires CUDA support"). On CPU they are already host tensors."""
+    """``MoEAlltoAllTokenDispatcher.__init__`` creates ``torch.cuda.Stream()`` ("torch.cuda.Stream
+    requires CUDA support") and ``_maybe_dtoh_and_synchronize`` uses ``torch.cuda.current_stream/stream``
+    and events to copy the split sizes to host numpy arrays; its copy helper leaves CPU tensors as
+    tensors, which gloo's ``all_to_all_single`` then rejects at EP>1 (TypeError). The replacement does the
+    same host conversion without streams."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
 
     patches = [_set(D, "_maybe_dtoh_and_synchronize", _cpu_maybe_dtoh_and_synchronize)]
     if D.cuda_dtoh_stream is None:
         patches.append(_set(D, "cuda_dtoh_stream", _NoStream()))
     return patches
-
-
-def _as_int_list(sizes):
-    if sizes is None or isinstance(sizes, list):
-        return sizes
-    if torch.is_tensor(sizes):
-        return [int(s) for s in sizes.tolist()]
-    return [int(s) for s in sizes]
-
-
-@_workaround
-def gloo_all_to_all_split_lists() -> list[Patch]:
-    """gloo's ``all_to_all_single`` accepts split sizes only as python lists; on CPU the alltoall token
-    dispatcher passes them as tensors (its DtoH step converts them to numpy only for CUDA tensors),
-    giving a TypeError at EP>1. ``tensor_parallel.mappings.all_to_all`` converts them to lists."""
-    from megatron.core.tensor_parallel import mappings
-
-    original = mappings.all_to_all
-
-    @functools.wraps(original)
-    def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None):
-        return original(group, input_, _as_int_list(output_split_sizes_), _as_int_list(input_split_sizes))
-
-    return _replace_everywhere(mappings, "all_to_all", all_to_all)
 
 
 def _sequence_parallel_torch_norm_new(original_new: Callable) -> Callable:
@@ -266,7 +254,7 @@ def _gather_uneven_first_dim(original: Callable) -> Callable:
     def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
         if output_split_sizes is None or group.size() == 1:
             return original(input_, group, output_split_sizes, use_global_buffer)
-        sizes = _as_int_list(output_split_sizes)
+        sizes = [int(n) for n in output_split_sizes]
         longest = max(sizes)
         padded = input_.new_zeros([longest, *input_.shape[1:]])
         padded[: input_.shape[0]] = input_
@@ -277,34 +265,16 @@ def _gather_uneven_first_dim(original: Callable) -> Callable:
     return _gather_along_first_dim
 
 
-def _reduce_scatter_uneven_first_dim(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
-        if input_split_sizes is None or group.size() == 1:
-            return original(input_, group, input_split_sizes, use_global_buffer)
-        sizes = _as_int_list(input_split_sizes)
-        summed = input_.contiguous().clone()
-        torch.distributed.all_reduce(summed, group=group)
-        start = sum(sizes[: group.rank()])
-        return summed[start : start + sizes[group.rank()]].contiguous()
-
-    return _reduce_scatter_along_first_dim
-
-
 @_workaround
-def gloo_uneven_gather_scatter() -> list[Patch]:
-    """``tensor_parallel/mappings.py`` ``_gather_along_first_dim`` / ``_reduce_scatter_along_first_dim``
-    with uneven split sizes (alltoall dispatcher at TP>1 x EP>1) call ``all_gather``/``reduce_scatter``
-    with lists of unequal tensors: "ProcessGroupGloo::allgather: invalid tensor size". Uneven gathers pad
-    to the longest split; uneven reduce-scatters all-reduce and keep the local slice."""
+def gloo_uneven_gather() -> list[Patch]:
+    """``tensor_parallel/mappings.py`` ``_gather_along_first_dim`` with uneven ``output_split_sizes``
+    (alltoall dispatcher at TP>1 x EP>1) calls ``all_gather`` with a list of unequal tensors, which gloo
+    refuses: "ProcessGroupGloo::allgather: invalid tensor size". Uneven gathers pad every rank's part to
+    the longest split and trim after. (Uneven reduce-scatter works on gloo and is left alone.)"""
     from megatron.core.tensor_parallel import mappings
 
     return _replace_everywhere(
         mappings, "_gather_along_first_dim", _gather_uneven_first_dim(mappings._gather_along_first_dim)
-    ) + _replace_everywhere(
-        mappings,
-        "_reduce_scatter_along_first_dim",
-        _reduce_scatter_uneven_first_dim(mappings._reduce_scatter_along_first_dim),
     )
 
 
