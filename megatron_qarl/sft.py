@@ -1,0 +1,523 @@
+"""Supervised warm-up (SFT) of a megatron-core Qwen3-MoE on the synthetic arithmetic task.
+
+RL needs a policy whose sampled answers are sometimes right and sometimes wrong (groups with mixed
+rewards). A randomly initialised tiny model never is, so the CPU demo first trains it with next-token
+cross-entropy on ``prompt -> answer<eos>`` pairs, the loss restricted to the answer tokens, and saves a
+megatron dist checkpoint that the RL run loads through ``model.init_checkpoint``.
+
+The prompt is rendered exactly as the RL prompt loader renders it (the tokenizer's chat template with
+a generation prompt), and the answer is the response the RL reward expects (``579`` + EOS), so SFT and
+RL see one token distribution. Fresh problems are drawn every step; evaluation prompts are held out.
+
+Usage (one process, or under torchrun for TP/EP/DP):
+
+    python -m megatron_qarl.sft --config configs/tiny_qarl_w4a16_tbpo.yaml sft.steps=300
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_qarl.rl.synthetic import ArithmeticTaskConfig, make_problem
+
+SFT_DTYPES = ("float32",)
+
+
+class SFTConfigError(ValueError):
+    """An SFT setting is invalid; the message names the setting and the fix."""
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm-up: optimisation, task distribution, evaluation and output.
+
+    The task fields must match the RL prompts (same digits / operators / style), otherwise RL starts
+    from a policy trained on another distribution. Defaults are tuned for the CPU demo: about two
+    minutes on 2 cores to a temperature-1 accuracy in the 0.2-0.5 band (see the module report).
+    """
+
+    steps: int = 300
+    batch_size: int = 64  # sequences per optimizer step, over all data-parallel ranks
+    lr: float = 2e-3
+    lr_warmup_steps: int = 20
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    seed: int = 0
+    # Task distribution (megatron_qarl.rl.synthetic.ArithmeticTaskConfig fields).
+    min_digits: int = 2
+    max_digits: int = 2
+    operators: str = "+"
+    style: str = "plain"
+    # Evaluation on held-out prompts: greedy and temperature-1 sampled exact match.
+    eval_every: int = 100  # steps; 0 = only at the end
+    eval_prompts: int = 128
+    eval_max_new_tokens: int = 8  # same budget as the RL rollout (rollout.max_new_tokens)
+    eval_temperature: float = 1.0
+    # Stop early once the sampled accuracy at an evaluation reaches this (None: run all steps).
+    stop_at_sampled_accuracy: float | None = None
+    log_every: int = 10
+    # Learner dtype. fp32 only: megatron's bf16 optimizer (Float16OptimizerWithFloat16Params)
+    # requires CUDA tensors.
+    dtype: str = "float32"
+    init_checkpoint: str | None = None  # continue from a dist checkpoint instead of random init
+    out_checkpoint: str | None = "runs/sft/checkpoint"
+    overwrite: bool = True  # replace an existing out_checkpoint (atomically)
+
+    def validate(self) -> "SFTConfig":
+        problems = []
+        for name in ("steps", "batch_size", "eval_prompts", "eval_max_new_tokens", "log_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)!r}: must be an integer >= 1")
+        for name in ("eval_every", "lr_warmup_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)!r}: must be an integer >= 0")
+        if not self.lr > 0:
+            problems.append(f"lr={self.lr}: must be > 0 (e.g. 2e-3)")
+        if not self.eval_temperature > 0:
+            problems.append(f"eval_temperature={self.eval_temperature}: must be > 0 (greedy is always evaluated)")
+        if self.stop_at_sampled_accuracy is not None and not 0 < self.stop_at_sampled_accuracy <= 1:
+            problems.append(f"stop_at_sampled_accuracy={self.stop_at_sampled_accuracy}: must be in (0, 1] or null")
+        if self.dtype not in SFT_DTYPES:
+            problems.append(f"dtype={self.dtype!r}: choose one of {SFT_DTYPES} (megatron's bf16 optimizer "
+                            "needs CUDA; the RL learner may still compute in bf16)")
+        try:
+            self.task_config()
+        except ValueError as err:
+            problems.append(f"task: {err}")
+        if problems:
+            raise SFTConfigError("invalid SFT config: " + "; ".join(problems))
+        return self
+
+    def task_config(self, seed: int | None = None) -> ArithmeticTaskConfig:
+        return ArithmeticTaskConfig(min_digits=self.min_digits, max_digits=self.max_digits,
+                                    operations=tuple(self.operators), style=self.style,
+                                    seed=self.seed if seed is None else seed)
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: encoding, loss mask, batches
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SFTBatch:
+    """Right-padded next-token batch. ``labels[:, t]`` is the token after ``input_ids[:, t]``;
+    ``loss_mask[:, t]`` is 1 where that label is an answer token (or the closing EOS)."""
+
+    input_ids: torch.Tensor  # [B, S] int64
+    labels: torch.Tensor  # [B, S] int64
+    loss_mask: torch.Tensor  # [B, S] float32
+    padding_mask: torch.Tensor  # [B, S] bool, True = padding
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    @property
+    def num_tokens(self) -> int:
+        return int((~self.padding_mask).sum().item())
+
+
+def prompt_token_ids(tokenizer, prompt: str) -> list[int]:
+    """The prompt as the RL prompt loader renders it (rl/data.py): chat template + generation prompt."""
+    messages = [{"role": "user", "content": prompt}]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt)["input_ids"])
+
+
+def answer_token_ids(tokenizer, answer: str) -> list[int]:
+    """The response the RL reward expects: the answer text, then EOS."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no eos_token_id; SFT teaches the model to stop with it")
+    return list(tokenizer(answer, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+
+
+def encode_example(prompt_ids: Sequence[int], answer_ids: Sequence[int]) -> tuple[list[int], list[int], list[float]]:
+    """(input_ids, labels, loss_mask) of one ``prompt + answer`` sequence, shifted for next-token loss.
+
+    The sequence is prompt+answer without its last token; position t predicts token t+1, which is an
+    answer token exactly for t >= len(prompt) - 1.
+    """
+    if not prompt_ids or not answer_ids:
+        raise ValueError("an SFT example needs a non-empty prompt and a non-empty answer")
+    full = list(prompt_ids) + list(answer_ids)
+    inputs, labels = full[:-1], full[1:]
+    mask = [0.0] * (len(prompt_ids) - 1) + [1.0] * len(answer_ids)
+    return inputs, labels, mask
+
+
+def collate(examples: Sequence[tuple[list[int], list[int], list[float]]], pad_id: int,
+            pad_multiple: int = 1) -> SFTBatch:
+    seq = max(len(e[0]) for e in examples)
+    seq = int(math.ceil(seq / pad_multiple) * pad_multiple)
+    n = len(examples)
+    input_ids = torch.full((n, seq), pad_id, dtype=torch.long)
+    labels = torch.full((n, seq), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((n, seq), dtype=torch.float32)
+    padding = torch.ones((n, seq), dtype=torch.bool)
+    for i, (ids, lab, mask) in enumerate(examples):
+        k = len(ids)
+        input_ids[i, :k] = torch.tensor(ids)
+        labels[i, :k] = torch.tensor(lab)
+        loss_mask[i, :k] = torch.tensor(mask)
+        padding[i, :k] = False
+    return SFTBatch(input_ids, labels, loss_mask, padding)
+
+
+class ProblemStream:
+    """Fresh synthetic problems, deterministic in the seed, never one of the held-out prompts."""
+
+    def __init__(self, task: ArithmeticTaskConfig, seed: int, held_out: set[str], max_rejections: int = 10_000):
+        self.task = task
+        self.rng = random.Random(seed)
+        self.held_out = held_out
+        self.max_rejections = max_rejections
+
+    def next(self, n: int) -> list[dict[str, str]]:
+        out = []
+        rejections = 0
+        while len(out) < n:
+            problem = make_problem(self.rng, self.task)
+            if problem["prompt"] in self.held_out:
+                rejections += 1
+                if rejections > self.max_rejections:
+                    raise ValueError(
+                        "the held-out evaluation prompts cover (almost) the whole task; lower "
+                        "sft.eval_prompts or widen the task (more digits / operators)")
+                continue
+            out.append(problem)
+        return out
+
+
+def held_out_problems(sft: SFTConfig) -> list[dict[str, str]]:
+    """``sft.eval_prompts`` distinct problems from a seed disjoint from the training stream's."""
+    task = sft.task_config()
+    rng = random.Random(f"sft-eval-{sft.seed}")
+    seen: dict[str, dict[str, str]] = {}
+    for _ in range(100 * sft.eval_prompts):
+        problem = make_problem(rng, task)
+        seen.setdefault(problem["prompt"], problem)
+        if len(seen) == sft.eval_prompts:
+            return list(seen.values())
+    raise SFTConfigError(f"eval_prompts={sft.eval_prompts}: the task has fewer distinct problems; lower it")
+
+
+def make_batch(tokenizer, problems: Sequence[dict[str, str]], pad_multiple: int = 1) -> SFTBatch:
+    examples = [encode_example(prompt_token_ids(tokenizer, p["prompt"]), answer_token_ids(tokenizer, p["answer"]))
+                for p in problems]
+    return collate(examples, tokenizer.pad_token_id, pad_multiple)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss, generation, evaluation
+# ----------------------------------------------------------------------------------------------
+
+
+def _positions(input_ids: torch.Tensor) -> torch.Tensor:
+    batch, seq = input_ids.shape
+    return torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq)
+
+
+def sft_loss(model, batch: SFTBatch) -> torch.Tensor:
+    """Mean next-token cross-entropy over the answer tokens of the batch (prompt and padding excluded).
+
+    Right padding needs no attention mask: with causal attention no real token attends to a pad.
+    """
+    per_token = model(input_ids=batch.input_ids, position_ids=_positions(batch.input_ids), attention_mask=None,
+                      labels=batch.labels, padding_mask=batch.padding_mask)  # [B, S] fp32
+    mask = batch.loss_mask.to(per_token.device)
+    return (per_token.float() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+@torch.no_grad()
+def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_id: int, pad_id: int,
+             temperature: float = 0.0, generator: torch.Generator | None = None) -> list[list[int]]:
+    """Greedy (temperature 0) or sampled continuations, full-sequence forward per token (no KV cache).
+
+    Rows grow at their own lengths in a right-padded buffer; a row stops after EOS. Returns the new
+    tokens of each row, EOS included when produced. Every TP/EP rank must call it with the same
+    prompts and an identically seeded generator (the sampled tokens then agree across ranks).
+    """
+    n = len(prompts)
+    lengths = torch.tensor([len(p) for p in prompts])
+    buf = torch.full((n, int(lengths.max()) + max_new_tokens), pad_id, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        buf[i, :len(p)] = torch.tensor(list(p))
+    done = torch.zeros(n, dtype=torch.bool)
+    out: list[list[int]] = [[] for _ in range(n)]
+    rows = torch.arange(n)
+    for _ in range(max_new_tokens):
+        width = int(lengths.max())
+        ids = buf[:, :width]
+        padding = torch.arange(width).unsqueeze(0) >= lengths.unsqueeze(1)
+        logits = model(input_ids=ids, position_ids=_positions(ids), attention_mask=None,
+                       padding_mask=padding, runtime_gather_output=True)  # [B, S, V]
+        last = logits[rows, lengths - 1].float()
+        if temperature > 0:
+            probs = torch.softmax(last / temperature, dim=-1)
+            nxt = torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1)
+        else:
+            nxt = last.argmax(dim=-1).cpu()
+        for i in torch.nonzero(~done).flatten().tolist():
+            token = int(nxt[i])
+            out[i].append(token)
+            buf[i, lengths[i]] = token
+            lengths[i] += 1
+            done[i] = token == eos_id
+        if bool(done.all()):
+            break
+    return out
+
+
+def exact_match_accuracy(tokenizer, responses: Sequence[Sequence[int]], answers: Sequence[str]) -> float:
+    """Scored as the RL loop scores rollouts: decode without special tokens, exact-match reward."""
+    from megatron_qarl.rl.rewards import exact_match_reward
+
+    texts = tokenizer.batch_decode([list(r) for r in responses], skip_special_tokens=True)
+    return sum(exact_match_reward(t, a) for t, a in zip(texts, answers)) / max(len(answers), 1)
+
+
+def evaluate(model, tokenizer, problems: Sequence[dict[str, str]], sft: SFTConfig, *, seed: int) -> dict[str, float]:
+    """Greedy and temperature-sampled exact-match accuracy on `problems`."""
+    prompts = [prompt_token_ids(tokenizer, p["prompt"]) for p in problems]
+    answers = [p["answer"] for p in problems]
+    kwargs = dict(max_new_tokens=sft.eval_max_new_tokens, eos_id=tokenizer.eos_token_id,
+                  pad_id=tokenizer.pad_token_id)
+    was_training = model.training
+    model.eval()
+    try:
+        greedy = generate(model, prompts, temperature=0.0, **kwargs)
+        sampled = generate(model, prompts, temperature=sft.eval_temperature,
+                           generator=torch.Generator().manual_seed(seed), **kwargs)
+    finally:
+        model.train(was_training)
+    return {"eval/greedy_accuracy": exact_match_accuracy(tokenizer, greedy, answers),
+            "eval/sampled_accuracy": exact_match_accuracy(tokenizer, sampled, answers)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Model, tokenizer, optimizer
+# ----------------------------------------------------------------------------------------------
+
+
+def build_tokenizer(model_cfg):
+    name = getattr(model_cfg, "tokenizer", None)
+    if name == "char":
+        from megatron_qarl.rl.tokenizer import build_char_tokenizer
+
+        return build_char_tokenizer()
+    path = name or getattr(model_cfg, "hf_path", None)
+    if not path:
+        raise SFTConfigError("model.tokenizer is not set and there is no model.hf_path to load one from; "
+                             "set model.tokenizer=char for the synthetic task")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def hf_config_for(model_cfg):
+    from megatron_qarl.models.qwen3_moe import preset_hf_config
+
+    if getattr(model_cfg, "preset", None):
+        return preset_hf_config(model_cfg.preset)
+    if getattr(model_cfg, "hf_path", None):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model_cfg.hf_path)
+    raise SFTConfigError("model: set model.preset (e.g. tiny) or model.hf_path")
+
+
+def build_sft_model(hf_config, layout, sft: SFTConfig):
+    """(megatron DDP-wrapped GPTModel, QarlOptimizer) with fp32 masters."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model
+    from megatron_qarl.optim import OptimConfig, build_optimizer
+
+    model = build_qwen3_moe_model(hf_config, layout, params_dtype=torch.float32)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                  module=model)
+    optimizer = build_optimizer(
+        OptimConfig(name="adamw", lr=sft.lr, weight_decay=sft.weight_decay, clip_grad=sft.clip_grad,
+                    lr_warmup_steps=sft.lr_warmup_steps), [ddp])
+    return ddp, optimizer
+
+
+def train_step(ddp, optimizer, batch: SFTBatch) -> tuple[float, float]:
+    """One optimizer step on `batch`; returns (loss, grad norm)."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = sft_loss(ddp, batch)
+    loss.backward()
+    finalize_model_grads([ddp])  # DP all-reduce of grads (and TP/SP layernorm grads)
+    _, grad_norm, _ = optimizer.step()
+    return loss.item(), float(grad_norm) if grad_norm is not None else float("nan")
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _sft_section(cfg, sft: SFTConfig | None) -> SFTConfig:
+    if sft is None:
+        sft = getattr(cfg, "sft", None)
+    if sft is None:
+        raise SFTConfigError("no SFT settings: pass run_sft(cfg, SFTConfig(...)) or add an `sft` section to the config")
+    if not isinstance(sft, SFTConfig):  # e.g. an OmegaConf node or a dataclass with the same fields
+        names = {f.name for f in dataclasses.fields(SFTConfig)}
+        sft = SFTConfig(**{k: v for k, v in dict(sft).items() if k in names})
+    return sft.validate()
+
+
+def _check_vocab(tokenizer, hf_config) -> None:
+    if len(tokenizer) > hf_config.vocab_size:
+        raise SFTConfigError(f"tokenizer has {len(tokenizer)} tokens but the model vocab is {hf_config.vocab_size}; "
+                             "use a bigger model vocab or the matching tokenizer")
+
+
+def run_sft(cfg, sft: SFTConfig | None = None) -> dict[str, Any]:
+    """Supervised warm-up of `cfg.model` on the synthetic task; saves `sft.out_checkpoint`.
+
+    Initialises torch.distributed if needed (world 1 or torchrun; `cfg.parallel` is the layout) and
+    tears it down again only if it set it up. Returns the final metrics (loss, greedy and sampled
+    accuracy, throughput, wall time, checkpoint path) plus the evaluation history.
+    """
+    from tqdm import tqdm
+
+    from megatron_qarl.parallel import ParallelLayout, destroy_distributed, dp_rank, dp_size, init_distributed
+
+    sft = _sft_section(cfg, sft)
+    owns_process_group = not dist.is_initialized()
+    layout = init_distributed(getattr(cfg, "parallel", None) or ParallelLayout(), seed=sft.seed)
+    try:
+        t_start = time.perf_counter()
+        hf_config = hf_config_for(cfg.model)
+        tokenizer = build_tokenizer(cfg.model)
+        _check_vocab(tokenizer, hf_config)
+        if sft.batch_size % dp_size():
+            raise SFTConfigError(f"batch_size={sft.batch_size} is not divisible by the data-parallel size "
+                                 f"{dp_size()}; pick a multiple of it")
+        ddp, optimizer = build_sft_model(hf_config, layout, sft)
+        if sft.init_checkpoint:
+            from megatron_qarl.weights.dist_ckpt import load_dist_checkpoint
+
+            load_dist_checkpoint(ddp, sft.init_checkpoint)
+        eval_set = held_out_problems(sft)
+        stream = ProblemStream(sft.task_config(), seed=sft.seed * 1000 + dp_rank(),
+                               held_out={p["prompt"] for p in eval_set})
+        # Sequence parallel splits the sequence over TP ranks: pad to a multiple of TP.
+        pad_multiple = layout.tp if layout.sequence_parallel else 1
+        per_rank = sft.batch_size // dp_size()
+
+        history: list[dict[str, Any]] = []
+        metrics: dict[str, Any] = {}
+        window_tokens, window_t0, loss_sum, loss_n = 0, time.perf_counter(), 0.0, 0
+        bar = tqdm(total=sft.steps, desc="sft", disable=not _is_rank0(), mininterval=1.0, dynamic_ncols=True)
+        ddp.train()
+        step = 0
+        for step in range(1, sft.steps + 1):
+            batch = make_batch(tokenizer, stream.next(per_rank), pad_multiple)
+            loss, grad_norm = train_step(ddp, optimizer, batch)
+            window_tokens += batch.num_tokens * dp_size()
+            loss_sum, loss_n = loss_sum + loss, loss_n + 1
+            bar.update(1)
+            if step % sft.log_every == 0 or step == sft.steps:
+                elapsed = time.perf_counter() - window_t0
+                metrics = {"step": step, "loss": loss_sum / loss_n, "grad_norm": grad_norm,
+                           "tokens_per_s": window_tokens / max(elapsed, 1e-9), "lr": optimizer.current_lr()}
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                window_tokens, window_t0, loss_sum, loss_n = 0, time.perf_counter(), 0.0, 0
+            last_step = step == sft.steps
+            if last_step or (sft.eval_every and step % sft.eval_every == 0):
+                t_eval = time.perf_counter()
+                record = {"step": step, **evaluate(ddp, tokenizer, eval_set, sft, seed=sft.seed + step)}
+                record["eval/time_s"] = time.perf_counter() - t_eval
+                history.append(record)
+                if _is_rank0():
+                    bar.write(f"[sft] step {step}: loss {metrics.get('loss', loss):.4f}  greedy acc "
+                              f"{record['eval/greedy_accuracy']:.3f}  sampled(T={sft.eval_temperature:g}) acc "
+                              f"{record['eval/sampled_accuracy']:.3f}")
+                window_t0 += time.perf_counter() - t_eval  # keep eval time out of tokens/s
+                target = sft.stop_at_sampled_accuracy
+                if target is not None and record["eval/sampled_accuracy"] >= target and not last_step:
+                    if _is_rank0():
+                        bar.write(f"[sft] sampled accuracy reached {target}; stopping at step {step}")
+                    break
+        bar.close()
+        final = {**metrics, **history[-1], "step": step, "train_wall_s": time.perf_counter() - t_start}
+        final["checkpoint"] = _save(ddp, sft, final) if sft.out_checkpoint else None
+        final["history"] = history
+        return final
+    finally:
+        if owns_process_group:
+            destroy_distributed()
+
+
+def _save(ddp, sft: SFTConfig, final: dict[str, Any]) -> str:
+    from megatron_qarl.weights.dist_ckpt import save_dist_checkpoint
+
+    path = Path(sft.out_checkpoint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    extra = {"kind": "sft", "sft_config": dataclasses.asdict(sft),
+             "metrics": {k: v for k, v in final.items() if isinstance(v, (int, float))}}
+    save_dist_checkpoint(ddp, path, extra_state=extra, force=sft.overwrite)
+    if _is_rank0():
+        print(f"[sft] saved dist checkpoint to {path}", flush=True)
+    return str(path)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """`python -m megatron_qarl.sft [--config run.yaml] [sft.key=value ...] [other.key=value ...]`."""
+    import argparse
+    import json
+
+    from megatron_qarl.config import load_config
+
+    parser = argparse.ArgumentParser(description="Supervised warm-up of the model on the synthetic task.")
+    parser.add_argument("--config", default=None, help="run config YAML (model / parallel sections are used)")
+    parser.add_argument("overrides", nargs="*", help="key=value; sft.<field>=... set SFTConfig fields")
+    args = parser.parse_args(argv)
+    sft_overrides = [o for o in args.overrides if o.startswith("sft.")]
+    run_overrides = [o for o in args.overrides if not o.startswith("sft.")]
+    world = dist.get_world_size() if dist.is_initialized() else None
+    cfg = load_config(args.config, run_overrides, world_size=world)
+    sft = getattr(cfg, "sft", None) or SFTConfig()
+    sft = _apply_overrides(sft, sft_overrides)
+    result = run_sft(cfg, sft)
+    if _is_rank0():
+        print(json.dumps({k: v for k, v in result.items() if k != "history"}, indent=2))
+    return result
+
+
+def _apply_overrides(sft: SFTConfig, overrides: Sequence[str]) -> SFTConfig:
+    from omegaconf import OmegaConf
+
+    if not overrides:
+        return sft
+    base = OmegaConf.structured(sft)
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist([o[len("sft."):] for o in overrides]))
+    except Exception as err:  # omegaconf raises several types for unknown keys / bad values
+        raise SFTConfigError(f"bad sft override {list(overrides)}: {err}") from err
+    return OmegaConf.to_object(merged)
+
+
+if __name__ == "__main__":
+    main()
