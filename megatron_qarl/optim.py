@@ -325,12 +325,18 @@ def is_muon_param(name: str, param: torch.nn.Parameter) -> bool:
     return param.ndim == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
 
 
-def _tp_placement(param) -> tuple[Optional[int], Optional[dist.ProcessGroup]]:
+def is_routed_expert_param(name: str, param) -> bool:
+    # By name as well as by `allreduce`: megatron only marks experts allreduce=False when EP > 1,
+    # but they are sharded over the expert-TP group whatever the EP size.
+    return not getattr(param, "allreduce", True) or (".experts." in name and "shared_experts" not in name)
+
+
+def _tp_placement(name: str, param) -> tuple[Optional[int], Optional[dist.ProcessGroup]]:
     if not getattr(param, "tensor_model_parallel", False):
         return None, None
     from megatron.core import parallel_state
 
-    is_expert = not getattr(param, "allreduce", True)
+    is_expert = is_routed_expert_param(name, param)
     group = (parallel_state.get_expert_tensor_parallel_group() if is_expert
              else parallel_state.get_tensor_model_parallel_group())
     if dist.get_world_size(group) == 1:
@@ -345,7 +351,7 @@ def muon_layout_for(name: str, param: torch.nn.Parameter, transformer_config,
         raise ValueError(
             f"{name}: megatron's legacy GroupedMLP stores all experts in one matrix, which Muon would "
             "orthogonalise jointly; build the model with SequentialMLP or TEGroupedMLP experts")
-    partition_dim, tp_group = _tp_placement(param)
+    partition_dim, tp_group = _tp_placement(name, param)
     rows = param.shape[0]
     if _QKV_NAME.search(name) and split_qkv:
         c = transformer_config

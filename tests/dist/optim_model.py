@@ -7,7 +7,7 @@ VOCAB = 128
 SEQ = 16
 
 
-def build_ddp_model(tp: int, seed: int = 1234, ep: int = 1):
+def build_ddp_model(tp: int, seed: int = 1234, ep: int = 1, etp: int | None = None):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -20,7 +20,7 @@ def build_ddp_model(tp: int, seed: int = 1234, ep: int = 1):
         moe_aux_loss_coeff=1e-3, moe_router_load_balancing_type="aux_loss", moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
         layernorm_epsilon=1e-6, qk_layernorm=True, add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, tensor_model_parallel_size=tp, expert_tensor_parallel_size=tp,
+        attention_dropout=0.0, tensor_model_parallel_size=tp, expert_tensor_parallel_size=tp if etp is None else etp,
         expert_model_parallel_size=ep,
         sequence_parallel=tp > 1, use_cpu_initialization=True, params_dtype=torch.float32,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
