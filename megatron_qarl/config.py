@@ -27,6 +27,7 @@ from megatron_qarl.optim import OptimConfig
 from megatron_qarl.parallel import ParallelLayout
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.rl.losses import LossConfig
+from megatron_qarl.rl.synthetic import ArithmeticTaskConfig
 
 
 class ConfigError(ValueError):
@@ -40,9 +41,9 @@ class ConfigError(ValueError):
 COMPUTE_DTYPES = ("bfloat16", "float32")
 ENGINES = ("embedded", "sglang", "vllm")
 SGLANG_MODES = ("colocated", "separate")
+SGLANG_LAUNCH = ("subprocess", "inprocess", "attach")
 REWARDS = ("exact_match", "math")
 DATA_SOURCES = ("file", "synthetic")
-SYNTHETIC_FORMATS = ("plain", "boxed")
 ROUTING_REPLAY = ("off", "replay")
 WANDB_MODES = ("offline", "online", "disabled")
 RESUME_KEYWORDS = ("auto", "none")
@@ -72,8 +73,16 @@ class QuantSection(QuantConfig):
 
 @dataclass
 class SGLangConfig:
-    url: str | None = None  # attach to a running server instead of launching one
-    mode: str = "colocated"  # colocated: shares the trainer's GPUs; separate: its own GPUs
+    # Placement. colocated: engines share the trainer's GPUs, weights go over CUDA IPC (tensor
+    # transport); separate: the engine has its own GPUs, weights go by NCCL broadcast.
+    mode: str = "colocated"
+    # How the engine runs: subprocess (`sglang.launch_server`), inprocess (`sglang.Engine`), or attach to
+    # `url` (a server started elsewhere, e.g. by launch/slurm/qarl_multinode.sbatch).
+    launch: str = "subprocess"
+    url: str | None = None  # required for launch=attach
+    # Checkpoint the engine starts from (HF / exported compressed-tensors / FP8 dir); None: the trainer
+    # exports its initial weights for it.
+    model_path: str | None = None
     tp_size: int = 1
     ep_size: int = 1
     # W4A16 refit needs the Marlin WNA16 MoE path, which "auto" selects; "triton" breaks refit.
@@ -81,10 +90,9 @@ class SGLangConfig:
     mem_fraction_static: float = 0.5
     api_key_env: str = "QARL_SGLANG_API_KEY"  # name of the env var holding the key, never the key
     host: str = "127.0.0.1"
-    port: int = 30000
-    base_gpu_id: int = 0  # separate mode: first GPU of the engine on each node
-    startup_timeout_s: float = 900.0
-    extra_args: list[str] = field(default_factory=list)
+    port: int = 0  # 0: a free port
+    health_timeout_s: float = 900.0
+    extra_server_args: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -100,15 +108,6 @@ class RolloutConfig:
 
 
 @dataclass
-class SyntheticDataConfig:
-    num_prompts: int = 200
-    digits: int = 3
-    operators: str = "+"
-    format: str = "plain"  # plain: "123+456=" -> "579"; boxed: answer in \boxed{}
-    seed: int = 0
-
-
-@dataclass
 class DataConfig:
     source: str = "file"
     path: str | None = "data/arith_sample.jsonl"
@@ -118,7 +117,8 @@ class DataConfig:
     reward_timeout_s: float = 5.0
     max_prompt_len: int = 32
     shuffle_seed: int = 0
-    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+    # used when source=synthetic: written to <logging.out_dir>/data.jsonl at start
+    synthetic: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
 
 
 @dataclass
@@ -202,7 +202,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 
 
 _COMPOSED = (("parallel", ParallelLayout), ("quant", QuantSection), ("train.loss", LossConfig),
-             ("train.optim", OptimConfig))
+             ("train.optim", OptimConfig), ("data.synthetic", ArithmeticTaskConfig))
 
 
 def _instantiate(merged) -> RunConfig:
@@ -330,9 +330,9 @@ def _check_choices(cfg: RunConfig) -> list[str]:
     out += _choice("rollout.engine", cfg.rollout.engine, ENGINES)
     out += _choice("rollout.embedded_dtype", cfg.rollout.embedded_dtype, COMPUTE_DTYPES)
     out += _choice("rollout.sglang.mode", cfg.rollout.sglang.mode, SGLANG_MODES)
+    out += _choice("rollout.sglang.launch", cfg.rollout.sglang.launch, SGLANG_LAUNCH)
     out += _choice("data.source", cfg.data.source, DATA_SOURCES)
     out += _choice("data.reward", cfg.data.reward, REWARDS)
-    out += _choice("data.synthetic.format", cfg.data.synthetic.format, SYNTHETIC_FORMATS)
     out += _choice("train.routing_replay", cfg.train.routing_replay, ROUTING_REPLAY)
     out += _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
     return out
@@ -373,6 +373,7 @@ def _check_positive(cfg: RunConfig) -> list[str]:
         "data.reward_timeout_s": d.reward_timeout_s, "publish.bucket_mb": cfg.publish.bucket_mb,
         "checkpoint.keep_last": cfg.checkpoint.keep_last, "logging.log_every": cfg.logging.log_every,
         "rollout.sglang.tp_size": r.sglang.tp_size, "rollout.sglang.ep_size": r.sglang.ep_size,
+        "rollout.sglang.health_timeout_s": r.sglang.health_timeout_s,
     }
     out = [f"{k}={v} must be > 0" for k, v in must_be_positive.items() if not v > 0]
     if r.temperature < 0:
@@ -423,9 +424,11 @@ def _check_engine_quant(cfg: RunConfig) -> list[str]:
         elif backend != "auto":
             out.append(f"rollout.sglang.moe_runner_backend={backend!r} with quant.scheme=w4a16: only "
                        "'auto' (the Marlin WNA16 MoE path) supports compressed-tensors W4A16 refit")
-    if r.engine == "sglang" and r.sglang.mode == "separate" and r.sglang.url is None \
-            and cfg.rollout.sglang.base_gpu_id < 0:
-        out.append("rollout.sglang.base_gpu_id must be >= 0 in separate mode")
+    if r.engine == "sglang" and r.sglang.launch == "attach" and not r.sglang.url:
+        out.append("rollout.sglang.launch=attach needs rollout.sglang.url (e.g. http://head-node:30000)")
+    if r.engine == "sglang" and r.sglang.launch == "inprocess" and r.sglang.mode == "separate":
+        out.append("rollout.sglang.launch=inprocess runs the engine inside the trainer process, which is "
+                   "mode=colocated; use launch=subprocess or attach for mode=separate")
     if cfg.train.routing_replay == "replay" and r.engine == "vllm":
         out.append("train.routing_replay=replay needs routed experts from the engine; the vllm engine does "
                    "not return them (use engine embedded or sglang, or routing_replay=off)")
@@ -545,6 +548,33 @@ def _gcd(a: int, b: int) -> int:
 def _nearest_divisor(n: int, near: int) -> int:
     divisors = [d for d in range(1, n + 1) if n % d == 0]
     return min(divisors, key=lambda d: (abs(d - near), d))
+
+
+def sglang_engine_options(cfg: RunConfig, *, environ=None) -> dict[str, Any]:
+    """Keyword arguments of `megatron_qarl.rollout.sglang_engine.SGLangEngineConfig` for this run
+    (for `make_engine({"name": "sglang", **options})`)."""
+    s = cfg.rollout.sglang
+    environ = os.environ if environ is None else environ
+    extra = list(s.extra_server_args)
+    if s.ep_size > 1:
+        extra += ["--ep-size", str(s.ep_size)]
+    return {
+        "mode": "attach" if s.url else s.launch,
+        "url": s.url,
+        "model_path": s.model_path,
+        "host": s.host,
+        "port": s.port,
+        "api_key": environ.get(s.api_key_env) or None,
+        "tp_size": s.tp_size,
+        "mem_fraction_static": s.mem_fraction_static,
+        "moe_runner_backend": s.moe_runner_backend,
+        "quant_scheme": cfg.quant.scheme,
+        "return_routed_experts": cfg.train.routing_replay == "replay",
+        "transport": "tensor" if s.mode == "colocated" else "distributed",
+        "bucket_bytes": cfg.publish.bucket_mb * 1024 * 1024,
+        "health_timeout_s": s.health_timeout_s,
+        "extra_server_args": extra,
+    }
 
 
 # --------------------------------------------------------------------------------------------------

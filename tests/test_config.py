@@ -168,6 +168,11 @@ BAD_CONFIGS = [
                  id="token-budget-too-small"),
     pytest.param(["rollout.engine=vllm", "train.routing_replay=replay"], None, "needs routed experts",
                  id="replay-needs-routed-experts"),
+    pytest.param(["rollout.engine=sglang", "rollout.sglang.launch=attach"], None,
+                 "launch=attach needs rollout.sglang.url", id="attach-without-url"),
+    pytest.param(["rollout.engine=sglang", "rollout.sglang.launch=inprocess", "rollout.sglang.mode=separate"],
+                 None, "launch=inprocess runs the engine inside the trainer", id="inprocess-separate"),
+    pytest.param(["data.synthetic.style=fancy"], None, "data.synthetic:", id="synthetic-owner-validation"),
     pytest.param(["rollout.top_p=0"], None, "rollout.top_p=0.0 must be in (0, 1]", id="top-p"),
     pytest.param(["quant.scheme=int3"], None, "quant:", id="quant-owner-validation"),
     pytest.param(["train.optim.name=sgd"], None, "train.optim:", id="optim-owner-validation"),
@@ -198,3 +203,30 @@ def test_extends_cycle_and_missing_file(tmp_path):
         load_config(tmp_path / "a.yaml")
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_synthetic_task_options_compose_the_generator_config():
+    from megatron_qarl.rl.synthetic import ArithmeticTaskConfig
+
+    cfg = load_config(None, ["data.source=synthetic", "data.synthetic.num_rows=12",
+                             "data.synthetic.operations=[+,-]", "data.synthetic.max_digits=2"])
+    assert isinstance(cfg.data.synthetic, ArithmeticTaskConfig)
+    assert (cfg.data.synthetic.num_rows, cfg.data.synthetic.operations) == (12, ("+", "-"))
+
+
+def test_sglang_engine_options_build_the_engine_config():
+    from megatron_qarl.config import sglang_engine_options
+    from megatron_qarl.rollout.sglang_engine import SGLangEngineConfig
+
+    cfg = load_config(ROOT / "configs" / "qwen3_30b_a3b_qarl_w4a16_tbpo.yaml",
+                      ["rollout.sglang.model_path=/ckpt/qwen3-30b-a3b-w4a16", "rollout.sglang.ep_size=2",
+                       "train.routing_replay=replay"])
+    options = sglang_engine_options(cfg, environ={"QARL_SGLANG_API_KEY": "k"})
+    engine_cfg = SGLangEngineConfig(**options)  # the engine's own validation accepts it
+    assert (engine_cfg.mode, engine_cfg.transport, engine_cfg.quant_scheme) == ("subprocess", "tensor", "w4a16")
+    assert engine_cfg.api_key == "k" and engine_cfg.return_routed_experts is True
+    assert engine_cfg.bucket_bytes == 512 * 2 ** 20 and engine_cfg.extra_server_args[-2:] == ["--ep-size", "2"]
+    attach = load_config(None, ["rollout.engine=sglang", "rollout.sglang.mode=separate",
+                                "rollout.sglang.launch=attach", "rollout.sglang.url=http://n1:30000"])
+    engine_cfg = SGLangEngineConfig(**sglang_engine_options(attach, environ={}))
+    assert (engine_cfg.mode, engine_cfg.url, engine_cfg.transport) == ("attach", "http://n1:30000", "distributed")
