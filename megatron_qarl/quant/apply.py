@@ -1,0 +1,231 @@
+"""Apply the aligned low-bit forward to a megatron-core GPTModel (no module subclassing).
+
+For every targeted `ColumnParallelLinear` / `RowParallelLinear`, the instance's `_forward_impl` (which
+receives `weight=`) is wrapped so the weight it multiplies with is this step's cached, spec-dequantized
+low-bit weight with a straight-through gradient into the master (`QuantCache.aligned_weight`). Megatron's
+own TP / SP / expert communication stays untouched because only the weight (and for FP8 the input
+values) change, never the call structure.
+
+* W4A16: the int4 group-wise weight, dequantized, in the activation dtype.
+* FP8:   the block-128 weight (fp32, exact) and the input fake-quantized per 1x128 tile (STE); the GEMM
+         runs in fp32 and the output is cast back to the activation dtype (what a block-scaled FP8 GEMM
+         with fp32 accumulation computes).
+
+Codes are computed per local shard. They equal the engine's codes (computed on the gathered HF weight)
+only if every shard holds whole groups / blocks, so `apply_aligned_quantization` checks that for every
+site and names the layer, the size and the parallel split that broke it.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from megatron_qarl.quant.aligned import fp8_fake_quant_activation
+from megatron_qarl.quant.cache import CacheEntry, QuantCache
+from megatron_qarl.quant.config import QuantConfig
+from megatron_qarl.quant.errors import QuantizationError
+
+# Module names in megatron's GPTModel (local spec) per scope group.
+_EXPERT_SITE = re.compile(r"(^|\.)mlp\.experts\.local_experts\.\d+\.linear_fc[12]$")
+_ATTENTION_SITE = re.compile(r"(^|\.)self_attention\.linear_(qkv|proj)$")
+_DENSE_MLP_SITE = re.compile(r"(^|\.)mlp\.(shared_experts\.)?linear_fc[12]$")
+_NEVER = ("output_layer", "embedding", "router")
+
+_WRAPPED_MARK = "_qarl_aligned_site"
+
+
+@dataclass
+class AlignedQuantization:
+    """Handle of the aligned forward installed on one model chunk.
+
+    `cache` is keyed by the LOCAL parameter name in the unwrapped GPTModel
+    (e.g. ``decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight``); `sites` maps the same names
+    to the Column/RowParallelLinear modules whose forward is aligned.
+    """
+
+    quant_cfg: QuantConfig
+    cache: QuantCache
+    sites: dict[str, torch.nn.Module] = field(default_factory=dict)
+
+    def invalidate(self) -> None:
+        """The masters changed (call after every optimizer.step()): the next forward re-quantizes once."""
+        self.cache.invalidate()
+
+    def entry(self, name: str) -> CacheEntry:
+        """This step's quantization (codes/scales, dequantized weight) of site `name` (cached)."""
+        if name not in self.sites:
+            raise KeyError(f"{name!r} is not an aligned site; known sites look like {next(iter(self.sites), None)!r}")
+        return self.cache.entry(self.sites[name].weight, name)
+
+    def remove(self) -> None:
+        """Restore megatron's own forward on every site."""
+        for module in self.sites.values():
+            module.__dict__.pop("_forward_impl", None)
+            module.__dict__.pop(_WRAPPED_MARK, None)
+        self.sites = {}
+
+
+# ------------------------------------------------------------------------------------- site selection
+
+def site_in_scope(module_name: str, scope: str) -> bool:
+    """Whether the megatron linear `module_name` is quantized under `scope` (router/embeddings/output never)."""
+    if any(part in module_name.split(".") for part in _NEVER):
+        return False
+    if _EXPERT_SITE.search(module_name):
+        return True
+    if _ATTENTION_SITE.search(module_name):
+        return scope in ("experts+attention", "all-linears")
+    if _DENSE_MLP_SITE.search(module_name):
+        return scope == "all-linears"
+    return False
+
+
+def _parallel_linear_classes():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return ColumnParallelLinear, RowParallelLinear
+
+
+def find_sites(model: torch.nn.Module, quant_cfg: QuantConfig) -> dict[str, torch.nn.Module]:
+    """{local weight name: module} of the linears `quant_cfg.scope` targets in an unwrapped GPTModel."""
+    column, row = _parallel_linear_classes()
+    sites = {}
+    for name, module in model.named_modules():
+        if not name or not site_in_scope(name, quant_cfg.scope):
+            continue
+        if not isinstance(module, (column, row)):
+            raise QuantizationError(
+                f"{name}: {type(module).__name__} is not a megatron Column/RowParallelLinear; the aligned "
+                "forward wraps only those (build the model with the local spec: use_te=False, "
+                "moe_grouped_gemm=False)")
+        if module.weight is None:
+            raise QuantizationError(f"{name}: has no weight parameter (skip_weight_param_allocation); "
+                                    "the aligned forward needs the master weight on the module")
+        sites[f"{name}.weight"] = module
+    return sites
+
+
+# ------------------------------------------------------------------------------------- shape checks
+
+@dataclass(frozen=True)
+class SiteGeometry:
+    """What a site's local shard is and how it was split (for the divisibility check and its message)."""
+
+    name: str
+    local_shape: tuple[int, int]
+    row_parallel: bool      # input dim split (linear_proj / linear_fc2); else output dim split
+    parts: int              # shards of the split dim (TP or expert-TP size)
+    axis: str               # "TP" or "expert-TP"
+    glu: bool = False       # fc1 of a gated MLP: local rows are [gate_shard; up_shard]
+    head_dim: Optional[int] = None  # linear_qkv: rows interleave q/k/v heads per query group
+
+
+def _split_note(geom: SiteGeometry, dim_is_split: bool, local: int) -> str:
+    if dim_is_split and geom.parts > 1:
+        return (f"{local * geom.parts} split over {geom.axis}={geom.parts} gives {local} per rank; choose "
+                f"{geom.axis} so that the per-rank size is a multiple")
+    return f"{local} (not split; {geom.axis}={geom.parts}); this model cannot use that size"
+
+
+def check_site_geometry(geom: SiteGeometry, quant_cfg: QuantConfig) -> None:
+    """Raise QuantizationError unless the local shard holds whole groups (W4A16) / blocks (FP8)."""
+    out_local, in_local = geom.local_shape
+    if quant_cfg.scheme == "w4a16":
+        unit, what = quant_cfg.group_size, "group_size"
+    else:
+        unit, what = quant_cfg.block_size, "block_size"
+    if in_local % unit:
+        raise QuantizationError(
+            f"{geom.name}: input dim {_split_note(geom, geom.row_parallel, in_local)} of {what}={unit}")
+    if quant_cfg.scheme != "fp8":
+        return
+    rows = out_local // 2 if geom.glu else out_local
+    if rows % unit:
+        which = "each of the gate/up halves of the output dim" if geom.glu else "output dim"
+        raise QuantizationError(
+            f"{geom.name}: {which} {_split_note(geom, not geom.row_parallel, rows)} of {what}={unit}")
+    if geom.head_dim is not None and geom.head_dim % unit:
+        # mcore's fused qkv interleaves [q heads; k; v] per query group, while the engine quantizes
+        # q_proj/k_proj/v_proj separately: the 2-D blocks coincide only if every head spans whole blocks.
+        raise QuantizationError(
+            f"{geom.name}: head_dim={geom.head_dim} is not a multiple of {what}={unit}; FP8 blocks of the "
+            "fused (per-group interleaved) qkv would mix k and v heads and differ from the engine's "
+            f"separately quantized q/k/v_proj. Use a block_size dividing head_dim or scope without attention")
+
+
+def site_geometry(name: str, module: torch.nn.Module) -> SiteGeometry:
+    _, row = _parallel_linear_classes()
+    config = module.config
+    expert = ".mlp.experts." in f".{name}"
+    group = getattr(module, "tp_group", None)
+    parts = group.size() if group is not None else (
+        config.expert_tensor_parallel_size if expert else config.tensor_model_parallel_size)
+    glu = bool(config.gated_linear_unit) and name.endswith("linear_fc1.weight")
+    head_dim = config.kv_channels if name.endswith("linear_qkv.weight") else None
+    return SiteGeometry(name=name, local_shape=tuple(module.weight.shape), row_parallel=isinstance(module, row),
+                        parts=int(parts or 1), axis="expert-TP" if expert else "TP", glu=glu, head_dim=head_dim)
+
+
+# ------------------------------------------------------------------------------------- wrapping
+
+def _aligned_forward_impl(original: Callable, cache: QuantCache, name: str, quant_cfg: QuantConfig) -> Callable:
+    if quant_cfg.scheme == "w4a16":
+        def forward_impl(input, weight, *args, **kwargs):
+            return original(input, cache.aligned_weight(weight, name, dtype=input.dtype), *args, **kwargs)
+    else:
+        block = quant_cfg.block_size
+
+        def forward_impl(input, weight, *args, **kwargs):
+            x_q = fp8_fake_quant_activation(input, block)  # fp32, exact e4m3 * scale values
+            out = original(x_q, cache.aligned_weight(weight, name, dtype=torch.float32), *args, **kwargs)
+            return out.to(input.dtype)
+    return forward_impl
+
+
+def _install(module: torch.nn.Module, name: str, cache: QuantCache, quant_cfg: QuantConfig) -> None:
+    if _WRAPPED_MARK in module.__dict__:
+        raise QuantizationError(f"{name}: the aligned forward is already installed on this module "
+                                f"(apply_aligned_quantization was called twice on the same model)")
+    # The class method, bound: wrapping the instance attribute only affects this module.
+    original = type(module)._forward_impl.__get__(module)
+    module._forward_impl = _aligned_forward_impl(original, cache, name, quant_cfg)
+    module.__dict__[_WRAPPED_MARK] = name
+
+
+def _model_params_dtype(model: torch.nn.Module) -> torch.dtype:
+    config = getattr(model, "config", None)
+    dtype = getattr(config, "params_dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else next(model.parameters()).dtype
+
+
+def apply_aligned_quantization(model: torch.nn.Module, quant_cfg: QuantConfig) -> AlignedQuantization:
+    """Install the aligned low-bit forward on an UNWRAPPED megatron GPTModel (before DDP wraps it).
+
+    Works with fp32 or bf16 params. Raises QuantizationError for an invalid config, a scope with no site
+    in this model, or a local shard that does not hold whole groups/blocks.
+    """
+    if isinstance(model, (list, tuple)) or hasattr(model, "module"):
+        raise QuantizationError("apply_aligned_quantization expects the unwrapped GPTModel (one chunk), not a "
+                                f"{type(model).__name__}; call it before DistributedDataParallel wraps the model")
+    if not isinstance(quant_cfg, QuantConfig):
+        raise QuantizationError(f"quant_cfg must be a QuantConfig, got {type(quant_cfg).__name__}")
+    quant_cfg.validate()
+    if not quant_cfg.enabled:
+        raise QuantizationError("apply_aligned_quantization needs scheme 'w4a16' or 'fp8', got 'none' "
+                                "(an unaligned learner simply does not call it)")
+    sites = find_sites(model, quant_cfg)
+    if not sites:
+        raise QuantizationError(f"no linear of this model is in scope {quant_cfg.scope!r}: expected megatron "
+                                "modules like decoder.layers.0.mlp.experts.local_experts.0.linear_fc1")
+    for name, module in sites.items():
+        check_site_geometry(site_geometry(name, module), quant_cfg)
+    # W4A16 dequantizes exactly into bf16; keep it in the params (= activation) dtype so the per-call
+    # cast is a no-op. FP8's dequantized weight is only exact in fp32.
+    dequant_dtype = _model_params_dtype(model) if quant_cfg.scheme == "w4a16" else torch.float32
+    cache = QuantCache(quant_cfg, dequant_dtype=dequant_dtype)
+    for name, module in sites.items():
+        _install(module, name, cache, quant_cfg)
+    return AlignedQuantization(quant_cfg=quant_cfg, cache=cache, sites=sites)
