@@ -167,3 +167,66 @@ def test_expert_tensors_use_expert_tp_not_attention_tp():
     expert = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
     assert torch.equal(shard_full_tensor(expert, full, coords), full)
     assert rows(shard_full_tensor("output_layer.weight", full, coords)) == [4, 5, 6, 7]
+
+
+class _FakeExpertModel(torch.nn.Module):
+    """Two local experts of an EP=2 x ETP=2 model, with megatron's TP attributes, plus a norm."""
+
+    def __init__(self):
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(gated_linear_unit=True, num_moe_experts=4, expert_model_parallel_size=2)
+        self.decoder = torch.nn.Module()
+        self.decoder.final_layernorm = torch.nn.Module()
+        self.decoder.final_layernorm.weight = torch.nn.Parameter(torch.zeros(2))
+        experts = torch.nn.ModuleList()
+        for _ in range(2):
+            e = torch.nn.Module()
+            e.linear_fc1 = torch.nn.Module()
+            e.linear_fc1.weight = torch.nn.Parameter(torch.zeros(4, 3))  # full fc1 is (2*4, 3)
+            e.linear_fc1.weight.tensor_model_parallel, e.linear_fc1.weight.partition_dim = True, 0
+            experts.append(e)
+        self.decoder.mlp = torch.nn.Module()
+        self.decoder.mlp.experts = torch.nn.Module()
+        self.decoder.mlp.experts.local_experts = experts
+
+
+def _fake_full_state():
+    state = {"decoder.final_layernorm.weight": torch.tensor([5.0, 6.0])}
+    for e in range(4):
+        state[f"decoder.mlp.experts.local_experts.{e}.linear_fc1.weight"] = (
+            100 * e + torch.arange(8.0)).unsqueeze(1).expand(8, 3).contiguous()
+    return state
+
+
+def test_load_full_state_takes_this_ranks_expert_and_glu_halves():
+    from megatron_qarl.weights.sharding import load_full_state_into_model
+
+    model = _FakeExpertModel()
+    coords = RankCoords(tp_rank=1, tp_size=2, ep_rank=1, ep_size=2, etp_rank=1, etp_size=2)
+    load_full_state_into_model(model, _fake_full_state(), coords=coords)
+    experts = model.decoder.mlp.experts.local_experts
+    # local expert 0 on EP rank 1 is global expert 2; ETP rank 1 holds gate rows 2,3 and up rows 6,7
+    assert rows(experts[0].linear_fc1.weight) == [202, 203, 206, 207]
+    assert rows(experts[1].linear_fc1.weight) == [302, 303, 306, 307]
+    assert model.decoder.final_layernorm.weight.tolist() == [5.0, 6.0]
+
+
+def test_load_full_state_reports_missing_and_wrong_shapes():
+    from megatron_qarl.weights.sharding import load_full_state_into_model
+
+    coords = RankCoords(ep_rank=0, ep_size=2, etp_rank=0, etp_size=2)
+    state = _fake_full_state()
+    del state["decoder.mlp.experts.local_experts.1.linear_fc1.weight"]
+    with pytest.raises(ValueError, match=r"lacks 1 tensor.*local_experts\.1\.linear_fc1"):
+        load_full_state_into_model(_FakeExpertModel(), state, coords=coords)
+    state = _fake_full_state()
+    state["decoder.mlp.experts.local_experts.0.linear_fc1.weight"] = torch.zeros(12, 3)
+    with pytest.raises(ValueError, match=r"local_experts\.0\.linear_fc1\.weight: local shard has shape \(6, 3\) "
+                                         r"but the parameter .* has \(4, 3\)"):
+        load_full_state_into_model(_FakeExpertModel(), state, coords=coords)
+    state = _fake_full_state()
+    state["decoder.extra.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError, match="does not: .*decoder.extra.weight"):
+        load_full_state_into_model(_FakeExpertModel(), state, coords=coords)

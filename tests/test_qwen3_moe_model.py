@@ -103,3 +103,13 @@ def test_mcore_matches_transformers(torchrun, nproc, tp, ep):
     assert res["grad_norm_rel_diff"] <= 1e-4
     assert res["per_tensor_grad_max_abs_diff"] <= 1e-5
     assert res["export_bitwise_equal"] and res["exported_tensors"] == 69
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_mcore_matches_transformers_tp2_etp1_ep2(torchrun):
+    """Experts not tensor-split (ETP=1) while attention is TP=2: the expert-TP group differs from TP."""
+    res = torchrun(4, "model_layout.py", "2", "2", "--etp", "1")
+    assert res["logits_max_abs_diff"] <= 1e-4 and abs(res["loss"] - res["hf_loss"]) <= 1e-4
+    assert res["grad_norm_rel_diff"] <= 1e-4 and res["per_tensor_grad_max_abs_diff"] <= 1e-5
+    assert res["export_bitwise_equal"]

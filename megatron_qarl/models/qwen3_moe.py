@@ -94,16 +94,11 @@ def check_supported(hf_config) -> None:
 
 
 def _layout_sizes(layout) -> dict[str, Any]:
-    """(tp, ep, etp, pp, sp) from a megatron_qarl.parallel.ParallelLayout-like object (None = 1 process)."""
-    tp = getattr(layout, "tp", 1) if layout is not None else 1
-    ep = getattr(layout, "ep", 1) if layout is not None else 1
-    etp = getattr(layout, "etp", None) if layout is not None else None
-    pp = getattr(layout, "pp", 1) if layout is not None else 1
-    sp = getattr(layout, "sp", None) if layout is not None else None
-    etp = tp if etp is None else etp
-    # MoE under TP needs sequence parallel in megatron-core; default it on whenever TP > 1.
-    sp = (tp > 1) if sp is None else sp
-    return dict(tp=tp, ep=ep, etp=etp, pp=pp, sp=sp)
+    """(tp, ep, etp, pp, sp) of a ParallelLayout (None = a single process)."""
+    from megatron_qarl.parallel import ParallelLayout
+
+    layout = layout or ParallelLayout()
+    return dict(tp=layout.tp, ep=layout.ep, etp=layout.expert_tp, pp=layout.pp, sp=layout.sequence_parallel)
 
 
 def check_divisibility(hf_config, tp: int, ep: int, etp: int) -> None:

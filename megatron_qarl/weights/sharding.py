@@ -187,16 +187,19 @@ def gather_full_state(model, *, use_grad: bool = False) -> dict[str, torch.Tenso
         if rule.expert:
             if rule.partition_dim is not None and coords.etp_size > 1:
                 tensor = join_shards(_all_gather(tensor, ps.get_expert_tensor_parallel_group(), coords.etp_size), rule)
+            else:
+                tensor = tensor.clone()
             if coords.ep_size > 1:
                 per_rank = _all_gather(tensor, ps.get_expert_model_parallel_group(), coords.ep_size)
                 for ep_rank, t in enumerate(per_rank):
                     full[local_to_global_name(name, ep_rank, n_local)] = t
                 continue
-            full[local_to_global_name(name, coords.ep_rank, n_local)] = tensor.clone()
+            full[local_to_global_name(name, coords.ep_rank, n_local)] = tensor
         else:
             if rule.partition_dim is not None and coords.tp_size > 1:
-                tensor = join_shards(_all_gather(tensor, ps.get_tensor_model_parallel_group(), coords.tp_size), rule)
-            full[name] = tensor.clone() if tensor is param or tensor.data_ptr() == param.data_ptr() else tensor
+                full[name] = join_shards(_all_gather(tensor, ps.get_tensor_model_parallel_group(), coords.tp_size), rule)
+            else:
+                full[name] = tensor.clone()
     return dict(sorted(full.items(), key=lambda kv: _natural_key(kv[0])))
 
 

@@ -1,6 +1,6 @@
 """One layout of the mcore Qwen3-MoE vs transformers' Qwen3-MoE: logits, loss, grads, export, checkpoint.
 
-usage: model_layout.py TP EP [--save-ckpt DIR]    (world size = torchrun nproc)
+usage: model_layout.py TP EP [--etp ETP] [--save-ckpt DIR]    (world size = torchrun nproc)
        model_layout.py load-ckpt DIR                (world 1: load DIR at TP1, compare logits to DIR.logits.pt)
 
 The reference is transformers' Qwen3MoeForCausalLM (fp32, seeded, same weights on every rank).
@@ -55,11 +55,8 @@ def hf_reference(model, tokens, labels):
     logits = model(input_ids=tokens).logits
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
     loss.backward()
-    grads = {}
-    for name, p in model.named_parameters():
-        grads[name] = p.grad
     grad_state = hf_state_from_model_grads(model)
-    gnorm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+    gnorm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
     return logits.detach(), float(loss), gnorm, grad_state
 
 
@@ -87,11 +84,11 @@ def mcore_forward(model, tokens, labels):
     return full_logits, per_token.mean()
 
 
-def run_layout(tp, ep, save_dir=None):
+def run_layout(tp, ep, etp=None, save_dir=None):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-    layout = init_distributed(ParallelLayout(tp=tp, ep=ep), seed=1)
+    layout = init_distributed(ParallelLayout(tp=tp, ep=ep, etp=etp), seed=1)
     cfg, hf_model, hf_state = reference_model()
     tokens, labels = batch(cfg.vocab_size)
     ref_logits, ref_loss, ref_gnorm, ref_grads = hf_reference(hf_model, tokens, labels)
@@ -160,4 +157,5 @@ if __name__ == "__main__":
     else:
         tp, ep = int(sys.argv[1]), int(sys.argv[2])
         save = sys.argv[sys.argv.index("--save-ckpt") + 1] if "--save-ckpt" in sys.argv else None
-        run_layout(tp, ep, save)
+        etp = int(sys.argv[sys.argv.index("--etp") + 1]) if "--etp" in sys.argv else None
+        run_layout(tp, ep, etp, save)
