@@ -11,7 +11,8 @@ Trainer memory per GPU (bytes), for the parameters a rank holds under TP / EP / 
     take from the quantized cache;
   - quantized cache (QaRL aligned learner only): W4A16 int8 codes (1 B/elem, the spec keeps one code per
     byte) + bf16 group scales (2 B per group); FP8 e4m3 (1 B/elem) + fp32 block scale_inv (4 B per
-    128x128 block); plus the dequantized bf16 weight (2 B/elem) for the `reference` backend;
+    128x128 block); plus per element 2 B (`reference`: dequantized bf16 weight), 0.5 B (`marlin`:
+    repacked int4 copy) or 1 B (`te`: column-wise FP8 copy for the backward);
   - one publish bucket (publish.bucket_mb) in flight;
   - activations of one micro-batch of T tokens (T = train.max_tokens_per_micro_batch, else
     micro_batch_size x (max_prompt_len + max_new_tokens)), bf16, TP/SP-sharded, balanced routing:
@@ -159,6 +160,11 @@ def quantized_groups(quant) -> tuple[str, ...]:
     return tuple(kind for kind, name in _REPRESENTATIVE_HF_NAMES.items() if quant.quantizes(name))
 
 
+# What a backend keeps per cached weight element besides the spec's codes + scales: `reference` the
+# dequantized bf16 weight, `marlin` its repacked int4 copy, `te` the column-wise FP8 copy for dgrad.
+_BACKEND_EXTRA_BYTES_PER_ELEM = {"reference": 2.0, "marlin": 0.5, "te": 1.0}
+
+
 def _local_params(groups: ParamGroups, tp: int, ep: int, etp: int) -> dict[str, float]:
     return {"attention": groups.attention / tp, "dense_mlp": groups.dense_mlp / tp,
             "experts": groups.experts / (ep * etp), "router": groups.router, "norms": groups.norms,
@@ -220,9 +226,8 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     compute_copy = 2.0 * (local_total - cached) if cfg.model.dtype == "bfloat16" else 0.0
     quant_cache = 0.0
     if cached:
-        quant_cache = _low_bit_bytes(cached, quant, packed=False)
-        if quant.backend == "reference":
-            quant_cache += 2.0 * cached
+        quant_cache = _low_bit_bytes(cached, quant, packed=False) + \
+            _BACKEND_EXTRA_BYTES_PER_ELEM.get(quant.backend, 0.0) * cached
     act = _activation_bytes(cfg, shape, tp, etp)
     trainer = {
         "master_fp32": 4.0 * local_total,
@@ -264,6 +269,17 @@ def engine_weight_bytes(cfg, groups: ParamGroups) -> dict[str, float]:
 # Dry run
 # --------------------------------------------------------------------------------------------------
 
+def _count(n: float) -> str:
+    return f"{int(n):,} ({n / 1e9:.3f} B)"
+
+
+def _human(n_bytes: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if n_bytes >= size:
+            return f"{n_bytes / size:.2f} {unit}"
+    return f"{n_bytes:.0f} B"
+
+
 def format_dry_run(cfg, world_size: int) -> str:
     """Resolved config + parallel layout + memory estimate, as `qarl-train --dry-run` prints it."""
     from megatron_qarl.config import to_yaml, validate_config
@@ -278,16 +294,16 @@ def format_dry_run(cfg, world_size: int) -> str:
              f"EP {lay['ep']} x ETP {lay['etp']} x expert-DP {lay['expert_dp']}; sequence parallel "
              f"{'on' if sp else 'off'}",
              "",
-             "# parameters",
-             f"total {p['total'] / 1e9:.3f} B, active per token {p['active'] / 1e9:.3f} B, "
-             f"held per GPU {p['local_per_gpu'] / 1e9:.3f} B",
+             "# parameters (B = billions)",
+             f"total {_count(p['total'])}, active per token {_count(p['active'])}, "
+             f"held per GPU {_count(p['local_per_gpu'])}",
              "",
-             f"# trainer memory per GPU (GiB; micro-batch of {est['tokens_per_micro_batch']} tokens)"]
-    lines += [f"{k:<20}{v / GIB:10.2f}" for k, v in tr.items()]
-    lines += ["", "# rollout engine weights (GiB)",
-              f"published ({cfg.quant.scheme}) total {eng['published_total'] / GIB:.2f}, bf16 would be "
-              f"{eng['bf16_total'] / GIB:.2f}; per engine GPU ({eng['engine_gpus']}) "
-              f"{eng['per_engine_gpu'] / GIB:.2f}"]
+             f"# trainer memory per GPU (micro-batch of {est['tokens_per_micro_batch']} tokens)"]
+    lines += [f"{k:<20}{_human(v):>14}" for k, v in tr.items()]
+    lines += ["", "# rollout engine weights",
+              f"published ({cfg.quant.scheme}) total {_human(eng['published_total'])}, bf16 would be "
+              f"{_human(eng['bf16_total'])}; per engine GPU ({eng['engine_gpus']} GPUs per engine) "
+              f"{_human(eng['per_engine_gpu'])}"]
     if cfg.rollout.engine == "sglang" and cfg.rollout.sglang.mode == "colocated":
         lines.append(f"colocated: the engine also takes mem_fraction_static "
                      f"{cfg.rollout.sglang.mem_fraction_static} of each GPU while it is resident")

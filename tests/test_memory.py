@@ -94,7 +94,7 @@ def test_tiny_w4a16_reference_memory_hand_computed():
     assert mem["optimizer"] == 8 * TINY_TOTAL == 28_880_896
     # bf16 copy only of what the aligned forward does not take from the quantized cache
     assert mem["compute_copy_bf16"] == 2 * (TINY_TOTAL - TINY_EXPERTS) == 928_768
-    # int8 codes 1 B + bf16 scale per 128 + reference backend's dequantized bf16 weight
+    # int8 codes 1 B + bf16 scale per 128 + reference backend's dequantized bf16 weight 2 B
     assert mem["quant_cache"] == TINY_EXPERTS + 2 * TINY_EXPERTS / 128 + 2 * TINY_EXPERTS == 9_486_336
     assert mem["publish_bucket"] == 16 * 2 ** 20
     # T = 4 x (16 + 8) = 96 tokens; per layer and token: attention 2*(2*256 + (2*4 + 2*2)*64) = 2,560;
@@ -104,6 +104,15 @@ def test_tiny_w4a16_reference_memory_hand_computed():
     assert mem["logits"] == 96 * 128 * 6 == 73_728
     parts = [v for k, v in mem.items() if k != "total"]
     assert mem["total"] == sum(parts)
+
+
+def test_gpu_backends_cache_their_own_copy():
+    marlin = estimate_memory(_tiny("quant.scheme=w4a16", "quant.backend=marlin"))["trainer_per_gpu"]
+    assert marlin["quant_cache"] == TINY_EXPERTS * (1 + 2 / 128 + 0.5)  # codes, scales, Marlin int4 repack
+    te = estimate_memory(_tiny("quant.scheme=fp8", "quant.scope=all-linears", "quant.backend=te"))
+    linears = TINY_EXPERTS + TINY_ATTENTION
+    # e4m3 row-wise 1 B + fp32 scale per 128x128 block + column-wise e4m3 copy 1 B
+    assert te["trainer_per_gpu"]["quant_cache"] == linears * 2 + 4 * linears / 128 ** 2
 
 
 def test_bf16_learner_arm_has_no_cache_and_full_bf16_copy():
@@ -159,6 +168,9 @@ def test_qwen3_30b_a3b_w4a16_engine_weights():
 def test_format_dry_run_reports_layout_params_and_memory():
     text = format_dry_run(_tiny("parallel.ep=2", world_size=2), world_size=2)
     assert "world 2 = TP 1 x PP 1 x DP 2; experts: EP 2 x ETP 1 x expert-DP 1" in text
-    assert "total 0.004 B, active per token 0.001 B" in text
-    assert "master_fp32" in text and "quant_cache" in text and "total" in text
+    assert "total 3,610,112 (0.004 B), active per token 1,250,816 (0.001 B)" in text
+    assert "master_fp32" in text and "quant_cache" in text
+    # fp32 masters at EP 2: 4 B x (3,610,112 - 1,572,864 experts held by the other rank) = 8,148,992 B
+    assert "7.77 MiB" in text
+
     assert "preset: tiny" in text  # the resolved config is part of it
