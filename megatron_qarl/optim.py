@@ -18,7 +18,19 @@ shards are ``[gate_r; up_r]``; a plain gather along dim 0 would give ``[g0;u0;g1
 permutation P of ``[g;u]``. Newton-Schulz is equivariant to row permutations (every iterate is
 ``p(X X^T) X`` and ``(PX)(PX)^T = P X X^T P^T``, so ``NS(PX) = P NS(X)``) — in exact arithmetic; with
 torch's bf16 iteration the summation order changes, so we reorder to ``[g;u]`` before the iteration
-and stay bit-identical to TP=1 instead of relying on it.
+and stay bit-identical to TP=1 instead of relying on it. (Measured on gloo: TP2, EP2 and
+TP2/expert-TP1 steps equal torch.optim.Muon on the gathered whole matrices exactly, except split qkv
+— q, k, v scaled by their own ratio — within one fp32 ulp, 7e-9.)
+
+Usage (fp32 masters, megatron DDP chunks, parallel state initialised)::
+
+    opt = build_optimizer(cfg, [ddp_model])
+    ddp_model.zero_grad_buffer(); loss.backward(); finalize_model_grads([ddp_model])
+    success, grad_norm, num_zeros = opt.step()      # also advances the lr schedule
+    sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}   # dist_checkpointing.save
+    loaded = dist_checkpointing.load({"model": model_sd,
+                                      "optimizer": opt.sharded_state_dict(model_sd, is_loading=True)}, d)
+    opt.load_state_dict(loaded["optimizer"])
 """
 from __future__ import annotations
 

@@ -113,7 +113,7 @@ def run_layout(tp: int, ep: int, etp: int) -> dict:
         success, grad_norm, _ = opt.step()
         assert success and grad_norm > 0
 
-    worst, checked, blockwise_rel = 0.0, [], {}
+    worst, checked, blockwise_rel, diffs = 0.0, [], {}, {}
     for name, p in model.named_parameters():
         if name not in before:
             continue
@@ -125,6 +125,7 @@ def run_layout(tp: int, ep: int, etp: int) -> dict:
         worst = max(worst, diff)
         assert diff <= 1e-6, f"{name}: TP{tp} update differs from whole-matrix Muon by {diff}"
         checked.append(name)
+        diffs[name] = diff
         if getattr(p, "tensor_model_parallel", False) and world > 1 and "linear_qkv" not in name:
             # What orthogonalising each shard on its own would have given instead (blockwise mode).
             local_p = from_whole(name, whole_p, p, rank, world)
@@ -136,7 +137,8 @@ def run_layout(tp: int, ep: int, etp: int) -> dict:
     worst_t = torch.tensor([worst])
     dist.all_reduce(worst_t, op=dist.ReduceOp.MAX)
     return {"max_abs_diff": worst_t.item(), "checked": checked, "n_muon": len(muon_ids),
-            "n_adamw": len(adam_ids), "blockwise_rel_diff": blockwise_rel}
+            "n_adamw": len(adam_ids), "blockwise_rel_diff": blockwise_rel,
+            "rank0_abs_diff": diffs}
 
 
 def main():
