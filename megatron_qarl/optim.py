@@ -584,6 +584,10 @@ def build_optimizer(cfg: OptimConfig, model_chunks: Iterable) -> QarlOptimizer:
             raise TypeError(
                 f"build_optimizer needs megatron DistributedDataParallel-wrapped chunks (for main_grad); "
                 f"got {type(chunk).__name__}")
+    if cfg.bf16 and not torch.cuda.is_available():
+        raise OptimConfigError(
+            "bf16=true keeps bf16 model params with fp32 masters in megatron's Float16Optimizer, which "
+            "only accepts CUDA tensors; without a GPU keep fp32 params (bf16=false)")
     mcfg = _megatron_config(cfg)
     if cfg.name == "adamw":
         from megatron.core.optimizer import get_megatron_optimizer

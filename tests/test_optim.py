@@ -15,6 +15,8 @@ from megatron_qarl.optim import (
     _assemble_whole,
     _linear_warmup_constant_scheduler,
     _local_slice,
+    _megatron_config,
+    build_optimizer,
     megatron_muon_available,
     muon_backend_in_use,
     muon_layout_for,
@@ -286,3 +288,28 @@ def test_optimizer_state_resumes_through_dist_checkpointing(torchrun, tmp_path):
     out = torchrun(2, "optim_checkpoint.py", "2", str(tmp_path))
     for name in ("adamw", "muon"):
         assert out[name]["max_abs_diff"] == 0.0
+
+
+def test_megatron_optimizer_config_carries_our_settings():
+    cfg = OptimConfig(name="muon", lr=3e-6, weight_decay=0.02, betas=(0.8, 0.9), eps=1e-7, clip_grad=0.5,
+                      muon_momentum=0.9, muon_nesterov=False, muon_ns_steps=4, muon_split_qkv=False).validate()
+    m = _megatron_config(cfg)
+    assert (m.optimizer, m.lr, m.weight_decay, m.adam_beta1, m.adam_beta2, m.adam_eps, m.clip_grad) == (
+        "adam", 3e-6, 0.02, 0.8, 0.9, 1e-7, 0.5)
+    assert m.decoupled_weight_decay and not m.use_distributed_optimizer and not m.bf16
+    assert (m.muon_momentum, m.muon_use_nesterov, m.muon_num_ns_steps, m.muon_split_qkv) == (0.9, False, 4, False)
+    # match_rms_adamw = 0.2 * sqrt(max(rows, cols)); whole-matrix TP = megatron's "duplicated" mode.
+    assert (m.muon_scale_mode, m.muon_extra_scale_factor, m.muon_tp_mode) == ("spectral", 0.2, "duplicated")
+    m = _megatron_config(OptimConfig(muon_adjust_lr="original", muon_tp_mode="blockwise").validate())
+    assert (m.muon_scale_mode, m.muon_extra_scale_factor, m.muon_tp_mode) == ("shape_scaling", 1.0, "blockwise")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check")
+def test_bf16_masters_without_cuda_are_refused_up_front():
+    with pytest.raises(OptimConfigError, match="bf16"):
+        build_optimizer(OptimConfig(bf16=True), [SimpleNamespace(ddp_config=None)])
+
+
+def test_build_optimizer_needs_megatron_ddp_chunks():
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        build_optimizer(OptimConfig(), [torch.nn.Linear(2, 2)])
