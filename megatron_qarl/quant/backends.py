@@ -8,10 +8,11 @@ Every backend consumes the spec's codes/scales (never re-derives its own from th
                  and repacked exactly as SGLang's `CompressedTensorsWNA16.process_weights_after_loading`
                  does. CUDA only.
 * `te`        -- TransformerEngine FP8 with `Float8BlockScaling` (128x128 weights, 1x128 activations),
-                 fp32 (non power-of-two) scales via `NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1` to match the
-                 spec's amax/448 rule; TE is given the spec-dequantized weight, whose re-quantization
-                 reproduces the spec codes (every block holds an exact e4m3 value times its scale and its
-                 amax maps to 448). CUDA only.
+                 fp32 (non power-of-two) scales -- the recipe's QParams are set to power_2_scale=False
+                 (and `NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1` for later imports) to match amax/448; TE is given the spec-dequantized weight in bf16, whose
+                 re-quantization reproduces the spec codes (each block is e4m3 values times one scale and
+                 its amax maps to 448; bf16 rounding moves values by <= 2^-9 relative, far below half an
+                 e4m3 step) with scales equal to the spec's within 2^-8 relative. CUDA only.
 * `modelopt`  -- the forward math of `reference`; `install_spec_weight_quantizers` swaps the weight
                  quantizers that `modelopt.torch.quantization.quantize` inserted into a model for ones that
                  apply the spec (modelopt's own INT4 rule maps amax to 7, not 7.5, so its codes differ).
@@ -134,14 +135,32 @@ TE_FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
 
 
 def _transformer_engine():
-    # TE reads this when it builds block-scaling quantizers; the spec's scale rule is exact amax/448.
-    os.environ[TE_FP32_SCALES_ENV] = "1"
+    # Float8BlockScaling evaluates this env var in its class body (import time); set it early for
+    # any later import, and force the instance fields below in case TE was imported already.
+    os.environ.setdefault(TE_FP32_SCALES_ENV, "1")
     try:
         import transformer_engine.pytorch as te
-        from transformer_engine.common.recipe import Float8BlockScaling
+        from transformer_engine.common import recipe as te_recipe
     except ImportError as exc:  # pragma: no cover - GPU-only dependency
         raise BackendUnavailableError("quant backend 'te' needs transformer_engine (CUDA build) installed") from exc
-    return te, Float8BlockScaling
+    return te, te_recipe
+
+
+def te_fp32_scale_recipe(te_recipe):
+    """`Float8BlockScaling` with exact fp32 (amax/448) scales for inputs, weights and grads."""
+    recipe = te_recipe.Float8BlockScaling()
+    exact = te_recipe.QParams(power_2_scale=False, amax_epsilon=0.0)
+    for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+        setattr(recipe, name, exact)
+    if hasattr(recipe, "use_f32_scales"):
+        recipe.use_f32_scales = True
+    return recipe
+
+
+def _te_autocast(te, recipe):
+    if hasattr(te, "fp8_autocast"):
+        return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+    return te.autocast(enabled=True, recipe=recipe)
 
 
 class TransformerEngineBackend:
@@ -155,19 +174,20 @@ class TransformerEngineBackend:
         if qweight.block != 128:
             raise QuantizationError(f"te Float8BlockScaling uses 128x128 blocks, config has {qweight.block}")
         _require_cuda(self.name, qweight.qweight, "TransformerEngine FP8 block scaling")
-        te, _ = _transformer_engine()
+        te, te_recipe = _transformer_engine()
         n, k = qweight.qweight.shape
         layer = te.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device=qweight.qweight.device)
         with torch.no_grad():
             layer.weight.copy_(dequantized.to(torch.bfloat16))
         layer.weight.requires_grad_(False)
-        return layer
+        return layer, te_fp32_scale_recipe(te_recipe)
 
     def forward(self, x, qweight, prepared, dequantized) -> torch.Tensor:
         _require_cuda(self.name, x, "TransformerEngine FP8 block scaling")
-        te, Float8BlockScaling = _transformer_engine()
-        with torch.no_grad(), te.fp8_autocast(enabled=True, fp8_recipe=Float8BlockScaling()):
-            return prepared(x)
+        te, _ = _transformer_engine()
+        layer, recipe = prepared
+        with torch.no_grad(), _te_autocast(te, recipe):
+            return layer(x)
 
 
 class ModeloptBackend(ReferenceBackend):
