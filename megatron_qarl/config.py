@@ -387,6 +387,9 @@ def _check_positive(cfg: RunConfig) -> list[str]:
     if getattr(t.optim, "bf16", False) and cfg.model.dtype != "bfloat16":
         out.append("train.optim.bf16=true keeps bf16 model params, which contradicts "
                    f"model.dtype={cfg.model.dtype!r}; set model.dtype=bfloat16 or train.optim.bf16=false")
+    resume = cfg.checkpoint.resume
+    if resume not in RESUME_KEYWORDS and not Path(resume).exists():
+        out.append(f"checkpoint.resume={resume!r} is neither 'auto', 'none' nor an existing checkpoint path")
     if cfg.checkpoint.every < 0:
         out.append(f"checkpoint.every={cfg.checkpoint.every} must be >= 0 (0 = only at the end)")
     if t.max_tokens_per_micro_batch is not None:

@@ -173,6 +173,8 @@ BAD_CONFIGS = [
     pytest.param(["rollout.engine=sglang", "rollout.sglang.launch=inprocess", "rollout.sglang.mode=separate"],
                  None, "launch=inprocess runs the engine inside the trainer", id="inprocess-separate"),
     pytest.param(["data.synthetic.style=fancy"], None, "data.synthetic:", id="synthetic-owner-validation"),
+    pytest.param(["checkpoint.resume=/no/such/ckpt"], None, "neither 'auto', 'none' nor an existing",
+                 id="resume-path-missing"),
     pytest.param(["rollout.top_p=0"], None, "rollout.top_p=0.0 must be in (0, 1]", id="top-p"),
     pytest.param(["quant.scheme=int3"], None, "quant:", id="quant-owner-validation"),
     pytest.param(["train.optim.name=sgd"], None, "train.optim:", id="optim-owner-validation"),
