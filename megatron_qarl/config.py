@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
 from megatron_qarl.models.qwen3_moe import PRESETS as MODEL_PRESETS
 from megatron_qarl.optim import OptimConfig
