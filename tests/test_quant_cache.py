@@ -89,6 +89,24 @@ def test_cached_aligned_weight_feeds_any_linear_with_ste_grad():
     assert torch.equal(mlp[0].weight.grad, (torch.ones(3, 128, dtype=torch.bfloat16).t() @ x).float())
 
 
+def test_attach_to_a_non_torch_optimizer_wraps_its_step():
+    class WrapperOptimizer:  # like megatron's MegatronOptimizer: not a torch.optim.Optimizer
+        def __init__(self):
+            self.steps = 0
+
+        def step(self):
+            self.steps += 1
+            return "stepped"
+
+    opt = WrapperOptimizer()
+    cache = QuantCache(QuantConfig(scheme="w4a16"))
+    handle = cache.attach_to_optimizer(opt)
+    assert opt.step() == "stepped" and opt.steps == 1 and cache.counters.invalidations == 1
+    handle.remove()
+    opt.step()
+    assert cache.counters.invalidations == 1
+
+
 def test_cache_rejects_scheme_none():
     with pytest.raises(QuantizationError, match="scheme='none'"):
         QuantCache(QuantConfig(scheme="none"))

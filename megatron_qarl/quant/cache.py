@@ -7,8 +7,13 @@ micro-batch's forward and by the weight publisher. An entry is stale when
 * the master tensor's `_version` counter or storage changed since it was quantized (any in-place
   update, e.g. an optimizer not hooked, or a checkpoint load).
 
-Wiring into megatron's Column/RowParallelLinear (whose `_forward_impl` takes `weight`) is one line:
-``weight = cache.aligned_weight(self.weight, name)`` in place of ``self.weight``.
+Wiring into megatron: `ColumnParallelLinear.forward(x, weight=cache.aligned_weight(layer.weight, name))`
+(it accepts an explicit weight); for `RowParallelLinear` pass the same tensor as `weight=` to
+`_forward_impl`. TP/SP communication stays megatron's. Megatron's model params are bf16 copies of
+the fp32 masters, and the spec's first step is the cast to bf16, so quantizing the bf16 param gives
+the same codes as quantizing the fp32 master. With `gradient_accumulation_fusion` megatron writes
+wgrad into `weight.main_grad` of the tensor it is given; keep that fusion off for aligned layers
+(the STE then returns the grad to the param, whose hooks accumulate it as usual).
 """
 from __future__ import annotations
 
@@ -22,6 +27,25 @@ from megatron_qarl.quant.backends import get_backend
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.quant.engine_layout import QuantizedWeight, engine_tensors_for_linear, quantize_weight
 from megatron_qarl.quant.errors import QuantizationError
+
+
+class _StepWrapper:
+    """Wraps `optimizer.step` so that `after()` runs once the step returns."""
+
+    def __init__(self, optimizer, after) -> None:
+        self._optimizer = optimizer
+        original = optimizer.step
+
+        def step(*args, **kwargs):
+            result = original(*args, **kwargs)
+            after()
+            return result
+
+        optimizer.step = step
+        self._original = original
+
+    def remove(self) -> None:
+        self._optimizer.step = self._original
 
 
 @dataclass
@@ -70,9 +94,17 @@ class QuantCache:
         self._entries.clear()
         self.invalidate()
 
-    def attach_to_optimizer(self, optimizer: torch.optim.Optimizer):
-        """Invalidate after every `optimizer.step()`; returns the hook handle."""
-        return optimizer.register_step_post_hook(lambda *_args, **_kwargs: self.invalidate())
+    def attach_to_optimizer(self, optimizer):
+        """Invalidate after every `optimizer.step()`; returns a handle with `remove()`.
+
+        torch optimizers get a step post-hook; others (megatron's `MegatronOptimizer` wrappers,
+        which are not `torch.optim.Optimizer`s) get their bound `step` wrapped on the instance.
+        """
+        if hasattr(optimizer, "register_step_post_hook"):
+            return optimizer.register_step_post_hook(lambda *_args, **_kwargs: self.invalidate())
+        if not callable(getattr(optimizer, "step", None)):
+            raise QuantizationError(f"attach_to_optimizer: {type(optimizer).__name__} has no step() to hook")
+        return _StepWrapper(optimizer, self.invalidate)
 
     # -- lookups ---------------------------------------------------------------------------------
     def _key(self, master: torch.Tensor, name: Optional[str]):
