@@ -47,15 +47,16 @@ def check_uneven_gather(group, rank) -> dict:
     return {"uneven_gather_unpatched_error": error}
 
 
-def main():
-    init_distributed(ParallelLayout())
+def run_collective_checks() -> dict:
+    """Needs a 2-process world with megatron initialised (init_distributed)."""
     assert dist.get_world_size() == 2, "run with 2 processes"
     group = dist.distributed_c10d._get_default_group()
-    rank = dist.get_rank()
-    result = {}
-    for check in (check_uneven_gather,):
-        result.update(check(group, rank))
-    write_result(result)
+    return check_uneven_gather(group, dist.get_rank())
+
+
+def main():
+    init_distributed(ParallelLayout())
+    write_result(run_collective_checks())
     destroy_distributed()
 
 

@@ -1,10 +1,13 @@
 """Worker: tiny megatron MoE GPTModel, one DDP + finalize_model_grads + Adam (clip_grad) step, on CPU/gloo.
 
-    parallel  --tp T --ep E --ckpt DIR     build at layout (tp, ep), forward/backward/step, save the initial
-                                           weights to DIR/init, save/reload the stepped weights at the same
-                                           layout (asserts identical loss), report loss0/grad_norm/loss1.
-    reference --ckpt DIR [DIR ...]         world 1, TP1/EP1: load each DIR/init (resharded by
-                                           dist_checkpointing), run the same step, report per DIR.
+    parallel  --layouts tp2 ep2 tp2ep2 --ckpt ROOT [--collectives]
+        for each layout in turn (same processes, model parallel re-initialised): build, forward/backward/
+        step, save the initial weights to ROOT/<layout>/init, save/reload the stepped weights at the same
+        layout (asserts identical loss); report loss0/grad_norm/loss1 per layout. --collectives first runs
+        the gloo collective checks of compat_collectives.py.
+    reference --ckpt DIR [DIR ...]
+        world 1, TP1/EP1: load each DIR/init (resharded by dist_checkpointing), run the same step, report
+        per DIR. ``reference_results`` does the same inside an already initialised world of one.
 
 The parent test compares parallel vs reference numbers: the reference is megatron's unsharded
 computation of the same weights, so the parallel layout (and the CPU workarounds it needs) must match it.
@@ -95,13 +98,20 @@ def load(module, path):
     assert not missing and not unexpected, f"missing {missing}, unexpected {unexpected}"
 
 
-def run_parallel(args):
-    layout = init_distributed(ParallelLayout(tp=args.tp, ep=args.ep))
+LAYOUTS = {
+    "tp2": ParallelLayout(tp=2),
+    "ep2": ParallelLayout(ep=2),
+    "tp2ep2": ParallelLayout(tp=2, ep=2),
+}
+
+
+def run_layout(layout: ParallelLayout, ckpt: str) -> dict:
+    init_distributed(layout)
     _, ddp = build(layout)
-    save(ddp.module, os.path.join(args.ckpt[0], "init"))
+    save(ddp.module, os.path.join(ckpt, "init"))
     result = train_step(ddp, make_optimizer(ddp))
 
-    stepped = os.path.join(args.ckpt[0], "stepped")
+    stepped = os.path.join(ckpt, "stepped")
     save(ddp.module, stepped)
     _, fresh = build(layout)
     load(fresh.module, stepped)
@@ -109,26 +119,44 @@ def run_parallel(args):
         reloaded = lm_loss(fresh).item()
     assert reloaded == result["loss1"], f"reloaded loss {reloaded} != saved model's loss {result['loss1']}"
     result["layout"] = {"tp": layout.tp, "ep": layout.ep, "sp": layout.sequence_parallel}
-    write_result(result)
+    return result
+
+
+def run_parallel(args):
+    init_distributed(ParallelLayout())
+    results = {}
+    if args.collectives:
+        from compat_collectives import run_collective_checks
+
+        results["collectives"] = run_collective_checks()
+    for name in args.layouts:
+        results[name] = run_layout(LAYOUTS[name], os.path.join(args.ckpt[0], name))
+    write_result(results)
     destroy_distributed()
 
 
-def run_reference(args):
+def reference_results(ckpt_dirs) -> dict:
+    """TP1 results for each checkpoint; needs a world of one (init_distributed already called)."""
     layout = init_distributed(ParallelLayout())
     results = {}
-    for ckpt in args.ckpt:
+    for ckpt in ckpt_dirs:
         _, ddp = build(layout)
         load(ddp.module, os.path.join(ckpt, "init"))
         results[ckpt] = train_step(ddp, make_optimizer(ddp))
-    write_result(results)
+    return results
+
+
+def run_reference(args):
+    init_distributed(ParallelLayout())
+    write_result(reference_results(args.ckpt))
     destroy_distributed()
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["parallel", "reference"])
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), default=[])
+    parser.add_argument("--collectives", action="store_true")
     parser.add_argument("--ckpt", nargs="+", required=True)
     args = parser.parse_args()
     (run_parallel if args.mode == "parallel" else run_reference)(args)
