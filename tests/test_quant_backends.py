@@ -8,6 +8,7 @@ from megatron_qarl.quant import (
     BackendUnavailableError,
     QuantCache,
     QuantConfig,
+    QuantConfigError,
     QuantizationError,
     aligned_linear,
     get_backend,
@@ -32,7 +33,7 @@ from megatron_qarl.quant import (
     ],
 )
 def test_config_errors_name_the_problem(kwargs, message):
-    with pytest.raises(QuantizationError, match=message):
+    with pytest.raises(QuantConfigError, match=message):
         QuantConfig(**kwargs)
 
 

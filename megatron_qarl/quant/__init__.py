@@ -13,7 +13,7 @@ from megatron_qarl.quant.engine_layout import (
     int4_engine_tensors,
     quantize_weight,
 )
-from megatron_qarl.quant.errors import QuantizationError
+from megatron_qarl.quant.errors import QuantConfigError, QuantizationError
 from megatron_qarl.quant.fp8 import (
     FP8_MAX,
     Fp8Weight,
@@ -34,7 +34,7 @@ __all__ = [
     "AlignedLinearFunction", "BackendUnavailableError", "CacheCounters", "CacheEntry", "QuantCache",
     "aligned_linear", "aligned_weight", "fp8_fake_quant_activation", "get_backend",
     "install_spec_weight_quantizers",
-    "FP8_MAX", "Fp8Weight", "Int4Weight", "QuantConfig", "QuantizationError",
+    "FP8_MAX", "Fp8Weight", "Int4Weight", "QuantConfig", "QuantConfigError", "QuantizationError",
     "dequantize_fp8_activation", "dequantize_fp8_block", "dequantize_int4_groupwise",
     "engine_tensors_for_linear", "fp8_engine_tensors", "int4_engine_tensors",
     "pack_int4_groupwise", "quantize_fp8_activation", "quantize_fp8_block",

@@ -18,7 +18,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from megatron_qarl.quant.errors import QuantizationError
+from megatron_qarl.quant.errors import QuantConfigError, QuantizationError
+
+__all__ = ["QuantConfig", "QuantConfigError", "SCHEMES", "SCOPES", "BACKENDS"]
 
 SCHEMES = ("none", "w4a16", "fp8")
 SCOPES = ("experts", "experts+attention", "all-linears")
@@ -49,26 +51,26 @@ class QuantConfig:
 
     def validate(self) -> "QuantConfig":
         if self.scheme not in SCHEMES:
-            raise QuantizationError(f"unknown quant scheme {self.scheme!r}; choose one of {SCHEMES}")
+            raise QuantConfigError(f"unknown quant scheme {self.scheme!r}; choose one of {SCHEMES}")
         if self.scope not in SCOPES:
-            raise QuantizationError(f"unknown quant scope {self.scope!r}; choose one of {SCOPES}")
+            raise QuantConfigError(f"unknown quant scope {self.scope!r}; choose one of {SCOPES}")
         if self.backend not in BACKENDS:
-            raise QuantizationError(f"unknown quant backend {self.backend!r}; choose one of {BACKENDS}")
+            raise QuantConfigError(f"unknown quant backend {self.backend!r}; choose one of {BACKENDS}")
         for name in ("group_size", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0 or value % 8 != 0:
-                raise QuantizationError(
+                raise QuantConfigError(
                     f"{name} must be a positive multiple of 8 (int4 packs 8 codes per int32), got {value!r}"
                 )
         if self.scheme == "none":
             return self
         if self.scope not in SCHEME_SCOPES[self.scheme]:
-            raise QuantizationError(
+            raise QuantConfigError(
                 f"scheme {self.scheme!r} does not support scope {self.scope!r}: FP8 covers all linears "
                 f"except router/embeddings/lm_head; set scope='all-linears' (allowed: {SCHEME_SCOPES[self.scheme]})"
             )
         if self.scheme not in BACKEND_SCHEMES[self.backend]:
-            raise QuantizationError(
+            raise QuantConfigError(
                 f"backend {self.backend!r} implements {BACKEND_SCHEMES[self.backend]}, not scheme "
                 f"{self.scheme!r}; use backend='reference' or one listed for {self.scheme!r}"
             )

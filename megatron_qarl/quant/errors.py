@@ -6,3 +6,7 @@ class QuantizationError(ValueError):
 
     Subclasses ValueError so callers that only know the stdlib contract still catch it.
     """
+
+
+class QuantConfigError(QuantizationError):
+    """An invalid `QuantConfig` (unknown scheme/scope/backend, bad group size, scheme/scope mismatch)."""
