@@ -114,6 +114,7 @@ def test_dist_checkpoint_tp2ep2_loads_at_tp1(torchrun, tmp_path):
     res = torchrun(4, "model_layout.py", "2", "2", "--save-ckpt", str(ckpt))
     assert res["logits_max_abs_diff"] <= 1e-4 and abs(res["loss"] - res["hf_loss"]) <= 1e-4
     assert res["grad_norm_rel_diff"] <= 1e-4 and res["export_bitwise_equal"]
+    assert abs(res["shard_grad_norm"] - res["hf_grad_norm"]) / res["hf_grad_norm"] <= 1e-4
     assert (ckpt / MARKER_NAME).is_file() and not list(tmp_path.glob("ckpt.tmp-*"))
     reload = torchrun(1, "model_layout.py", "load-ckpt", str(ckpt))
     assert reload["reload_logits_max_abs_diff"] <= 1e-5

@@ -101,6 +101,7 @@ def test_mcore_matches_transformers(torchrun, nproc, tp, ep):
     assert res["logits_max_abs_diff"] <= 1e-4
     assert abs(res["loss"] - res["hf_loss"]) <= 1e-4
     assert res["grad_norm_rel_diff"] <= 1e-4
+    assert abs(res["shard_grad_norm"] - res["hf_grad_norm"]) / res["hf_grad_norm"] <= 1e-4
     assert res["per_tensor_grad_max_abs_diff"] <= 1e-5
     assert res["export_bitwise_equal"] and res["exported_tensors"] == 69
 

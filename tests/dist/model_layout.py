@@ -18,7 +18,7 @@ from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_dis
 from megatron_qarl.weights.dist_ckpt import load_dist_checkpoint, save_dist_checkpoint
 from megatron_qarl.weights.hf_io import hf_state_from_model, load_hf_state_into_model
 from megatron_qarl.weights.hf_mapping import hf_to_mcore, mcore_to_hf
-from megatron_qarl.weights.sharding import gather_full_state, load_full_state_into_model
+from megatron_qarl.weights.sharding import gather_full_state, global_grad_norm, load_full_state_into_model
 
 BATCH, SEQ = 2, 16
 TOL = 1e-4
@@ -111,6 +111,8 @@ def run_layout(tp, ep, etp=None, save_dir=None):
     full_grads = gather_full_state(ddp, use_grad=True)
     gnorm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in full_grads.values()))
     grad_rel = abs(gnorm - ref_gnorm) / ref_gnorm
+    shard_gnorm = global_grad_norm(ddp)  # from local shards, deduplicated across ranks
+    assert abs(shard_gnorm - gnorm) / gnorm <= 1e-9, f"shard-wise grad norm {shard_gnorm} vs gathered {gnorm}"
     assert grad_rel <= 1e-4, f"grad norm {gnorm} vs HF {ref_gnorm}"
     ref_mcore_grads = hf_to_mcore(cfg, ref_grads)
     worst_grad = max(float((full_grads[n] - ref_mcore_grads[n]).abs().max()) for n in ref_mcore_grads)
@@ -130,7 +132,7 @@ def run_layout(tp, ep, etp=None, save_dir=None):
             torch.save(logits.detach(), f"{save_dir}.logits.pt")
 
     write_result(dict(logits_max_abs_diff=logits_diff, loss=float(loss), hf_loss=ref_loss,
-                      grad_norm=gnorm, hf_grad_norm=ref_gnorm, grad_norm_rel_diff=grad_rel,
+                      grad_norm=gnorm, shard_grad_norm=shard_gnorm, hf_grad_norm=ref_gnorm, grad_norm_rel_diff=grad_rel,
                       per_tensor_grad_max_abs_diff=worst_grad, exported_tensors=len(exported),
                       export_bitwise_equal=not not_equal))
     destroy_distributed()
