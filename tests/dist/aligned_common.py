@@ -1,0 +1,69 @@
+"""Shared pieces of the aligned-model checks (imported by tests/test_aligned_model.py and the workers).
+
+The reference for the aligned mcore model is transformers' Qwen3MoeForCausalLM holding the weights the
+engine would hold: in-scope linears replaced by their spec-dequantized int4 weights, the rest as is.
+"""
+import torch
+
+from megatron_qarl.models.qwen3_moe import tiny_hf_config
+from megatron_qarl.quant import QuantConfig, dequantize_int4_groupwise, quantize_int4_groupwise
+
+BATCH, SEQ = 2, 16
+
+
+def seeded_hf_state(cfg=None, seed: int = 1234) -> dict:
+    """HF-named fp32 weights of the tiny model: norms around 1, router spread to route unevenly."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from megatron_qarl.weights.hf_io import hf_state_from_model
+
+    cfg = cfg or tiny_hf_config()
+    with torch.device("meta"):
+        shapes = {n: t.shape for n, t in hf_state_from_model(Qwen3MoeForCausalLM(cfg)).items()}
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, shape in shapes.items():
+        noise = torch.randn(shape, generator=gen)
+        if "norm" in name:
+            state[name] = 1.0 + 0.1 * noise
+        elif name.endswith("mlp.gate.weight"):
+            state[name] = 0.2 * noise
+        else:
+            state[name] = 0.05 * noise
+    return state
+
+
+def w4a16_dequantized_state(hf_state: dict, quant_cfg: QuantConfig) -> dict:
+    """The weights a W4A16 engine holds: in-scope linears int4-quantized and dequantized (fp32)."""
+    out = {}
+    for name, w in hf_state.items():
+        if quant_cfg.quantizes(name):
+            q = quantize_int4_groupwise(w, quant_cfg.group_size)
+            w = dequantize_int4_groupwise(q.codes, q.scales, quant_cfg.group_size, dtype=torch.bfloat16).float()
+        out[name] = w
+    return out
+
+
+def hf_model(cfg, state: dict, dtype=torch.float32):
+    from transformers import Qwen3MoeForCausalLM
+
+    from megatron_qarl.weights.hf_io import load_hf_state_into_model
+
+    model = Qwen3MoeForCausalLM(cfg).float().eval()
+    load_hf_state_into_model(model, state)
+    return model.to(dtype)
+
+
+def tokens(vocab: int, seed: int = 99) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+
+
+def mcore_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Full-vocab logits [B, S, V] (gathered over TP) of a megatron GPTModel."""
+    from megatron.core import tensor_parallel
+
+    from megatron_qarl.models.logprobs import position_ids_for
+
+    logits = model(input_ids=input_ids, position_ids=position_ids_for(input_ids), attention_mask=None)
+    return tensor_parallel.gather_from_tensor_model_parallel_region(logits)

@@ -1,0 +1,108 @@
+"""The aligned W4A16 mcore model at one layout: logits vs transformers holding the engine's weights, and
+the cached codes/scales (gathered over TP/ETP/EP) vs the spec applied to the full weights.
+
+usage: aligned_layout.py LAYOUT [LAYOUT ...] [--scope SCOPE]     (world size = torchrun nproc)
+       LAYOUT = TPxEP or TPxEPxETP, e.g. 1x1 2x1 1x2 2x2; the first one is the reference (TP1)
+
+Layouts run one after another in the same processes (megatron's groups are rebuilt), which saves the
+start-up cost of a torchrun per layout. Rank 0 writes JSON: per layout the logits difference to the first
+layout and to transformers, and a digest of all gathered codes/scales.
+"""
+import hashlib
+import sys
+
+import torch
+import torch.distributed as dist
+
+from _common import write_result
+from aligned_common import hf_model, mcore_logits, seeded_hf_state, tokens, w4a16_dequantized_state
+from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
+from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
+from megatron_qarl.quant import QuantConfig, quantize_int4_groupwise
+from megatron_qarl.quant.apply import apply_aligned_quantization
+from megatron_qarl.weights.hf_mapping import hf_to_mcore
+from megatron_qarl.weights.sharding import (
+    RankCoords, join_shards, local_to_global_name, num_local_experts, shard_rule)
+
+TOL = 1e-4
+
+
+def _all_gather(t, group, size):
+    out = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+def gather_like_param(tensor, name, param, coords, n_local):
+    """{global name: full tensor} of a per-shard tensor laid out like `param` (codes, scales)."""
+    from megatron.core import parallel_state as ps
+
+    rule = shard_rule(name, param)
+    if not rule.expert:
+        if rule.partition_dim is not None and coords.tp_size > 1:
+            tensor = join_shards(_all_gather(tensor, ps.get_tensor_model_parallel_group(), coords.tp_size), rule)
+        return {name: tensor}
+    if rule.partition_dim is not None and coords.etp_size > 1:
+        tensor = join_shards(_all_gather(tensor, ps.get_expert_tensor_parallel_group(), coords.etp_size), rule)
+    if coords.ep_size == 1:
+        return {local_to_global_name(name, coords.ep_rank, n_local): tensor}
+    per_rank = _all_gather(tensor, ps.get_expert_model_parallel_group(), coords.ep_size)
+    return {local_to_global_name(name, r, n_local): t for r, t in enumerate(per_rank)}
+
+
+def run_layout(tp, ep, etp, scope):
+    layout = init_distributed(ParallelLayout(tp=tp, ep=ep, etp=etp), seed=1)
+    cfg = tiny_hf_config()
+    quant_cfg = QuantConfig(scheme="w4a16", scope=scope)
+    hf_state = seeded_hf_state(cfg)
+    model = build_qwen3_moe_model(cfg, layout, config_overrides=dict(moe_aux_loss_coeff=0.0))
+    from megatron_qarl.weights.sharding import load_full_state_into_model
+
+    full_mcore = hf_to_mcore(cfg, hf_state)
+    load_full_state_into_model(model, full_mcore)
+    aligned = apply_aligned_quantization(model, quant_cfg)
+    ids = tokens(cfg.vocab_size)
+    with torch.no_grad():
+        logits = mcore_logits(model, ids).float()
+        ref = hf_model(cfg, w4a16_dequantized_state(hf_state, quant_cfg))(input_ids=ids).logits
+    hf_diff = float((logits - ref).abs().max())
+    assert hf_diff <= TOL, f"aligned mcore vs transformers with the engine's weights: {hf_diff}"
+
+    coords, n_local = RankCoords.from_parallel_state(), num_local_experts(model)
+    codes, scales = {}, {}
+    for name in sorted(aligned.sites):
+        entry = aligned.entry(name)
+        param = aligned.sites[name].weight
+        codes.update(gather_like_param(entry.qweight.codes, name, param, coords, n_local))
+        scales.update(gather_like_param(entry.qweight.scales, name, param, coords, n_local))
+    bad = []
+    for name in sorted(codes):
+        spec = quantize_int4_groupwise(full_mcore[name], quant_cfg.group_size)
+        if not (torch.equal(codes[name], spec.codes) and torch.equal(scales[name], spec.scales)):
+            bad.append(name)
+    assert not bad, f"cached codes/scales differ from the spec on the full weight for {bad[:4]}"
+    digest = hashlib.sha256()
+    for name in sorted(codes):
+        digest.update(codes[name].numpy().tobytes())
+        digest.update(scales[name].view(torch.int16).numpy().tobytes())
+    return logits, dict(hf_logits_max_abs_diff=hf_diff, gathered_sites=len(codes), codes_digest=digest.hexdigest(),
+                        local_sites=len(aligned.sites), quantize_calls=aligned.cache.counters.quantize_calls)
+
+
+def main(layouts, scope):
+    results, reference = {}, None
+    for spec in layouts:
+        sizes = [int(v) for v in spec.split("x")]
+        logits, res = run_layout(sizes[0], sizes[1], sizes[2] if len(sizes) > 2 else None, scope)
+        reference = logits if reference is None else reference
+        res["logits_max_abs_diff_vs_first"] = float((logits - reference).abs().max())
+        assert res["logits_max_abs_diff_vs_first"] <= TOL, f"{spec}: logits differ from {layouts[0]}: {res}"
+        results[spec] = res
+    write_result(results)
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    scope = argv[argv.index("--scope") + 1] if "--scope" in argv else "experts+attention"
+    main([a for a in argv if "x" in a and a[0].isdigit()], scope)

@@ -1,0 +1,313 @@
+"""The aligned low-bit forward applied to the megatron Qwen3-MoE model (megatron_qarl.quant.apply).
+
+References are independent of the code under test: transformers' Qwen3-MoE holding the engine's weights
+(spec-dequantized int4 on the in-scope linears), a compressed-tensors checkpoint decompressed by
+transformers, hand-computed shard sizes.
+"""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
+from aligned_common import hf_model, mcore_logits, seeded_hf_state, tokens, w4a16_dequantized_state  # noqa: E402
+
+from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config  # noqa: E402
+from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed  # noqa: E402
+from megatron_qarl.quant import Int4Weight, QuantConfig, QuantizationError, unpack_int4_groupwise  # noqa: E402
+from megatron_qarl.quant.apply import (  # noqa: E402
+    SiteGeometry, apply_aligned_quantization, check_site_geometry, site_in_scope)
+from megatron_qarl.weights.hf_mapping import hf_to_mcore, mcore_to_hf  # noqa: E402
+from megatron_qarl.weights.sharding import gather_full_state, load_full_state_into_model  # noqa: E402
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU world-of-one tests")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    init_distributed(ParallelLayout(), seed=1)
+    yield
+    if owned:
+        destroy_distributed()
+
+
+@pytest.fixture(scope="module")
+def hf_state():
+    return seeded_hf_state(tiny_hf_config())
+
+
+def build(hf_state, dtype=torch.float32, cfg=None, **overrides):
+    cfg = cfg or tiny_hf_config()
+    model = build_qwen3_moe_model(cfg, ParallelLayout(), params_dtype=dtype,
+                                  config_overrides=dict(moe_aux_loss_coeff=0.0, **overrides))
+    load_full_state_into_model(model, hf_to_mcore(cfg, hf_state))
+    return model
+
+
+# ---------------------------------------------------------------------------------------- scope / sites
+
+@pytest.mark.parametrize("scope, n_sites", [("experts", 32), ("experts+attention", 36), ("all-linears", 36)])
+def test_sites_per_scope_never_router_embedding_or_output(hf_state, scope, n_sites):
+    model = build(hf_state)
+    aligned = apply_aligned_quantization(model, QuantConfig(scheme="w4a16", scope=scope))
+    assert len(aligned.sites) == n_sites  # 2 layers x 8 experts x (fc1, fc2) [+ 2 x (qkv, proj)]
+    names = list(aligned.sites)
+    assert "decoder.layers.1.mlp.experts.local_experts.7.linear_fc2.weight" in names
+    assert all("router" not in n and "output_layer" not in n and "embedding" not in n for n in names)
+    assert any("linear_qkv" in n for n in names) == (scope != "experts")
+
+
+def test_site_scope_mapping_by_name():
+    assert site_in_scope("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1", "experts")
+    assert not site_in_scope("decoder.layers.0.self_attention.linear_qkv", "experts")
+    assert site_in_scope("decoder.layers.0.self_attention.linear_proj", "experts+attention")
+    assert not site_in_scope("decoder.layers.0.mlp.linear_fc1", "experts+attention")
+    assert site_in_scope("decoder.layers.0.mlp.shared_experts.linear_fc2", "all-linears")
+    for never in ("output_layer", "embedding.word_embeddings", "decoder.layers.0.mlp.router"):
+        assert not site_in_scope(never, "all-linears")
+
+
+# ---------------------------------------------------------------------------------------- numerics
+
+def test_aligned_logits_and_ste_grads_match_transformers_with_engine_weights(hf_state):
+    """fp32: logits = transformers holding the dequantized int4 weights; master grads = that model's grads
+    w.r.t. the dequantized weights (straight-through)."""
+    cfg, quant_cfg = tiny_hf_config(), QuantConfig(scheme="w4a16", scope="experts+attention")
+    model = build(hf_state)
+    aligned = apply_aligned_quantization(model, quant_cfg)
+    ids = tokens(cfg.vocab_size)
+    logits = mcore_logits(model, ids)
+    ref_model = hf_model(cfg, w4a16_dequantized_state(hf_state, quant_cfg))
+    ref_logits = ref_model(input_ids=ids).logits
+    diff = float((logits - ref_logits).abs().max())
+    print(f"aligned mcore vs transformers(engine weights) logits max abs diff {diff:.2e}")
+    assert diff <= 1e-4
+
+    logits.float().logsumexp(-1).mean().backward()
+    ref_logits.float().logsumexp(-1).mean().backward()
+    from megatron_qarl.weights.hf_io import hf_state_from_model
+
+    class GradView(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def state_dict(self, *a, **k):
+            return {n: p.grad for n, p in self.m.named_parameters()}
+
+    ref_grads = hf_to_mcore(cfg, hf_state_from_model(GradView(ref_model)))
+    worst = max(float((aligned.sites[n].weight.grad - ref_grads[n]).abs().max()) for n in aligned.sites)
+    scale = max(float(ref_grads[n].abs().max()) for n in aligned.sites)
+    print(f"site master grads vs transformers grads: max abs diff {worst:.2e} (max grad {scale:.2e})")
+    assert worst <= 1e-5 * max(1.0, scale)
+
+
+def test_bf16_params_run_aligned_in_bf16_and_grads_reach_bf16_masters(hf_state):
+    cfg = tiny_hf_config()
+    model = build(hf_state, dtype=torch.bfloat16)
+    aligned = apply_aligned_quantization(model, QuantConfig(scheme="w4a16"))
+    entry = aligned.entry("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight")
+    assert entry.dequantized.dtype == torch.bfloat16
+    logits = mcore_logits(model, tokens(cfg.vocab_size))
+    assert logits.dtype == torch.bfloat16
+    logits.float().sum().backward()
+    grad = aligned.sites["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"].weight.grad
+    assert grad is not None and grad.dtype == torch.bfloat16 and float(grad.abs().sum()) > 0
+
+
+def test_cache_quantizes_once_per_optimizer_step(hf_state):
+    cfg = tiny_hf_config()
+    model = build(hf_state)
+    aligned = apply_aligned_quantization(model, QuantConfig(scheme="w4a16"))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    counters = aligned.cache.counters
+    n_sites = len(aligned.sites)
+    for step in range(2):
+        for micro in range(3):
+            mcore_logits(model, tokens(cfg.vocab_size, seed=step * 10 + micro)).float().logsumexp(-1).mean().backward()
+        assert counters.quantize_calls == n_sites * (step + 1), counters
+        opt.step()
+        opt.zero_grad()
+        aligned.invalidate()
+        assert counters.invalidations == step + 1
+    # a master changed in place without invalidate() is still caught (its version counter moved)
+    name = next(iter(aligned.sites))
+    before = counters.quantize_calls
+    with torch.no_grad():
+        aligned.sites[name].weight.mul_(1.5)
+    aligned.entry(name)
+    aligned.entry(name)
+    assert counters.quantize_calls == before + 1
+
+
+# ---------------------------------------------------------------------------------------- export
+
+def _hf_cache_from_aligned(cfg, aligned) -> dict:
+    """HF weight name -> Int4Weight from the aligned model's cached codes (fc1 rows = [gate; up])."""
+    out = {}
+    for name in aligned.sites:
+        q = aligned.entry(name).qweight
+        hf = mcore_to_hf_names(cfg, name)
+        if len(hf) == 2:
+            (g_codes, u_codes), (g_sc, u_sc) = q.codes.chunk(2, 0), q.scales.chunk(2, 0)
+            out[hf[0]] = Int4Weight(g_codes.contiguous(), g_sc.contiguous(), q.group_size)
+            out[hf[1]] = Int4Weight(u_codes.contiguous(), u_sc.contiguous(), q.group_size)
+        else:
+            out[hf[0]] = q
+    return out
+
+
+def mcore_to_hf_names(cfg, name: str) -> list[str]:
+    layer, rest = name.split(".")[2], name.split(".local_experts.")[1]
+    expert, linear = rest.split(".")[0], rest.split(".")[1]
+    base = f"model.layers.{layer}.mlp.experts.{expert}"
+    if linear == "linear_fc1":
+        return [f"{base}.gate_proj.weight", f"{base}.up_proj.weight"]
+    return [f"{base}.down_proj.weight"]
+
+
+def _export_w4a16_checkpoint(cfg, model, aligned, quant_cfg, path):
+    """Engine-layout payload (cached codes for the experts, bf16 for the rest) as an HF checkpoint."""
+    from megatron_qarl.weights.engine_layout import engine_named_tensors, w4a16_quantization_config
+    from megatron_qarl.weights.hf_io import write_hf_checkpoint
+
+    exported_hf = mcore_to_hf(cfg, gather_full_state(model))
+    payload = dict(engine_named_tensors(exported_hf.items(), quant_cfg, cache=_hf_cache_from_aligned(cfg, aligned)))
+    shipped = unpack_int4_groupwise(payload["model.layers.1.mlp.experts.5.up_proj.weight_packed"], (256, 256))
+    cached = aligned.entry("decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight").qweight.codes[256:]
+    assert torch.equal(shipped, cached)  # the export ships the trainer's cached codes
+    ckpt_cfg = tiny_hf_config()
+    ckpt_cfg.quantization_config = w4a16_quantization_config(quant_cfg.scope, quant_cfg.group_size)
+    ckpt_cfg.architectures = ["Qwen3MoeForCausalLM"]
+    write_hf_checkpoint(path, ckpt_cfg, payload, validate=False)
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
+    return path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_trainer_equals_exported_compressed_tensors_checkpoint(hf_state, tmp_path, dtype):
+    """Aligned mcore forward == transformers loading the exported W4A16 checkpoint (decompressed by the
+    compressed-tensors library), in the same dtype; the unaligned mcore forward is visibly farther.
+
+    The masters are bf16-representable so the checkpoint's bf16 non-expert tensors hold them exactly.
+    """
+    from transformers import Qwen3MoeForCausalLM
+
+    cfg, quant_cfg = tiny_hf_config(), QuantConfig(scheme="w4a16", scope="experts")
+    state = {n: t.to(torch.bfloat16).float() for n, t in hf_state.items()}
+    unaligned, model = build(state, dtype=dtype), build(state, dtype=dtype)
+    aligned = apply_aligned_quantization(model, quant_cfg)
+    ckpt = _export_w4a16_checkpoint(cfg, model, aligned, quant_cfg, tmp_path / "ckpt")
+    # transformers keeps the decompressed experts in the scales' dtype (bf16): cast all to `dtype`.
+    loaded = Qwen3MoeForCausalLM.from_pretrained(str(ckpt), dtype=dtype).to(dtype).eval()
+
+    ids = tokens(cfg.vocab_size, seed=5)
+    with torch.no_grad():
+        ref = loaded(input_ids=ids).logits.float()
+        aligned_diff = float((mcore_logits(model, ids).float() - ref).abs().max())
+        unaligned_diff = float((mcore_logits(unaligned, ids).float() - ref).abs().max())
+    print(f"{dtype} vs exported checkpoint: aligned max abs diff {aligned_diff:.3e}, unaligned {unaligned_diff:.3e}")
+    if dtype == torch.float32:
+        assert aligned_diff <= 1e-4
+        assert unaligned_diff >= 20 * max(aligned_diff, 1e-6)
+    else:  # bf16 GEMMs of two implementations differ by rounding; alignment must still clearly win
+        assert unaligned_diff >= 2 * aligned_diff
+
+
+# ---------------------------------------------------------------------------------------- bad input
+
+def test_group_not_dividing_a_shard_names_layer_size_and_split():
+    cfg = QuantConfig(scheme="w4a16")
+    geom = SiteGeometry("decoder.layers.3.mlp.experts.local_experts.0.linear_fc2.weight", (2048, 192),
+                        row_parallel=True, parts=4, axis="expert-TP")
+    with pytest.raises(QuantizationError, match=r"linear_fc2.*768 split over expert-TP=4 gives 192.*group_size=128"):
+        check_site_geometry(geom, cfg)
+    check_site_geometry(SiteGeometry("x.linear_fc2.weight", (2048, 384), True, 2, "expert-TP"), cfg)
+
+
+def test_fp8_blocks_must_hold_whole_gate_and_up_halves_and_heads():
+    fp8 = QuantConfig(scheme="fp8", scope="all-linears")
+    fc1 = SiteGeometry("l.linear_fc1.weight", (384, 2048), row_parallel=False, parts=4, axis="expert-TP", glu=True)
+    with pytest.raises(QuantizationError, match=r"gate/up halves.*768 split over expert-TP=4 gives 192"):
+        check_site_geometry(fc1, fp8)
+    qkv = SiteGeometry("l.linear_qkv.weight", (512, 256), row_parallel=False, parts=1, axis="TP", head_dim=64)
+    with pytest.raises(QuantizationError, match=r"head_dim=64 is not a multiple of block_size=128"):
+        check_site_geometry(qkv, fp8)
+    check_site_geometry(SiteGeometry("l.linear_qkv.weight", (512, 256), False, 1, "TP", head_dim=64),
+                        QuantConfig(scheme="fp8", scope="all-linears", block_size=64))
+
+
+def test_bad_configs_fail_clearly(hf_state):
+    small_ffn = tiny_hf_config(moe_intermediate_size=192)
+    model = build_qwen3_moe_model(small_ffn, ParallelLayout())
+    with pytest.raises(QuantizationError, match=r"local_experts\.0\.linear_fc2.*input dim 192"):
+        apply_aligned_quantization(model, QuantConfig(scheme="w4a16"))
+    with pytest.raises(QuantizationError, match="unknown quant scope"):
+        QuantConfig(scheme="w4a16", scope="mlp")
+    with pytest.raises(QuantizationError, match="does not support scope 'experts'"):
+        QuantConfig(scheme="fp8", scope="experts")
+    model = build(hf_state)
+    tampered = QuantConfig(scheme="w4a16")
+    tampered.scope = "everything"
+    with pytest.raises(QuantizationError, match="unknown quant scope 'everything'"):
+        apply_aligned_quantization(model, tampered)
+    with pytest.raises(QuantizationError, match="got 'none'"):
+        apply_aligned_quantization(model, QuantConfig())
+    with pytest.raises(QuantizationError, match="head_dim=64"):
+        apply_aligned_quantization(model, QuantConfig(scheme="fp8", scope="all-linears"))
+    apply_aligned_quantization(model, QuantConfig(scheme="w4a16"))
+    with pytest.raises(QuantizationError, match="already installed"):
+        apply_aligned_quantization(model, QuantConfig(scheme="w4a16"))
+
+
+def test_fp8_site_forward_is_block_weight_times_tile_quantized_input(hf_state):
+    """FP8 (block 64, so the tiny heads hold whole blocks): a wrapped megatron linear computes, in fp32,
+    dequant(fp8 block weight) @ dequant(fp8 1x64-tile input), cast back; the grad reaches the master."""
+    from megatron_qarl.quant import (dequantize_fp8_activation, dequantize_fp8_block, quantize_fp8_activation,
+                                     quantize_fp8_block)
+
+    model = build(hf_state, dtype=torch.bfloat16)
+    aligned = apply_aligned_quantization(model, QuantConfig(scheme="fp8", scope="all-linears", block_size=64))
+    assert len(aligned.sites) == 36
+    for name in ("decoder.layers.0.self_attention.linear_proj.weight",
+                 "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight"):
+        module = aligned.sites[name]
+        x = torch.randn(5, 1, module.weight.shape[1], generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        y, _ = module(x)
+        wq = quantize_fp8_block(module.weight.detach(), 64)
+        w = dequantize_fp8_block(wq.qweight, wq.scale_inv, 64, dtype=torch.float32)
+        xq, xs = quantize_fp8_activation(x, 64)
+        ref = (dequantize_fp8_activation(xq, xs, 64, dtype=torch.float32) @ w.t()).to(torch.bfloat16)
+        assert y.dtype == torch.bfloat16
+        assert float((y.float() - ref.float()).abs().max()) <= 1e-3 * float(ref.float().abs().max()), name
+        y.float().sum().backward()
+        assert module.weight.grad is not None and module.weight.grad.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------- layouts
+
+@pytest.mark.dist
+def test_aligned_w4a16_layouts_tp1_tp2sp_ep2_agree(torchrun):
+    res = torchrun(2, "aligned_layout.py", "1x1", "2x1", "1x2")
+    digests = {r["codes_digest"] for r in res.values()}
+    print(json.dumps(res, indent=1))
+    assert len(res) == 3 and len(digests) == 1  # identical gathered codes/scales at every layout
+    for spec, r in res.items():
+        assert r["hf_logits_max_abs_diff"] <= 1e-4, spec
+        assert r["logits_max_abs_diff_vs_first"] <= 1e-4, spec
+        assert r["gathered_sites"] == 36
+    assert res["1x2"]["local_sites"] == 20  # 4 local experts x 2 layers x 2 + 2 x (qkv, proj)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_aligned_w4a16_tp2_ep2_agrees_with_tp1(torchrun):
+    res = torchrun(4, "aligned_layout.py", "1x1", "2x2")
+    assert res["1x1"]["codes_digest"] == res["2x2"]["codes_digest"]
+    assert res["2x2"]["logits_max_abs_diff_vs_first"] <= 1e-4
+    assert res["2x2"]["hf_logits_max_abs_diff"] <= 1e-4
