@@ -1,0 +1,473 @@
+"""Per-step weight publisher: local TP/EP shards -> the rollout engine's (quantized) HF layout.
+
+Called after every optimizer step on EVERY rank (collective). Per parameter, in model order:
+
+1. each rank takes its local payload: for a quantized site this step's cached codes (aligned learner:
+   ``AlignedQuantization.cache``, never re-quantized; int4 codes are packed to int32 locally so 4x fewer
+   bytes travel) or, for the unaligned "BF16 learner" arm, the spec applied to the local master shard;
+   for everything else the bf16 value;
+2. the shards are GATHERED to global rank 0 only (``dist.gather``, not all-gather): over the TP group for
+   dense params, over expert-TP then EP for experts; DP replicas do not send. Tensors travel as same-size
+   integers (gloo has no bf16 / fp8 collectives everywhere);
+3. rank 0 joins them with the sharding rules, renames to HF, splits qkv / gate-up, and streams the engine
+   named tensors into flattened buckets (experts and the rest apart) that go to the engine one by one.
+   At most one full parameter plus the open buckets are alive at a time: the model is never held twice.
+
+Codes equal the offline conversion (gather masters -> ``mcore_to_hf`` -> ``engine_named_tensors``) because
+  * a column-parallel shard's codes/scales are rows of the full ones; a row-parallel shard holds whole
+    groups/blocks along K (``apply.check_site_geometry`` enforces it), so packed words and scales concatenate
+    along dim 1; GLU fc1 shards are [gate_r; up_r] for the codes exactly as for the weights;
+  * the mcore qkv interleave is a row permutation and groups run along K, so int4 codes and scales permute
+    like the weight rows. FP8 scale blocks are 128 rows tall: they permute with the rows only when
+    head_dim is a multiple of the block; ``check_site_geometry`` refuses fused-qkv FP8 otherwise (choose a
+    block dividing head_dim). Attention is not re-quantized after the split: that would make the engine's
+    codes differ from the ones the aligned trainer computed with.
+
+``code_flip_frac``: fraction of int4 codes (fp8 bytes) of the quantized sites that changed since the
+previous publish, counted by every sending rank on its LOCAL codes against its own previous codes
+(stored packed: 0.5 byte per int4 weight) and all-reduced; NaN on the first publish (nothing to compare).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_qarl.weights.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, iter_buckets, plan_buckets
+from megatron_qarl.weights.engine_layout import as_quant_config
+from megatron_qarl.weights.hf_mapping import _GLOBAL_RENAMES, _LAYER_RENAMES, _dims, split_qkv
+
+ENGINE_RANK = 0
+
+_MCORE_TO_HF_LAYER = {mc: hf for hf, mc in _LAYER_RENAMES.items()}
+_MCORE_TO_HF_GLOBAL = {mc: hf for hf, mc in _GLOBAL_RENAMES.items()}
+_WIRE_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class PublishError(RuntimeError):
+    """Publishing weights to the rollout engine failed."""
+
+
+class PublishVerificationError(PublishError):
+    """The engine does not hold what the trainer sent (a tensor missing or with different bytes)."""
+
+
+# ----------------------------------------------------------------------------- payloads
+
+
+@dataclass
+class FullParam:
+    """One full (gathered) mcore parameter in the form it is published.
+
+    kind ``bf16``: parts {"weight"}; ``int4``: {"weight_packed" int32 [N, K/8], "weight_scale" [N, K/g]};
+    ``fp8``: {"weight" e4m3 [N, K], "weight_scale_inv" fp32 [ceil(N/b), ceil(K/b)]}. ``shape`` is [N, K].
+    """
+
+    name: str
+    kind: str
+    parts: dict[str, torch.Tensor]
+    shape: tuple[int, ...]
+
+
+def _local_parts(kind: str, qweight: Any | None, value: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    from megatron_qarl.quant import pack_int4_groupwise
+
+    if kind == "int4":
+        return {"weight_packed": pack_int4_groupwise(qweight.codes), "weight_scale": qweight.scales}
+    if kind == "fp8":
+        return {"weight": qweight.qweight, "weight_scale_inv": qweight.scale_inv}
+    return {"weight": value.detach().to(torch.bfloat16)}
+
+
+def _qkv_split(hf_config, part: torch.Tensor, full_rows: int) -> tuple[torch.Tensor, ...]:
+    s = _dims(hf_config)
+    head_rows = s["d"] * part.shape[0]
+    if head_rows % full_rows:
+        raise PublishError(f"qkv part with {part.shape[0]} rows (weight rows {full_rows}) does not split into "
+                           f"heads of {s['d']} rows: FP8 blocks must not straddle heads (block | head_dim)")
+    return split_qkv(part, s["nq"], s["nkv"], head_rows // full_rows)
+
+
+def hf_split(hf_config, param: FullParam) -> list[tuple[str, dict[str, torch.Tensor], tuple[int, int]]]:
+    """(HF prefix without .weight, parts, [N, K]) of the HF tensors one full mcore parameter becomes."""
+    name, parts, (rows, cols) = param.name, param.parts, (tuple(param.shape) + (1,))[:2]
+    if name in _MCORE_TO_HF_GLOBAL:
+        return [(_MCORE_TO_HF_GLOBAL[name][: -len(".weight")], parts, param.shape)]
+    if not name.startswith("decoder.layers."):
+        raise PublishError(f"no HF name for mcore parameter {name!r}")
+    layer, suffix = name[len("decoder.layers."):].split(".", 1)
+    hf_layer = f"model.layers.{layer}."
+    if suffix in _MCORE_TO_HF_LAYER:
+        return [(hf_layer + _MCORE_TO_HF_LAYER[suffix][: -len(".weight")], parts, param.shape)]
+    if suffix == "self_attention.linear_qkv.weight":
+        s = _dims(hf_config)
+        split = {k: _qkv_split(hf_config, v, rows) for k, v in parts.items()}
+        sizes = (s["nq"] * s["d"], s["nkv"] * s["d"], s["nkv"] * s["d"])
+        return [(f"{hf_layer}self_attn.{p}_proj", {k: v[i].contiguous() for k, v in split.items()}, (sizes[i], cols))
+                for i, p in enumerate("qkv")]
+    if suffix.startswith("mlp.experts.local_experts."):
+        expert, leaf = suffix[len("mlp.experts.local_experts."):].split(".", 1)
+        base = f"{hf_layer}mlp.experts.{expert}."
+        if leaf == "linear_fc1.weight":
+            halves = {k: torch.chunk(v, 2, dim=0) for k, v in parts.items()}
+            return [(base + "gate_proj", {k: h[0].contiguous() for k, h in halves.items()}, (rows // 2, cols)),
+                    (base + "up_proj", {k: h[1].contiguous() for k, h in halves.items()}, (rows // 2, cols))]
+        if leaf == "linear_fc2.weight":
+            return [(base + "down_proj", parts, param.shape)]
+    raise PublishError(f"no HF name for mcore parameter {name!r}")
+
+
+def engine_tensors(hf_config, param: FullParam) -> Iterator[tuple[str, torch.Tensor]]:
+    """Engine-layout named tensors of one full mcore parameter (the names ``engine_named_tensors`` uses)."""
+    for prefix, parts, shape in hf_split(hf_config, param):
+        if param.kind == "int4":
+            yield f"{prefix}.weight_packed", parts["weight_packed"]
+            yield f"{prefix}.weight_scale", parts["weight_scale"]
+            yield f"{prefix}.weight_shape", torch.tensor(list(shape), dtype=torch.int32)
+        elif param.kind == "fp8":
+            yield f"{prefix}.weight", parts["weight"]
+            yield f"{prefix}.weight_scale_inv", parts["weight_scale_inv"]
+        else:
+            yield f"{prefix}.weight", parts["weight"]
+
+
+# ----------------------------------------------------------------------------- pushing
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (the embedded engine's ``checksum`` definition)."""
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+
+
+@dataclass
+class PushStats:
+    bytes: int = 0
+    num_tensors: int = 0
+    num_buckets: int = 0
+
+
+def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = False) -> PushStats:
+    """Stream engine-layout tensors into flattened buckets and send each to `engine` (None: count only).
+
+    One begin/end update around all buckets; with `verify` the engine's per-tensor checksums are compared
+    with what was sent afterwards (PublishVerificationError names the first bad tensor).
+    """
+    stats, sent = PushStats(), {}
+    if engine is not None:
+        engine.begin_weight_update()
+    try:
+        for bucket in iter_buckets(named_tensors, bucket_bytes):
+            stats.bytes += bucket.nbytes
+            stats.num_buckets += 1
+            stats.num_tensors += len(bucket.metadata)
+            if verify:
+                for entry in bucket.metadata:
+                    sent[entry.name] = tensor_digest(bucket.flattened_tensor[entry.start_idx:entry.end_idx])
+            if engine is not None:
+                engine.update_weights(bucket)
+    except BaseException:
+        if engine is not None:
+            _close_quietly(engine)
+        raise
+    if engine is not None:
+        engine.end_weight_update()
+        if verify:
+            verify_engine_checksums(engine, sent)
+    return stats
+
+
+def _close_quietly(engine) -> None:
+    try:
+        engine.end_weight_update()
+    except Exception:  # the original error is the one to report
+        pass
+
+
+def verify_engine_checksums(engine, sent: dict[str, str]) -> None:
+    """Raise PublishVerificationError unless the engine holds exactly the sent bytes under every name."""
+    if not callable(getattr(engine, "checksum", None)):
+        raise PublishError(f"verify=True needs an engine with checksum(names); {type(engine).__name__} has none "
+                           "(use the embedded engine, or publish with verify=False)")
+    held = {}
+    for name in sent:
+        try:
+            held.update(engine.checksum([name]))
+        except KeyError:
+            raise PublishVerificationError(
+                f"the engine holds no tensor {name!r} after the update (dropped in transit or refused)") from None
+    for name, digest in sent.items():
+        if held.get(name) != digest:
+            raise PublishVerificationError(f"tensor {name!r}: engine checksum {held.get(name)} != sent {digest}")
+
+
+# ----------------------------------------------------------------------------- gathering
+
+
+def _to_wire(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(_WIRE_DTYPES[t.element_size()])
+
+
+def _gather_to(tensor: torch.Tensor, group, dst: int, size: int) -> list[torch.Tensor] | None:
+    """dist.gather of one tensor (any dtype) to global rank `dst`; the shards on `dst`, None elsewhere."""
+    import torch.distributed as dist
+
+    wire = _to_wire(tensor)
+    is_dst = dist.get_rank() == dst
+    out = [torch.empty_like(wire) for _ in range(size)] if is_dst else None
+    dist.gather(wire, out, dst=dst, group=group)
+    return [t.view(tensor.dtype) for t in out] if is_dst else None
+
+
+@dataclass
+class _Topology:
+    coords: Any
+    n_local: int
+    dense_sender: bool   # this rank's TP group is the engine rank's
+    expert_sender: bool  # this rank's expert-TP x EP slice is the engine rank's
+    tp_group: Any = None
+    etp_group: Any = None
+    ep_group: Any = None
+
+    @classmethod
+    def current(cls, model) -> "_Topology":
+        from megatron.core import parallel_state as ps
+
+        from megatron_qarl.weights.sharding import RankCoords, num_local_experts
+
+        coords = RankCoords.from_parallel_state()
+        return cls(coords=coords, n_local=num_local_experts(model),
+                   dense_sender=ps.get_data_parallel_rank(with_context_parallel=True) == 0,
+                   expert_sender=ps.get_expert_data_parallel_rank() == 0,
+                   tp_group=ps.get_tensor_model_parallel_group(),
+                   etp_group=ps.get_expert_tensor_parallel_group(), ep_group=ps.get_expert_model_parallel_group())
+
+
+def _group_root(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_process_group_ranks(group)[0]
+
+
+def _gather_parts(parts: dict[str, torch.Tensor], rule, group, size: int) -> dict[str, torch.Tensor] | None:
+    """Every part gathered to the group's first rank and joined there; None on the other ranks."""
+    from megatron_qarl.weights.sharding import join_shards
+
+    dst = _group_root(group)
+    gathered = {key: _gather_to(part, group, dst, size) for key, part in parts.items()}
+    if any(shards is None for shards in gathered.values()):
+        return None
+    return {key: join_shards(shards, rule) for key, shards in gathered.items()}
+
+
+def _full_shape(local_shape, rule, size: int) -> tuple[int, ...]:
+    shape = list(local_shape)
+    if rule.partition_dim is not None:
+        shape[rule.partition_dim] *= size
+    return tuple(shape)
+
+
+# ----------------------------------------------------------------------------- the publisher
+
+
+class WeightPublisher:
+    """Publishes the trainer's weights to the rollout engine after every optimizer step (collective).
+
+    `model`: the unwrapped megatron GPTModel (local shards). `quant`: the AlignedQuantization whose cached
+    codes are shipped, or None (unaligned learner: the spec is applied to the master shards here, or bf16
+    is sent when ``quant_cfg.scheme == "none"``). `engine`: the rollout engine on global rank 0, None
+    elsewhere (None on rank 0 too: plan and count only).
+    """
+
+    def __init__(self, model, hf_config, quant_cfg, *, quant=None, engine=None,
+                 bucket_bytes: int = 512 << 20, verify: bool = False):
+        from megatron_qarl.weights.sharding import unwrap_model
+
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.model = unwrap_model(model)
+        self.hf_config = hf_config
+        self.quant_cfg = as_quant_config(quant_cfg)
+        self.quant = quant
+        self.engine = engine
+        self.bucket_bytes = bucket_bytes
+        self.verify = verify
+        if quant is not None and quant.quant_cfg != self.quant_cfg:
+            raise ValueError(f"quant_cfg {self.quant_cfg} differs from the aligned model's {quant.quant_cfg}; "
+                             "publish with the config the model was quantized with")
+        self.sites = self._find_sites()
+        self.params = dict(self.model.named_parameters())
+        self._previous_codes: dict[str, torch.Tensor] = {}
+        self.publishes = 0
+
+    def _find_sites(self) -> dict[str, torch.nn.Module]:
+        if not self.quant_cfg.enabled:
+            if self.quant is not None:
+                raise ValueError("an AlignedQuantization was given but quant_cfg.scheme is 'none'")
+            return {}
+        if self.quant is not None:
+            return dict(self.quant.sites)
+        from megatron_qarl.quant.apply import check_site_geometry, find_sites, site_geometry
+
+        sites = find_sites(self.model, self.quant_cfg)
+        for name, module in sites.items():
+            check_site_geometry(site_geometry(name, module), self.quant_cfg)
+        return sites
+
+    # -- per-parameter local payload --------------------------------------------------------------
+    def _kind(self) -> str:
+        return {"w4a16": "int4", "fp8": "fp8"}[self.quant_cfg.scheme]
+
+    def _qweight(self, name: str):
+        module = self.sites[name]
+        if self.quant is not None:
+            return self.quant.cache.entry(module.weight, name).qweight
+        from megatron_qarl.quant import quantize_weight
+
+        with torch.no_grad():
+            return quantize_weight(module.weight.detach(), self.quant_cfg)
+
+    def _local(self, name: str, param: torch.Tensor) -> tuple[str, dict[str, torch.Tensor]]:
+        if name in self.sites:
+            kind = self._kind()
+            return kind, _local_parts(kind, self._qweight(name), None)
+        return "bf16", _local_parts("bf16", None, param)
+
+    # -- gathering one parameter to the engine rank -------------------------------------------------
+    def _collect(self, topo: _Topology, name: str, param: torch.Tensor, flips: list) -> list[FullParam]:
+        from megatron_qarl.weights.sharding import local_to_global_name, shard_rule
+
+        rule = shard_rule(name, param, gated_linear_unit=bool(self.model.config.gated_linear_unit))
+        if not (topo.expert_sender if rule.expert else topo.dense_sender):
+            return []
+        kind, parts = self._local(name, param)
+        if kind != "bf16":
+            self._count_flips(name, kind, parts, flips)
+        c = topo.coords
+        group, size = (topo.etp_group, c.etp_size) if rule.expert else (topo.tp_group, c.tp_size)
+        shape = tuple(param.shape)
+        if rule.partition_dim is not None and size > 1:
+            parts = _gather_parts(parts, rule, group, size)
+            shape = _full_shape(shape, rule, size)
+            if parts is None:
+                return []
+        if not rule.expert:
+            return [FullParam(name, kind, parts, shape)]
+        if c.ep_size == 1:
+            return [FullParam(local_to_global_name(name, c.ep_rank, topo.n_local), kind, parts, shape)]
+        per_rank: dict[str, list[torch.Tensor]] = {}
+        for key, part in parts.items():
+            shards = _gather_to(part, topo.ep_group, _group_root(topo.ep_group), c.ep_size)
+            if shards is not None:
+                per_rank[key] = shards
+        if not per_rank:
+            return []
+        return [FullParam(local_to_global_name(name, r, topo.n_local), kind, {k: v[r] for k, v in per_rank.items()},
+                          shape) for r in range(c.ep_size)]
+
+    def _count_flips(self, name: str, kind: str, parts: dict[str, torch.Tensor], flips: list) -> None:
+        current = parts["weight_packed"] if kind == "int4" else parts["weight"].view(torch.uint8)
+        previous = self._previous_codes.get(name)
+        total = current.numel() * (8 if kind == "int4" else 1)
+        if previous is not None:
+            flips[0] += _changed_codes(previous, current, kind)
+            flips[1] += total
+        self._previous_codes[name] = current.clone()
+
+    def _stream(self, topo: _Topology, flips: list) -> Iterator[tuple[str, torch.Tensor]]:
+        """Engine-layout named tensors on the engine rank (the other ranks only take part in gathers)."""
+        for name, param in self.params.items():
+            for full in self._collect(topo, name, param, flips):
+                yield from engine_tensors(self.hf_config, full)
+
+    # -- public ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def publish(self) -> dict:
+        """COLLECTIVE: every rank calls it after each optimizer step. Returns publish/* metrics."""
+        import torch.distributed as dist
+
+        start = time.perf_counter()
+        topo = _Topology.current(self.model)
+        flips = [0, 0]  # changed codes, codes compared with a previous publish
+        is_engine_rank = dist.get_rank() == ENGINE_RANK
+        stream = self._stream(topo, flips)
+        error = None
+        stats = PushStats()
+        if is_engine_rank:
+            try:
+                stats = push_named_tensors(self.engine, stream, bucket_bytes=self.bucket_bytes, verify=self.verify)
+            except Exception as exc:  # other ranks must learn about it instead of hanging
+                error = exc
+                for _ in stream:  # finish the collectives the other ranks are in
+                    pass
+        else:
+            for _ in stream:
+                pass
+        counts = torch.tensor(flips + [1 if error is not None else 0], dtype=torch.int64)
+        dist.all_reduce(counts)
+        if error is not None:
+            raise error
+        if int(counts[2]):
+            raise PublishError(f"weight publish failed on the engine rank {ENGINE_RANK} (see its error)")
+        self.publishes += 1
+        changed, compared = int(counts[0]), int(counts[1])
+        return {
+            "publish/bytes": stats.bytes,
+            "publish/time_s": time.perf_counter() - start,
+            "publish/num_tensors": stats.num_tensors,
+            "publish/num_buckets": stats.num_buckets,
+            "publish/code_flip_frac": changed / compared if compared else math.nan,
+        }
+
+
+def _changed_codes(previous: torch.Tensor, current: torch.Tensor, kind: str) -> int:
+    if kind != "int4":
+        return int((previous != current).sum())
+    diff = previous ^ current  # packed int32: 8 codes of 4 bits each
+    return int(sum(((diff >> (4 * i)) & 0xF).ne(0).sum() for i in range(8)))
+
+
+# ----------------------------------------------------------------------------- planning (meta shapes)
+
+
+def engine_tensor_metas(hf_config, quant_cfg) -> list[TensorMeta]:
+    """Engine-layout tensor metas of the whole model from the full mcore shapes (meta tensors, no data),
+    through the same per-parameter conversion the publisher uses."""
+    from megatron_qarl.quant.apply import site_in_scope
+    from megatron_qarl.weights.hf_mapping import expected_mcore_shapes
+
+    cfg = as_quant_config(quant_cfg)
+    metas = []
+    for name, shape in expected_mcore_shapes(hf_config).items():
+        quantized = cfg.enabled and len(shape) == 2 and site_in_scope(name[: -len(".weight")], cfg.scope)
+        kind = {"w4a16": "int4", "fp8": "fp8"}[cfg.scheme] if quantized else "bf16"
+        for hf_name, tensor in engine_tensors(hf_config, FullParam(name, kind, _meta_parts(kind, shape, cfg), shape)):
+            metas.append(TensorMeta.of(hf_name, tensor))
+    return metas
+
+
+def _meta_parts(kind: str, shape, cfg) -> dict[str, torch.Tensor]:
+    meta = dict(device="meta")
+    if kind == "int4":
+        n, k = shape
+        return {"weight_packed": torch.empty(n, k // 8, dtype=torch.int32, **meta),
+                "weight_scale": torch.empty(n, k // cfg.group_size, dtype=torch.bfloat16, **meta)}
+    if kind == "fp8":
+        n, k = shape
+        b = cfg.block_size
+        return {"weight": torch.empty(n, k, dtype=torch.float8_e4m3fn, **meta),
+                "weight_scale_inv": torch.empty(-(-n // b), -(-k // b), dtype=torch.float32, **meta)}
+    return {"weight": torch.empty(*shape, dtype=torch.bfloat16, **meta)}
+
+
+def plan_publish(hf_config, quant_cfg, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
+    """Bytes / tensors / buckets one publish sends for this config (the publisher's own bucket plan)."""
+    buckets = plan_buckets(engine_tensor_metas(hf_config, quant_cfg), bucket_bytes)
+    return {"bytes": sum(m.nbytes for b in buckets for m in b), "num_tensors": sum(len(b) for b in buckets),
+            "num_buckets": len(buckets)}
