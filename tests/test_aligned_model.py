@@ -289,6 +289,48 @@ def test_fp8_site_forward_is_block_weight_times_tile_quantized_input(hf_state):
         assert module.weight.grad is not None and module.weight.grad.dtype == torch.bfloat16
 
 
+# ---------------------------------------------------------------------------------------- mismatch probe
+
+def test_mismatch_stats_hand_values():
+    from megatron_qarl.probe import mismatch_stats
+
+    stats = mismatch_stats(torch.tensor([0.0, -1.0]), torch.tensor([-0.6931471805599453, -1.0]))
+    assert stats.tokens == 2
+    assert stats.mean_abs_dlogp == pytest.approx(0.6931471805599453 / 2)
+    assert stats.k3 == pytest.approx((1.0 - 0.6931471805599453) / 2)  # r=2: (2-1)-log 2; r=1: 0
+
+
+def test_probe_cli_aligned_learner_is_closer_to_the_w4a16_sampler(hf_state, tmp_path):
+    from megatron_qarl.probe import main
+    from megatron_qarl.weights.hf_io import write_hf_checkpoint
+
+    cfg = tiny_hf_config()
+    write_hf_checkpoint(tmp_path / "hf", cfg, hf_state)
+    rows = [{"prompt": "12+34="}, {"prompt_token_ids": [5, 9, 17, 33, 2]}, {"prompt": "7+8="}, {"prompt": "99+1="}]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    report = main(["--hf", str(tmp_path / "hf"), "--prompts", str(tmp_path / "prompts.jsonl"), "--num-prompts", "3",
+                   "--samples-per-prompt", "2", "--max-new-tokens", "10", "--out", str(tmp_path / "report.json")])
+    assert json.loads((tmp_path / "report.json").read_text()) == report
+    a, b = report["unaligned"], report["aligned"]
+    print(f"probe: unaligned k3 {a['k3']:.2e} |dlogp| {a['mean_abs_dlogp']:.2e}; "
+          f"aligned k3 {b['k3']:.2e} |dlogp| {b['mean_abs_dlogp']:.2e} over {a['tokens']} tokens")
+    assert report["sequences"] == 6 and a["tokens"] == b["tokens"] > 0
+    assert b["k3"] < a["k3"] and b["mean_abs_dlogp"] < a["mean_abs_dlogp"]
+
+
+def test_probe_rejects_bad_input(hf_state, tmp_path):
+    from megatron_qarl.probe import ProbeError, ProbeSettings, probe_mismatch, read_prompts
+
+    cfg = tiny_hf_config()
+    with pytest.raises(ProbeError, match="use --scheme w4a16"):
+        probe_mismatch(cfg, hf_state, [[1, 2]], ProbeSettings(scheme="fp8"))
+    with pytest.raises(ProbeError, match=r"in \[0, 128\)"):
+        probe_mismatch(cfg, hf_state, [[1, 500]])
+    (tmp_path / "p.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(ProbeError, match="p.jsonl:1: a row needs 'prompt_token_ids'"):
+        read_prompts(tmp_path / "p.jsonl", tmp_path, None)
+
+
 # ---------------------------------------------------------------------------------------- layouts
 
 @pytest.mark.dist

@@ -1,0 +1,222 @@
+"""Training-inference mismatch probe: how far is the learner's log-prob from the low-bit sampler's?
+
+The sampler is the embedded engine holding the W4A16 payload (engine layout, the same tensors SGLang
+would receive). For the sampled tokens it reports, per learner,
+  * mean |Δlogprob| = mean over response tokens of |ℓ_learner − ℓ_sampler|,
+  * k3 = mean of (r − 1) − log r with r = p_learner / p_sampler (Schulman's k3 estimator of
+    KL(sampler ‖ learner) from the sampler's own samples),
+for (a) the unaligned megatron learner (its weights as given, in `learner_dtype`) and (b) the aligned
+learner (the same model with the aligned low-bit forward). QaRL's claim is (b) << (a).
+
+    python -m megatron_qarl.probe --hf DIR --prompts FILE [--scheme w4a16] [--num-prompts N]
+                                  [--max-new-tokens T] [--samples-per-prompt S] [--temperature 1.0]
+
+FILE is JSONL; each row has `prompt_token_ids` (list of ints) or `prompt` (text, tokenized with the
+tokenizer saved in DIR, or the project's char tokenizer when DIR has none).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+
+
+class ProbeError(ValueError):
+    """Bad probe input (prompts, checkpoint, scheme)."""
+
+
+@dataclass
+class ProbeSettings:
+    scheme: str = "w4a16"
+    scope: str = "experts"
+    group_size: int = 128
+    samples_per_prompt: int = 1
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    seed: int = 0
+    learner_dtype: str = "bfloat16"
+
+    def validate(self) -> "ProbeSettings":
+        if self.scheme != "w4a16":
+            raise ProbeError(f"scheme {self.scheme!r}: the probe's sampler holds the W4A16 payload; use --scheme w4a16")
+        if self.learner_dtype not in ("bfloat16", "float32"):
+            raise ProbeError(f"learner_dtype must be bfloat16 or float32, got {self.learner_dtype!r}")
+        return self
+
+
+@dataclass
+class MismatchStats:
+    tokens: int
+    mean_abs_dlogp: float
+    k3: float
+
+
+def mismatch_stats(learner_logp: torch.Tensor, sampler_logp: torch.Tensor) -> MismatchStats:
+    """Token-level stats of two equally shaped 1-D log-prob tensors (learner, sampler) in fp64."""
+    delta = learner_logp.double() - sampler_logp.double()
+    k3 = torch.expm1(delta) - delta  # r - 1 - log r with log r = delta
+    return MismatchStats(tokens=int(delta.numel()), mean_abs_dlogp=float(delta.abs().mean()), k3=float(k3.mean()))
+
+
+def _sample(hf_config, hf_state, prompts, settings: ProbeSettings, quant_cfg):
+    from megatron_qarl.rollout.embedded import EmbeddedEngine
+    from megatron_qarl.rollout.protocol import SamplingParams
+    from megatron_qarl.weights.engine_layout import engine_named_tensors
+
+    engine = EmbeddedEngine.from_hf_config(hf_config, dtype="bfloat16", seed=settings.seed)
+    engine.begin_weight_update()
+    engine.update_weights(engine_named_tensors(hf_state.items(), quant_cfg))
+    engine.end_weight_update()
+    sampling = SamplingParams(temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
+                              seed=settings.seed, n=settings.samples_per_prompt)
+    return engine.generate([list(p) for p in prompts], sampling)
+
+
+def _batch(prompts, results, pad_id: int = 0):
+    """Right-padded prompt+response ids, padding mask and (row, position) of every response token."""
+    seqs = [list(prompts[r.prompt_index]) + list(r.token_ids) for r in results]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    pad = torch.ones((len(seqs), width), dtype=torch.bool)
+    rows, cols, sampler = [], [], []
+    for i, (seq, res) in enumerate(zip(seqs, results)):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        pad[i, : len(seq)] = False
+        start = len(prompts[res.prompt_index])
+        for j, lp in enumerate(res.logprobs):
+            rows.append(i)
+            cols.append(start + j - 1)  # logprob at t predicts token t + 1
+            sampler.append(lp)
+    return ids, pad, torch.tensor(rows), torch.tensor(cols), torch.tensor(sampler, dtype=torch.float64)
+
+
+def _learner_logprobs(model, ids, pad, temperature) -> torch.Tensor:
+    from megatron_qarl.models.logprobs import token_logprobs
+
+    with torch.no_grad():
+        return token_logprobs(model, ids, temperature=temperature, padding_mask=pad)
+
+
+def probe_mismatch(hf_config, hf_state: Mapping[str, torch.Tensor], prompts: Sequence[Sequence[int]],
+                   settings: ProbeSettings | None = None) -> dict:
+    """Sample with the W4A16 engine, then score the samples with the unaligned and the aligned megatron
+    learner (TP1, this process). Returns {"unaligned": {...}, "aligned": {...}, "settings": {...}, ...}."""
+    import torch.distributed as dist
+
+    from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model
+    from megatron_qarl.parallel import ParallelLayout, init_distributed
+    from megatron_qarl.quant import QuantConfig
+    from megatron_qarl.quant.apply import apply_aligned_quantization
+    from megatron_qarl.weights.hf_mapping import hf_to_mcore
+    from megatron_qarl.weights.sharding import load_full_state_into_model
+
+    settings = (settings or ProbeSettings()).validate()
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ProbeError("probe_mismatch needs at least one prompt, each with at least one token")
+    if any(t < 0 or t >= hf_config.vocab_size for p in prompts for t in p):
+        raise ProbeError(f"prompt token ids must be in [0, {hf_config.vocab_size}) (the model's vocab)")
+    quant_cfg = QuantConfig(scheme=settings.scheme, scope=settings.scope, group_size=settings.group_size)
+    results = _sample(hf_config, hf_state, prompts, settings, quant_cfg)
+    ids, pad, rows, cols, sampler = _batch(prompts, results)
+
+    if not dist.is_initialized():
+        init_distributed(ParallelLayout(), seed=settings.seed)
+    dtype = getattr(torch, settings.learner_dtype)
+    model = build_qwen3_moe_model(hf_config, ParallelLayout(), params_dtype=dtype,
+                                  config_overrides=dict(moe_aux_loss_coeff=0.0))
+    load_full_state_into_model(model, hf_to_mcore(hf_config, hf_state))
+    model.eval()
+    unaligned = _learner_logprobs(model, ids, pad, settings.temperature)[rows, cols]
+    aligned_handle = apply_aligned_quantization(model, quant_cfg)
+    aligned = _learner_logprobs(model, ids, pad, settings.temperature)[rows, cols]
+    aligned_handle.remove()
+    out = {
+        "unaligned": asdict(mismatch_stats(unaligned, sampler)),
+        "aligned": asdict(mismatch_stats(aligned, sampler)),
+        "settings": asdict(settings),
+        "sequences": len(results),
+    }
+    a, b = out["unaligned"]["k3"], out["aligned"]["k3"]
+    out["k3_reduction"] = (1.0 - b / a) if a > 0 else math.nan
+    return out
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+def read_prompts(path: str | Path, hf_dir: str | Path, limit: int | None) -> list[list[int]]:
+    path = Path(path)
+    if not path.is_file():
+        raise ProbeError(f"prompts file {path} does not exist")
+    tokenizer = None
+    prompts = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ProbeError(f"{path}:{lineno}: not valid JSON ({exc})") from exc
+        if isinstance(row, dict) and "prompt_token_ids" in row:
+            prompts.append([int(t) for t in row["prompt_token_ids"]])
+        elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            tokenizer = tokenizer or _tokenizer(hf_dir)
+            prompts.append(list(tokenizer.encode(row["prompt"], add_special_tokens=False)))
+        else:
+            raise ProbeError(f"{path}:{lineno}: a row needs 'prompt_token_ids' (list of ints) or 'prompt' (text)")
+        if limit is not None and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise ProbeError(f"{path} holds no prompts")
+    return prompts
+
+
+def _tokenizer(hf_dir):
+    if any((Path(hf_dir) / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(hf_dir))
+    from megatron_qarl.rl.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m megatron_qarl.probe", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf", required=True, help="HF Qwen3-MoE checkpoint directory (full precision)")
+    parser.add_argument("--prompts", required=True, help="JSONL with prompt_token_ids or prompt per row")
+    parser.add_argument("--scheme", default="w4a16", choices=["w4a16"])
+    parser.add_argument("--scope", default="experts", choices=["experts", "experts+attention", "all-linears"])
+    parser.add_argument("--num-prompts", type=int, default=None)
+    parser.add_argument("--samples-per-prompt", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--learner-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="also write the JSON report here")
+    args = parser.parse_args(argv)
+
+    from megatron_qarl.weights.hf_io import read_hf_checkpoint
+
+    hf_config, hf_state = read_hf_checkpoint(args.hf)
+    hf_state = {n: t.float() for n, t in hf_state.items()}
+    settings = ProbeSettings(scheme=args.scheme, scope=args.scope, samples_per_prompt=args.samples_per_prompt,
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                             learner_dtype=args.learner_dtype)
+    report = probe_mismatch(hf_config, hf_state, read_prompts(args.prompts, args.hf, args.num_prompts), settings)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(out)
+    return report
+
+
+if __name__ == "__main__":
+    main()
