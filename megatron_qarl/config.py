@@ -27,6 +27,7 @@ from megatron_qarl.optim import OptimConfig
 from megatron_qarl.parallel import ParallelLayout
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.rl.losses import LossConfig
+from megatron_qarl.sft import SFTConfig
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig
 
 
@@ -58,7 +59,7 @@ class ModelConfig:
     # or random init for presets).
     init_checkpoint: str | None = None
     # Dtype of the learner's compute (GEMM inputs); masters are always fp32.
-    dtype: str = "bfloat16"
+    dtype: str = "float32"  # bfloat16 needs train.optim.bf16=true (megatron mixed precision, GPU)
     tokenizer: str | None = None  # None: from hf_path; "char": the synthetic task's char tokenizer
 
 
@@ -103,7 +104,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = disabled
     max_new_tokens: int = 8
-    embedded_dtype: str = "bfloat16"
+    embedded_dtype: str = "float32"
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
@@ -178,6 +179,8 @@ class RunConfig:
     publish: PublishConfig = field(default_factory=PublishConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # Supervised warm-up (`qarl-train sft`) that produces model.init_checkpoint for the RL run.
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -342,7 +345,7 @@ def _check_sub_configs(cfg: RunConfig) -> list[str]:
     """Run the owners' own validation of the composed sub-configs, prefixed with their section."""
     out = []
     for section, sub in (("quant", cfg.quant), ("train.loss", cfg.train.loss),
-                         ("train.optim", cfg.train.optim)):
+                         ("train.optim", cfg.train.optim), ("sft", cfg.sft)):
         validate = getattr(sub, "validate", None)
         if validate is None:
             continue
@@ -384,9 +387,10 @@ def _check_positive(cfg: RunConfig) -> list[str]:
         out.append(f"rollout.top_k={r.top_k} must be >= 0 (0 disables top-k)")
     if not 0.0 < r.sglang.mem_fraction_static < 1.0:
         out.append(f"rollout.sglang.mem_fraction_static={r.sglang.mem_fraction_static} must be in (0, 1)")
-    if getattr(t.optim, "bf16", False) and cfg.model.dtype != "bfloat16":
-        out.append("train.optim.bf16=true keeps bf16 model params, which contradicts "
-                   f"model.dtype={cfg.model.dtype!r}; set model.dtype=bfloat16 or train.optim.bf16=false")
+    if getattr(t.optim, "bf16", False) != (cfg.model.dtype == "bfloat16"):
+        out.append(f"train.optim.bf16={t.optim.bf16} does not match model.dtype={cfg.model.dtype!r}: bf16 "
+                   "learners keep bf16 model params with fp32 masters in megatron's optimizer "
+                   "(train.optim.bf16=true, GPU only); set both (bfloat16 + true) or (float32 + false)")
     resume = cfg.checkpoint.resume
     if resume not in RESUME_KEYWORDS and not Path(resume).exists():
         out.append(f"checkpoint.resume={resume!r} is neither 'auto', 'none' nor an existing checkpoint path")

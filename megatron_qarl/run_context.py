@@ -16,8 +16,6 @@ import torch.distributed as dist
 from megatron_qarl.config import RunConfig, save_yaml, to_dict
 from megatron_qarl.rl.batch import RolloutBatch
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
 
 def resolve_hf_config(cfg: RunConfig):
     """The HF Qwen3-MoE config the run trains: a preset, or `<model.hf_path>/config.json`."""
@@ -198,7 +196,8 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     # Each rank's loss is already normalised by the global token/sequence count, so DP gradients must
     # be summed, not averaged: megatron's calculate_per_token_loss switches DDP to sum.
     model = build_qwen3_moe_model(
-        hf_config, layout, params_dtype=_DTYPES[cfg.model.dtype],
+        # bfloat16: megatron mixed precision (bf16 params, fp32 masters in the optimizer).
+        hf_config, layout, params_dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
         config_overrides={"calculate_per_token_loss": True},
     )
     _load_initial_weights(cfg, model, hf_config)
@@ -263,19 +262,12 @@ def _load_initial_weights(cfg: RunConfig, model, hf_config) -> None:
 
 
 def _build_engine(cfg: RunConfig, hf_config):
+    from megatron_qarl.config import sglang_engine_options
     from megatron_qarl.rollout.protocol import make_engine
 
-    r = cfg.rollout
-    if r.engine == "embedded":
-        return make_engine({"name": "embedded", "hf_config": hf_config, "dtype": r.embedded_dtype,
+    if cfg.rollout.engine == "embedded":
+        return make_engine({"name": "embedded", "hf_config": hf_config, "dtype": cfg.rollout.embedded_dtype,
                             "seed": cfg.train.seed})
-    if r.engine == "sglang":
-        s = r.sglang
-        return make_engine({
-            "name": "sglang", "url": s.url, "mode": s.mode, "tp_size": s.tp_size, "ep_size": s.ep_size,
-            "moe_runner_backend": s.moe_runner_backend, "mem_fraction_static": s.mem_fraction_static,
-            "api_key": os.environ.get(s.api_key_env), "host": s.host, "port": s.port,
-            "startup_timeout_s": s.startup_timeout_s, "extra_args": list(s.extra_args),
-            "quant_scheme": cfg.quant.scheme,
-        })
-    return make_engine({"name": r.engine})
+    if cfg.rollout.engine == "sglang":
+        return make_engine({"name": "sglang", **sglang_engine_options(cfg)})
+    return make_engine({"name": cfg.rollout.engine})

@@ -179,8 +179,11 @@ BAD_CONFIGS = [
     pytest.param(["quant.scheme=int3"], None, "quant:", id="quant-owner-validation"),
     pytest.param(["train.optim.name=sgd"], None, "train.optim:", id="optim-owner-validation"),
     pytest.param(["train.loss.name=ppo2"], None, "ppo2", id="loss-owner-validation"),
-    pytest.param(["model.dtype=float32", "train.optim.bf16=true"], None, "contradicts model.dtype",
+    pytest.param(["model.dtype=float32", "train.optim.bf16=true"], None, "does not match model.dtype",
                  id="bf16-params-with-fp32-compute"),
+    pytest.param(["model.dtype=bfloat16", "train.optim.bf16=false"], None, "does not match model.dtype",
+                 id="bf16-compute-without-bf16-optimizer"),
+    pytest.param(["sft.lr=0"], None, "sft:", id="sft-owner-validation"),
 ]
 
 

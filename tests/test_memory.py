@@ -86,7 +86,8 @@ def _tiny(*overrides, world_size=1):
 
 
 def test_tiny_w4a16_reference_memory_hand_computed():
-    est = estimate_memory(_tiny("quant.scheme=w4a16", "quant.backend=reference", "train.optim.name=adamw"))
+    est = estimate_memory(_tiny("quant.scheme=w4a16", "quant.backend=reference", "train.optim.name=adamw",
+                                "model.dtype=bfloat16", "train.optim.bf16=true"))
     mem = est["trainer_per_gpu"]
     assert est["params"]["local_per_gpu"] == TINY_TOTAL
     assert mem["master_fp32"] == 4 * TINY_TOTAL == 14_440_448
@@ -116,7 +117,8 @@ def test_gpu_backends_cache_their_own_copy():
 
 
 def test_bf16_learner_arm_has_no_cache_and_full_bf16_copy():
-    mem = estimate_memory(_tiny("quant.scheme=w4a16", "quant.learner_aligned=false"))["trainer_per_gpu"]
+    mem = estimate_memory(_tiny("quant.scheme=w4a16", "quant.learner_aligned=false", "model.dtype=bfloat16",
+                                "train.optim.bf16=true"))["trainer_per_gpu"]
     assert mem["quant_cache"] == 0
     assert mem["compute_copy_bf16"] == 2 * TINY_TOTAL
 
