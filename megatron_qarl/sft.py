@@ -44,7 +44,7 @@ class SFTConfig:
     minutes on 2 cores to a temperature-1 accuracy in the 0.2-0.5 band (see the module report).
     """
 
-    steps: int = 300
+    steps: int = 700  # upper bound; stop_at_sampled_accuracy usually ends the run at 400-600
     batch_size: int = 64  # sequences per optimizer step, over all data-parallel ranks
     lr: float = 2e-3
     lr_warmup_steps: int = 20
@@ -57,12 +57,12 @@ class SFTConfig:
     operators: str = "+"
     style: str = "plain"
     # Evaluation on held-out prompts: greedy and temperature-1 sampled exact match.
-    eval_every: int = 100  # steps; 0 = only at the end
+    eval_every: int = 25  # steps; 0 = only at the end (an eval of 128 prompts costs ~0.3 s)
     eval_prompts: int = 128
     eval_max_new_tokens: int = 8  # same budget as the RL rollout (rollout.max_new_tokens)
     eval_temperature: float = 1.0
     # Stop early once the sampled accuracy at an evaluation reaches this (None: run all steps).
-    stop_at_sampled_accuracy: float | None = None
+    stop_at_sampled_accuracy: float | None = 0.3
     log_every: int = 10
     # Learner dtype. fp32 only: megatron's bf16 optimizer (Float16OptimizerWithFloat16Params)
     # requires CUDA tensors.
@@ -494,8 +494,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--config", default=None, help="run config YAML (model / parallel sections are used)")
     parser.add_argument("overrides", nargs="*", help="key=value; sft.<field>=... set SFTConfig fields")
     args = parser.parse_args(argv)
-    sft_overrides = [o for o in args.overrides if o.startswith("sft.")]
-    run_overrides = [o for o in args.overrides if not o.startswith("sft.")]
+    from megatron_qarl.config import RunConfig
+
+    # Once RunConfig has an `sft` section, load_config validates sft.* overrides like any other key.
+    composed = any(f.name == "sft" for f in dataclasses.fields(RunConfig))
+    sft_overrides = [] if composed else [o for o in args.overrides if o.startswith("sft.")]
+    run_overrides = [o for o in args.overrides if o not in sft_overrides]
     world = dist.get_world_size() if dist.is_initialized() else None
     cfg = load_config(args.config, run_overrides, world_size=world)
     sft = getattr(cfg, "sft", None) or SFTConfig()

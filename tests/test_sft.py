@@ -187,3 +187,12 @@ def test_saved_weights_are_the_trained_weights(tmp_path, tok):
     assert not torch.equal(_logits(fresh, ids), expected)
     load_dist_checkpoint(fresh, tmp_path / "ck")
     assert torch.equal(_logits(fresh, ids), expected)
+
+
+def test_cli_style_overrides_set_fields_and_reject_unknown_keys():
+    from megatron_qarl.sft import _apply_overrides
+
+    sft = _apply_overrides(SFTConfig(), ["sft.steps=7", "sft.operators=+-", "sft.stop_at_sampled_accuracy=0.3"])
+    assert (sft.steps, sft.operators, sft.stop_at_sampled_accuracy) == (7, "+-", 0.3)
+    with pytest.raises(SFTConfigError, match="stepz"):
+        _apply_overrides(SFTConfig(), ["sft.stepz=7"])
