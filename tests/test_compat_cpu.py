@@ -462,6 +462,12 @@ def test_gloo_uneven_gather_needs_and_gets_padding(two_proc_runs):
 
 
 @pytest.mark.dist
+def test_gloo_all_to_all_needs_host_split_sizes(two_proc_runs):
+    runs, _ = two_proc_runs
+    assert runs["collectives"]["all_to_all_tensor_splits_error"].startswith("TypeError: all_to_all_single")
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize("layout, expected", [("tp2", {"tp": 2, "ep": 1, "sp": True}), ("ep2", {"tp": 1, "ep": 2, "sp": False})])
 def test_two_process_layout_matches_tp1_reference(two_proc_runs, layout, expected):
     runs, reference = two_proc_runs

@@ -1,5 +1,5 @@
 """Worker (2 procs, gloo): megatron's collectives with uneven split sizes, without and with the CPU
-workaround. Reports the original symptom without it and asserts exact values with it."""
+workarounds. Reports the original symptoms without them and asserts exact values with them."""
 import os
 import sys
 
@@ -33,6 +33,31 @@ def unpatched_error(workaround: str, call) -> str:
         compat_cpu.apply_cpu_workarounds([workaround])
 
 
+def check_all_to_all_host_splits(group, rank) -> dict:
+    """The alltoall dispatcher hands megatron's all_to_all its split sizes; gloo rejects them as tensors
+    (what they stay on CPU without the alltoall_dispatcher_streams replacement) and accepts the host form
+    that replacement produces, with correctly routed rows."""
+    from megatron.core.tensor_parallel import mappings
+
+    send = [[1, 2], [3, 1]]  # rank r sends send[r][d] rows to rank d
+    x = rows(rank, sum(send[rank]))
+    in_splits = torch.tensor(send[rank])
+    out_splits = torch.tensor([send[0][rank], send[1][rank]])
+    try:
+        mappings.all_to_all(group, x, out_splits, in_splits)
+        error = ""
+    except TypeError as exc:
+        error = f"TypeError: {exc}"
+    host = compat_cpu._as_host_sizes
+    out = mappings.all_to_all(group, x, host(out_splits), host(in_splits))
+    parts = []
+    for src in range(2):
+        start = sum(send[src][:rank])
+        parts.append(rows(src, sum(send[src]))[start : start + send[src][rank]])
+    assert torch.equal(out, torch.cat(parts)), f"all_to_all misrouted rows on rank {rank}"
+    return {"all_to_all_tensor_splits_error": error}
+
+
 def check_uneven_gather(group, rank) -> dict:
     from megatron.core.tensor_parallel import mappings
 
@@ -51,7 +76,7 @@ def run_collective_checks() -> dict:
     """Needs a 2-process world with megatron initialised (init_distributed)."""
     assert dist.get_world_size() == 2, "run with 2 processes"
     group = dist.distributed_c10d._get_default_group()
-    return check_uneven_gather(group, dist.get_rank())
+    return {**check_all_to_all_host_splits(group, dist.get_rank()), **check_uneven_gather(group, dist.get_rank())}
 
 
 def main():
