@@ -7,8 +7,8 @@ Called after every optimizer step on EVERY rank (collective). Per parameter, in 
    bytes travel) or, for the unaligned "BF16 learner" arm, the spec applied to the local master shard;
    for everything else the bf16 value;
 2. the shards are GATHERED to global rank 0 only (``dist.gather``, not all-gather): over the TP group for
-   dense params, over expert-TP then EP for experts; DP replicas do not send. Tensors travel as same-size
-   integers (gloo has no bf16 / fp8 collectives everywhere);
+   dense params, over expert-TP then EP for experts; DP replicas do not send. Tensors travel as their
+   bytes (uint8 views: gloo has no bf16 / fp8 / int16 gather);
 3. rank 0 joins them with the sharding rules, renames to HF, splits qkv / gate-up, and streams the engine
    named tensors into flattened buckets (experts and the rest apart) that go to the engine one by one.
    At most one full parameter plus the open buckets are alive at a time: the model is never held twice.
@@ -46,7 +46,6 @@ ENGINE_RANK = 0
 
 _MCORE_TO_HF_LAYER = {mc: hf for hf, mc in _LAYER_RENAMES.items()}
 _MCORE_TO_HF_GLOBAL = {mc: hf for hf, mc in _GLOBAL_RENAMES.items()}
-_WIRE_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class PublishError(RuntimeError):
@@ -211,7 +210,8 @@ def verify_engine_checksums(engine, sent: dict[str, str]) -> None:
 
 
 def _to_wire(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(_WIRE_DTYPES[t.element_size()])
+    """Bytes of `t` (gloo's gather knows neither bf16, fp8 nor int16; uint8 works on gloo and NCCL)."""
+    return t.detach().contiguous().view(torch.uint8)
 
 
 def _gather_to(tensor: torch.Tensor, group, dst: int, size: int) -> list[torch.Tensor] | None:
