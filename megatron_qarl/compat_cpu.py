@@ -239,7 +239,8 @@ def sequence_parallel_torch_norm() -> list[Patch]:
     weights are marked ``sequence_parallel`` so megatron sums their grads over TP like TE's norm."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    return [_set(WrappedTorchNorm, "__new__", staticmethod(_sequence_parallel_torch_norm_new(WrappedTorchNorm.__new__)))]
+    replacement = staticmethod(_sequence_parallel_torch_norm_new(WrappedTorchNorm.__new__))
+    return [_set(WrappedTorchNorm, "__new__", replacement)]
 
 
 @_workaround
@@ -365,7 +366,9 @@ def check_mcore_version() -> None:
     if version in CHECKED_MCORE_VERSIONS:
         return
     if os.environ.get(ALLOW_UNCHECKED_ENV) == "1":
-        logger.warning("megatron-core %s is unchecked for CPU workarounds (%s=1): trying anyway", version, ALLOW_UNCHECKED_ENV)
+        logger.warning(
+            "megatron-core %s is unchecked for CPU workarounds (%s=1): trying anyway", version, ALLOW_UNCHECKED_ENV
+        )
         return
     raise UncheckedMegatronVersionError(
         f"megatron-core {version} is installed, but megatron_qarl's CPU workarounds were checked only "

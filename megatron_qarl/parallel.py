@@ -91,7 +91,9 @@ def _init_process_group(backend: str | None) -> None:
     )
 
 
-def init_distributed(layout: ParallelLayout | None = None, seed: int = 1234, backend: str | None = None) -> ParallelLayout:
+def init_distributed(
+    layout: ParallelLayout | None = None, seed: int = 1234, backend: str | None = None
+) -> ParallelLayout:
     """Initialise torch.distributed (if needed), megatron's model-parallel groups and the RNG seeds.
 
     Without CUDA the megatron-core CPU workarounds are applied first. Returns the layout.
