@@ -1,0 +1,271 @@
+"""The per-step weight publisher (megatron_qarl.weights.publish).
+
+References are independent of the code under test: the offline single-process conversion
+(gather_full_state -> mcore_to_hf -> engine_named_tensors), a fresh embedded engine loaded by transformers /
+compressed-tensors from an exported checkpoint, hand-counted code flips and hand-sized buckets.
+"""
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
+from publish_common import (  # noqa: E402
+    SCHEMES, RecordingEngine, build_model, mismatches, offline_engine_tensors, train_steps)
+
+from megatron_qarl.models.qwen3_moe import preset_hf_config, tiny_hf_config  # noqa: E402
+from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed  # noqa: E402
+from megatron_qarl.quant import QuantConfig, pack_int4_groupwise  # noqa: E402
+from megatron_qarl.quant.apply import apply_aligned_quantization  # noqa: E402
+from megatron_qarl.rollout.embedded import EmbeddedEngine  # noqa: E402
+from megatron_qarl.rollout.protocol import SamplingParams  # noqa: E402
+from megatron_qarl.weights.publish import (  # noqa: E402
+    PublishError, PublishVerificationError, WeightPublisher, _changed_codes, plan_publish, push_named_tensors)
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU world-of-one tests")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    init_distributed(ParallelLayout(), seed=1)
+    yield
+    if owned:
+        destroy_distributed()
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return tiny_hf_config()
+
+
+# ------------------------------------------------------------------------------- TP1 vs offline conversion
+
+@pytest.mark.parametrize("key, aligned_on", [("w4a16", True), ("w4a16", False), ("w4a16-attn", True),
+                                             ("fp8", True), ("fp8", False), ("bf16", False)])
+def test_tp1_publish_is_bitwise_the_offline_conversion(cfg, key, aligned_on):
+    quant_cfg = SCHEMES[key]
+    model = build_model(ParallelLayout(), cfg)
+    aligned = apply_aligned_quantization(model, quant_cfg) if aligned_on else None
+    engine = RecordingEngine()
+    metrics = WeightPublisher(model, cfg, quant_cfg, quant=aligned, engine=engine, bucket_bytes=300_000).publish()
+    want = offline_engine_tensors(model, cfg, quant_cfg)
+    assert mismatches(engine.tensors, want) == []
+    assert engine.calls[0] == "begin" and engine.calls[-1] == "end" and engine.calls.count("begin") == 1
+    assert metrics["publish/num_tensors"] == len(want)
+    assert metrics["publish/bytes"] == sum(t.numel() * t.element_size() for t in want.values())
+    assert metrics["publish/num_buckets"] == engine.calls.count("update") > 1
+    assert math.isnan(metrics["publish/code_flip_frac"])  # nothing to compare with on the first publish
+
+
+def test_aligned_publish_ships_the_cached_codes_without_requantizing(cfg):
+    quant_cfg = SCHEMES["w4a16"]
+    model = build_model(ParallelLayout(), cfg)
+    aligned = apply_aligned_quantization(model, quant_cfg)
+    for name in aligned.sites:  # what the step's forward does
+        aligned.entry(name)
+    calls = aligned.cache.counters.quantize_calls
+    WeightPublisher(model, cfg, quant_cfg, quant=aligned, engine=RecordingEngine()).publish()
+    assert aligned.cache.counters.quantize_calls == calls == len(aligned.sites)
+
+
+def test_publisher_refuses_a_config_other_than_the_aligned_models(cfg):
+    model = build_model(ParallelLayout(), cfg)
+    aligned = apply_aligned_quantization(model, SCHEMES["w4a16"])
+    with pytest.raises(ValueError, match="differs from the aligned model"):
+        WeightPublisher(model, cfg, SCHEMES["w4a16-attn"], quant=aligned)
+
+
+# ------------------------------------------------------------------------------- refit vs exported checkpoint
+
+def _export_checkpoint(path: Path, cfg, named: dict, quant_cfg) -> None:
+    from safetensors.torch import save_file
+
+    from megatron_qarl.weights.engine_layout import quantization_config_for
+
+    config = cfg.to_dict()
+    config.update(architectures=["Qwen3MoeForCausalLM"], torch_dtype="bfloat16")
+    if quantization_config_for(quant_cfg) is not None:
+        config["quantization_config"] = quantization_config_for(quant_cfg)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in named.items()}, str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("key", ["w4a16", "bf16"])
+def test_refit_after_steps_samples_like_an_engine_loaded_from_the_exported_checkpoint(cfg, tmp_path, key):
+    quant_cfg = SCHEMES[key]
+    model = build_model(ParallelLayout(), cfg)
+    aligned = apply_aligned_quantization(model, quant_cfg) if quant_cfg.enabled else None
+    engine = EmbeddedEngine.from_hf_config(cfg, seed=3)
+    publisher = WeightPublisher(model, cfg, quant_cfg, quant=aligned, engine=engine, bucket_bytes=1 << 20,
+                                verify=True)
+    publisher.publish()
+    before = engine.hf_state()
+    for _ in range(3):
+        train_steps(model, aligned, steps=1, lr=0.5)
+        metrics = publisher.publish()
+    assert metrics["publish/code_flip_frac"] > 0 if quant_cfg.enabled else math.isnan(metrics["publish/code_flip_frac"])
+    after = engine.hf_state()
+    assert any(not torch.equal(before[n], after[n]) for n in after)  # the steps did reach the engine
+
+    _export_checkpoint(tmp_path / "step3", cfg, offline_engine_tensors(model, cfg, quant_cfg), quant_cfg)
+    fresh = EmbeddedEngine.from_hf_checkpoint(str(tmp_path / "step3"))
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12, seed=11, n=2)
+    prompts = [[1, 5, 9, 2], [7, 3]]
+    got, want = engine.generate(prompts, sampling), fresh.generate(prompts, sampling)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert [r.logprobs for r in got] == [r.logprobs for r in want]
+
+
+def test_code_flip_frac_zero_without_a_step_positive_after_a_large_lr(cfg):
+    quant_cfg = SCHEMES["w4a16"]
+    model = build_model(ParallelLayout(), cfg)
+    aligned = apply_aligned_quantization(model, quant_cfg)
+    publisher = WeightPublisher(model, cfg, quant_cfg, quant=aligned, engine=None)
+    publisher.publish()
+    assert publisher.publish()["publish/code_flip_frac"] == 0.0
+    train_steps(model, aligned, steps=1, lr=5.0)
+    assert publisher.publish()["publish/code_flip_frac"] > 0.05
+
+
+def test_changed_codes_equals_a_hand_count_on_packed_words():
+    prev = torch.tensor([[-8, 7, 0, 1, 2, 3, 4, 5, -1, -2, -3, -4, -5, -6, -7, 0]], dtype=torch.int8)
+    cur = prev.clone()
+    cur[0, 0], cur[0, 7], cur[0, 8], cur[0, 15] = 7, -8, -1, 1  # three codes changed (index 8 kept)
+    assert _changed_codes(pack_int4_groupwise(prev), pack_int4_groupwise(cur), "int4") == 3
+    fp8_prev = torch.tensor([0.5, 1.0, -2.0, 448.0]).to(torch.float8_e4m3fn).view(torch.uint8)
+    fp8_cur = torch.tensor([0.5, 1.125, -2.0, -448.0]).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert _changed_codes(fp8_prev, fp8_cur, "fp8") == 2
+
+
+# ------------------------------------------------------------------------------- buckets, empty, verification
+
+def _named(sizes_bytes: dict[str, int]):
+    return [(n, torch.arange(b // 2, dtype=torch.int16).view(torch.bfloat16)) for n, b in sizes_bytes.items()]
+
+
+def test_bucket_boundaries_oversized_tensor_and_exact_fit():
+    engine = RecordingEngine()
+    named = _named({"model.norm.weight": 1000, "model.embed_tokens.weight": 5000, "lm_head.weight": 600,
+                    "model.layers.0.input_layernorm.weight": 400,
+                    "model.layers.0.post_attention_layernorm.weight": 200})
+    stats = push_named_tensors(engine, named, bucket_bytes=1000)
+    # 1000 fits exactly; 5000 > bucket gets its own; 600 + 400 fit exactly; 200 starts a new one
+    assert engine.bucket_sizes == [1000, 5000, 1000, 200]
+    assert (stats.bytes, stats.num_tensors, stats.num_buckets) == (7200, 5, 4)
+    assert all(torch.equal(engine.tensors[n].view(torch.int16), t.view(torch.int16)) for n, t in named)
+
+
+def test_experts_and_the_rest_never_share_a_bucket():
+    engine = RecordingEngine()
+    named = _named({"model.norm.weight": 100, "model.layers.0.mlp.experts.0.up_proj.weight": 100})
+    assert push_named_tensors(engine, named, bucket_bytes=10_000).num_buckets == 2
+
+
+def test_empty_update_opens_and_closes_the_engine_and_sends_nothing():
+    engine = RecordingEngine()
+    stats = push_named_tensors(engine, [], bucket_bytes=1000, verify=False)
+    assert engine.calls == ["begin", "end"] and (stats.bytes, stats.num_buckets) == (0, 0)
+
+
+class _DroppingEngine:
+    """Wraps the embedded engine and silently drops one tensor of every update."""
+
+    def __init__(self, inner, drop: str):
+        self.inner, self.drop = inner, drop
+
+    def begin_weight_update(self):
+        self.inner.begin_weight_update()
+
+    def update_weights(self, bucket):
+        from megatron_qarl.weights.buckets import unflatten_bucket
+
+        self.inner.update_weights([(n, t) for n, t in unflatten_bucket(bucket) if n != self.drop])
+
+    def end_weight_update(self):
+        self.inner.end_weight_update()
+
+    def checksum(self, names):
+        return self.inner.checksum(names)
+
+
+def test_verification_names_a_dropped_tensor(cfg):
+    model = build_model(ParallelLayout(), cfg)
+    drop = "model.layers.1.self_attn.k_norm.weight"
+    engine = _DroppingEngine(EmbeddedEngine.from_hf_config(cfg, seed=3), drop)
+    publisher = WeightPublisher(model, cfg, QuantConfig(), engine=engine, verify=True)
+    with pytest.raises(PublishVerificationError, match=drop.replace(".", r"\.")):
+        publisher.publish()
+    engine.drop = None
+    assert publisher.publish()["publish/num_tensors"] > 0  # the full push verifies
+
+
+def test_verification_catches_altered_bytes():
+    class Corrupting(RecordingEngine):
+        def checksum(self, names):
+            from megatron_qarl.weights.publish import tensor_digest
+
+            return {n: tensor_digest(self.tensors[n] + (1 if n == "lm_head.weight" else 0)) for n in names}
+
+    named = [(n, torch.full((4,), 1.5, dtype=torch.bfloat16)) for n in ("model.norm.weight", "lm_head.weight")]
+    with pytest.raises(PublishVerificationError, match=r"lm_head\.weight"):
+        push_named_tensors(Corrupting(), named, verify=True)
+
+
+def test_verify_needs_an_engine_with_checksums():
+    with pytest.raises(PublishError, match="checksum"):
+        push_named_tensors(RecordingEngine(), [("model.norm.weight", torch.ones(2, dtype=torch.bfloat16))],
+                           verify=True)
+
+
+def test_bad_bucket_size_is_refused(cfg):
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        WeightPublisher(build_model(ParallelLayout(), cfg), cfg, QuantConfig(), bucket_bytes=0)
+
+
+# ------------------------------------------------------------------------------- plan at real shapes
+
+def test_plan_at_qwen3_30b_shapes_w4a16_is_under_30_percent_of_bf16():
+    real = preset_hf_config("qwen3-30b-a3b")
+    bf16 = plan_publish(real, QuantConfig())
+    w4 = plan_publish(real, QuantConfig(scheme="w4a16", scope="experts"))
+    assert bf16["bytes"] == 2 * sum(_numel(s) for s in _hf_shapes(real).values())
+    assert w4["bytes"] / bf16["bytes"] <= 0.30
+
+
+def _hf_shapes(hf_config):
+    from megatron_qarl.weights.hf_mapping import expected_hf_shapes
+
+    return expected_hf_shapes(hf_config)
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ------------------------------------------------------------------------------- torchrun layouts
+
+@pytest.mark.dist
+def test_publish_tp2sp_ep2_tp2xep2_bitwise_vs_offline_and_code_flips(torchrun):
+    res = torchrun(2, "publish_layouts.py", "2x1", "1x2", "2x2x1")
+    assert len(res) == 15
+    for key, r in res.items():
+        assert r["tensors_compared"] == r["num_tensors"] > 0, key
+        if "bf16" not in key:
+            assert r["flip_unchanged"] == 0.0 and r["flip_after_step"] == r["flip_hand"] > 0, key
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_publish_four_ranks_tp2_ep2_etp2(torchrun):
+    res = torchrun(4, "publish_layouts.py", "2x2", "1x4x1")
+    assert len(res) == 10 and all(r["tensors_compared"] == r["num_tensors"] for r in res.values())
