@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -241,23 +242,26 @@ def sft_loss(model, batch: SFTBatch) -> torch.Tensor:
 
 @torch.no_grad()
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_id: int, pad_id: int,
-             temperature: float = 0.0, generator: torch.Generator | None = None) -> list[list[int]]:
+             temperature: float = 0.0, generator: torch.Generator | None = None,
+             pad_multiple: int = 1) -> list[list[int]]:
     """Greedy (temperature 0) or sampled continuations, full-sequence forward per token (no KV cache).
 
     Rows grow at their own lengths in a right-padded buffer; a row stops after EOS. Returns the new
     tokens of each row, EOS included when produced. Every TP/EP rank must call it with the same
     prompts and an identically seeded generator (the sampled tokens then agree across ranks).
+    Under sequence parallel the forward width must divide by TP: pass `pad_multiple=tp`.
     """
     n = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts])
-    buf = torch.full((n, int(lengths.max()) + max_new_tokens), pad_id, dtype=torch.long)
+    capacity = int(math.ceil((int(lengths.max()) + max_new_tokens) / pad_multiple) * pad_multiple)
+    buf = torch.full((n, capacity), pad_id, dtype=torch.long)
     for i, p in enumerate(prompts):
         buf[i, :len(p)] = torch.tensor(list(p))
     done = torch.zeros(n, dtype=torch.bool)
     out: list[list[int]] = [[] for _ in range(n)]
     rows = torch.arange(n)
     for _ in range(max_new_tokens):
-        width = int(lengths.max())
+        width = int(math.ceil(int(lengths.max()) / pad_multiple) * pad_multiple)
         ids = buf[:, :width]
         padding = torch.arange(width).unsqueeze(0) >= lengths.unsqueeze(1)
         logits = model(input_ids=ids, position_ids=_positions(ids), attention_mask=None,
@@ -287,12 +291,13 @@ def exact_match_accuracy(tokenizer, responses: Sequence[Sequence[int]], answers:
     return sum(exact_match_reward(t, a) for t, a in zip(texts, answers)) / max(len(answers), 1)
 
 
-def evaluate(model, tokenizer, problems: Sequence[dict[str, str]], sft: SFTConfig, *, seed: int) -> dict[str, float]:
+def evaluate(model, tokenizer, problems: Sequence[dict[str, str]], sft: SFTConfig, *, seed: int,
+             pad_multiple: int = 1) -> dict[str, float]:
     """Greedy and temperature-sampled exact-match accuracy on `problems`."""
     prompts = [prompt_token_ids(tokenizer, p["prompt"]) for p in problems]
     answers = [p["answer"] for p in problems]
     kwargs = dict(max_new_tokens=sft.eval_max_new_tokens, eos_id=tokenizer.eos_token_id,
-                  pad_id=tokenizer.pad_token_id)
+                  pad_id=tokenizer.pad_token_id, pad_multiple=pad_multiple)
     was_training = model.training
     model.eval()
     try:
@@ -375,14 +380,30 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def _dp_mean(value: float) -> float:
+    """Mean of a per-rank scalar over the data-parallel group (each DP rank trains on its own problems)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return float(t.item()) / dist.get_world_size(group)
+
+
 def _sft_section(cfg, sft: SFTConfig | None) -> SFTConfig:
     if sft is None:
         sft = getattr(cfg, "sft", None)
     if sft is None:
         raise SFTConfigError("no SFT settings: pass run_sft(cfg, SFTConfig(...)) or add an `sft` section to the config")
-    if not isinstance(sft, SFTConfig):  # e.g. an OmegaConf node or a dataclass with the same fields
+    if not isinstance(sft, SFTConfig):  # an OmegaConf node, a dict, or an SFTConfig of another import
+        values = dataclasses.asdict(sft) if dataclasses.is_dataclass(sft) else dict(sft)
         names = {f.name for f in dataclasses.fields(SFTConfig)}
-        sft = SFTConfig(**{k: v for k, v in dict(sft).items() if k in names})
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise SFTConfigError(f"unknown SFT settings {unknown}; known: {sorted(names)}")
+        sft = SFTConfig(**values)
     return sft.validate()
 
 
@@ -427,6 +448,7 @@ def run_sft(cfg, sft: SFTConfig | None = None) -> dict[str, Any]:
         per_rank = sft.batch_size // dp_size()
 
         history: list[dict[str, Any]] = []
+        loss_history: list[tuple[int, float]] = []  # (step, DP-mean loss of the log window)
         metrics: dict[str, Any] = {}
         window_tokens, window_t0, loss_sum, loss_n = 0, time.perf_counter(), 0.0, 0
         bar = tqdm(total=sft.steps, desc="sft", disable=not _is_rank0(), mininterval=1.0, dynamic_ncols=True)
@@ -440,14 +462,16 @@ def run_sft(cfg, sft: SFTConfig | None = None) -> dict[str, Any]:
             bar.update(1)
             if step % sft.log_every == 0 or step == sft.steps:
                 elapsed = time.perf_counter() - window_t0
-                metrics = {"step": step, "loss": loss_sum / loss_n, "grad_norm": grad_norm,
+                metrics = {"step": step, "loss": _dp_mean(loss_sum / loss_n), "grad_norm": grad_norm,
                            "tokens_per_s": window_tokens / max(elapsed, 1e-9), "lr": optimizer.current_lr()}
+                loss_history.append((step, metrics["loss"]))
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
                 window_tokens, window_t0, loss_sum, loss_n = 0, time.perf_counter(), 0.0, 0
             last_step = step == sft.steps
             if last_step or (sft.eval_every and step % sft.eval_every == 0):
                 t_eval = time.perf_counter()
-                record = {"step": step, **evaluate(ddp, tokenizer, eval_set, sft, seed=sft.seed + step)}
+                record = {"step": step, **evaluate(ddp, tokenizer, eval_set, sft, seed=sft.seed + step,
+                                                   pad_multiple=pad_multiple)}
                 record["eval/time_s"] = time.perf_counter() - t_eval
                 history.append(record)
                 if _is_rank0():
@@ -464,6 +488,7 @@ def run_sft(cfg, sft: SFTConfig | None = None) -> dict[str, Any]:
         final = {**metrics, **history[-1], "step": step, "train_wall_s": time.perf_counter() - t_start}
         final["checkpoint"] = _save(ddp, sft, final) if sft.out_checkpoint else None
         final["history"] = history
+        final["loss_history"] = loss_history
         return final
     finally:
         if owns_process_group:
@@ -504,9 +529,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cfg = load_config(args.config, run_overrides, world_size=world)
     sft = getattr(cfg, "sft", None) or SFTConfig()
     sft = _apply_overrides(sft, sft_overrides)
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # the process group is gone after run_sft
     result = run_sft(cfg, sft)
-    if _is_rank0():
-        print(json.dumps({k: v for k, v in result.items() if k != "history"}, indent=2))
+    if rank0:
+        print(json.dumps({k: v for k, v in result.items() if k not in ("history", "loss_history")}, indent=2))
     return result
 
 
@@ -524,4 +550,8 @@ def _apply_overrides(sft: SFTConfig, overrides: Sequence[str]) -> SFTConfig:
 
 
 if __name__ == "__main__":
-    main()
+    # Run the importable module's main, so classes built by OmegaConf (megatron_qarl.sft.SFTConfig)
+    # are the ones run_sft checks against, not __main__'s copies.
+    from megatron_qarl.sft import main as _main
+
+    _main()

@@ -196,3 +196,31 @@ def test_cli_style_overrides_set_fields_and_reject_unknown_keys():
     assert (sft.steps, sft.operators, sft.stop_at_sampled_accuracy) == (7, "+-", 0.3)
     with pytest.raises(SFTConfigError, match="stepz"):
         _apply_overrides(SFTConfig(), ["sft.stepz=7"])
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_tp2_sft_matches_world_one_and_its_checkpoint_loads_at_tp1(tmp_path, torchrun):
+    """TP=2 (+SP) trains on the same problems as one process (DP=1 in both): same losses, same weights."""
+    import sys
+
+    from megatron_qarl.config import RunConfig
+    from megatron_qarl.weights.dist_ckpt import load_dist_checkpoint
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "dist"))
+    from sft_layout import short_sft
+
+    tp2 = torchrun(2, "sft_layout.py", "2,1", str(tmp_path / "tp2"))
+    cfg = RunConfig()
+    cfg.model.tokenizer = "char"
+    ref = run_sft(cfg, short_sft(str(tmp_path / "tp1")))
+    steps = [s for s, _ in ref["loss_history"]]
+    assert steps == [1, 2, 3, 4, 5] and [s for s, _ in tp2["loss_history"]] == steps
+    for (_, a), (_, b) in zip(ref["loss_history"], tp2["loss_history"]):
+        assert b == pytest.approx(a, rel=1e-5)
+    ids = torch.tensor([prompt_token_ids(build_char_tokenizer(), "12+34=") + [5, 6]])
+    a, _ = _fresh_model(seed=31)
+    load_dist_checkpoint(a, tmp_path / "tp1")
+    b, _ = _fresh_model(seed=32)
+    load_dist_checkpoint(b, tmp_path / "tp2")
+    torch.testing.assert_close(_logits(b, ids), _logits(a, ids), rtol=1e-4, atol=1e-4)
