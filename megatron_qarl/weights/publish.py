@@ -73,11 +73,22 @@ class FullParam:
     shape: tuple[int, ...]
 
 
-def _local_parts(kind: str, qweight: Any | None, value: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    from megatron_qarl.quant import pack_int4_groupwise
+def pack_int4_words(codes: torch.Tensor) -> torch.Tensor:
+    """Same words as ``quant.pack_int4_groupwise`` (compressed-tensors layout: nibble = code + 8, least
+    significant first along K), computed in int32 with ORs -- ~3x faster than the spec's int64 sum, which
+    dominated the cost of publishing cached codes. Bitwise equality with the spec is tested."""
+    if codes.dim() != 2 or codes.shape[1] % 8 or codes.dtype != torch.int8:
+        raise ValueError(f"expected int8 codes [N, K] with K a multiple of 8, got {codes.dtype} {tuple(codes.shape)}")
+    nibbles = (codes.to(torch.int32) + 8).unflatten(-1, (codes.shape[1] // 8, 8))
+    words = nibbles[..., 0].clone()
+    for i in range(1, 8):
+        words |= nibbles[..., i] << (4 * i)  # int32 shifts wrap: the top nibble lands in the sign bit
+    return words
 
+
+def _local_parts(kind: str, qweight: Any | None, value: torch.Tensor | None) -> dict[str, torch.Tensor]:
     if kind == "int4":
-        return {"weight_packed": pack_int4_groupwise(qweight.codes), "weight_scale": qweight.scales}
+        return {"weight_packed": pack_int4_words(qweight.codes), "weight_scale": qweight.scales}
     if kind == "fp8":
         return {"weight": qweight.qweight, "weight_scale_inv": qweight.scale_inv}
     return {"weight": value.detach().to(torch.bfloat16)}
@@ -430,7 +441,9 @@ def _changed_codes(previous: torch.Tensor, current: torch.Tensor, kind: str) -> 
     if kind != "int4":
         return int((previous != current).sum())
     diff = previous ^ current  # packed int32: 8 codes of 4 bits each
-    return int(sum(((diff >> (4 * i)) & 0xF).ne(0).sum() for i in range(8)))
+    # one flag bit per changed nibble (bit 4i), then the 8 flags summed into the top nibble by a multiply
+    flags = (diff | (diff >> 1) | (diff >> 2) | (diff >> 3)) & 0x11111111
+    return int(((flags.to(torch.int64) * 0x11111111) >> 28 & 0xF).sum())
 
 
 # ----------------------------------------------------------------------------- planning (meta shapes)
