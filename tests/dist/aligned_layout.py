@@ -50,6 +50,34 @@ def gather_like_param(tensor, name, param, coords, n_local):
     return {local_to_global_name(name, r, n_local): t for r, t in enumerate(per_rank)}
 
 
+def site_grad_diff(cfg, model, aligned, ref_model) -> float:
+    """Max abs diff of the gathered site master grads and transformers' grads w.r.t. the dequantized
+    weights (straight-through). Every rank feeds the same batch, so an expert sees one copy of it per
+    dense-DP replica in its expert-DP slice: its grad is dp / expert_dp times the single-batch grad."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_qarl.weights.hf_io import hf_state_from_model
+
+    class GradView(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def state_dict(self, *a, **k):
+            return {n: p.grad for n, p in self.m.named_parameters()}
+
+    ref_grads = hf_to_mcore(cfg, hf_state_from_model(GradView(ref_model)))
+    coords, n_local = RankCoords.from_parallel_state(), num_local_experts(model)
+    copies = ps.get_data_parallel_world_size() // ps.get_expert_data_parallel_world_size()
+    worst = 0.0
+    for name in sorted(aligned.sites):
+        param = aligned.sites[name].weight
+        for full_name, grad in gather_like_param(param.grad, name, param, coords, n_local).items():
+            factor = copies if ".mlp.experts." in full_name else 1
+            worst = max(worst, float((grad - factor * ref_grads[full_name]).abs().max()))
+    return worst
+
+
 def run_layout(tp, ep, etp, scope):
     layout = init_distributed(ParallelLayout(tp=tp, ep=ep, etp=etp), seed=1)
     cfg = tiny_hf_config()
@@ -62,11 +90,16 @@ def run_layout(tp, ep, etp, scope):
     load_full_state_into_model(model, full_mcore)
     aligned = apply_aligned_quantization(model, quant_cfg)
     ids = tokens(cfg.vocab_size)
-    with torch.no_grad():
-        logits = mcore_logits(model, ids).float()
-        ref = hf_model(cfg, w4a16_dequantized_state(hf_state, quant_cfg))(input_ids=ids).logits
+    logits = mcore_logits(model, ids).float()
+    ref_model = hf_model(cfg, w4a16_dequantized_state(hf_state, quant_cfg))
+    ref = ref_model(input_ids=ids).logits
     hf_diff = float((logits - ref).abs().max())
     assert hf_diff <= TOL, f"aligned mcore vs transformers with the engine's weights: {hf_diff}"
+    logits.logsumexp(-1).mean().backward()
+    ref.logsumexp(-1).mean().backward()
+    grad_diff = site_grad_diff(cfg, model, aligned, ref_model)
+    assert grad_diff <= 1e-6, f"STE master grads vs transformers grads w.r.t. the engine's weights: {grad_diff}"
+    logits = logits.detach()
 
     coords, n_local = RankCoords.from_parallel_state(), num_local_experts(model)
     codes, scales = {}, {}
@@ -85,7 +118,7 @@ def run_layout(tp, ep, etp, scope):
     for name in sorted(codes):
         digest.update(codes[name].numpy().tobytes())
         digest.update(scales[name].view(torch.int16).numpy().tobytes())
-    return logits, dict(hf_logits_max_abs_diff=hf_diff, gathered_sites=len(codes), codes_digest=digest.hexdigest(),
+    return logits, dict(hf_logits_max_abs_diff=hf_diff, site_grad_max_abs_diff=grad_diff, gathered_sites=len(codes), codes_digest=digest.hexdigest(),
                         local_sites=len(aligned.sites), quantize_calls=aligned.cache.counters.quantize_calls)
 
 
