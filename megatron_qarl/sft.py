@@ -413,86 +413,122 @@ def _check_vocab(tokenizer, hf_config) -> None:
                              "use a bigger model vocab or the matching tokenizer")
 
 
+class _Progress:
+    """Progress bar on rank 0, windowed loss / throughput every `log_every` steps (eval time excluded)."""
+
+    def __init__(self, sft: SFTConfig, dp: int):
+        from tqdm import tqdm
+
+        self.sft, self.dp = sft, dp
+        self.bar = tqdm(total=sft.steps, desc="sft", disable=not _is_rank0(), mininterval=1.0, dynamic_ncols=True)
+        self.metrics: dict[str, Any] = {}
+        self.loss_history: list[tuple[int, float]] = []  # (step, DP-mean loss of the log window)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.tokens, self.loss_sum, self.loss_n, self.t0 = 0, 0.0, 0, time.perf_counter()
+
+    def step(self, step: int, loss: float, grad_norm: float, tokens: int, lr: float) -> None:
+        self.tokens += tokens * self.dp
+        self.loss_sum, self.loss_n = self.loss_sum + loss, self.loss_n + 1
+        self.bar.update(1)
+        if step % self.sft.log_every and step != self.sft.steps:
+            return
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        self.metrics = {"step": step, "loss": _dp_mean(self.loss_sum / self.loss_n), "grad_norm": grad_norm,
+                        "tokens_per_s": self.tokens / elapsed, "lr": lr}
+        self.loss_history.append((step, self.metrics["loss"]))
+        self.bar.set_postfix(loss=f"{self.metrics['loss']:.3f}", tok_s=f"{self.metrics['tokens_per_s']:.0f}")
+        self._reset()
+
+    def exclude(self, seconds: float) -> None:
+        self.t0 += seconds
+
+    def write(self, line: str) -> None:
+        if _is_rank0():
+            self.bar.write(line)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _eval_record(ddp, tokenizer, eval_set, sft: SFTConfig, step: int, pad_multiple: int,
+                 progress: _Progress) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    record = {"step": step, **evaluate(ddp, tokenizer, eval_set, sft, seed=sft.seed + step,
+                                       pad_multiple=pad_multiple)}
+    record["eval/time_s"] = time.perf_counter() - t0
+    progress.exclude(record["eval/time_s"])
+    progress.write(f"[sft] step {step}: loss {progress.metrics.get('loss', float('nan')):.4f}  greedy acc "
+                   f"{record['eval/greedy_accuracy']:.3f}  sampled(T={sft.eval_temperature:g}) acc "
+                   f"{record['eval/sampled_accuracy']:.3f}")
+    return record
+
+
 def run_sft(cfg, sft: SFTConfig | None = None) -> dict[str, Any]:
     """Supervised warm-up of `cfg.model` on the synthetic task; saves `sft.out_checkpoint`.
 
     Initialises torch.distributed if needed (world 1 or torchrun; `cfg.parallel` is the layout) and
     tears it down again only if it set it up. Returns the final metrics (loss, greedy and sampled
-    accuracy, throughput, wall time, checkpoint path) plus the evaluation history.
+    accuracy, throughput, wall time, checkpoint path), the evaluation history and the loss history.
+    Scripts that call it need an `if __name__ == "__main__":` guard: the checkpoint writer spawns
+    processes that re-import the main module.
     """
-    from tqdm import tqdm
-
-    from megatron_qarl.parallel import ParallelLayout, destroy_distributed, dp_rank, dp_size, init_distributed
+    from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
 
     sft = _sft_section(cfg, sft)
     owns_process_group = not dist.is_initialized()
     layout = init_distributed(getattr(cfg, "parallel", None) or ParallelLayout(), seed=sft.seed)
     try:
-        t_start = time.perf_counter()
-        hf_config = hf_config_for(cfg.model)
-        tokenizer = build_tokenizer(cfg.model)
-        _check_vocab(tokenizer, hf_config)
-        if sft.batch_size % dp_size():
-            raise SFTConfigError(f"batch_size={sft.batch_size} is not divisible by the data-parallel size "
-                                 f"{dp_size()}; pick a multiple of it")
-        ddp, optimizer = build_sft_model(hf_config, layout, sft)
-        if sft.init_checkpoint:
-            from megatron_qarl.weights.dist_ckpt import load_dist_checkpoint
-
-            load_dist_checkpoint(ddp, sft.init_checkpoint)
-        eval_set = held_out_problems(sft)
-        stream = ProblemStream(sft.task_config(), seed=sft.seed * 1000 + dp_rank(),
-                               held_out={p["prompt"] for p in eval_set})
-        # Sequence parallel splits the sequence over TP ranks: pad to a multiple of TP.
-        pad_multiple = layout.tp if layout.sequence_parallel else 1
-        per_rank = sft.batch_size // dp_size()
-
-        history: list[dict[str, Any]] = []
-        loss_history: list[tuple[int, float]] = []  # (step, DP-mean loss of the log window)
-        metrics: dict[str, Any] = {}
-        window_tokens, window_t0, loss_sum, loss_n = 0, time.perf_counter(), 0.0, 0
-        bar = tqdm(total=sft.steps, desc="sft", disable=not _is_rank0(), mininterval=1.0, dynamic_ncols=True)
-        ddp.train()
-        step = 0
-        for step in range(1, sft.steps + 1):
-            batch = make_batch(tokenizer, stream.next(per_rank), pad_multiple)
-            loss, grad_norm = train_step(ddp, optimizer, batch)
-            window_tokens += batch.num_tokens * dp_size()
-            loss_sum, loss_n = loss_sum + loss, loss_n + 1
-            bar.update(1)
-            if step % sft.log_every == 0 or step == sft.steps:
-                elapsed = time.perf_counter() - window_t0
-                metrics = {"step": step, "loss": _dp_mean(loss_sum / loss_n), "grad_norm": grad_norm,
-                           "tokens_per_s": window_tokens / max(elapsed, 1e-9), "lr": optimizer.current_lr()}
-                loss_history.append((step, metrics["loss"]))
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
-                window_tokens, window_t0, loss_sum, loss_n = 0, time.perf_counter(), 0.0, 0
-            last_step = step == sft.steps
-            if last_step or (sft.eval_every and step % sft.eval_every == 0):
-                t_eval = time.perf_counter()
-                record = {"step": step, **evaluate(ddp, tokenizer, eval_set, sft, seed=sft.seed + step,
-                                                   pad_multiple=pad_multiple)}
-                record["eval/time_s"] = time.perf_counter() - t_eval
-                history.append(record)
-                if _is_rank0():
-                    bar.write(f"[sft] step {step}: loss {metrics.get('loss', loss):.4f}  greedy acc "
-                              f"{record['eval/greedy_accuracy']:.3f}  sampled(T={sft.eval_temperature:g}) acc "
-                              f"{record['eval/sampled_accuracy']:.3f}")
-                window_t0 += time.perf_counter() - t_eval  # keep eval time out of tokens/s
-                target = sft.stop_at_sampled_accuracy
-                if target is not None and record["eval/sampled_accuracy"] >= target and not last_step:
-                    if _is_rank0():
-                        bar.write(f"[sft] sampled accuracy reached {target}; stopping at step {step}")
-                    break
-        bar.close()
-        final = {**metrics, **history[-1], "step": step, "train_wall_s": time.perf_counter() - t_start}
-        final["checkpoint"] = _save(ddp, sft, final) if sft.out_checkpoint else None
-        final["history"] = history
-        final["loss_history"] = loss_history
-        return final
+        return _train(cfg, sft, layout)
     finally:
         if owns_process_group:
             destroy_distributed()
+
+
+def _train(cfg, sft: SFTConfig, layout) -> dict[str, Any]:
+    from megatron_qarl.parallel import dp_rank, dp_size
+
+    t_start = time.perf_counter()
+    hf_config = hf_config_for(cfg.model)
+    tokenizer = build_tokenizer(cfg.model)
+    _check_vocab(tokenizer, hf_config)
+    if sft.batch_size % dp_size():
+        raise SFTConfigError(f"batch_size={sft.batch_size} is not divisible by the data-parallel size "
+                             f"{dp_size()}; pick a multiple of it")
+    ddp, optimizer = build_sft_model(hf_config, layout, sft)
+    if sft.init_checkpoint:
+        from megatron_qarl.weights.dist_ckpt import load_dist_checkpoint
+
+        load_dist_checkpoint(ddp, sft.init_checkpoint)
+    eval_set = held_out_problems(sft)
+    stream = ProblemStream(sft.task_config(), seed=sft.seed * 1000 + dp_rank(),
+                           held_out={p["prompt"] for p in eval_set})
+    # Sequence parallel splits the sequence over TP ranks: pad to a multiple of TP.
+    pad_multiple = layout.tp if layout.sequence_parallel else 1
+    per_rank = sft.batch_size // dp_size()
+
+    history: list[dict[str, Any]] = []
+    progress = _Progress(sft, dp_size())
+    ddp.train()
+    step = 0
+    for step in range(1, sft.steps + 1):
+        batch = make_batch(tokenizer, stream.next(per_rank), pad_multiple)
+        loss, grad_norm = train_step(ddp, optimizer, batch)
+        progress.step(step, loss, grad_norm, batch.num_tokens, optimizer.current_lr())
+        last_step = step == sft.steps
+        if last_step or (sft.eval_every and step % sft.eval_every == 0):
+            history.append(_eval_record(ddp, tokenizer, eval_set, sft, step, pad_multiple, progress))
+            target = sft.stop_at_sampled_accuracy
+            if target is not None and history[-1]["eval/sampled_accuracy"] >= target and not last_step:
+                progress.write(f"[sft] sampled accuracy reached {target}; stopping at step {step}")
+                break
+    progress.close()
+    final = {**progress.metrics, **history[-1], "step": step, "train_wall_s": time.perf_counter() - t_start}
+    final["checkpoint"] = _save(ddp, sft, final) if sft.out_checkpoint else None
+    final["history"] = history
+    final["loss_history"] = progress.loss_history
+    return final
 
 
 def _save(ddp, sft: SFTConfig, final: dict[str, Any]) -> str:
