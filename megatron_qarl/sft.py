@@ -11,7 +11,12 @@ RL see one token distribution. Fresh problems are drawn every step; evaluation p
 
 Usage (one process, or under torchrun for TP/EP/DP):
 
-    python -m megatron_qarl.sft --config configs/tiny_qarl_w4a16_tbpo.yaml sft.steps=300
+    python -m megatron_qarl.sft --config configs/tiny_qarl_w4a16_tbpo.yaml sft.out_checkpoint=runs/sft/ckpt
+
+With the defaults (2-digit addition, batch 64, AdamW lr 2e-3) the tiny model's held-out accuracy jumps
+from ~0.1 to ~0.9 between steps ~400 and ~700 depending on the seed (measured: seeds 0/1/2 pass
+sampled accuracy 0.3 at steps 600 / 425-450 / 500). ``stop_at_sampled_accuracy=0.3`` stops inside that jump,
+so the RL run starts from a policy whose sampled groups have mixed rewards.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -41,8 +46,8 @@ class SFTConfig:
     """Supervised warm-up: optimisation, task distribution, evaluation and output.
 
     The task fields must match the RL prompts (same digits / operators / style), otherwise RL starts
-    from a policy trained on another distribution. Defaults are tuned for the CPU demo: about two
-    minutes on 2 cores to a temperature-1 accuracy in the 0.2-0.5 band (see the module report).
+    from a policy trained on another distribution. Defaults are tuned for the CPU demo: 400-600 steps,
+    ~1-2 minutes on 2 cores, to a temperature-1 accuracy of ~0.3-0.4 (greedy ~0.6).
     """
 
     steps: int = 700  # upper bound; stop_at_sampled_accuracy usually ends the run at 400-600
