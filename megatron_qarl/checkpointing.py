@@ -34,6 +34,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _last_line(err: BaseException) -> str:
+    """The innermost message: torch's CheckpointException embeds whole per-rank tracebacks."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[-1] if lines else type(err).__name__
+
+
 def _is_complete(path: Path) -> bool:
     return (path / STATE_FILE).is_file() and (path / "metadata.json").is_file()
 
@@ -102,6 +108,7 @@ class RunCheckpoints:
 
     def load(self, path: Path, ctx) -> int:
         from megatron.core import dist_checkpointing
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not Exception
 
         path = Path(path)
         if not path.is_dir():
@@ -120,10 +127,10 @@ class RunCheckpoints:
             )
         except CheckpointError:
             raise
-        except Exception as err:  # torch/megatron raise many types for unreadable files
+        except (Exception, CheckpointException) as err:  # many types for unreadable files
             raise CheckpointError(
-                f"checkpoint {path} is corrupted or does not match this model/layout: {type(err).__name__}: "
-                f"{err}. Remove it to resume from an earlier one, or set checkpoint.resume=none"
+                f"checkpoint {path} is corrupted or does not match this model/layout ({_last_line(err)}). "
+                "Remove it to resume from an earlier one, or set checkpoint.resume=none"
             ) from err
         ctx.model.module.load_state_dict(loaded["model"])
         ctx.optimizer.load_state_dict(loaded["optimizer"])

@@ -160,6 +160,9 @@ class RunContext:
 
     def close(self) -> None:
         if self.tracker is not None:
+            summary = self.tracker.summary()
+            if summary:
+                print(f"[qarl] {summary}", flush=True)
             plots = self.tracker.finish()
             out = Path(self.cfg.logging.out_dir)
             print(f"[qarl] metrics: {out / 'metrics.jsonl'}; plots: {', '.join(str(p) for p in plots)}")

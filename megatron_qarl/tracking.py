@@ -53,6 +53,15 @@ class MetricsTracker:
             return []
         return [json.loads(line) for line in self.jsonl_path.read_text().splitlines() if line.strip()]
 
+    def summary(self, key: str = "reward/mean", window: int = 5) -> str | None:
+        """'first-window mean -> last-window mean' of a metric: the one-line answer to "did it learn?"."""
+        values = [r[key] for r in self.rows() if isinstance(r.get(key), (int, float))]
+        if len(values) < 2:
+            return None
+        k = max(1, min(window, len(values) // 2))
+        first, last = sum(values[:k]) / k, sum(values[-k:]) / k
+        return f"{key}: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({last - first:+.3f})"
+
     def finish(self) -> list[Path]:
         plots = plot_metrics(self.rows(), self.out_dir)
         if self._wandb is not None:

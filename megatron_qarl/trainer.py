@@ -136,5 +136,7 @@ def policy_update(ctx, batch: RolloutBatch) -> dict:
     # The loss metrics include the sampler<->learner mismatch (mismatch/k1, k3): old vs sampler log-probs.
     out = reduce_metrics(ctx.gather_dp(call_metrics))
     out["loss/value"] /= len(step_metrics)  # summed over mini-batches above: report their mean
+    if "tbpo/kept_frac" in out:
+        out["tbpo/masked_frac"] = 1.0 - out["tbpo/kept_frac"]
     out.update(reduce_metrics(step_metrics))
     return out

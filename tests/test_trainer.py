@@ -1,0 +1,153 @@
+"""End-to-end QaRL runs of the tiny config through `qarl-train` (world 1 and torchrun), kill + resume.
+
+The runs start from megatron's seeded random init, so rewards are mostly 0; the router's aux loss still
+moves the weights every step, which makes the per-step mismatch / ratio / grad-norm metrics a sharp
+fingerprint of the run's state for the resume comparison.
+"""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_qarl.checkpointing import STATE_FILE, RunCheckpoints
+
+from conftest import REPO, free_port
+
+CONFIG = str(REPO / "configs" / "tiny_qarl_w4a16_tbpo.yaml")
+SMALL = [
+    "train.prompts_per_step=4", "rollout.n=2", "train.mini_batch_prompts=2", "train.micro_batch_size=2",
+    "rollout.max_new_tokens=4", "logging.wandb.mode=disabled", "publish.verify=true",
+]
+
+
+def _env():
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
+               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def _train_cmd(nproc: int = 1):
+    if nproc == 1:
+        return [sys.executable, "-m", "megatron_qarl.cli"]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "megatron_qarl.cli"]
+
+
+def _run(out: Path, *overrides: str, nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
+    cmd = _train_cmd(nproc) + ["--config", CONFIG, f"logging.out_dir={out}", *SMALL, *overrides]
+    return subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def _rows(out: Path) -> dict[int, dict]:
+    """Last logged row per step (a resumed run may re-log the step it was killed in)."""
+    rows = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows[row["step"]] = row
+    return rows
+
+
+def _check_ok(proc):
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def _assert_healthy_run(out: Path, steps: int):
+    rows = _rows(out)
+    assert sorted(rows) == list(range(steps))
+    for row in rows.values():
+        assert 0.0 <= row["reward/mean"] <= 1.0
+        assert math.isfinite(row["loss/value"])
+        assert row["publish/num_tensors"] > 0 and row["publish/bytes"] > 0  # published every step
+        assert math.isfinite(row["mismatch/k3"]) and row["mismatch/k3"] >= 0
+        assert row["count/seqs"] == 8  # 4 prompts x n 2, all DP ranks together
+    assert (out / "reward_mean.png").is_file() and (out / "mismatch_k3.png").is_file()
+    assert (out / "config.yaml").is_file()
+
+
+@pytest.fixture(scope="module")
+def world1_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("world1")
+    _check_ok(_run(out, "train.steps=3", "checkpoint.every=1"))
+    return out
+
+
+def test_world1_end_to_end(world1_run):
+    _assert_healthy_run(world1_run, 3)
+    assert [p.name for p in RunCheckpoints(world1_run / "checkpoints").complete()] == [
+        "step_00000002", "step_00000003"]  # keep_last=2
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", [["parallel.ep=2"], ["parallel.tp=2"]], ids=["dp2-ep2", "tp2-sp"])
+def test_torchrun_two_processes(tmp_path, layout):
+    proc = _run(tmp_path, "train.steps=2", "checkpoint.every=0", *layout, nproc=2)
+    _check_ok(proc)
+    _assert_healthy_run(tmp_path, 2)
+
+
+def _fingerprint(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("time/") and not k.startswith("publish/time")}
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
+    steps = ["train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=4"]
+    ref = tmp_path / "ref"
+    _check_ok(_run(ref, *steps))
+
+    out = tmp_path / "killed"
+    cmd = _train_cmd() + ["--config", CONFIG, f"logging.out_dir={out}", *SMALL, *steps]
+    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 500
+    while not (out / "checkpoints" / "step_00000002" / STATE_FILE).exists():
+        assert proc.poll() is None, "run ended before its step-2 checkpoint"
+        assert time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # in the middle of step 3 (rollout / update / checkpointing)
+    proc.wait()
+    assert not (out / "checkpoints" / "step_00000004").exists()
+
+    _check_ok(_run(out, *steps))  # resume: auto
+    want, got = _rows(ref), _rows(out)
+    assert sorted(got) == [0, 1, 2, 3]
+    for step in (2, 3):  # the steps recomputed after the resume from the step-2 checkpoint
+        assert _fingerprint(got[step]) == _fingerprint(want[step]), f"step {step} differs after resume"
+
+
+def test_resume_ignores_half_written_checkpoints(world1_run, tmp_path):
+    ckpts = RunCheckpoints(world1_run / "checkpoints")
+    assert ckpts.latest().name == "step_00000003"
+    (world1_run / "checkpoints" / ".tmp-step_00000004").mkdir()  # interrupted save
+    unfinished = world1_run / "checkpoints" / "step_00000005"  # renamed but without its state file
+    unfinished.mkdir()
+    (unfinished / "metadata.json").write_text("{}")
+    assert ckpts.latest().name == "step_00000003"
+
+
+def test_corrupted_checkpoint_is_a_clear_error(world1_run, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(world1_run / "checkpoints" / "step_00000003", broken)
+    for f in broken.glob("*.distcp"):
+        f.write_bytes(f.read_bytes()[: 64])  # truncated shard
+    proc = _run(tmp_path / "run", "train.steps=4", f"checkpoint.resume={broken}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "corrupted" in proc.stderr and str(broken) in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_incomplete_checkpoint_path_is_a_clear_error(tmp_path):
+    partial = tmp_path / "step_00000007"
+    partial.mkdir()
+    proc = _run(tmp_path / "run", "train.steps=1", f"checkpoint.resume={partial}")
+    assert proc.returncode == 2
+    assert "incomplete" in proc.stderr
