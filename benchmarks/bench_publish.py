@@ -6,7 +6,7 @@ P2  publishing this step's CACHED codes (aligned learner: the forward already qu
     the masters at publish (unaligned learner path), same model, same process, interleaved repeats; the
     engine is left out (engine=None) so only the publisher's own work is timed.        target >= 2x
 
-usage: python benchmarks/bench_publish.py [--repeats 5] [--hidden 512] [--experts 16] [--moe-inter 512]
+usage: python benchmarks/bench_publish.py [--repeats 15] [--hidden 512] [--experts 16] [--moe-inter 512]
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def p2(repeats: int, hidden: int, experts: int, moe_inter: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--moe-inter", type=int, default=512)

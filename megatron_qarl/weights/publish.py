@@ -4,22 +4,24 @@ Called after every optimizer step on EVERY rank (collective). Per parameter, in 
 
 1. each rank takes its local payload: for a quantized site this step's cached codes (aligned learner:
    ``AlignedQuantization.cache``, never re-quantized; int4 codes are packed to int32 locally so 4x fewer
-   bytes travel) or, for the unaligned "BF16 learner" arm, the spec applied to the local master shard;
-   for everything else the bf16 value;
+   bytes travel) or, for the unaligned "BF16 learner" arm, the spec applied to the local master shard
+   at publish (same sites and whole-group/block checks as the aligned model); everything else in bf16;
 2. the shards are GATHERED to global rank 0 only (``dist.gather``, not all-gather): over the TP group for
    dense params, over expert-TP then EP for experts; DP replicas do not send. Tensors travel as their
    bytes (uint8 views: gloo has no bf16 / fp8 / int16 gather);
 3. rank 0 joins them with the sharding rules, renames to HF, splits qkv / gate-up, and streams the engine
    named tensors into flattened buckets (experts and the rest apart) that go to the engine one by one.
-   At most one full parameter plus the open buckets are alive at a time: the model is never held twice.
+   At most one full parameter (ep_size of them for an expert) plus the open buckets are alive on rank 0
+   at a time: the model is never held twice. An error on rank 0 (engine, verification) is raised there
+   and, after the remaining gathers, as a PublishError on every other rank (no hang).
 
 Codes equal the offline conversion (gather masters -> ``mcore_to_hf`` -> ``engine_named_tensors``) because
   * a column-parallel shard's codes/scales are rows of the full ones; a row-parallel shard holds whole
     groups/blocks along K (``apply.check_site_geometry`` enforces it), so packed words and scales concatenate
     along dim 1; GLU fc1 shards are [gate_r; up_r] for the codes exactly as for the weights;
   * the mcore qkv interleave is a row permutation and groups run along K, so int4 codes and scales permute
-    like the weight rows. FP8 scale blocks are 128 rows tall: they permute with the rows only when
-    head_dim is a multiple of the block; ``check_site_geometry`` refuses fused-qkv FP8 otherwise (choose a
+    like the weight rows. FP8 scale blocks are block_size rows tall: they permute with the rows only
+    when head_dim is a multiple of the block; ``check_site_geometry`` refuses fused-qkv FP8 otherwise (choose a
     block dividing head_dim). Attention is not re-quantized after the split: that would make the engine's
     codes differ from the ones the aligned trainer computed with.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -75,15 +78,20 @@ class FullParam:
 
 def pack_int4_words(codes: torch.Tensor) -> torch.Tensor:
     """Same words as ``quant.pack_int4_groupwise`` (compressed-tensors layout: nibble = code + 8, least
-    significant first along K), computed in int32 with ORs -- ~3x faster than the spec's int64 sum, which
-    dominated the cost of publishing cached codes. Bitwise equality with the spec is tested."""
+    significant first along K), computed on 8-byte words with shifts and masks instead of the spec's
+    per-code int64 sum, which dominated the cost of publishing cached codes. Bitwise equality with the spec
+    is tested; big-endian hosts use the spec itself."""
     if codes.dim() != 2 or codes.shape[1] % 8 or codes.dtype != torch.int8:
         raise ValueError(f"expected int8 codes [N, K] with K a multiple of 8, got {codes.dtype} {tuple(codes.shape)}")
-    nibbles = (codes.to(torch.int32) + 8).unflatten(-1, (codes.shape[1] // 8, 8))
-    words = nibbles[..., 0].clone()
-    for i in range(1, 8):
-        words |= nibbles[..., i] << (4 * i)  # int32 shifts wrap: the top nibble lands in the sign bit
-    return words
+    if sys.byteorder != "little":
+        from megatron_qarl.quant import pack_int4_groupwise
+
+        return pack_int4_groupwise(codes)
+    x = (codes + 8).contiguous().view(torch.int64)  # byte j of a word = nibble j (values 0..15)
+    x = (x | (x >> 4)) & 0x00FF00FF00FF00FF         # nibble pairs -> bytes 0, 2, 4, 6
+    x = (x | (x >> 8)) & 0x0000FFFF0000FFFF         # -> 16-bit halves
+    x = (x | (x >> 16)) & 0x00000000FFFFFFFF        # -> the 32-bit word
+    return x.to(torch.int32)  # wraps: the top nibble lands in the sign bit, as in the spec
 
 
 def _local_parts(kind: str, qweight: Any | None, value: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -151,7 +159,7 @@ def engine_tensors(hf_config, param: FullParam) -> Iterator[tuple[str, torch.Ten
 
 def tensor_digest(tensor: torch.Tensor) -> str:
     """sha256 of a tensor's bytes (the embedded engine's ``checksum`` definition)."""
-    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
     return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
@@ -420,7 +428,7 @@ class WeightPublisher:
         else:
             for _ in stream:
                 pass
-        counts = torch.tensor(flips + [1 if error is not None else 0], dtype=torch.int64)
+        counts = torch.tensor(flips + [1 if error is not None else 0], dtype=torch.int64, device=_collective_device())
         dist.all_reduce(counts)
         if error is not None:
             raise error
@@ -435,6 +443,14 @@ class WeightPublisher:
             "publish/num_buckets": stats.num_buckets,
             "publish/code_flip_frac": changed / compared if compared else math.nan,
         }
+
+
+def _collective_device() -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _changed_codes(previous: torch.Tensor, current: torch.Tensor, kind: str) -> int:
