@@ -444,7 +444,7 @@ class SGLangEngine:
     def _ensure_group(self) -> None:
         if self._group_ready:
             return
-        from sglang.srt.utils import init_custom_process_group  # lazy: GPU-only dependency
+        from sglang.srt.utils.common import init_custom_process_group  # lazy: GPU-only dependency
 
         port = self.cfg.master_port or _free_port()
         world = 1 + self.cfg.tp_size
@@ -513,10 +513,11 @@ class SGLangEngine:
 
 
 def _sglang_serialize_bucket(bucket: FlattenedBucket, tp_size: int) -> list:
-    """One serialized copy of the bucket per engine TP rank, SGLang's own way (CUDA IPC handles)."""
+    """One serialized copy of the bucket per engine TP rank, SGLang's own way (CUDA IPC handles); base64
+    strings, which the HTTP route requires and the in-process Engine also accepts."""
     require_sglang()
-    from sglang.srt.patch_torch import monkey_patch_torch_reductions
-    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
     monkey_patch_torch_reductions()
     if not bucket.flattened_tensor.is_cuda:

@@ -265,3 +265,17 @@ def test_engine_layout_loads_into_sglang_qwen3_moe(sglang_runtime, scheme):
     payload2 = dict(engine_named_tensors(hf_weights(2).items(), quant_cfg))
     consumed2 = push_through_sglang_buckets(model, payload2)
     assert check_loaded(model, payload2, consumed2, scheme) == n1
+
+
+def test_bucket_survives_sglang_serializer_round_trip(sglang_runtime):
+    """What the scheduler does with an update_weights_from_tensor(load_format="flattened_bucket") payload:
+    base64 MultiprocessingSerializer string -> dict -> FlattenedTensorBucket.reconstruct_tensors()."""
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    payload = dict(engine_named_tensors(hf_weights(3).items(), SCHEMES["w4a16"][0]))
+    for bucket in iter_buckets(payload.items(), bucket_bytes=128 * 1024):
+        wire = MultiprocessingSerializer.serialize(bucket.to_sglang_dict(), output_str=True)
+        d = MultiprocessingSerializer.deserialize(wire)
+        for name, t in FlattenedTensorBucket(flattened_tensor=d["flattened_tensor"], metadata=d["metadata"]).reconstruct_tensors():
+            assert t.dtype == payload[name].dtype and torch.equal(t, payload[name]), name
