@@ -475,6 +475,13 @@ def _check_shard_shapes(cfg: RunConfig) -> list[str]:
                 f"this model cannot use {cfg.quant.scheme} with {'block' if fp8 else 'group'} {unit}"
             out.append(f"{layer}: {dim_name} {size} split over {axis} {parts} gives {size // parts} per rank, "
                        f"not a multiple of the {what}; {fix}")
+    attention_fp8 = fp8 and cfg.quant.scope in ("experts+attention", "all-linears")
+    if attention_fp8 and shape.head_dim % unit:
+        # megatron's fused linear_qkv interleaves q/k/v heads per query group while the engine
+        # quantizes q_proj/k_proj/v_proj separately: blocks only line up when heads hold whole blocks.
+        out.append(f"self_attn.qkv: head_dim {shape.head_dim} is not a multiple of the fp8 block "
+                   f"{unit}, so the fused QKV's FP8 blocks would differ from the engine's per-projection "
+                   f"blocks; use quant.block_size dividing {shape.head_dim} (e.g. 64)")
     return out
 
 

@@ -184,6 +184,8 @@ BAD_CONFIGS = [
     pytest.param(["model.dtype=bfloat16", "train.optim.bf16=false"], None, "does not match model.dtype",
                  id="bf16-compute-without-bf16-optimizer"),
     pytest.param(["sft.lr=0"], None, "sft:", id="sft-owner-validation"),
+    pytest.param(["quant.scheme=fp8", "quant.scope=all-linears", "quant.block_size=128"], None,
+                 "head_dim 64 is not a multiple of the fp8 block 128", id="fp8-block-larger-than-head"),
 ]
 
 
