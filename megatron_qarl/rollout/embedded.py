@@ -42,6 +42,7 @@ class EmbeddedEngineConfig:
     collect_routed_experts: bool = False
     pad_token_id: int = 0
     seed: int = 0
+    record_checksums: bool = True
 
 
 def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -61,11 +62,13 @@ class EmbeddedEngine:
     """transformers Qwen3-MoE held in-process; implements ``RolloutEngine``."""
 
     def __init__(self, model, dtype: torch.dtype = torch.bfloat16, collect_routed_experts: bool = False,
-                 pad_token_id: int = 0):
+                 pad_token_id: int = 0, record_checksums: bool = True):
         self.model = model.to(dtype).eval()
         self.dtype = dtype
         self.collect_routed_experts = collect_routed_experts
         self.pad_token_id = pad_token_id
+        # hashing every received byte costs ~1 s/GB: switch off for large models outside verification runs
+        self.record_checksums = record_checksums
         self._params = dict(self.model.named_parameters())
         self._in_update = False
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -95,7 +98,8 @@ class EmbeddedEngine:
 
     @classmethod
     def from_config(cls, cfg: EmbeddedEngineConfig) -> "EmbeddedEngine":
-        kw = dict(collect_routed_experts=cfg.collect_routed_experts, pad_token_id=cfg.pad_token_id)
+        kw = dict(collect_routed_experts=cfg.collect_routed_experts, pad_token_id=cfg.pad_token_id,
+                  record_checksums=cfg.record_checksums)
         if cfg.checkpoint_dir:
             return cls.from_hf_checkpoint(cfg.checkpoint_dir, cfg.dtype, **kw)
         if cfg.hf_config is None:
@@ -137,7 +141,8 @@ class EmbeddedEngine:
         self.updates_applied += 1
 
     def _receive(self, name: str, tensor: torch.Tensor) -> None:
-        self._received_digests[name] = _sha256(tensor)
+        if self.record_checksums:
+            self._received_digests[name] = _sha256(tensor)
         for suffix in (".weight_packed", ".weight_scale", ".weight_shape"):
             if name.endswith(suffix):
                 return self._stage(name[: -len(suffix)], suffix[1:], tensor, _W4A16_PARTS)
