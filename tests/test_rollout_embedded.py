@@ -14,7 +14,7 @@ from megatron_qarl.quant import QuantConfig
 from megatron_qarl.rollout.embedded import EmbeddedEngine, EngineWeightError
 from megatron_qarl.rollout.protocol import RolloutEngine, RolloutEngineError, SamplingParams, make_engine
 from megatron_qarl.weights.buckets import iter_buckets
-from megatron_qarl.weights.engine_layout import engine_named_tensors, w4a16_quantization_config
+from megatron_qarl.weights.engine_layout import engine_named_tensors, quantization_config_for
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
 
@@ -199,13 +199,16 @@ def test_bad_updates_are_rejected_with_clear_errors():
         engine.end_weight_update()
 
 
-def test_checkpoint_loaded_by_transformers_equals_refit(tmp_path):
-    """An exported compressed-tensors W4A16 checkpoint (our quantization_config + engine tensors),
-    decompressed by transformers/compressed-tensors, holds exactly the refit engine's weights."""
+@pytest.mark.parametrize("quant_cfg", [QuantConfig(scheme="w4a16", scope="experts"),
+                                       QuantConfig(scheme="fp8", scope="all-linears")], ids=["w4a16", "fp8"])
+def test_checkpoint_loaded_by_transformers_equals_refit(tmp_path, quant_cfg):
+    """An exported checkpoint (our quantization_config + engine tensors), decompressed by transformers
+    (compressed-tensors for W4A16, its FP8 dequantization on CPU — needs accelerate), holds exactly the
+    refit engine's weights."""
     cfg = tiny_config()
-    payload = dict(engine_named_tensors(hf_master_weights(seed=3).items(), QuantConfig(scheme="w4a16")))
+    payload = dict(engine_named_tensors(hf_master_weights(seed=3).items(), quant_cfg))
     config = cfg.to_dict()
-    config["quantization_config"] = w4a16_quantization_config("experts")
+    config["quantization_config"] = quantization_config_for(quant_cfg)
     config["architectures"] = ["Qwen3MoeForCausalLM"]
     config["torch_dtype"] = "bfloat16"
     (tmp_path / "config.json").write_text(json.dumps(config))
