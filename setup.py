@@ -18,10 +18,12 @@ INSTALL_REQUIRES = [
     "wandb==0.31.0",
     "tqdm==4.70.1",
     "rich==15.0.0",
+    "accelerate==1.15.0",  # transformers needs it to load FP8 (fine-grained) checkpoints
 ]
 
 EXTRAS = {
-    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0"],
+    # modelopt runs its quantizer plumbing on CPU: the test of the `modelopt` backend uses it.
+    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "nvidia-modelopt==0.47.0"],
     # GPU-only pieces: never installed on CPU machines (TransformerEngine does not even install there).
     "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23", "nvidia-modelopt==0.47.0"],
 }

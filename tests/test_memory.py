@@ -110,10 +110,11 @@ def test_tiny_w4a16_reference_memory_hand_computed():
 def test_gpu_backends_cache_their_own_copy():
     marlin = estimate_memory(_tiny("quant.scheme=w4a16", "quant.backend=marlin"))["trainer_per_gpu"]
     assert marlin["quant_cache"] == TINY_EXPERTS * (1 + 2 / 128 + 0.5)  # codes, scales, Marlin int4 repack
-    te = estimate_memory(_tiny("quant.scheme=fp8", "quant.scope=all-linears", "quant.backend=te"))
+    te = estimate_memory(_tiny("quant.scheme=fp8", "quant.scope=all-linears", "quant.backend=te",
+                               "quant.block_size=64"))
     linears = TINY_EXPERTS + TINY_ATTENTION
-    # e4m3 row-wise 1 B + fp32 scale per 128x128 block + column-wise e4m3 copy 1 B
-    assert te["trainer_per_gpu"]["quant_cache"] == linears * 2 + 4 * linears / 128 ** 2
+    # e4m3 row-wise 1 B + fp32 scale per 64x64 block + column-wise e4m3 copy 1 B
+    assert te["trainer_per_gpu"]["quant_cache"] == linears * 2 + 4 * linears / 64 ** 2
 
 
 def test_bf16_learner_arm_has_no_cache_and_full_bf16_copy():
@@ -150,10 +151,10 @@ def test_engine_weight_bytes_tiny():
     # int4 packed 0.5 B + bf16 scale per group of 128; the rest bf16
     assert w4["published_total"] == 2 * rest + TINY_EXPERTS / 2 + 2 * TINY_EXPERTS / 128 == 2_550_784
     assert w4["bf16_total"] == 2 * TINY_TOTAL
-    fp8 = estimate_memory(_tiny("quant.scheme=fp8", "quant.scope=all-linears"))["engine"]
+    fp8 = estimate_memory(_tiny("quant.scheme=fp8", "quant.scope=all-linears", "quant.block_size=64"))["engine"]
     linears = TINY_EXPERTS + TINY_ATTENTION
-    # e4m3 1 B + fp32 scale_inv per 128x128 block
-    assert fp8["published_total"] == linears + 4 * linears / 128 ** 2 + 2 * (TINY_TOTAL - linears)
+    # e4m3 1 B + fp32 scale_inv per 64x64 block
+    assert fp8["published_total"] == linears + 4 * linears / 64 ** 2 + 2 * (TINY_TOTAL - linears)
 
 
 def test_qwen3_30b_a3b_w4a16_engine_weights():
