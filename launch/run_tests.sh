@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
-# Install (into .venv) and run the default test suite: everything except `slow` and `gpu` tests.
-# Extra arguments go to pytest, e.g. `launch/run_tests.sh -m slow`.
+# Install (into .venv) and run the test suite: the default pytest selection (everything except `slow`,
+# `gpu` and `contract`), then the contract tests against SGLang's real weight loaders
+# (launch/run_contract_tests.sh; a side venv with sglang --no-deps, ~2-3 min to install once).
+# With arguments, only pytest runs, with those arguments (e.g. `launch/run_tests.sh -m slow`).
 set -euo pipefail
-. "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+here="$(dirname "${BASH_SOURCE[0]}")"
+. "$here/env.sh"
 cd "$QARL_ROOT"
-exec python -m pytest -q "$@"
+if [ "$#" -gt 0 ]; then
+  exec python -m pytest -q "$@"
+fi
+python -m pytest -q
+if [ "${QARL_SKIP_CONTRACT:-0}" != "1" ]; then
+  bash "$here/run_contract_tests.sh"
+fi
