@@ -50,8 +50,8 @@ def test_tiny_arms_resolve(name):
     assert cfg.name == name and cfg.logging.out_dir == f"runs/{name}"
     assert cfg.model.preset == "tiny" and cfg.rollout.engine == "embedded"
     assert (ROOT / cfg.data.path).is_file()
-    assert cfg.train.prompts_per_step * cfg.rollout.n == 64 and cfg.rollout.max_new_tokens == 8
-    assert 5e-5 <= cfg.train.optim.lr <= 1e-4
+    assert cfg.train.prompts_per_step * cfg.rollout.n == 256 and cfg.rollout.max_new_tokens == 8
+    assert 5e-5 <= cfg.train.optim.lr <= 2e-4
 
 
 @pytest.mark.parametrize("name", sorted(PAPER_ARMS))
