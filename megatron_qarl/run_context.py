@@ -130,6 +130,20 @@ class RunContext:
         dist.all_gather_object(out, items, group=self.dp_group)
         return [x for part in out for x in part]
 
+    # -- engine memory (colocated SGLang shares the trainer's GPUs) ------------------------------------
+    @property
+    def _colocated(self) -> bool:
+        return self.engine is not None and self.cfg.rollout.engine == "sglang" and \
+            self.cfg.rollout.sglang.mode == "colocated"
+
+    def engine_sleep(self) -> None:
+        if self._colocated:
+            self.engine.release_memory()
+
+    def engine_wake(self) -> None:
+        if self._colocated:
+            self.engine.resume_memory()
+
     # -- publish / log / checkpoint -----------------------------------------------------------------
     def publish(self) -> dict:
         return self.publisher.publish()

@@ -50,12 +50,14 @@ def train(cfg: RunConfig) -> dict:
         for step in range(ctx.start_step, cfg.train.steps):
             timer = StepTimer()
             batch, metrics = collect_rollouts(ctx, step)
+            ctx.engine_sleep()  # colocated engine: its GPU memory goes to training until the publish
             timer.lap("rollout")
             local = batch.shard(ctx.dp_rank, ctx.dp_size)
             local.old_logp = compute_logprobs(ctx, local)
             timer.lap("old_logp")
             metrics.update(policy_update(ctx, local))
             timer.lap("update")
+            ctx.engine_wake()
             metrics.update(ctx.publish())
             timer.lap("publish")
             metrics.update(timer.marks)

@@ -210,3 +210,13 @@ def test_update_outside_session_is_rejected(fake):
     engine = make()
     with pytest.raises(RolloutEngineError, match="outside begin_weight_update"):
         engine.update_weights(weights(1))
+
+
+def test_colocated_release_and_resume_memory_routes(fake):
+    make, calls = fake
+    engine = make()
+    engine.release_memory()
+    engine.resume_memory(("weights",))
+    got = [(c["path"], c["payload"]) for c in calls()]
+    assert got[-2:] == [("/release_memory_occupation", {"tags": ["weights", "kv_cache"]}),
+                        ("/resume_memory_occupation", {"tags": ["weights"]})]

@@ -372,6 +372,21 @@ class SGLangEngine:
         _check_success(result, path)
         return result
 
+    # ------------------------------------------------------------------ colocated memory
+    def release_memory(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        """Colocated mode: hand the engine's GPU memory to the trainer while it trains."""
+        if self._inproc is not None:
+            self._inproc.release_memory_occupation(tags=list(tags))
+        else:
+            self._call("/release_memory_occupation", {"tags": list(tags)})
+
+    def resume_memory(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        """Take the memory back before the weight update and the next rollout."""
+        if self._inproc is not None:
+            self._inproc.resume_memory_occupation(tags=list(tags))
+        else:
+            self._call("/resume_memory_occupation", {"tags": list(tags)})
+
     # ------------------------------------------------------------------ weights
     def begin_weight_update(self) -> None:
         if self._in_update:
