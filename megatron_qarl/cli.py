@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 
 class UserError(Exception):
@@ -35,6 +36,12 @@ def _user_errors():
     return tuple(errors)
 
 
+def _quiet_library_warnings() -> None:
+    """megatron-core warns at import about apex/TE being absent (expected here): keep the console readable."""
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.")
+
+
 def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -49,6 +56,7 @@ def _train_parser() -> argparse.ArgumentParser:
 
 
 def train_main(argv=None) -> int:
+    _quiet_library_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     # `sft` as the first word selects the supervised warm-up; everything else is RL training.
     mode = argv.pop(0) if argv and argv[0] in ("sft", "rl") else "rl"
@@ -80,6 +88,7 @@ def train_main(argv=None) -> int:
 
 
 def convert_main(argv=None) -> int:
+    _quiet_library_warnings()
     errors = _user_errors()
     try:
         from conversion.cli import main as convert
