@@ -1,0 +1,574 @@
+"""Checkpoint conversion behind `qarl-convert`: HF <-> megatron dist checkpoint, engine export, inspect.
+
+* hf-to-mcore: HF dir -> megatron dist checkpoint at the current TP/EP (single process or torchrun).
+  The HF config.json and tokenizer files travel inside the checkpoint's extra state, so every later
+  command can rebuild the architecture from the checkpoint alone.
+* mcore-to-hf: any-layout dist checkpoint (or a trainer run checkpoint step_XXXXXXXX/) -> HF safetensors.
+* export: HF dir or checkpoint -> engine-layout checkpoint (W4A16 compressed-tensors / FP8 block / bf16).
+  From an HF dir it streams: one input tensor at a time, output shards flushed as they fill.
+* inspect: format, layout, parameter counts, quantization config, completeness.
+
+Every output is written to a temp dir beside the target and renamed into place only when complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_qarl.weights.hf_io import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, CheckpointError
+
+FORMATS = ("w4a16", "fp8", "bf16")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DEFAULT_SHARD_BYTES = 4 * 1024**3
+HF_SIDECAR_KEY = "hf_files"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "generation_config.json", "added_tokens.json", "tokenizer.model")
+
+
+class ConversionError(ValueError):
+    """A conversion the user asked for cannot be done as asked (bad input, existing output, bad option)."""
+
+
+# ------------------------------------------------------------------ output directories
+
+
+def check_output(out: str | os.PathLike, force: bool) -> Path:
+    out = Path(out)
+    if out.exists() and not force:
+        raise ConversionError(f"output {out} exists; pass --force to replace it or choose another --out")
+    return out
+
+
+@contextmanager
+def atomic_output_dir(out: Path, force: bool):
+    """Yield a temp dir beside `out`; rename it to `out` on success, remove it on any failure."""
+    check_output(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / out.name)
+            os.rename(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def progress(total_bytes: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc, file=sys.stderr,
+                disable=None, leave=False)  # None: off when not a tty
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ------------------------------------------------------------------ HF side files
+
+
+def hf_side_files(hf_dir: Path) -> dict[str, bytes]:
+    """config.json + tokenizer files of an HF dir, as bytes (stored with a dist checkpoint)."""
+    return {name: (hf_dir / name).read_bytes() for name in (CONFIG_NAME, *TOKENIZER_FILES)
+            if (hf_dir / name).is_file()}
+
+
+def copy_tokenizer_files(files: dict[str, bytes], out: Path) -> None:
+    for name, data in files.items():
+        if name != CONFIG_NAME:
+            (out / name).write_bytes(data)
+
+
+def hf_config_from_json(text: str | bytes):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig.from_dict(json.loads(text))
+
+
+def checkpoint_config_json(hf_config, dtype: torch.dtype, quantization_config: dict | None,
+                           side_files: dict[str, bytes] | None = None) -> str:
+    """config.json for a written checkpoint: the source's own config.json when known (so a round trip
+    keeps it), else the config's non-default fields; dtype and quantization_config set for the output."""
+    side_files = side_files or {}
+    config = json.loads(side_files[CONFIG_NAME]) if CONFIG_NAME in side_files else hf_config.to_diff_dict()
+    name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
+    config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", torch_dtype=name)
+    if "dtype" in config:
+        config["dtype"] = name
+    config.pop("quantization_config", None)
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    return json.dumps(config, indent=2, sort_keys=True)
+
+
+# ------------------------------------------------------------------ streaming HF reads
+
+
+@dataclass
+class HfSource:
+    """An HF checkpoint dir opened lazily: tensor name -> shard file, shapes from the headers only."""
+
+    path: Path
+    config: object
+    files: dict[str, list[str]]
+    shapes: dict[str, tuple[int, ...]]
+    total_bytes: int
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "HfSource":
+        from safetensors import safe_open
+
+        from megatron_qarl.weights.hf_io import _check_safetensors_complete, _shard_files, read_hf_config
+
+        path = Path(path)
+        if not path.is_dir():
+            raise ConversionError(f"HF checkpoint directory {path} does not exist")
+        config = read_hf_config(path)
+        files, shapes, total = {}, {}, 0
+        for file_name, indexed in _shard_files(path).items():
+            _check_safetensors_complete(path / file_name)
+            with safe_open(str(path / file_name), framework="pt") as fh:
+                names = list(fh.keys())
+                absent = sorted(set(indexed) - set(names))
+                if absent:
+                    raise CheckpointError(f"{path / file_name} lacks tensors its index assigns to it: {absent[:8]}")
+                for name in names:
+                    sl = fh.get_slice(name)
+                    shapes[name] = tuple(sl.get_shape())
+                    total += _numel(shapes[name]) * _dtype_size(sl.get_dtype())
+            files[file_name] = names
+        return cls(path, config, files, shapes, total)
+
+    def validate(self) -> None:
+        from megatron_qarl.weights.hf_mapping import WeightMappingError, expected_hf_shapes, validate_state
+
+        try:
+            validate_state({n: _ShapeOnly(s) for n, s in self.shapes.items()}, expected_hf_shapes(self.config),
+                           f"HF checkpoint {self.path} (against its config.json)")
+        except WeightMappingError as exc:
+            raise CheckpointError(str(exc)) from exc
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for file_name, names in self.files.items():
+            with safe_open(str(self.path / file_name), framework="pt") as fh:
+                for name in names:
+                    yield name, fh.get_tensor(name)
+
+
+class _ShapeOnly:
+    """Stands in for a tensor where only `.shape` is read (validate_state)."""
+
+    def __init__(self, shape):
+        self.shape = torch.Size(shape)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+_ST_SIZES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+             "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
+
+
+def _dtype_size(st_dtype: str) -> int:
+    return _ST_SIZES.get(st_dtype, 4)
+
+
+# ------------------------------------------------------------------ sharded safetensors writer
+
+
+class ShardWriter:
+    """Writes named tensors into numbered safetensors shards as they fill; `finish` names and indexes them."""
+
+    def __init__(self, out: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES):
+        if max_shard_bytes <= 0:
+            raise ConversionError(f"--max-shard-bytes must be positive, got {max_shard_bytes}")
+        self.out, self.max_shard_bytes = out, max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[tuple[str, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = _nbytes(tensor)
+        if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
+            self.flush()
+        self.pending[name] = tensor.detach().contiguous().cpu()
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        file_name = f"part-{len(self.shards):05d}.safetensors"
+        save_file(self.pending, str(self.out / file_name), metadata={"format": "pt"})
+        self.shards.append((file_name, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        self.flush()
+        if len(self.shards) == 1:
+            os.rename(self.out / self.shards[0][0], self.out / SINGLE_NAME)
+            return [SINGLE_NAME]
+        weight_map, files = {}, []
+        for i, (part, names) in enumerate(self.shards):
+            final = f"model-{i + 1:05d}-of-{len(self.shards):05d}.safetensors"
+            os.rename(self.out / part, self.out / final)
+            files.append(final)
+            weight_map.update({n: final for n in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out / INDEX_NAME).write_text(json.dumps(index, indent=2))
+        return files
+
+
+# ------------------------------------------------------------------ megatron side
+
+
+def _init_world(tp: int = 1, ep: int = 1):
+    from megatron_qarl.parallel import ParallelLayout, init_distributed
+
+    return init_distributed(ParallelLayout(tp=tp, ep=ep), seed=0)
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _build_model(hf_config, layout):
+    from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, check_divisibility
+
+    check_divisibility(hf_config, layout.tp, layout.ep, layout.expert_tp)
+    return build_qwen3_moe_model(hf_config, layout, params_dtype=torch.float32)
+
+
+def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1, ep: int = 1,
+                           force: bool = False) -> Path:
+    """HF dir -> megatron dist checkpoint at TP x EP (collective: run with tp*ep*dp ranks or one process
+    with tp=ep=1). fp32 masters; the source dtype is recorded so mcore-to-hf writes it back bit-exactly."""
+    from megatron_qarl.weights.dist_ckpt import save_dist_checkpoint
+    from megatron_qarl.weights.hf_io import read_hf_checkpoint
+    from megatron_qarl.weights.hf_mapping import hf_to_mcore
+    from megatron_qarl.weights.sharding import load_full_state_into_model
+
+    out = check_output(out, force)
+    layout = _init_world(tp, ep)
+    hf_config, state = read_hf_checkpoint(hf_dir)
+    source_dtype = next(iter(state.values())).dtype
+    model = _build_model(hf_config, layout)
+    load_full_state_into_model(model, hf_to_mcore(hf_config, state))
+    del state
+    extra = {HF_SIDECAR_KEY: hf_side_files(Path(hf_dir)),
+             "source_dtype": "fp32" if source_dtype == torch.float32 else "bf16",
+             "layout": {"tp": layout.tp, "ep": layout.ep}}
+    return save_dist_checkpoint(model, out, extra_state=extra, force=force)
+
+
+@dataclass
+class McoreSource:
+    """A megatron checkpoint to read: our dist checkpoint, or a trainer run checkpoint step_XXXXXXXX/."""
+
+    path: Path
+    kind: str  # "dist" | "run"
+    hf_config: object
+    side_files: dict[str, bytes]
+    source_dtype: str
+
+
+def open_mcore_checkpoint(path: str | os.PathLike) -> McoreSource:
+    from megatron_qarl.checkpointing import STATE_FILE
+    from megatron_qarl.weights.dist_ckpt import EXTRA_STATE_NAME, MARKER_NAME
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ConversionError(f"checkpoint directory {path} does not exist")
+    if (path / MARKER_NAME).is_file():
+        extra = torch.load(path / EXTRA_STATE_NAME, weights_only=False) if (path / EXTRA_STATE_NAME).is_file() else {}
+        files = (extra or {}).get(HF_SIDECAR_KEY, {})
+        if CONFIG_NAME not in files:
+            raise ConversionError(f"{path} carries no HF config.json in {EXTRA_STATE_NAME}; it was not written by "
+                                  "qarl-convert hf-to-mcore (or sft); convert from the HF model instead")
+        return McoreSource(path, "dist", hf_config_from_json(files[CONFIG_NAME]), files,
+                           extra.get("source_dtype", "bf16"))
+    if (path / STATE_FILE).is_file() and (path / "metadata.json").is_file():
+        return McoreSource(path, "run", _run_hf_config(path), {}, "bf16")
+    raise ConversionError(f"{path} is not a complete megatron checkpoint (no {MARKER_NAME}, no {STATE_FILE}); "
+                          "a save was interrupted or the path is wrong")
+
+
+def _run_hf_config(step_dir: Path):
+    """The architecture of a trainer checkpoint, from the run's config.yaml (<out_dir>/config.yaml)."""
+    from megatron_qarl.config import load_config
+    from megatron_qarl.run_context import resolve_hf_config
+
+    for candidate in (step_dir.parent.parent / "config.yaml", step_dir.parent / "config.yaml"):
+        if candidate.is_file():
+            return resolve_hf_config(load_config(str(candidate)))
+    raise ConversionError(f"cannot find the run's config.yaml for {step_dir} (looked in "
+                          f"{step_dir.parent.parent} and {step_dir.parent}); it names the model architecture")
+
+
+def load_mcore_full_hf_state(src: McoreSource) -> dict[str, torch.Tensor]:
+    """Full HF-named state of a checkpoint, loaded at TP1/EP1 in this process (megatron reshards on load)."""
+    from megatron_qarl.weights.hf_mapping import mcore_to_hf
+    from megatron_qarl.weights.sharding import gather_full_state
+
+    layout = _init_world()
+    model = _build_model(src.hf_config, layout)
+    _load_model_weights(model, src)
+    return mcore_to_hf(src.hf_config, gather_full_state(model))
+
+
+def _load_model_weights(model, src: McoreSource) -> None:
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_qarl.weights.dist_ckpt import load_dist_checkpoint
+    from megatron_qarl.weights.sharding import unwrap_model
+
+    try:
+        if src.kind == "dist":
+            load_dist_checkpoint(model, src.path)
+            return
+        module = unwrap_model(model)
+        loaded = dist_checkpointing.load({"model": module.sharded_state_dict()}, str(src.path))
+        module.load_state_dict(loaded["model"], strict=True)
+    except (Exception, CheckpointException) as err:  # torch raises many types for unreadable shards
+        lines = [ln for ln in str(err).splitlines() if ln.strip()]
+        raise CheckpointError(f"cannot load {src.path}: {lines[-1] if lines else type(err).__name__}") from err
+
+
+def mcore_to_hf_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str | None = None,
+                           max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> Path:
+    """Dist/run checkpoint (any layout) -> HF safetensors (sharded + index), config and tokenizer files."""
+    out = check_output(out, force)
+    src = open_mcore_checkpoint(ckpt)
+    dtype = dtype or src.source_dtype
+    if dtype not in DTYPES:
+        raise ConversionError(f"unknown --dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    state = load_mcore_full_hf_state(src)
+    if not _is_rank0():
+        return out
+    torch_dtype = DTYPES[dtype]
+    with atomic_output_dir(out, force) as tmp:
+        writer = ShardWriter(tmp, max_shard_bytes)
+        with progress(sum(_nbytes(t) for t in state.values()), "mcore-to-hf") as bar:
+            for name in list(state):
+                tensor = state.pop(name)
+                writer.add(name, tensor.to(torch_dtype))
+                bar.update(_nbytes(tensor))
+        writer.finish()
+        (tmp / CONFIG_NAME).write_text(checkpoint_config_json(src.hf_config, torch_dtype, None, src.side_files))
+        copy_tokenizer_files(src.side_files, tmp)
+    return out
+
+
+# ------------------------------------------------------------------ export (engine layout)
+
+
+def export_quant_config(fmt: str, scope: str | None, group_size: int = 128, block_size: int = 128):
+    from megatron_qarl.quant import QuantConfig
+
+    if fmt not in FORMATS:
+        raise ConversionError(f"unknown --format {fmt!r}; choose one of {FORMATS}")
+    if fmt == "bf16":
+        return QuantConfig()
+    scope = scope or ("experts" if fmt == "w4a16" else "all-linears")
+    return QuantConfig(scheme=fmt, scope=scope, group_size=group_size, block_size=block_size)
+
+
+def write_engine_checkpoint(out: Path, hf_config, named: Iterable[tuple[str, torch.Tensor]], total_bytes: int,
+                            quant_cfg, side_files: dict[str, bytes], *, max_shard_bytes: int, force: bool) -> Path:
+    """Stream HF-named tensors through the engine layout into a checkpoint SGLang/vLLM/transformers load."""
+    from megatron_qarl.weights.engine_layout import engine_named_tensors, quantization_config_for
+
+    with atomic_output_dir(out, force) as tmp:
+        writer = ShardWriter(tmp, max_shard_bytes)
+        with progress(total_bytes, f"export {quant_cfg.scheme}") as bar:
+            for name, tensor in named:
+                for engine_name, engine_tensor in engine_named_tensors([(name, tensor)], quant_cfg):
+                    writer.add(engine_name, engine_tensor)
+                bar.update(_nbytes(tensor))
+        writer.finish()
+        (tmp / CONFIG_NAME).write_text(
+            checkpoint_config_json(hf_config, torch.bfloat16, quantization_config_for(quant_cfg), side_files))
+        copy_tokenizer_files(side_files, tmp)
+    return out
+
+
+def export_checkpoint(out: str | os.PathLike, *, hf: str | os.PathLike | None = None,
+                      ckpt: str | os.PathLike | None = None, fmt: str = "w4a16", scope: str | None = None,
+                      group_size: int = 128, block_size: int = 128,
+                      max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> Path:
+    """Engine-layout checkpoint from exactly one of an HF dir (streamed) or a megatron checkpoint."""
+    if (hf is None) == (ckpt is None):
+        raise ConversionError("export needs exactly one source: --hf DIR or --ckpt DIR")
+    quant_cfg = export_quant_config(fmt, scope, group_size, block_size)
+    out = check_output(out, force)
+    if hf is not None:
+        src = HfSource.open(hf)
+        src.validate()
+        _check_quantizable(src.config, quant_cfg)
+        return write_engine_checkpoint(out, src.config, src.iter_tensors(), src.total_bytes, quant_cfg,
+                                       hf_side_files(src.path), max_shard_bytes=max_shard_bytes, force=force)
+    msrc = open_mcore_checkpoint(ckpt)
+    _check_quantizable(msrc.hf_config, quant_cfg)
+    state = load_mcore_full_hf_state(msrc)
+    if not _is_rank0():
+        return out
+    total = sum(_nbytes(t) for t in state.values())
+    return write_engine_checkpoint(out, msrc.hf_config, _drain(state), total, quant_cfg, msrc.side_files,
+                                   max_shard_bytes=max_shard_bytes, force=force)
+
+
+def _drain(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name in list(state):
+        yield name, state.pop(name)
+
+
+def _check_quantizable(hf_config, quant_cfg) -> None:
+    """Fail before writing anything when a quantized linear does not divide into groups/blocks."""
+    from megatron_qarl.weights.hf_mapping import expected_hf_shapes
+
+    if not quant_cfg.enabled:
+        return
+    for name, shape in expected_hf_shapes(hf_config).items():
+        if name.endswith(".weight") and quant_cfg.quantizes(name):
+            try:
+                quant_cfg.check_divisible(shape, name)
+            except ValueError as exc:
+                raise ConversionError(f"cannot export {quant_cfg.scheme}: {exc}") from exc
+
+
+# ------------------------------------------------------------------ inspect
+
+
+def expected_engine_names(hf_config, quant_cfg) -> set[str]:
+    suffixes = {"w4a16": ("weight_packed", "weight_scale", "weight_shape"), "fp8": ("weight", "weight_scale_inv")}
+    from megatron_qarl.weights.hf_mapping import expected_hf_shapes
+
+    names = set()
+    for name in expected_hf_shapes(hf_config):
+        if quant_cfg.enabled and name.endswith(".weight") and quant_cfg.quantizes(name):
+            base = name[: -len(".weight")]
+            names.update(f"{base}.{s}" for s in suffixes[quant_cfg.scheme])
+        else:
+            names.add(name)
+    return names
+
+
+def quant_config_from_checkpoint(qc: dict | None):
+    """The QuantConfig an exported checkpoint's `quantization_config` describes (bf16: QuantConfig())."""
+    from megatron_qarl.quant import QuantConfig
+
+    if not qc:
+        return QuantConfig(), "bf16"
+    if qc.get("quant_method") == "fp8":
+        return QuantConfig(scheme="fp8", scope="all-linears", block_size=qc["weight_block_size"][0]), "fp8"
+    if qc.get("quant_method") == "compressed-tensors":
+        ignore = qc.get("ignore", [])
+        scope = ("experts" if "re:.*self_attn.*" in ignore else
+                 "experts+attention" if any("mlp\\.(gate|up|down)_proj" in i for i in ignore) else "all-linears")
+        group = qc["config_groups"]["group_0"]["weights"]["group_size"]
+        return QuantConfig(scheme="w4a16", scope=scope, group_size=group), "w4a16"
+    raise ConversionError(f"unsupported quantization_config quant_method {qc.get('quant_method')!r}")
+
+
+def inspect_checkpoint(path: str | os.PathLike) -> dict:
+    """Describe a checkpoint dir (HF / exported / megatron) and verify it holds every tensor it should."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConversionError(f"{path} does not exist or is not a directory")
+    if (path / CONFIG_NAME).is_file():
+        return _inspect_hf(path)
+    return _inspect_mcore(path)
+
+
+def _inspect_hf(path: Path) -> dict:
+    from megatron_qarl.models.qwen3_moe import parameter_counts
+    from megatron_qarl.weights.hf_io import _check_safetensors_complete, _shard_files
+
+    raw = json.loads((path / CONFIG_NAME).read_text())
+    quant_cfg, fmt = quant_config_from_checkpoint(raw.get("quantization_config"))
+    config = hf_config_from_json(json.dumps({k: v for k, v in raw.items() if k != "quantization_config"}))
+    from safetensors import safe_open
+
+    names, nbytes = set(), 0
+    files = _shard_files(path)
+    for file_name in files:
+        _check_safetensors_complete(path / file_name)
+        nbytes += (path / file_name).stat().st_size
+        with safe_open(str(path / file_name), framework="pt") as fh:
+            names.update(fh.keys())
+    expected = expected_engine_names(config, quant_cfg)
+    missing, unexpected = sorted(expected - names), sorted(names - expected)
+    return {"path": str(path), "format": f"hf-{fmt}", "layout": f"{len(files)} safetensors file(s)",
+            "bytes": nbytes, "tensors": len(names), "parameters": parameter_counts(config),
+            "quantization_config": raw.get("quantization_config"),
+            "complete": not missing and not unexpected, "missing": missing[:16], "unexpected": unexpected[:16]}
+
+
+def _inspect_mcore(path: Path) -> dict:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_qarl.models.qwen3_moe import parameter_counts
+
+    src = open_mcore_checkpoint(path)
+    try:
+        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as exc:  # noqa: BLE001 - unreadable metadata is the user's checkpoint problem
+        raise CheckpointError(f"cannot read the dist checkpoint metadata of {path}: {exc}") from exc
+    prefix = "model." if src.kind == "run" else ""
+    weights = {k: m.size for k, m in meta.items()
+               if k.startswith(prefix) and "_extra_state" not in k and hasattr(m, "size")}
+    stored_params = sum(_numel(size) for size in weights.values())
+    expected_params = parameter_counts(src.hf_config)["total"]
+    missing = [] if stored_params == expected_params else [
+        f"stored tensors hold {stored_params:,} parameters, the config needs {expected_params:,}"]
+    stored = weights
+    extra = {}
+    marker = path / "qarl_checkpoint.json"
+    if marker.is_file():
+        extra = json.loads(marker.read_text())
+    return {"path": str(path), "format": f"megatron-{src.kind}", "layout": f"torch_dist, saved by "
+            f"{extra.get('world_size', '?')} rank(s); loads at any TP/EP",
+            "bytes": sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
+            "tensors": len(stored), "parameters": parameter_counts(src.hf_config), "quantization_config": None,
+            "complete": not missing, "missing": missing[:16], "unexpected": []}
+
+
+def format_inspection(info: dict) -> str:
+    p = info["parameters"]
+    lines = [f"path:        {info['path']}", f"format:      {info['format']}", f"layout:      {info['layout']}",
+             f"size:        {info['bytes'] / 1e6:.1f} MB in {info['tensors']} tensors",
+             f"parameters:  total {p['total']:,}  active {p['active']:,}  experts {p['expert']:,}",
+             f"quantization: {json.dumps(info['quantization_config']) if info['quantization_config'] else 'none'}",
+             f"complete:    {'yes' if info['complete'] else 'NO'}"]
+    if info["missing"]:
+        lines.append(f"missing:     {info['missing']}")
+    if info["unexpected"]:
+        lines.append(f"unexpected:  {info['unexpected']}")
+    return "\n".join(lines)
