@@ -64,8 +64,15 @@ def build_rollout_batch(
     *,
     pad_token_id: int,
     pad_multiple: int = 1,
+    routed_experts: Sequence[torch.Tensor] | None = None,
+    route_geometry=None,
 ) -> RolloutBatch:
-    """Right-pad prompt+response rows and lay the sampler's log-probs on the response positions."""
+    """Right-pad prompt+response rows and lay the sampler's log-probs on the response positions.
+
+    `routed_experts`: the engine's per-sample routes ([prompt+response-1, layers, topk] each), checked
+    against `route_geometry` (a `megatron_qarl.moe.routing_replay.RouteGeometry`) and packed to
+    [N, S, layers, topk] uint8 (see `pack_routes`).
+    """
     if not (len(prompt_ids) == len(response_ids) == len(response_logprobs) == len(group_ids)):
         raise ValueError("prompt_ids, response_ids, response_logprobs and group_ids must have the same length")
     rows = [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
@@ -84,6 +91,13 @@ def build_rollout_batch(
         start = len(p) - 1  # column predicting the first response token
         response_mask[i, start : start + len(r)] = 1.0
         sampler_logp[i, start : start + len(r)] = torch.tensor(lp, dtype=torch.float32)
+    routes = None
+    if routed_experts is not None:
+        from megatron_qarl.moe.routing_replay import pack_routes
+
+        if route_geometry is None:
+            raise ValueError("routed_experts need route_geometry (the model's MoE layers, top-k and experts)")
+        routes = pack_routes(routed_experts, [len(r) for r in rows], seq, **route_geometry.as_kwargs())
     return RolloutBatch(
         input_ids=input_ids,
         response_mask=response_mask,
@@ -92,4 +106,5 @@ def build_rollout_batch(
         rewards=rewards.float(),
         group_ids=torch.as_tensor(group_ids, dtype=torch.long),
         lengths=torch.tensor([len(r) for r in rows], dtype=torch.long),
+        routed_experts=routes,
     )

@@ -1,0 +1,378 @@
+"""MoE routing replay (R3) with quantized rollouts, and sampler<->learner router-mismatch telemetry.
+
+With a low-bit sampler the engine's router can pick other experts than the learner's router for the same
+token; that moves log-probs far more than GEMM noise. Replay makes the learner's forward dispatch every
+token to the experts the sampler used (megatron-core's `RouterReplay`, REPLAY_FORWARD); the router still
+computes its own logits, and the combine weights are softmax over the logits of the replayed experts, so
+router weights keep receiving gradients.
+
+Route layout through the stack
+  * engine (SGLang `meta_info["routed_experts"]`, the embedded engine alike): [P+R-1, layers, topk], one
+    row per fed position (prompt prefill rows, then one per decode step); the last sampled token is never
+    fed, so it has no row.
+  * `RolloutBatch.routed_experts`: [N, S, layers, topk] uint8, row t = position t of `input_ids`
+    (`pack_routes`). `layers * topk` bytes per token: Qwen3-30B-A3B (48 layers, top-8, 128 experts <= 256
+    ids) stores 384 B/token (`route_bytes_per_token`): a step of 512 sequences x 8192 tokens is 1.5 GiB on
+    the rollout rank before the DP split (int32, SGLang's wire type, would be 6 GiB).
+  * megatron's router (per MoE layer) sees its rank's tokens as [s, b] flattened, s-major; under
+    sequence parallelism that is the rank's contiguous S/TP slice of the sequence (`router_token_routes`).
+    EP does not change what a router sees (EP ranks are data-parallel for attention and routing).
+
+Positions the sampler never routed (each row's last token, right padding) are filled with experts
+0..topk-1: any valid distinct ids will do, because under causal attention such a position only feeds its
+own next-token log-prob, which is masked (the last token predicts past the sequence; padding is padding).
+
+Aux / load-balancing loss under replay: megatron computes the aux loss from the router's OWN top-k of its
+logits (`compute_routing_scores_for_aux_loss`), not from the replayed experts: for a given layer input the
+aux loss is the same with or without replay, and its gradient still pushes the learner's own router toward
+balance. (Deeper layers' inputs do change with the replayed experts below, so their aux values follow the
+replayed forward's hidden states; tests/test_routing_replay.py checks both.)
+
+Activation recompute: the replay targets stay set for the whole `replay_routing` block, so a recomputed
+forward during backward (REPLAY_FORWARD again) sees the same routes; keep `loss.backward()` inside it.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+ROUTE_DTYPE = torch.uint8
+MAX_EXPERTS = 256  # uint8 expert ids
+
+
+class RouteLayoutError(ValueError):
+    """Routed-expert ids have the wrong shape, length, range, or do not fit the model."""
+
+
+def route_bytes_per_token(num_layers: int, topk: int) -> int:
+    """Bytes one token's routes take in `RolloutBatch.routed_experts` (uint8: one byte per id)."""
+    return num_layers * topk
+
+
+# ---------------------------------------------------------------------------------------- batch layout
+
+@dataclass(frozen=True)
+class RouteGeometry:
+    """What every route tensor must fit: the model's MoE layer count, top-k and expert count."""
+
+    num_layers: int
+    topk: int
+    num_experts: int
+
+    @classmethod
+    def from_hf_config(cls, hf_config) -> "RouteGeometry":
+        return cls(hf_config.num_hidden_layers, hf_config.num_experts_per_tok, hf_config.num_experts)
+
+    def as_kwargs(self) -> dict[str, int]:
+        return dict(num_layers=self.num_layers, topk=self.topk, num_experts=self.num_experts)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return route_bytes_per_token(self.num_layers, self.topk)
+
+
+def check_routes(routes: torch.Tensor, *, rows: int, num_layers: int, topk: int, num_experts: int,
+                 sample: int = 0) -> None:
+    """Raise RouteLayoutError unless `routes` is [rows, num_layers, topk] of distinct ids < num_experts."""
+    where = f"sample {sample}: routed_experts"
+    if not isinstance(routes, torch.Tensor):
+        raise RouteLayoutError(f"{where} must be a tensor, got {type(routes).__name__}")
+    if routes.dim() != 3:
+        raise RouteLayoutError(f"{where} must be [positions, layers, topk], got shape {tuple(routes.shape)}")
+    if routes.shape[1] != num_layers:
+        raise RouteLayoutError(f"{where} has {routes.shape[1]} layers but the model has {num_layers} MoE layers "
+                               "(engine and learner must run the same architecture)")
+    if routes.shape[2] != topk:
+        raise RouteLayoutError(f"{where} has top-{routes.shape[2]} but the model routes top-{topk} "
+                               "(num_experts_per_tok differs between engine and learner)")
+    if routes.shape[0] != rows:
+        raise RouteLayoutError(f"{where} has {routes.shape[0]} positions, expected prompt+response-1 = {rows} "
+                               "(one per position the engine fed; the last sampled token is never fed)")
+    if routes.dtype.is_floating_point or routes.dtype == torch.bool:
+        raise RouteLayoutError(f"{where} must hold integer expert ids, got {routes.dtype}")
+    if rows == 0:
+        return
+    ids = routes.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= num_experts:
+        raise RouteLayoutError(f"{where} holds ids in [{int(ids.min())}, {int(ids.max())}], outside "
+                               f"[0, {num_experts}) experts")
+    ordered = ids.sort(dim=-1).values
+    if topk > 1 and bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+        raise RouteLayoutError(f"{where} routes some token to the same expert twice (top-k ids must be distinct)")
+
+
+def filler_routes(topk: int) -> torch.Tensor:
+    """The ids written where the sampler routed nothing (see the module doc): experts 0..topk-1."""
+    return torch.arange(topk, dtype=ROUTE_DTYPE)
+
+
+def pack_routes(routes: Sequence[torch.Tensor], lengths: Sequence[int], seq_len: int, *, num_layers: int,
+                topk: int, num_experts: int) -> torch.Tensor:
+    """Per-sample engine routes ([len-1, L, K] each) -> [N, seq_len, L, K] uint8 aligned with input_ids."""
+    if num_experts > MAX_EXPERTS:
+        raise RouteLayoutError(f"{num_experts} experts do not fit uint8 route storage (at most {MAX_EXPERTS})")
+    if len(routes) != len(lengths):
+        raise RouteLayoutError(f"{len(routes)} route tensors for {len(lengths)} sequences")
+    out = filler_routes(topk).expand(len(routes), seq_len, num_layers, topk).clone()
+    for i, (r, length) in enumerate(zip(routes, lengths)):
+        if r is None:
+            raise RouteLayoutError(f"sample {i}: the engine returned no routed experts (enable route collection "
+                                   "on the engine: embedded collect_routed_experts / sglang return_routed_experts)")
+        if length > seq_len:
+            raise RouteLayoutError(f"sample {i}: length {length} exceeds the batch width {seq_len}")
+        check_routes(r, rows=length - 1, num_layers=num_layers, topk=topk, num_experts=num_experts, sample=i)
+        out[i, : length - 1] = r.to(ROUTE_DTYPE)
+    return out
+
+
+def sampler_routed_mask(lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[N, seq_len] bool: True where the sampler routed the position (every position but the last, no pad)."""
+    return torch.arange(seq_len).unsqueeze(0) < (lengths.unsqueeze(1) - 1)
+
+
+def router_token_order(per_token: torch.Tensor, *, sp_rank: int = 0, sp_size: int = 1) -> torch.Tensor:
+    """[B, S, ...] -> [S/sp * B, ...]: the rank's tokens in the order megatron's router flattens them.
+
+    megatron runs the decoder on [s, b] hidden states; sequence parallelism gives each TP rank the
+    contiguous sequence slice [rank*S/sp, (rank+1)*S/sp); the router flattens [s_local, b] s-major.
+    """
+    batch, seq = per_token.shape[:2]
+    if seq % sp_size:
+        raise RouteLayoutError(f"sequence length {seq} is not divisible by the sequence-parallel size {sp_size} "
+                               "(pad the batch to a multiple of TP: RolloutBatch pad_multiple)")
+    local = seq // sp_size
+    x = per_token.transpose(0, 1)[sp_rank * local: (sp_rank + 1) * local]
+    return x.reshape(local * batch, *per_token.shape[2:])
+
+
+def router_token_routes(routes: torch.Tensor, layer: int, *, sp_rank: int = 0, sp_size: int = 1) -> torch.Tensor:
+    """Layer `layer` of [B, S, L, K] routes as megatron's replay target: long [S/sp * B, K]."""
+    return router_token_order(routes[:, :, layer], sp_rank=sp_rank, sp_size=sp_size).long()
+
+
+# ---------------------------------------------------------------------------------------- model side
+
+def moe_routers(model: torch.nn.Module) -> list:
+    """The model's megatron TopKRouters in layer order (module order = layer order; DDP unwrapped by walk)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in model.modules() if isinstance(m, TopKRouter)]
+
+
+def sequence_parallel_coords(model: torch.nn.Module) -> tuple[int, int]:
+    """(rank, size) of the sequence split the routers see: the TP group under sequence parallelism."""
+    from megatron.core import parallel_state
+
+    routers = moe_routers(model)
+    if not routers or not routers[0].config.sequence_parallel:
+        return 0, 1
+    return (parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size())
+
+
+def check_replay_fits(model: torch.nn.Module, routes: torch.Tensor) -> list:
+    """The model's routers, after checking `routes` [B, S, L, K] fits them; else RouteLayoutError."""
+    routers = moe_routers(model)
+    if not routers:
+        raise RouteLayoutError("the model has no MoE routers to replay routes into")
+    if any(r.router_replay is None for r in routers):
+        raise RouteLayoutError("the model was built without routing replay: build it with "
+                               "config_overrides={'moe_enable_routing_replay': True}")
+    if routes.dim() != 4:
+        raise RouteLayoutError(f"routes must be [batch, seq, layers, topk], got shape {tuple(routes.shape)}")
+    if routes.shape[2] != len(routers):
+        raise RouteLayoutError(f"routes have {routes.shape[2]} layers but the model has {len(routers)} MoE layers")
+    topk, experts = routers[0].topk, routers[0].config.num_moe_experts
+    if routes.shape[3] != topk:
+        raise RouteLayoutError(f"routes have top-{routes.shape[3]} but the model routes top-{topk}")
+    if routes.numel() and int(routes.long().max()) >= experts:
+        raise RouteLayoutError(f"routes hold expert id {int(routes.long().max())} >= num_experts={experts}")
+    return routers
+
+
+@contextlib.contextmanager
+def replay_routing(model: torch.nn.Module, routes: torch.Tensor | None) -> Iterator[None]:
+    """Inside the block the model's routers dispatch every token to `routes` [B, S, L, K] (B, S = the
+    forward's input_ids). `routes=None` is a no-op (the learner routes itself)."""
+    if routes is None:
+        yield
+        return
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = check_replay_fits(model, routes)
+    sp_rank, sp_size = sequence_parallel_coords(model)
+    # The routers' own RouterReplay objects, not the class-wide list (which keeps every model ever built).
+    replays = [r.router_replay for r in routers]
+    # megatron gathers scores at the target ids without a size check: a shorter target would silently
+    # replay the wrong tokens, so every router checks its input against the routes first.
+    expected = (routes.shape[1] // sp_size, routes.shape[0])
+    hooks = [r.register_forward_pre_hook(_check_router_tokens(layer, expected)) for layer, r in enumerate(routers)]
+    try:
+        for layer, replay in enumerate(replays):
+            replay.clear_indices()
+            replay.set_target_indices(router_token_routes(routes, layer, sp_rank=sp_rank, sp_size=sp_size))
+            replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        for replay in replays:
+            replay.clear_indices()
+            replay.clear_router_replay_action()
+
+
+def _check_router_tokens(layer: int, expected: tuple[int, int]) -> Callable:
+    def hook(_router, args):
+        seen = tuple(args[0].shape[:2])
+        if seen != expected:
+            raise RouteLayoutError(f"layer {layer}: the router sees [s, b] = {list(seen)} tokens but the replayed "
+                                   f"routes cover {list(expected)}: pass the routes of exactly this micro-batch "
+                                   "([B, S, layers, topk] for input_ids [B, S])")
+    return hook
+
+
+# ---------------------------------------------------------------------------------------- telemetry
+
+@dataclass
+class RouterObservation:
+    """Per MoE layer, per forward: the experts dispatched to and the router's own top-k (bool [T, E])."""
+
+    dispatched: list[list[torch.Tensor]] = field(default_factory=list)
+    own: list[list[torch.Tensor]] = field(default_factory=list)
+
+    def layer(self, layer: int, which: str = "dispatched") -> torch.Tensor:
+        return torch.cat(getattr(self, which)[layer], dim=0)
+
+
+@contextlib.contextmanager
+def observe_routers(model: torch.nn.Module) -> Iterator[RouterObservation]:
+    """Record each router's dispatched routing map and its own top-k of the same logits (what it would
+    have picked without replay), in the router's token order (`router_token_order`)."""
+    routers = moe_routers(model)
+    seen = RouterObservation([[] for _ in routers], [[] for _ in routers])
+
+    def wrap(layer: int, router) -> Callable:
+        original = router.routing  # bound method of the class
+
+        def routing(logits, *args, **kwargs):
+            probs, routing_map = original(logits, *args, **kwargs)
+            flat = logits.detach().reshape(-1, logits.shape[-1])
+            own = torch.zeros_like(routing_map).scatter(1, torch.topk(flat, router.topk, dim=1).indices, True)
+            seen.dispatched[layer].append(routing_map.detach().clone())
+            seen.own[layer].append(own)
+            return probs, routing_map
+
+        return routing
+
+    for layer, router in enumerate(routers):
+        router.routing = wrap(layer, router)  # instance attribute shadows the method
+    try:
+        yield seen
+    finally:
+        for router in routers:
+            del router.routing
+
+
+def routes_as_map(routes: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[..., K] expert ids -> [..., E] bool membership (top-k sets, order-free)."""
+    out = torch.zeros(*routes.shape[:-1], num_experts, dtype=torch.bool)
+    return out.scatter(-1, routes.long(), True)
+
+
+def route_mismatch_counts(sampler_routes: torch.Tensor, routed_mask: torch.Tensor, learner_maps: list[torch.Tensor],
+                          *, sp_rank: int = 0, sp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per layer: (#tokens whose learner top-k set differs from the sampler's, #tokens compared).
+
+    `sampler_routes` [B, S, L, K], `routed_mask` [B, S] (positions the sampler routed), `learner_maps` one
+    bool [S/sp*B, E] per layer in router token order.
+    """
+    mask = router_token_order(routed_mask, sp_rank=sp_rank, sp_size=sp_size)
+    differ = torch.zeros(len(learner_maps), dtype=torch.float64)
+    for layer, learner in enumerate(learner_maps):
+        sampler = routes_as_map(router_token_routes(sampler_routes, layer, sp_rank=sp_rank, sp_size=sp_size),
+                                learner.shape[-1])
+        if sampler.shape != learner.shape:
+            raise RouteLayoutError(f"layer {layer}: sampler routes cover {tuple(sampler.shape)} tokens x experts, "
+                                   f"the learner's router saw {tuple(learner.shape)}")
+        differ[layer] = ((sampler != learner).any(-1) & mask).sum()
+    return differ, torch.full_like(differ, float(mask.sum()))
+
+
+def k3_sums(logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[sum of k3(sampler||learner), sum |logp - sampler_logp|, #tokens] over masked tokens (float64)."""
+    x = (logp.double() - sampler_logp.double())[mask.bool()]
+    return torch.stack([(torch.expm1(x) - x).sum(), x.abs().sum(), torch.tensor(float(x.numel()), dtype=torch.float64)])
+
+
+@dataclass
+class ReplayTelemetry:
+    """Accumulates, over a step's micro-batches, the router mismatch (measured with replay off) and the
+    sampler<->learner log-prob gap with and without replay."""
+
+    differ: torch.Tensor | None = None
+    compared: torch.Tensor | None = None
+    gap_replay: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
+    gap_free: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
+
+    def add_routes(self, differ: torch.Tensor, compared: torch.Tensor) -> None:
+        self.differ = differ if self.differ is None else self.differ + differ
+        self.compared = compared if self.compared is None else self.compared + compared
+
+    def reduce(self, token_groups: Sequence, logp_groups: Sequence) -> None:
+        """Sum over process groups: route counts over every group holding distinct tokens (TP under SP, DP);
+        log-prob sums only over DP (TP ranks hold the same log-probs)."""
+        import torch.distributed as dist
+
+        for g in token_groups:
+            for t in (self.differ, self.compared):
+                if t is not None:
+                    dist.all_reduce(t, group=g)
+        for g in logp_groups:
+            dist.all_reduce(self.gap_replay, group=g)
+            dist.all_reduce(self.gap_free, group=g)
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.differ is not None:
+            frac = self.differ / self.compared.clamp(min=1)
+            for layer, f in enumerate(frac.tolist()):
+                out[f"routing/mismatch_frac_layer{layer}"] = f
+            out["routing/mismatch_frac"] = float(frac.mean())
+            out["routing/mismatch_frac_max"] = float(frac.max())
+        for name, sums in (("replay", self.gap_replay), ("free", self.gap_free)):
+            n = max(float(sums[2]), 1.0)
+            out[f"routing/k3_{name}"] = float(sums[0]) / n
+            out[f"routing/abs_logp_gap_{name}"] = float(sums[1]) / n
+        return out
+
+
+def measure_replay_telemetry(model: torch.nn.Module, micro_batches: Sequence, forward: Callable,
+                             replayed_logp: Sequence[torch.Tensor] | None = None) -> ReplayTelemetry:
+    """Telemetry for one step on this rank (call `.reduce(...)` then `.metrics()`).
+
+    `micro_batches`: RolloutBatch-likes with input_ids, lengths, routed_experts, sampler_logp, response_mask;
+    `forward(micro) -> logp [B, S-1]` runs the learner (no grad). Each micro-batch gets a forward with replay
+    off under `observe_routers` (mismatch + free gap) and, unless `replayed_logp` already holds them (the
+    l_old pass of a replaying run), one with replay (replayed gap).
+    """
+    tel = ReplayTelemetry()
+    sp_rank, sp_size = sequence_parallel_coords(model)
+    for i, micro in enumerate(micro_batches):
+        if micro.routed_experts is None:
+            raise RouteLayoutError("routing telemetry needs the sampler's routed experts in the batch")
+        with observe_routers(model) as seen:
+            free = forward(micro)
+        learner = [seen.layer(layer, "own") for layer in range(len(seen.own))]
+        mask = sampler_routed_mask(micro.lengths, micro.input_ids.shape[1])
+        tel.add_routes(*route_mismatch_counts(micro.routed_experts, mask, learner, sp_rank=sp_rank, sp_size=sp_size))
+        if replayed_logp is not None:
+            replayed = replayed_logp[i]
+        else:
+            with replay_routing(model, micro.routed_experts):
+                replayed = forward(micro)
+        tel.gap_free += k3_sums(free, micro.sampler_logp, micro.response_mask)
+        tel.gap_replay += k3_sums(replayed, micro.sampler_logp, micro.response_mask)
+    return tel
