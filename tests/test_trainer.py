@@ -97,7 +97,6 @@ def _fingerprint(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith("time/") and not k.startswith("publish/time")}
 
 
-@pytest.mark.slow
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     steps = ["train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=4"]
     ref = tmp_path / "ref"
