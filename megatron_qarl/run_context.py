@@ -90,6 +90,7 @@ class RunContext:
     dp_size: int
     dp_group: Any
     pad_multiple: int
+    route_geometry: Any = None  # RouteGeometry: what the engine's routed experts must fit
 
     @property
     def is_rollout_rank(self) -> bool:
@@ -103,6 +104,43 @@ class RunContext:
             self.model, micro.input_ids, temperature=self.cfg.rollout.temperature,
             padding_mask=micro.padding_mask,
         )
+
+    def routing_replay(self, micro: RolloutBatch):
+        """Context in which the learner's routers replay the sampler's experts (train.routing_replay)."""
+        import contextlib
+
+        from megatron_qarl.moe.routing_replay import RouteLayoutError, replay_routing
+
+        if self.cfg.train.routing_replay != "replay":
+            return contextlib.nullcontext()
+        if micro.routed_experts is None:
+            raise RouteLayoutError("train.routing_replay=replay but the rollout batch carries no routed experts: "
+                                   "the engine must return them (sglang return_routed_experts / embedded engine)")
+        return replay_routing(self.model, micro.routed_experts)
+
+    @torch.no_grad()
+    def routing_telemetry(self, batch: RolloutBatch) -> dict:
+        """Per-layer sampler<->learner router mismatch (learner with replay off) and the sampler<->learner
+        k3 with and without replay; one extra forward per micro-batch (two when replay is off). {} when the
+        engine returned no routes."""
+        from megatron.core import parallel_state
+
+        from megatron_qarl.moe.routing_replay import measure_replay_telemetry
+
+        if batch.routed_experts is None:
+            return {}
+        mbs = self.cfg.train.micro_batch_size
+        replayed = None
+        if self.cfg.train.routing_replay == "replay":
+            replayed = list(batch.old_logp.split(mbs))  # l_old was computed with replay
+        self.model.eval()
+        tel = measure_replay_telemetry(self.model, list(batch.chunks(mbs)), self.forward_logprobs, replayed)
+        self.model.train()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        sp_groups = [parallel_state.get_tensor_model_parallel_group()] if tp > 1 and self.pad_multiple > 1 else []
+        dp_groups = [self.dp_group] if self.dp_size > 1 else []
+        tel.reduce(token_groups=sp_groups + dp_groups, logp_groups=dp_groups)
+        return tel.metrics()
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -199,6 +237,7 @@ def build_run_context(cfg: RunConfig) -> RunContext:
 
     from megatron_qarl.checkpointing import RunCheckpoints
     from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model
+    from megatron_qarl.moe.routing_replay import RouteGeometry
     from megatron_qarl.optim import build_optimizer
     from megatron_qarl.parallel import init_distributed
     from megatron_qarl.quant.apply import apply_aligned_quantization
@@ -212,10 +251,13 @@ def build_run_context(cfg: RunConfig) -> RunContext:
 
     # Each rank's loss is already normalised by the global token/sequence count, so DP gradients must
     # be summed, not averaged: megatron's calculate_per_token_loss switches DDP to sum.
+    # Routers get megatron's RouterReplay whenever the engine returns routes: replay (R3) when configured,
+    # and the replayed counterfactual forward of the routing telemetry otherwise (inert until used).
+    collects_routes = cfg.train.routing_replay == "replay" or cfg.rollout.engine == "embedded"
     model = build_qwen3_moe_model(
         # bfloat16: megatron mixed precision (bf16 params, fp32 masters in the optimizer).
         hf_config, layout, params_dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
-        config_overrides={"calculate_per_token_loss": True},
+        config_overrides={"calculate_per_token_loss": True, "moe_enable_routing_replay": collects_routes},
     )
     _load_initial_weights(cfg, model, hf_config)
     quant = None
@@ -250,6 +292,7 @@ def build_run_context(cfg: RunConfig) -> RunContext:
         dp_size=parallel_state.get_data_parallel_world_size(),
         dp_group=parallel_state.get_data_parallel_group(),
         pad_multiple=layout.tp if layout.sequence_parallel else 1,
+        route_geometry=RouteGeometry.from_hf_config(hf_config),
     )
     ctx.start_step = ctx.checkpoints.resume(cfg.checkpoint.resume, ctx)
     if rank == 0:
@@ -284,7 +327,7 @@ def _build_engine(cfg: RunConfig, hf_config):
 
     if cfg.rollout.engine == "embedded":
         return make_engine({"name": "embedded", "hf_config": hf_config, "dtype": cfg.rollout.embedded_dtype,
-                            "seed": cfg.train.seed})
+                            "seed": cfg.train.seed, "collect_routed_experts": True})
     if cfg.rollout.engine == "sglang":
         return make_engine({"name": "sglang", **sglang_engine_options(cfg)})
     return make_engine({"name": cfg.rollout.engine})

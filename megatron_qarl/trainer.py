@@ -3,7 +3,9 @@
 One RL step:
   1. rollout   rank 0 asks the engine (holding the last published weights) for n responses per prompt;
                rewards -> group-normalised advantages; the batch is broadcast and split over DP ranks.
-  2. old       the learner recomputes log-probs with its (aligned, low-bit) forward: l_old.
+  2. old       the learner recomputes log-probs with its (aligned, low-bit) forward: l_old; with
+               train.routing_replay=replay every learner forward dispatches to the sampler's experts (R3).
+               Routing telemetry: per-layer sampler<->learner router mismatch, k3 with/without replay.
   3. update    for each mini-batch: micro-batched forward/backward of the objective (TBPO by default),
                grads reduced by megatron DDP, one optimizer step on the fp32 masters.
   4. publish   the per-step quantized weights are gathered over TP/EP and pushed to the engine.
@@ -55,6 +57,8 @@ def train(cfg: RunConfig) -> dict:
             local = batch.shard(ctx.dp_rank, ctx.dp_size)
             local.old_logp = compute_logprobs(ctx, local)
             timer.lap("old_logp")
+            metrics.update(ctx.routing_telemetry(local))  # sampler<->learner router mismatch, replay gap
+            timer.lap("routing_telemetry")
             metrics.update(policy_update(ctx, local))
             timer.lap("update")
             ctx.engine_wake()
@@ -79,6 +83,7 @@ def collect_rollouts(ctx, step: int) -> tuple[RolloutBatch, dict]:
         # A per-step seed makes a resumed run sample exactly what the uninterrupted run sampled.
         sampling = dataclasses.replace(ctx.sampling, seed=ctx.sampling.seed + step)
         results = ctx.engine.generate(prompt_ids, sampling)
+        routes = [r.routed_experts for r in results] if results[0].routed_experts is not None else None
         texts = ctx.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
         answers = [p.answer for p in prompts for _ in range(cfg.rollout.n)]
         rewards = torch.tensor(ctx.reward_fn(texts, answers), dtype=torch.float32)
@@ -88,6 +93,7 @@ def collect_rollouts(ctx, step: int) -> tuple[RolloutBatch, dict]:
             prompt_ids, [r.token_ids for r in results], [r.logprobs for r in results],
             adv.advantages, rewards, group_ids,
             pad_token_id=ctx.tokenizer.pad_token_id, pad_multiple=ctx.pad_multiple,
+            routed_experts=routes, route_geometry=ctx.route_geometry,
         )
         lengths = torch.tensor([len(r.token_ids) for r in results], dtype=torch.float32)
         metrics = {
@@ -109,7 +115,10 @@ def collect_rollouts(ctx, step: int) -> tuple[RolloutBatch, dict]:
 def compute_logprobs(ctx, batch: RolloutBatch) -> torch.Tensor:
     """l_old: the learner's log-probs before this step's updates, with the same forward it trains with."""
     ctx.model.eval()
-    chunks = [ctx.forward_logprobs(micro) for micro in batch.chunks(ctx.cfg.train.micro_batch_size)]
+    chunks = []
+    for micro in batch.chunks(ctx.cfg.train.micro_batch_size):
+        with ctx.routing_replay(micro):  # train.routing_replay=replay: the sampler's experts (R3)
+            chunks.append(ctx.forward_logprobs(micro))
     ctx.model.train()
     return torch.cat(chunks, dim=0)
 
@@ -125,12 +134,14 @@ def policy_update(ctx, batch: RolloutBatch) -> dict:
                                        process_group=ctx.dp_group)
         ctx.zero_grad()
         for micro in micros:
-            logp = ctx.forward_logprobs(micro)
-            loss, metrics = compute_loss(
-                logp, micro.old_logp, micro.sampler_logp, micro.advantages, micro.response_mask,
-                cfg.train.loss, norm=norm,
-            )
-            loss.backward()
+            # backward inside the replay block: a recomputed forward must replay the same routes
+            with ctx.routing_replay(micro):
+                logp = ctx.forward_logprobs(micro)
+                loss, metrics = compute_loss(
+                    logp, micro.old_logp, micro.sampler_logp, micro.advantages, micro.response_mask,
+                    cfg.train.loss, norm=norm,
+                )
+                loss.backward()
             metrics["loss/value"] = loss.item()
             call_metrics.append(metrics)
         step_metrics.append(ctx.optimizer_step())
