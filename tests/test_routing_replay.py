@@ -296,3 +296,28 @@ def test_w4a16_sampler_k3_with_aligned_forward_and_replay_not_above_without(hf_s
           f"{tel['routing/k3_free']:.3e}; router mismatch {tel['routing/mismatch_frac']:.3f}")
     assert tel["routing/mismatch_frac"] > 0
     assert tel["routing/k3_replay"] <= tel["routing/k3_free"]
+
+
+# ---------------------------------------------------------------------------------------- layouts
+
+def _check_layout_results(res, specs):
+    want = res["transformers_mismatch_frac"]
+    for spec in specs:
+        r = res[spec]
+        assert r["logp_max_abs_diff_vs_forced_hf"] <= 2e-4
+        assert r["compared_tokens"] == 40.0  # (16-1) + (13-1) + (9-1) + (6-1) sampler-routed positions
+        assert all(abs(a - b) <= 1 / 40 for a, b in zip(r["mismatch_frac"], want))
+    print(f"\n{res}")
+
+
+@pytest.mark.dist
+def test_replay_is_exact_at_tp2_sp_and_ep2(torchrun):
+    """Worker asserts: replayed dispatch == sampler routes (gathered in megatron's [s, b] SP layout),
+    log-probs == transformers forced onto those experts, telemetry reduced over SP/DP == transformers."""
+    _check_layout_results(torchrun(2, "replay_layouts.py", "2x1", "1x2"), ["2x1", "1x2"])
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_replay_is_exact_at_tp2_x_ep2(torchrun):
+    _check_layout_results(torchrun(4, "replay_layouts.py", "2x2"), ["2x2"])
