@@ -5,8 +5,10 @@ workarounds from ``compat_cpu``) and on nccl with it.
 """
 from __future__ import annotations
 
+import atexit
 import os
-import socket
+import shutil
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -71,12 +73,6 @@ class ParallelLayout:
             )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_process_group(backend: str | None) -> None:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -85,10 +81,12 @@ def _init_process_group(backend: str | None) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend=backend)
         return
-    # A plain process (tests, single-process tools): a world of one on a free loopback port.
-    dist.init_process_group(
-        backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-    )
+    # A plain process (tests, single-process tools): a world of one rendezvousing through a fresh
+    # file, which (unlike picking a free TCP port) cannot race with other processes on the machine.
+    store_dir = tempfile.mkdtemp(prefix="qarl-dist-")
+    atexit.register(shutil.rmtree, store_dir, ignore_errors=True)
+    store = os.path.join(store_dir, "store")
+    dist.init_process_group(backend=backend, init_method=f"file://{store}", rank=0, world_size=1)
 
 
 def init_distributed(

@@ -27,6 +27,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_cmd(nproc: int) -> list[str]:
+    """torchrun on loopback; --standalone lets its rendezvous bind a free port itself (no port races
+    between parallel test runs, unlike picking a port and passing it)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
 def run_torchrun(nproc: int, script: str, *args: str, timeout: int = 600) -> dict:
     """Run tests/dist/<script> under torchrun (gloo) and return the JSON rank 0 wrote to $QARL_RESULT.
 
@@ -43,11 +49,7 @@ def run_torchrun(nproc: int, script: str, *args: str, timeout: int = 600) -> dic
             QARL_RESULT=str(result),
             PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
         )
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-            str(DIST_DIR / script), *args,
-        ]
+        cmd = [*torchrun_cmd(nproc), str(DIST_DIR / script), *args]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp)
         if proc.returncode != 0:
             raise AssertionError(

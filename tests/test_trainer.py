@@ -18,7 +18,7 @@ import torch
 
 from megatron_qarl.checkpointing import STATE_FILE, RunCheckpoints
 
-from conftest import REPO, free_port
+from conftest import REPO, torchrun_cmd
 
 CONFIG = str(REPO / "configs" / "tiny_qarl_w4a16_tbpo.yaml")
 SMALL = [
@@ -37,8 +37,7 @@ def _env():
 def _train_cmd(nproc: int = 1):
     if nproc == 1:
         return [sys.executable, "-m", "megatron_qarl.cli"]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "megatron_qarl.cli"]
+    return [*torchrun_cmd(nproc), "-m", "megatron_qarl.cli"]
 
 
 def _run(out: Path, *overrides: str, nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
