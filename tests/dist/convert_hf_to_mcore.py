@@ -1,0 +1,19 @@
+"""torchrun worker: `qarl-convert hf-to-mcore --tp 2 --ep 2` writing a sharded checkpoint directly.
+
+argv: HF_DIR OUT_DIR TP EP. Every rank runs the CLI entry; rank 0 reports the marker's world size.
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from conversion.cli import main
+from _common import write_result
+
+hf_dir, out, tp, ep = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+rc = main(["hf-to-mcore", "--hf", hf_dir, "--out", out, "--tp", tp, "--ep", ep])
+assert rc == 0, rc
+marker = json.loads((Path(out) / "qarl_checkpoint.json").read_text())
+write_result({"world_size": dist.get_world_size(), "marker_world_size": marker["world_size"],
+              "distcp_files": len(list(Path(out).glob("*.distcp")))})
