@@ -139,7 +139,8 @@ def test_replay_checks_routes_against_the_model(hf_state):
     plain = build_qwen3_moe_model(tiny_hf_config(), ParallelLayout())
     with pytest.raises(RouteLayoutError, match="moe_enable_routing_replay"):
         check_replay_fits(plain, good)
-    with pytest.raises(RouteLayoutError, match="sees \\[s, b\\] = \\[6, 1\\] tokens but the replayed routes cover \\[4, 1\\]"):
+    too_short = "sees \\[s, b\\] = \\[6, 1\\] tokens but the replayed routes cover \\[4, 1\\]"
+    with pytest.raises(RouteLayoutError, match=too_short):
         with replay_routing(model, good), torch.no_grad():
             token_logprobs(model, torch.ones(1, 6, dtype=torch.long))
 

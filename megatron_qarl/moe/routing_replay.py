@@ -292,6 +292,7 @@ def route_mismatch_counts(sampler_routes: torch.Tensor, routed_mask: torch.Tenso
     mask = router_token_order(routed_mask, sp_rank=sp_rank, sp_size=sp_size)
     differ = torch.zeros(len(learner_maps), dtype=torch.float64)
     for layer, learner in enumerate(learner_maps):
+        learner = learner.cpu()
         sampler = routes_as_map(router_token_routes(sampler_routes, layer, sp_rank=sp_rank, sp_size=sp_size),
                                 learner.shape[-1])
         if sampler.shape != learner.shape:
@@ -303,7 +304,7 @@ def route_mismatch_counts(sampler_routes: torch.Tensor, routed_mask: torch.Tenso
 
 def k3_sums(logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """[sum of k3(sampler||learner), sum |logp - sampler_logp|, #tokens] over masked tokens (float64)."""
-    x = (logp.double() - sampler_logp.double())[mask.bool()]
+    x = (logp.detach().double().cpu() - sampler_logp.double().cpu())[mask.bool().cpu()]
     return torch.stack([(torch.expm1(x) - x).sum(), x.abs().sum(), torch.tensor(float(x.numel()), dtype=torch.float64)])
 
 
@@ -324,15 +325,13 @@ class ReplayTelemetry:
     def reduce(self, token_groups: Sequence, logp_groups: Sequence) -> None:
         """Sum over process groups: route counts over every group holding distinct tokens (TP under SP, DP);
         log-prob sums only over DP (TP ranks hold the same log-probs)."""
-        import torch.distributed as dist
-
         for g in token_groups:
             for t in (self.differ, self.compared):
                 if t is not None:
-                    dist.all_reduce(t, group=g)
+                    _all_reduce_sum(t, g)
         for g in logp_groups:
-            dist.all_reduce(self.gap_replay, group=g)
-            dist.all_reduce(self.gap_free, group=g)
+            _all_reduce_sum(self.gap_replay, g)
+            _all_reduce_sum(self.gap_free, g)
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -347,6 +346,17 @@ class ReplayTelemetry:
             out[f"routing/k3_{name}"] = float(sums[0]) / n
             out[f"routing/abs_logp_gap_{name}"] = float(sums[1]) / n
         return out
+
+
+def _all_reduce_sum(t: torch.Tensor, group) -> None:
+    """In-place sum of a host tensor over `group` (through the GPU when there is one: NCCL takes no host
+    tensors)."""
+    import torch.distributed as dist
+
+    x = t.cuda() if torch.cuda.is_available() else t
+    dist.all_reduce(x, group=group)
+    if x is not t:
+        t.copy_(x.cpu())
 
 
 def measure_replay_telemetry(model: torch.nn.Module, micro_batches: Sequence, forward: Callable,
