@@ -28,6 +28,12 @@ aux loss is the same with or without replay, and its gradient still pushes the l
 balance. (Deeper layers' inputs do change with the replayed experts below, so their aux values follow the
 replayed forward's hidden states; tests/test_routing_replay.py checks both.)
 
+Telemetry (`measure_replay_telemetry`, logged every step by the trainer when the engine returns routes):
+`routing/mismatch_frac_layer{i}` (and mean/max): fraction of sampler-routed tokens whose top-k SET from the
+learner's own router, in a forward with replay off, differs from the sampler's; `routing/k3_{replay,free}`
+and `routing/abs_logp_gap_{replay,free}`: sampler<->learner k3 and mean |dlogp| on response tokens with and
+without replay. Cost: one extra no-grad forward per micro-batch (two when replay is off).
+
 Activation recompute: the replay targets stay set for the whole `replay_routing` block, so a recomputed
 forward during backward (REPLAY_FORWARD again) sees the same routes; keep `loss.backward()` inside it.
 """
