@@ -28,6 +28,7 @@ def _user_errors():
         ("megatron_qarl.weights.hf_io", "CheckpointError"),
         ("megatron_qarl.checkpointing", "CheckpointError"),
         ("megatron_qarl.quant.config", "QuantConfigError"),
+        ("megatron_qarl.weights.convert", "ConversionError"),
     ):
         try:
             errors.append(getattr(__import__(module, fromlist=[name]), name))
