@@ -342,14 +342,12 @@ def _qarl_train_with_replay(out, nproc=1, *overrides):
     import os
     import subprocess
 
-    from conftest import free_port
+    from conftest import torchrun_cmd
 
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
                PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    launcher = [sys.executable, "-m", "megatron_qarl.cli"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}", "-m", "megatron_qarl.cli"]
+    launcher = ([sys.executable] if nproc == 1 else torchrun_cmd(nproc)) + ["-m", "megatron_qarl.cli"]
     cmd = launcher + [
         "--config", str(repo / "configs" / "tiny_qarl_w4a16_tbpo.yaml"), f"logging.out_dir={out}",
         "train.prompts_per_step=4", "rollout.n=2", "train.mini_batch_prompts=2", "train.micro_batch_size=2",
