@@ -133,6 +133,9 @@ class TrainConfig:
     recompute_activations: bool = False  # full-layer activation recompute (needed at 30B scale)
     seed: int = 1234
     routing_replay: str = "off"
+    # Per-step router-mismatch / replay-gap telemetry: one extra no-grad forward per micro-batch
+    # (two when replay is off); needs the engine's routed experts.
+    routing_telemetry: bool = True
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -583,7 +586,7 @@ def sglang_engine_options(cfg: RunConfig, *, environ=None) -> dict[str, Any]:
         "mem_fraction_static": s.mem_fraction_static,
         "moe_runner_backend": s.moe_runner_backend,
         "quant_scheme": cfg.quant.scheme,
-        "return_routed_experts": cfg.train.routing_replay == "replay",
+        "return_routed_experts": cfg.train.routing_replay == "replay" or cfg.train.routing_telemetry,
         "transport": "tensor" if s.mode == "colocated" else "distributed",
         "bucket_bytes": cfg.publish.bucket_mb * 1024 * 1024,
         "health_timeout_s": s.health_timeout_s,

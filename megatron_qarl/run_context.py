@@ -127,7 +127,7 @@ class RunContext:
 
         from megatron_qarl.moe.routing_replay import measure_replay_telemetry
 
-        if batch.routed_experts is None:
+        if batch.routed_experts is None or not self.cfg.train.routing_telemetry:
             return {}
         mbs = self.cfg.train.micro_batch_size
         replayed = None
@@ -253,11 +253,14 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     # be summed, not averaged: megatron's calculate_per_token_loss switches DDP to sum.
     # Routers get megatron's RouterReplay whenever the engine returns routes: replay (R3) when configured,
     # and the replayed counterfactual forward of the routing telemetry otherwise (inert until used).
-    collects_routes = cfg.train.routing_replay == "replay" or cfg.rollout.engine == "embedded"
+    collects_routes = cfg.train.routing_replay == "replay" or cfg.train.routing_telemetry
+    overrides = {"calculate_per_token_loss": True, "moe_enable_routing_replay": collects_routes}
+    if cfg.train.recompute_activations:  # full-layer recompute: keep only each layer's input
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     model = build_qwen3_moe_model(
         # bfloat16: megatron mixed precision (bf16 params, fp32 masters in the optimizer).
         hf_config, layout, params_dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
-        config_overrides={"calculate_per_token_loss": True, "moe_enable_routing_replay": collects_routes},
+        config_overrides=overrides,
     )
     _load_initial_weights(cfg, model, hf_config)
     quant = None

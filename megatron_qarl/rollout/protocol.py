@@ -44,8 +44,9 @@ class GenerationResult:
 
     ``logprobs[t]`` = log_softmax(logits_t / temperature)[token_t]: the sampled token's log-probability
     under the temperature-scaled distribution, BEFORE top-k/top-p truncation (what vLLM and SGLang
-    return). ``routed_experts``: uint8 [T, layers, topk] expert ids the engine routed each response
-    token's forward through, or None when not collected.
+    return). ``routed_experts``: uint8 [prompt + response - 1, layers, topk] expert ids the engine routed
+    every position it fed to the model through (SGLang's layout: prompt positions included, the last
+    sampled token never fed), or None when not collected.
     """
 
     prompt_index: int
