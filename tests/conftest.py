@@ -1,6 +1,5 @@
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,12 +18,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_cmd(nproc: int) -> list[str]:
@@ -57,6 +50,21 @@ def run_torchrun(nproc: int, script: str, *args: str, timeout: int = 600) -> dic
                 f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-12000:]}"
             )
         return json.loads(result.read_text()) if result.exists() else {}
+
+
+@pytest.fixture(scope="module")
+def world_of_one(request):
+    """megatron's parallel state as a single-process world (gloo) for a test module; the module may set
+    WORLD_SEED. Torn down only if this fixture created it."""
+    import torch.distributed as dist
+
+    from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
+
+    owned = not dist.is_initialized()
+    init_distributed(ParallelLayout(), seed=getattr(request.module, "WORLD_SEED", 1))
+    yield
+    if owned:
+        destroy_distributed()
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 from aligned_common import hf_model, mcore_logits, seeded_hf_state, tokens, w4a16_dequantized_state  # noqa: E402
 
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config  # noqa: E402
-from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed  # noqa: E402
+from megatron_qarl.parallel import ParallelLayout  # noqa: E402
 from megatron_qarl.quant import Int4Weight, QuantConfig, QuantizationError, unpack_int4_groupwise  # noqa: E402
 from megatron_qarl.quant.apply import (  # noqa: E402
     SiteGeometry, apply_aligned_quantization, check_site_geometry, site_in_scope)
@@ -26,14 +26,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU world-of-
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    import torch.distributed as dist
-
-    owned = not dist.is_initialized()
-    init_distributed(ParallelLayout(), seed=1)
-    yield
-    if owned:
-        destroy_distributed()
+def _world(world_of_one):
+    """Single-process megatron world for every test here (conftest.world_of_one)."""
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from publish_common import (  # noqa: E402
     SCHEMES, RecordingEngine, build_model, mismatches, offline_engine_tensors, train_steps)
 
 from megatron_qarl.models.qwen3_moe import preset_hf_config, tiny_hf_config  # noqa: E402
-from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed  # noqa: E402
+from megatron_qarl.parallel import ParallelLayout  # noqa: E402
 from megatron_qarl.quant import QuantConfig, pack_int4_groupwise  # noqa: E402
 from megatron_qarl.quant.apply import apply_aligned_quantization  # noqa: E402
 from megatron_qarl.rollout.embedded import EmbeddedEngine  # noqa: E402
@@ -29,14 +29,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU world-of-
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    import torch.distributed as dist
-
-    owned = not dist.is_initialized()
-    init_distributed(ParallelLayout(), seed=1)
-    yield
-    if owned:
-        destroy_distributed()
+def _world(world_of_one):
+    """Single-process megatron world for every test here (conftest.world_of_one)."""
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, preset_hf_conf
 from megatron_qarl.moe.routing_replay import (  # noqa: E402
     RouteGeometry, RouteLayoutError, check_replay_fits, measure_replay_telemetry, observe_routers, pack_routes,
     replay_routing, route_bytes_per_token, router_token_order, routes_as_map, sampler_routed_mask)
-from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed  # noqa: E402
+from megatron_qarl.parallel import ParallelLayout  # noqa: E402
 from megatron_qarl.quant import QuantConfig  # noqa: E402
 from megatron_qarl.rl.batch import build_rollout_batch  # noqa: E402
 from megatron_qarl.rollout.embedded import EmbeddedEngine  # noqa: E402
@@ -32,14 +32,8 @@ GEOM = RouteGeometry(num_layers=2, topk=2, num_experts=8)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    import torch.distributed as dist
-
-    owned = not dist.is_initialized()
-    init_distributed(ParallelLayout(), seed=1)
-    yield
-    if owned:
-        destroy_distributed()
+def _world(world_of_one):
+    """Single-process megatron world for every test here (conftest.world_of_one)."""
 
 
 @pytest.fixture(scope="module")

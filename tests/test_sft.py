@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_qarl.models.qwen3_moe import tiny_hf_config
-from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
+from megatron_qarl.parallel import ParallelLayout, init_distributed
 from megatron_qarl.rl.tokenizer import build_char_tokenizer
 from megatron_qarl.sft import (
     ProblemStream, SFTConfig, SFTConfigError, answer_token_ids, build_sft_model, collate, encode_example,
@@ -20,15 +20,12 @@ def tok():
     return build_char_tokenizer()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    import torch.distributed as dist
+WORLD_SEED = 0
 
-    owned = not dist.is_initialized()
-    init_distributed(ParallelLayout(), seed=0)
-    yield
-    if owned:
-        destroy_distributed()
+
+@pytest.fixture(scope="module", autouse=True)
+def _world(world_of_one):
+    """Single-process megatron world for every test here (conftest.world_of_one)."""
 
 
 def _fresh_model(seed: int, **sft_kwargs):
