@@ -122,10 +122,6 @@ def test_fp32_output_and_small_shards_get_an_index_covering_every_tensor(hf_dir,
     assert_bitwise_equal(want, got)
 
 
-# slow: under the torchrun fixture this worker currently hangs on this 2-core box (the same command run by
-# hand, `torchrun --nproc_per_node 4 -m conversion.cli hf-to-mcore --tp 2 --ep 2`, finishes in ~90 s and
-# converts back bitwise); kept out of the default run until the hang is understood.
-@pytest.mark.slow
 @pytest.mark.dist
 def test_hf_to_mcore_tp2_ep2_under_torchrun_then_offline_back_is_bitwise(hf_dir, tmp_path, torchrun):
     result = torchrun(4, "convert_hf_to_mcore.py", str(hf_dir), str(tmp_path / "mc"), "2", "2")
