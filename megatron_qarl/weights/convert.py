@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_qarl.weights.hf_io import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, CheckpointError
+from megatron_qarl.weights.hf_io import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, CheckpointError, atomic_dir
 
 FORMATS = ("w4a16", "fp8", "bf16")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -52,20 +50,8 @@ def check_output(out: str | os.PathLike, force: bool) -> Path:
 def atomic_output_dir(out: Path, force: bool):
     """Yield a temp dir beside `out`; rename it to `out` on success, remove it on any failure."""
     check_output(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         yield tmp
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / out.name)
-            os.rename(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def progress(total_bytes: int, desc: str):

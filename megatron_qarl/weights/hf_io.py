@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 import re
 import shutil
 import struct
@@ -171,6 +172,26 @@ def _plan_shards(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> lis
     return shards
 
 
+@contextmanager
+def atomic_dir(path: Path):
+    """Yield a temp dir beside `path`; on success it replaces `path` (the old one is removed only after
+    the new one is in place), on any failure it is removed and `path` is left as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.rename(path, old / path.name)
+            os.rename(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def write_hf_checkpoint(path: str | os.PathLike, hf_config, state: Mapping[str, torch.Tensor], *,
                         max_shard_bytes: int = 5 * 1024**3, force: bool = False,
                         validate: bool = True) -> Path:
@@ -186,9 +207,7 @@ def write_hf_checkpoint(path: str | os.PathLike, hf_config, state: Mapping[str, 
         raise FileExistsError(f"{path} exists; pass force=True to overwrite it")
     if validate:
         validate_state(state, expected_hf_shapes(hf_config), "state to write")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    with atomic_dir(path) as tmp:
         shards = _plan_shards(state, max_shard_bytes)
         if len(shards) == 1:
             names = {SINGLE_NAME: shards[0]}
@@ -203,14 +222,4 @@ def write_hf_checkpoint(path: str | os.PathLike, hf_config, state: Mapping[str, 
                      "weight_map": {n: f for f, ns in names.items() for n in ns}}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
         hf_config.to_json_file(str(tmp / CONFIG_NAME))
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            os.rename(path, old / path.name)
-            os.rename(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return path
