@@ -159,3 +159,12 @@ def test_engine_tensors_out_of_scope_is_bf16_weight():
         assert torch.equal(tensors[prefix + ".weight"], master.to(torch.bfloat16))
     with pytest.raises(QuantizationError, match="outside scope"):
         engine_tensors_for_linear("model.layers.0.mlp.gate", quantize_int4_groupwise(master), cfg)
+
+
+def test_byte_order_independent_packer_gives_the_same_words():
+    from megatron_qarl.quant.int4 import _pack_words_arithmetic
+
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(-8, 8, (64, 256), generator=gen, dtype=torch.int8)
+    codes[0], codes[1] = -8, 7  # all-zero nibbles and all-ones words (sign bit set)
+    assert torch.equal(_pack_words_arithmetic(codes), pack_int4_groupwise(codes))

@@ -17,6 +17,7 @@ to +amax rounds to 7 or 8 and is clamped to 7, exactly as in the library.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +119,19 @@ def pack_int4_groupwise(codes: torch.Tensor) -> torch.Tensor:
         )
     if codes.dtype != torch.int8:
         raise QuantizationError(f"pack_int4_groupwise: codes must be int8, got {codes.dtype}")
+    if sys.byteorder != "little":
+        return _pack_words_arithmetic(codes)
+    # Word-level bit twiddling (this is on the publish path every step): byte j of each 8-byte word holds
+    # nibble j; fold pairs of nibbles, then bytes, then halves into the low 32 bits.
+    x = (codes + 8).contiguous().view(torch.int64)
+    x = (x | (x >> 4)) & 0x00FF00FF00FF00FF
+    x = (x | (x >> 8)) & 0x0000FFFF0000FFFF
+    x = (x | (x >> 16)) & 0x00000000FFFFFFFF
+    return x.to(torch.int32)  # wraps modulo 2**32: the top nibble lands in the sign bit (two's complement)
+
+
+def _pack_words_arithmetic(codes: torch.Tensor) -> torch.Tensor:
+    """The same words as sums of shifted nibbles (byte-order independent)."""
     nibbles = (codes.to(torch.int64) + 8).unflatten(-1, (codes.shape[1] // _CODES_PER_INT32, _CODES_PER_INT32))
     shifts = torch.arange(0, 32, 4, device=codes.device, dtype=torch.int64)
     words = (nibbles << shifts).sum(dim=-1)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from typing import Any
 
 import torch
 
+from megatron_qarl.quant.int4 import pack_int4_groupwise
 from megatron_qarl.weights.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, iter_buckets, plan_buckets
 from megatron_qarl.weights.engine_layout import as_quant_config
 from megatron_qarl.weights.hf_mapping import _GLOBAL_RENAMES, _LAYER_RENAMES, _dims, split_qkv
@@ -76,27 +76,9 @@ class FullParam:
     shape: tuple[int, ...]
 
 
-def pack_int4_words(codes: torch.Tensor) -> torch.Tensor:
-    """Same words as ``quant.pack_int4_groupwise`` (compressed-tensors layout: nibble = code + 8, least
-    significant first along K), computed on 8-byte words with shifts and masks instead of the spec's
-    per-code int64 sum, which dominated the cost of publishing cached codes. Bitwise equality with the spec
-    is tested; big-endian hosts use the spec itself."""
-    if codes.dim() != 2 or codes.shape[1] % 8 or codes.dtype != torch.int8:
-        raise ValueError(f"expected int8 codes [N, K] with K a multiple of 8, got {codes.dtype} {tuple(codes.shape)}")
-    if sys.byteorder != "little":
-        from megatron_qarl.quant import pack_int4_groupwise
-
-        return pack_int4_groupwise(codes)
-    x = (codes + 8).contiguous().view(torch.int64)  # byte j of a word = nibble j (values 0..15)
-    x = (x | (x >> 4)) & 0x00FF00FF00FF00FF         # nibble pairs -> bytes 0, 2, 4, 6
-    x = (x | (x >> 8)) & 0x0000FFFF0000FFFF         # -> 16-bit halves
-    x = (x | (x >> 16)) & 0x00000000FFFFFFFF        # -> the 32-bit word
-    return x.to(torch.int32)  # wraps: the top nibble lands in the sign bit, as in the spec
-
-
 def _local_parts(kind: str, qweight: Any | None, value: torch.Tensor | None) -> dict[str, torch.Tensor]:
     if kind == "int4":
-        return {"weight_packed": pack_int4_words(qweight.codes), "weight_scale": qweight.scales}
+        return {"weight_packed": pack_int4_groupwise(qweight.codes), "weight_scale": qweight.scales}
     if kind == "fp8":
         return {"weight": qweight.qweight, "weight_scale_inv": qweight.scale_inv}
     return {"weight": value.detach().to(torch.bfloat16)}
