@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
-from aligned_common import hf_model, mcore_logits, seeded_hf_state, tokens, w4a16_dequantized_state  # noqa: E402
+from aligned_common import hf_grads_as_mcore, hf_model, mcore_logits, seeded_hf_state, tokens, w4a16_dequantized_state  # noqa: E402
 
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config  # noqa: E402
 from megatron_qarl.parallel import ParallelLayout  # noqa: E402
@@ -84,17 +84,7 @@ def test_aligned_logits_and_ste_grads_match_transformers_with_engine_weights(hf_
 
     logits.float().logsumexp(-1).mean().backward()
     ref_logits.float().logsumexp(-1).mean().backward()
-    from megatron_qarl.weights.hf_io import hf_state_from_model
-
-    class GradView(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def state_dict(self, *a, **k):
-            return {n: p.grad for n, p in self.m.named_parameters()}
-
-    ref_grads = hf_to_mcore(cfg, hf_state_from_model(GradView(ref_model)))
+    ref_grads = hf_grads_as_mcore(cfg, ref_model)
     worst = max(float((aligned.sites[n].weight.grad - ref_grads[n]).abs().max()) for n in aligned.sites)
     scale = max(float(ref_grads[n].abs().max()) for n in aligned.sites)
     print(f"site master grads vs transformers grads: max abs diff {worst:.2e} (max grad {scale:.2e})")

@@ -67,3 +67,19 @@ def mcore_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
 
     logits = model(input_ids=input_ids, position_ids=position_ids_for(input_ids), attention_mask=None)
     return tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+
+
+def hf_grads_as_mcore(cfg, hf_ref_model) -> dict:
+    """The transformers model's parameter gradients, renamed/laid out as the full mcore state."""
+    from megatron_qarl.weights.hf_io import hf_state_from_model
+    from megatron_qarl.weights.hf_mapping import hf_to_mcore
+
+    class GradView(torch.nn.Module):  # hf_state_from_model reads state_dict(): serve grads instead
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def state_dict(self, *a, **k):
+            return {n: p.grad for n, p in self.m.named_parameters()}
+
+    return hf_to_mcore(cfg, hf_state_from_model(GradView(hf_ref_model)))

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from _common import write_result
-from aligned_common import hf_model, mcore_logits, seeded_hf_state, tokens, w4a16_dequantized_state
+from aligned_common import hf_grads_as_mcore, hf_model, mcore_logits, seeded_hf_state, tokens, w4a16_dequantized_state
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
 from megatron_qarl.quant import QuantConfig, quantize_int4_groupwise
@@ -56,17 +56,7 @@ def site_grad_diff(cfg, model, aligned, ref_model) -> float:
     dense-DP replica in its expert-DP slice: its grad is dp / expert_dp times the single-batch grad."""
     from megatron.core import parallel_state as ps
 
-    from megatron_qarl.weights.hf_io import hf_state_from_model
-
-    class GradView(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def state_dict(self, *a, **k):
-            return {n: p.grad for n, p in self.m.named_parameters()}
-
-    ref_grads = hf_to_mcore(cfg, hf_state_from_model(GradView(ref_model)))
+    ref_grads = hf_grads_as_mcore(cfg, ref_model)
     coords, n_local = RankCoords.from_parallel_state(), num_local_experts(model)
     copies = ps.get_data_parallel_world_size() // ps.get_expert_data_parallel_world_size()
     worst = 0.0
