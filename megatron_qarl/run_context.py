@@ -4,8 +4,6 @@ metrics sinks and checkpoints. The loop in `trainer.py` only calls the small met
 """
 from __future__ import annotations
 
-import os
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,11 +60,6 @@ def build_reward_fn(cfg: RunConfig):
     from megatron_qarl.rl.rewards import RewardConfig, build_reward_fn as build
 
     return build(RewardConfig(kind=cfg.data.reward, timeout_s=cfg.data.reward_timeout_s))
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
 
 
 @dataclass

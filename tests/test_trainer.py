@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_qarl.checkpointing import STATE_FILE, RunCheckpoints
 
