@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_qarl.lifecycle import install_checkpoint_writer_queue
+
 STATE_FILE = "qarl_state.pt"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -73,6 +75,7 @@ class RunCheckpoints:
             tmp.mkdir()
         _barrier()
         model_sd = ctx.model.module.sharded_state_dict()
+        install_checkpoint_writer_queue()
         dist_checkpointing.save(
             {"model": model_sd, "optimizer": ctx.optimizer.sharded_state_dict(model_sd)}, str(tmp)
         )

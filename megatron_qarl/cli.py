@@ -56,8 +56,18 @@ def _train_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _own_child_processes() -> None:
+    """Children we fork die with us; under torchrun we die with the torchrun agent (megatron_qarl.lifecycle)."""
+    from megatron_qarl.lifecycle import die_with_parent, reap_children_on_parent_death
+
+    reap_children_on_parent_death()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # set by torchrun for its workers
+        die_with_parent(os.getppid())
+
+
 def train_main(argv=None) -> int:
     _quiet_library_warnings()
+    _own_child_processes()
     argv = list(sys.argv[1:] if argv is None else argv)
     # `sft` as the first word selects the supervised warm-up; everything else is RL training.
     mode = argv.pop(0) if argv and argv[0] in ("sft", "rl") else "rl"
@@ -90,6 +100,7 @@ def train_main(argv=None) -> int:
 
 def convert_main(argv=None) -> int:
     _quiet_library_warnings()
+    _own_child_processes()
     errors = _user_errors()
     try:
         from conversion.cli import main as convert

@@ -17,7 +17,7 @@ import pytest
 
 from megatron_qarl.checkpointing import STATE_FILE, RunCheckpoints
 
-from conftest import REPO, torchrun_cmd
+from conftest import PROCESS_TAG_VAR, REPO, describe_and_kill, new_process_tag, surviving_processes, torchrun_cmd
 
 CONFIG = str(REPO / "configs" / "tiny_qarl_w4a16_tbpo.yaml")
 SMALL = [
@@ -26,11 +26,18 @@ SMALL = [
 ]
 
 
-def _env():
+def _env(tag: str | None = None):
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    if tag:
+        env[PROCESS_TAG_VAR] = tag  # inherited by every process the run starts
     return env
+
+
+def _assert_no_survivors(tag: str, what: str):
+    left = surviving_processes(tag)
+    assert not left, f"processes of {what} outlived it:\n{describe_and_kill(left)}"
 
 
 def _train_cmd(nproc: int = 1):
@@ -39,9 +46,10 @@ def _train_cmd(nproc: int = 1):
     return [*torchrun_cmd(nproc), "-m", "megatron_qarl.cli"]
 
 
-def _run(out: Path, *overrides: str, nproc: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
+def _run(out: Path, *overrides: str, nproc: int = 1, timeout: int = 600,
+         tag: str | None = None) -> subprocess.CompletedProcess:
     cmd = _train_cmd(nproc) + ["--config", CONFIG, f"logging.out_dir={out}", *SMALL, *overrides]
-    return subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env=_env(tag), cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def _rows(out: Path) -> dict[int, dict]:
@@ -73,8 +81,16 @@ def _assert_healthy_run(out: Path, steps: int):
 @pytest.fixture(scope="module")
 def world1_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("world1")
-    _check_ok(_run(out, "train.steps=3", "checkpoint.every=1"))
+    tag = new_process_tag()
+    _check_ok(_run(out, "train.steps=3", "checkpoint.every=1", tag=tag))
+    (out / "process_tag").write_text(tag)
     return out
+
+
+def test_finished_run_leaves_no_process_behind(world1_run):
+    """The run saved checkpoints (megatron's writer processes and results-queue manager) and scored
+    rewards; once qarl-train has exited, nothing it started is alive."""
+    _assert_no_survivors((world1_run / "process_tag").read_text(), "a finished qarl-train run")
 
 
 def test_world1_end_to_end(world1_run):
@@ -102,7 +118,8 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
 
     out = tmp_path / "killed"
     cmd = _train_cmd() + ["--config", CONFIG, f"logging.out_dir={out}", *SMALL, *steps]
-    proc = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tag = new_process_tag()
+    proc = subprocess.Popen(cmd, env=_env(tag), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 500
     while not (out / "checkpoints" / "step_00000002" / STATE_FILE).exists():
         assert proc.poll() is None, "run ended before its step-2 checkpoint"
@@ -110,6 +127,8 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)  # in the middle of step 3 (rollout / update / checkpointing)
     proc.wait()
+    # Its helpers (checkpoint writers, megatron's results-queue manager) die with it: no orphans.
+    _assert_no_survivors(tag, "a SIGKILLed qarl-train run")
     assert not (out / "checkpoints" / "step_00000004").exists()
 
     _check_ok(_run(out, *steps))  # resume: auto

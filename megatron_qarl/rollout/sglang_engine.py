@@ -32,6 +32,7 @@ import os
 import secrets
 import shutil
 import socket
+import functools
 import subprocess
 import sys
 import threading
@@ -45,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_qarl.lifecycle import die_with_parent
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.weights.buckets import DEFAULT_BUCKET_BYTES, FlattenedBucket, iter_buckets, unflatten_bucket
 
@@ -286,7 +288,8 @@ class SGLangEngine:
         if shutil.which(cmd[0]) is None and not os.path.exists(cmd[0]):
             raise SGLangUnavailableError(f"cannot launch SGLang: executable {cmd[0]!r} not found")
         stdout = open(cfg.log_path, "ab") if cfg.log_path else subprocess.DEVNULL
-        self._proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True)
+        self._proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True,
+                                      preexec_fn=functools.partial(die_with_parent, os.getpid()))
         self._http = _Http(f"http://{cfg.host}:{port}", self.api_key, cfg.request_timeout_s)
         self.wait_healthy()
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from megatron_qarl.lifecycle import install_checkpoint_writer_queue
 from megatron_qarl.weights.sharding import unwrap_model
 
 MARKER_NAME = "qarl_checkpoint.json"
@@ -76,6 +77,7 @@ def save_dist_checkpoint(model, path: str | os.PathLike, extra_state: dict[str, 
     if _rank() == 0:
         tmp.mkdir(parents=True)
     _barrier()
+    install_checkpoint_writer_queue()
     dist_checkpointing.save(unwrap_model(model).sharded_state_dict(), str(tmp))
     _barrier()
     if _rank() == 0:
