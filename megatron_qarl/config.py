@@ -14,7 +14,6 @@ import dataclasses
 import difflib
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -610,14 +609,6 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
 
 def save_yaml(cfg: RunConfig, path: str | os.PathLike) -> Path:
     """Write the resolved config atomically (temp file + rename) and return its path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(to_yaml(cfg))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    from megatron_qarl.fileio import atomic_write_text
+
+    return atomic_write_text(path, to_yaml(cfg))

@@ -62,6 +62,7 @@ class SFTConfig:
     max_digits: int = 2
     operators: str = "+"
     style: str = "plain"
+    digit_order: str = "msd_first"  # "lsd_first": answers written least-significant digit first
     # Evaluation on held-out prompts: greedy and temperature-1 sampled exact match.
     eval_every: int = 25  # steps; 0 = only at the end (an eval of 128 prompts costs ~0.3 s)
     eval_prompts: int = 128
@@ -105,7 +106,7 @@ class SFTConfig:
     def task_config(self, seed: int | None = None) -> ArithmeticTaskConfig:
         return ArithmeticTaskConfig(min_digits=self.min_digits, max_digits=self.max_digits,
                                     operations=tuple(self.operators), style=self.style,
-                                    seed=self.seed if seed is None else seed)
+                                    digit_order=self.digit_order, seed=self.seed if seed is None else seed)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -485,7 +486,9 @@ def run_sft(cfg, sft: SFTConfig | None = None) -> dict[str, Any]:
     owns_process_group = not dist.is_initialized()
     layout = init_distributed(getattr(cfg, "parallel", None) or ParallelLayout(), seed=sft.seed)
     try:
-        return _train(cfg, sft, layout)
+        result = _train(cfg, sft, layout)
+        _write_metrics(cfg, result)
+        return result
     finally:
         if owns_process_group:
             destroy_distributed()
@@ -529,11 +532,27 @@ def _train(cfg, sft: SFTConfig, layout) -> dict[str, Any]:
                 progress.write(f"[sft] sampled accuracy reached {target}; stopping at step {step}")
                 break
     progress.close()
+    target = sft.stop_at_sampled_accuracy
+    if target is not None and history[-1]["eval/sampled_accuracy"] < target:
+        progress.write(f"[sft] warning: sampled accuracy {history[-1]['eval/sampled_accuracy']:.3f} did not reach "
+                       f"{target} within sft.steps={sft.steps}; RL will see few groups with mixed rewards "
+                       "(raise sft.steps, or use the easier sft.digit_order=lsd_first task)")
     final = {**progress.metrics, **history[-1], "step": step, "train_wall_s": time.perf_counter() - t_start}
     final["checkpoint"] = _save(ddp, sft, final) if sft.out_checkpoint else None
     final["history"] = history
     final["loss_history"] = progress.loss_history
     return final
+
+
+def _write_metrics(cfg, result: dict[str, Any]) -> None:
+    """`<logging.out_dir>/sft_metrics.json` (rank 0): final metrics and the evaluation history."""
+    import json
+
+    out_dir = getattr(getattr(cfg, "logging", None), "out_dir", None)
+    if out_dir and _is_rank0():
+        from megatron_qarl.fileio import atomic_write_text
+
+        atomic_write_text(Path(out_dir) / "sft_metrics.json", json.dumps(result, indent=1, default=str))
 
 
 def _save(ddp, sft: SFTConfig, final: dict[str, Any]) -> str:

@@ -5,6 +5,12 @@ Two prompt styles:
   response ``579`` then EOS, scored with the exact-match reward;
 - ``boxed`` (realism): ``What is 123+456? Put the answer in \\boxed{}.`` scored with math-verify.
 
+Two digit orders for the answer: ``msd_first`` (the usual ``579``) and ``lsd_first`` (``975``: least
+significant digit first, a sign stays in front). Written LSD first, each answer digit depends only on the
+operand digits at its own position and the carry from the digit just produced, which small transformers
+learn reliably and fast (Lee et al. 2023, "Teaching Arithmetic to Small Transformers"); the usual order
+needs the carry before it is written and is learnt late and seed-dependently. The CPU demo uses LSD first.
+
 Rows are JSON objects ``{"prompt": ..., "answer": ...}``. Usage:
 
     python -m megatron_qarl.rl.synthetic --out data/arith_sample.jsonl --rows 200 --seed 0
@@ -14,14 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from megatron_qarl.fileio import atomic_write_bytes
+
 STYLES = ("plain", "boxed")
+DIGIT_ORDERS = ("msd_first", "lsd_first")
 OPERATIONS = ("+", "-", "*")
 BOXED_TEMPLATE = "What is {expr}? Put the answer in \\boxed{{}}."
 
@@ -36,6 +43,7 @@ class ArithmeticTaskConfig:
     seed: int = 0
     # For '-': when False the larger operand comes first so answers are never negative.
     allow_negative: bool = False
+    digit_order: str = "msd_first"  # how the answer is written: "msd_first" (579) or "lsd_first" (975)
 
     def __post_init__(self) -> None:
         self.operations = tuple(self.operations)
@@ -46,6 +54,8 @@ class ArithmeticTaskConfig:
             raise ValueError(f"operations must be a non-empty subset of {OPERATIONS}, got {self.operations}")
         if not 1 <= self.min_digits <= self.max_digits:
             raise ValueError(f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
+        if self.digit_order not in DIGIT_ORDERS:
+            raise ValueError(f"unknown digit_order {self.digit_order!r}; use one of {', '.join(DIGIT_ORDERS)}")
         if self.num_rows < 1:
             raise ValueError("num_rows must be >= 1")
 
@@ -61,6 +71,12 @@ def _operand(rng: random.Random, cfg: ArithmeticTaskConfig) -> int:
     return rng.randint(low, 10**digits - 1)
 
 
+def write_number(value: int, digit_order: str) -> str:
+    """``value`` as the answer is written: ``-120`` is ``-120`` (msd_first) or ``-021`` (lsd_first)."""
+    sign, digits = ("-", str(-value)) if value < 0 else ("", str(value))
+    return sign + (digits[::-1] if digit_order == "lsd_first" else digits)
+
+
 def make_problem(rng: random.Random, cfg: ArithmeticTaskConfig) -> Dict[str, str]:
     a, b = _operand(rng, cfg), _operand(rng, cfg)
     op = rng.choice(cfg.operations)
@@ -69,29 +85,13 @@ def make_problem(rng: random.Random, cfg: ArithmeticTaskConfig) -> Dict[str, str
     value = {"+": a + b, "-": a - b, "*": a * b}[op]
     expr = f"{a}{op}{b}"
     prompt = f"{expr}=" if cfg.style == "plain" else BOXED_TEMPLATE.format(expr=expr)
-    return {"prompt": prompt, "answer": str(value)}
+    return {"prompt": prompt, "answer": write_number(value, cfg.digit_order)}
 
 
 def generate_arithmetic_rows(cfg: ArithmeticTaskConfig) -> List[Dict[str, str]]:
     """``cfg.num_rows`` problems, deterministic in ``cfg.seed``."""
     rng = random.Random(cfg.seed)
     return [make_problem(rng, cfg) for _ in range(cfg.num_rows)]
-
-
-def _atomic_write_bytes(path: Path, payload: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a dataset is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def write_rows(path, rows: Sequence[Dict]) -> Path:
@@ -105,9 +105,9 @@ def write_rows(path, rows: Sequence[Dict]) -> Path:
 
         buf = io.BytesIO()
         pq.write_table(pa.Table.from_pylist(list(rows)), buf)
-        _atomic_write_bytes(path, buf.getvalue())
+        atomic_write_bytes(path, buf.getvalue())
     elif path.suffix in (".jsonl", ".json"):
-        _atomic_write_bytes(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
+        atomic_write_bytes(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
     else:
         raise ValueError(f"unsupported dataset file type {path.suffix!r} for {path}; use .jsonl or .parquet")
     return path
@@ -125,10 +125,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--max-digits", type=int, default=3)
     p.add_argument("--ops", default="+", help="operations, e.g. '+-*'")
     p.add_argument("--style", choices=STYLES, default="plain")
+    p.add_argument("--digit-order", choices=DIGIT_ORDERS, default="msd_first",
+                   help="how answers are written: 579 (msd_first) or 975 (lsd_first)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     cfg = ArithmeticTaskConfig(num_rows=args.rows, min_digits=args.min_digits, max_digits=args.max_digits,
-                               operations=tuple(args.ops), style=args.style, seed=args.seed)
+                               operations=tuple(args.ops), style=args.style, seed=args.seed,
+                               digit_order=args.digit_order)
     out = write_arithmetic_dataset(args.out, cfg)
     print(f"wrote {cfg.num_rows} rows to {out} (reward: {reward_kind_for_style(cfg.style)})")
 
