@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The README's main command: a small QaRL training run on CPU (about 5-8 minutes on 2 cores).
+# The README's main command: a small QaRL training run on CPU (about 5-7 minutes on 2 cores).
 #   1. set up .venv (first run only),
-#   2. SFT-warm a tiny Qwen3-MoE in megatron-core on 2-digit addition so RL rewards are non-zero,
+#   2. SFT-warm a tiny Qwen3-MoE in megatron-core on 2-digit addition (answers least-significant digit
+#      first) until its sampled accuracy is ~0.3, so RL groups have mixed rewards,
 #   3. QaRL: W4A16 routed experts in the embedded rollout engine AND in the learner's forward
 #      (aligned, straight-through into fp32 masters), TBPO loss, weights re-published every step,
 #   4. print where the metrics and plots are, and the reward at the start vs the end of the run.

@@ -163,6 +163,30 @@ def test_synthetic_rows_are_correct_and_deterministic(tmp_path):
         ArithmeticTaskConfig(operations=("/",))
 
 
+def test_lsd_first_answers_are_the_digits_reversed_and_sign_first():
+    cfg = ArithmeticTaskConfig(num_rows=300, min_digits=1, max_digits=3, operations=("+", "-", "*"),
+                               allow_negative=True, digit_order="lsd_first", seed=5)
+    rows = generate_arithmetic_rows(cfg)
+    usual = generate_arithmetic_rows(ArithmeticTaskConfig(**{**cfg.__dict__, "digit_order": "msd_first"}))
+    assert [r["prompt"] for r in rows] == [r["prompt"] for r in usual]  # same problems, other notation
+    for r in rows:
+        a, op, b = re.fullmatch(r"(\d+)([+\-*])(\d+)=", r["prompt"]).groups()
+        value = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        sign, digits = re.fullmatch(r"(-?)(\d+)", r["answer"]).groups()
+        assert int(sign + digits[::-1]) == value
+    assert any(r["answer"].startswith("-") for r in rows) and any(len(r["answer"]) > 1 for r in rows)
+    with pytest.raises(ValueError, match="digit_order"):
+        ArithmeticTaskConfig(digit_order="backwards")
+
+
+def test_shipped_demo_data_matches_generator():
+    """configs/_base_tiny.yaml's RL prompts are the generator's (its comment says how to regenerate)."""
+    rows = [json.loads(line) for line in (REPO / "data" / "arith_2digit_lsd.jsonl").read_text().splitlines()]
+    assert rows == generate_arithmetic_rows(ArithmeticTaskConfig(
+        num_rows=2000, min_digits=2, max_digits=2, operations=("+",), digit_order="lsd_first", seed=0))
+    assert rows[0] == {"prompt": "63+43=", "answer": "601"}  # 106, written least-significant digit first
+
+
 def test_shipped_sample_matches_generator():
     rows = [json.loads(line) for line in (REPO / "data" / "arith_sample.jsonl").read_text().splitlines()]
     assert rows == generate_arithmetic_rows(ArithmeticTaskConfig(num_rows=200, seed=0))

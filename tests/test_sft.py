@@ -151,11 +151,14 @@ def test_run_sft_saves_a_checkpoint_that_reloads_with_identical_logits(tmp_path,
 
     cfg = RunConfig()
     cfg.model.tokenizer = "char"
+    cfg.logging.out_dir = str(tmp_path / "log")
     out = tmp_path / "sft_ckpt"
     sft = SFTConfig(steps=4, batch_size=8, eval_every=0, eval_prompts=8, eval_max_new_tokens=4, log_every=2,
                     lr_warmup_steps=0, out_checkpoint=str(out))
     result = run_sft(cfg, sft)
     assert result["step"] == 4 and result["checkpoint"] == str(out) and is_complete_checkpoint(out)
+    written = json.loads((tmp_path / "log" / "sft_metrics.json").read_text())  # what demo_robustness reads
+    assert written["step"] == 4 and written["eval/sampled_accuracy"] == result["eval/sampled_accuracy"]
     assert 0.0 <= result["eval/greedy_accuracy"] <= 1.0 and result["tokens_per_s"] > 0
     assert [h["step"] for h in result["history"]] == [4]
 
