@@ -52,7 +52,10 @@ class Fp8Weight:
 
 
 def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    scale = amax.float() / FP8_MAX
+    # Divide by a tensor, not a Python float: CUDA's tensor/scalar division multiplies by the rounded
+    # reciprocal (amax * (1/448)), which differs from amax/448 by one ulp for ~half the blocks and flips
+    # codes (measured on an H100, docs/gpu-runs.md F2). Tensor/tensor division is exact on every device.
+    scale = amax.float() / torch.tensor(FP8_MAX, dtype=torch.float32, device=amax.device)
     return torch.where(amax == 0, torch.full_like(scale, ZERO_BLOCK_SCALE), scale)
 
 
