@@ -42,7 +42,10 @@ def reap_children_on_parent_death() -> None:
 
     Covers children created by libraries we do not control, such as megatron's per-save checkpoint
     writer processes (forked: `filesystem_async.py:266`), which a SIGKILLed trainer would otherwise
-    leave blocked on a queue no one reads.
+    leave blocked on a queue no one reads. The kernel ties the signal to the forking *thread*: a child
+    forked from a short-lived worker thread would die with that thread. Nothing in the trainer forks
+    from such a thread (megatron's synchronous save forks from the main thread); `subprocess` without
+    `preexec_fn` runs no fork hooks at all.
     """
     global _installed_fork_hook
     if _installed_fork_hook or not hasattr(os, "register_at_fork"):
