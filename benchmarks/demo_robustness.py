@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_qarl.tracking import first_last_means
+
 REPO = Path(__file__).resolve().parents[1]
 WINDOW = 5  # steps averaged at each end of the run, as the demo's summary line does
 TARGET_GAIN = 0.15  # what "visibly learns" means (issue: last-5 mean >= first-5 mean + 0.15)
@@ -62,7 +64,7 @@ def run_seed(seed: int, config: str, out: Path, rl_overrides: list[str], env: di
                  f"data.shuffle_seed={seed}", *rl_overrides], out / "rl.log", env)
     rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rewards = [r["reward/mean"] for r in sorted(rows, key=lambda r: r["step"])]
-    first, last = sum(rewards[:WINDOW]) / WINDOW, sum(rewards[-WINDOW:]) / WINDOW
+    _, first, last = first_last_means(rewards, WINDOW)  # what the demo's summary line prints
     return {"seed": seed, "sft_steps": sft["step"], "sft_sampled_acc": sft["eval/sampled_accuracy"],
             "sft_greedy_acc": sft["eval/greedy_accuracy"], "rl_steps": len(rewards), "first5": first, "last5": last,
             "gain": last - first, "sft_s": sft_s, "rl_s": rl_s}

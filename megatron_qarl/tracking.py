@@ -5,12 +5,15 @@ through the trainer's reductions.
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from megatron_qarl.fileio import atomic_write_bytes
 
 # The curves a reader of a QaRL run looks at first: learning progress, response length, the
 # sampler<->learner mismatch, how much the trust band masks, and cost.
@@ -58,8 +61,7 @@ class MetricsTracker:
         values = [r[key] for r in self.rows() if isinstance(r.get(key), (int, float))]
         if len(values) < 2:
             return None
-        k = max(1, min(window, len(values) // 2))
-        first, last = sum(values[:k]) / k, sum(values[-k:]) / k
+        k, first, last = first_last_means(values, window)
         return f"{key}: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({last - first:+.3f})"
 
     def finish(self) -> list[Path]:
@@ -67,6 +69,12 @@ class MetricsTracker:
         if self._wandb is not None:
             self._wandb.finish()
         return plots
+
+
+def first_last_means(values: list[float], window: int = 5) -> tuple[int, float, float]:
+    """(k, mean of the first k, mean of the last k) with k = window, or fewer so the two do not overlap."""
+    k = max(1, min(window, len(values) // 2))
+    return k, sum(values[:k]) / k, sum(values[-k:]) / k
 
 
 def _wandb_mode(requested: str) -> str:
@@ -116,10 +124,8 @@ def plot_metrics(rows: list[dict], out_dir: Path) -> list[Path]:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        path = out_dir / f"{key.replace('/', '_')}.png"
-        tmp = path.with_suffix(".tmp.png")
-        fig.savefig(tmp, dpi=100)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=100)
         plt.close(fig)
-        os.replace(tmp, path)
-        written.append(path)
+        written.append(atomic_write_bytes(out_dir / f"{key.replace('/', '_')}.png", png.getvalue()))
     return written
