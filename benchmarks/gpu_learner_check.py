@@ -62,6 +62,18 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def mean_ms(fn, reps: int, warmup: int) -> float:
+    """Mean wall time of `fn()` in ms over `reps` calls after `warmup` calls, the GPU synchronised."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return 1e3 * (time.perf_counter() - t0) / reps
+
+
 def gib(x: float) -> float:
     return round(float(x) / GIB, 3)
 
@@ -283,24 +295,11 @@ def part_a(device: str, batch: int, seq: int, reps: int, dtype: torch.dtype = to
                 refs["unaligned_learner"] = learner
             # time per forward (no grad, cache warm), mean of `reps` after 3 warm-ups
             with torch.no_grad():
-                for _ in range(3):
-                    token_logprobs(model, ids_dev)
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    token_logprobs(model, ids_dev)
-                sync()
-            v["forward_ms"] = round(1e3 * (time.perf_counter() - t0) / reps, 3)
+                v["forward_ms"] = round(mean_ms(lambda: token_logprobs(model, ids_dev), reps, warmup=3), 3)
             # forward + backward time
             model.train()
-            for _ in range(2):
-                token_logprobs(model, ids_dev).mean().backward()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                token_logprobs(model, ids_dev).mean().backward()
-            sync()
-            v["fwd_bwd_ms"] = round(1e3 * (time.perf_counter() - t0) / reps, 3)
+            v["fwd_bwd_ms"] = round(
+                mean_ms(lambda: token_logprobs(model, ids_dev).mean().backward(), reps, warmup=2), 3)
             v["status"] = "ok"
             log(f"[A] {label}: {json.dumps(v)}")
             del model, aligned
@@ -522,13 +521,7 @@ def part_b_variant(label: str, preset: str, layers: int, tokens: int, quant, opt
     # log-prob (no-grad) forward time at this shape: the aligned pass the trainer runs for old log-probs
     ddp.eval()
     with torch.no_grad():
-        token_logprobs(ddp, ids)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(fwd_reps):
-            token_logprobs(ddp, ids)
-        sync()
-    out["logprob_forward_ms"] = round(1e3 * (time.perf_counter() - t0) / fwd_reps, 1)
+        out["logprob_forward_ms"] = round(mean_ms(lambda: token_logprobs(ddp, ids), fwd_reps, warmup=1), 1)
     est = out.get("estimate_gib")
     if est and cuda:
         matched = est["total"] - est["publish_bucket"]
