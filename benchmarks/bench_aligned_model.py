@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
     from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
     from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
     from megatron_qarl.quant import QuantConfig
-    from megatron_qarl.quant.apply import apply_aligned_quantization
+    from megatron_qarl.models.aligned import apply_aligned_quantization
 
     layout = init_distributed(ParallelLayout(), seed=0)
     cfg = tiny_hf_config(**MODELS[args.model])

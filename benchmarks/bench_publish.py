@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, preset_hf_config, tiny_hf_config  # noqa: E402
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed  # noqa: E402
 from megatron_qarl.quant import QuantConfig  # noqa: E402
-from megatron_qarl.quant.apply import apply_aligned_quantization  # noqa: E402
+from megatron_qarl.models.aligned import apply_aligned_quantization  # noqa: E402
 from megatron_qarl.weights.publish import WeightPublisher, plan_publish  # noqa: E402
 
 

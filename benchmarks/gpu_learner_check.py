@@ -221,8 +221,8 @@ def part_a(device: str, batch: int, seq: int, reps: int, dtype: torch.dtype = to
     from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, preset_hf_config
     from megatron_qarl.parallel import ParallelLayout
     from megatron_qarl.quant import QuantConfig
-    from megatron_qarl.quant.apply import apply_aligned_quantization
-    from megatron_qarl.weights.hf_mapping import hf_to_mcore
+    from megatron_qarl.models.aligned import apply_aligned_quantization
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
     from megatron_qarl.weights.sharding import load_full_state_into_model
 
     cfg = preset_hf_config("tiny")
@@ -378,8 +378,8 @@ def part_c(device: str) -> dict:
     from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, preset_hf_config
     from megatron_qarl.parallel import ParallelLayout
     from megatron_qarl.quant import (QuantConfig, dequantize_fp8_activation, dequantize_fp8_block)
-    from megatron_qarl.quant.apply import apply_aligned_quantization
-    from megatron_qarl.weights.hf_mapping import hf_to_mcore
+    from megatron_qarl.models.aligned import apply_aligned_quantization
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
     from megatron_qarl.weights.sharding import load_full_state_into_model
 
     cfg = preset_hf_config("tiny")
@@ -447,7 +447,7 @@ def part_b_variant(label: str, preset: str, layers: int, tokens: int, quant, opt
     from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, preset_hf_config
     from megatron_qarl.optim import OptimConfig, build_optimizer
     from megatron_qarl.parallel import ParallelLayout
-    from megatron_qarl.quant.apply import apply_aligned_quantization
+    from megatron_qarl.models.aligned import apply_aligned_quantization
 
     cuda = device == "cuda"
     bf16 = cuda

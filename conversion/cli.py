@@ -76,9 +76,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from megatron_qarl.parallel import ParallelLayoutError
     from megatron_qarl.quant import QuantConfigError, QuantizationError
     from megatron_qarl.weights.convert import ConversionError
-    from megatron_qarl.weights.engine_layout import EngineLayoutError
+    from megatron_qarl.quant.engine_layout import EngineLayoutError
     from megatron_qarl.weights.hf_io import CheckpointError
-    from megatron_qarl.weights.hf_mapping import WeightMappingError
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import WeightMappingError
 
     return (ConversionError, CheckpointError, WeightMappingError, EngineLayoutError, QuantConfigError,
             QuantizationError, ParallelLayoutError, UnsupportedModelError, FileExistsError, FileNotFoundError)

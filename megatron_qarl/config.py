@@ -447,10 +447,10 @@ def _check_engine_quant(cfg: RunConfig) -> list[str]:
 def _check_shard_shapes(cfg: RunConfig) -> list[str]:
     """Every rank's shard of a quantized weight must hold whole groups/blocks, else the learner's codes
     (quantized per shard) would differ from the engine's (quantized on the gathered weight)."""
-    from megatron_qarl.memory import model_shape  # local: memory imports this module
+    from megatron_qarl.models.qwen3_moe.args import ModelShape, resolve_hf_config
 
     try:
-        shape = model_shape(cfg.model)
+        shape = ModelShape.from_hf(resolve_hf_config(cfg.model.hf_path, cfg.model.preset))
     except (ValueError, OSError, KeyError) as err:
         return [f"model: {err}"]
     layout = cfg.parallel
@@ -491,7 +491,7 @@ def _quantized_shards(quant, shape, tp: int, etp: int):
     """(layer, dimension, size, shard count, parallel axis) for each quantized dimension that must hold
     whole groups (W4A16: input dim only) or whole blocks (FP8: both dims). Column-parallel layers split
     the output dim, row-parallel ones (o_proj, down_proj) the input dim."""
-    from megatron_qarl.memory import quantized_groups
+    from megatron_qarl.models.qwen3_moe.args import quantized_groups
 
     fp8 = quant.scheme == "fp8"
     scope = quantized_groups(quant)

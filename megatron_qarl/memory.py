@@ -31,134 +31,18 @@ bf16 scales; FP8: 1 B/elem + fp32 block scales; everything else bf16), total and
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from megatron_qarl.models.qwen3_moe.args import (
+    ModelShape, ParamGroups, param_groups, parameter_counts, quantized_groups, resolve_hf_config,
+)
+
 GIB = 1024 ** 3
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    vocab_size: int
-    intermediate_size: int = 0  # dense MLP layers only (mlp_only_layers / decoder_sparse_step)
-    tie_word_embeddings: bool = False
-    dense_layers: tuple[int, ...] = field(default_factory=tuple)
-
-    @classmethod
-    def from_hf(cls, hf: Any) -> "ModelShape":
-        """From a transformers Qwen3MoeConfig, or a dict of its constructor arguments."""
-        if isinstance(hf, dict):
-            from transformers import Qwen3MoeConfig
-
-            hf = Qwen3MoeConfig(**hf)
-
-        def get(key, default=None):
-            return getattr(hf, key, default)
-
-        layers = int(get("num_hidden_layers"))
-        heads = int(get("num_attention_heads"))
-        head_dim = get("head_dim") or int(get("hidden_size")) // heads
-        sparse_step = int(get("decoder_sparse_step", 1) or 1)
-        mlp_only = set(get("mlp_only_layers", []) or [])
-        dense = tuple(i for i in range(layers)
-                      if i in mlp_only or not (int(get("num_experts", 0)) > 0 and (i + 1) % sparse_step == 0))
-        return cls(hidden_size=int(get("hidden_size")), num_hidden_layers=layers, num_attention_heads=heads,
-                   num_key_value_heads=int(get("num_key_value_heads", heads)), head_dim=int(head_dim),
-                   num_experts=int(get("num_experts")), num_experts_per_tok=int(get("num_experts_per_tok")),
-                   moe_intermediate_size=int(get("moe_intermediate_size")), vocab_size=int(get("vocab_size")),
-                   intermediate_size=int(get("intermediate_size", 0) or 0),
-                   tie_word_embeddings=bool(get("tie_word_embeddings", False)), dense_layers=dense)
-
-    @property
-    def moe_layers(self) -> int:
-        return self.num_hidden_layers - len(self.dense_layers)
-
-
-def model_shape(model_cfg) -> ModelShape:
-    """The architecture a `ModelConfig` names: a preset of the model module, or `<hf_path>/config.json`."""
-    if model_cfg.hf_path is not None:
-        path = Path(model_cfg.hf_path) / "config.json"
-        if not path.is_file():
-            raise ValueError(f"{path} not found; model.hf_path must be a Hugging Face model directory")
-        from transformers import AutoConfig  # resolves aliases/defaults (num_local_experts, head_dim)
-
-        return ModelShape.from_hf(AutoConfig.from_pretrained(str(model_cfg.hf_path)))
-    from megatron_qarl.models.qwen3_moe import preset_hf_config
-
-    return ModelShape.from_hf(preset_hf_config(model_cfg.preset))
-
-
-# --------------------------------------------------------------------------------------------------
-# Parameter counts
-# --------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ParamGroups:
-    """Parameter counts by how they are sharded and whether they can be quantized."""
-
-    attention: int  # q/k/v/o weights (TP-sharded)
-    dense_mlp: int  # gate/up/down of dense layers (TP-sharded)
-    experts: int  # routed expert weights (EP x ETP-sharded)
-    router: int  # replicated
-    norms: int  # 1-D, replicated
-    embedding: int  # vocab-parallel
-    lm_head: int  # vocab-parallel (0 when tied)
-
-    @property
-    def total(self) -> int:
-        return (self.attention + self.dense_mlp + self.experts + self.router + self.norms + self.embedding
-                + self.lm_head)
-
-
-def param_groups(shape: ModelShape, experts_per_layer: int | None = None) -> ParamGroups:
-    """Counts for the whole model; `experts_per_layer` = top-k gives the parameters active per token."""
-    h, hd = shape.hidden_size, shape.head_dim
-    e = shape.num_experts if experts_per_layer is None else experts_per_layer
-    q_out, kv_out = shape.num_attention_heads * hd, shape.num_key_value_heads * hd
-    attention = h * q_out + 2 * h * kv_out + q_out * h
-    per_layer_norms = 2 * h + 2 * hd  # input/post-attention layernorm, q_norm, k_norm
-    embedding = shape.vocab_size * h
-    return ParamGroups(
-        attention=attention * shape.num_hidden_layers,
-        dense_mlp=3 * h * shape.intermediate_size * len(shape.dense_layers),
-        experts=3 * h * shape.moe_intermediate_size * e * shape.moe_layers,
-        router=shape.num_experts * h * shape.moe_layers,
-        norms=per_layer_norms * shape.num_hidden_layers + h,
-        embedding=embedding,
-        lm_head=0 if shape.tie_word_embeddings else embedding,
-    )
-
-
-def count_params(shape: ModelShape) -> dict[str, int]:
-    return {"total": param_groups(shape).total,
-            "active": param_groups(shape, experts_per_layer=shape.num_experts_per_tok).total}
 
 
 # --------------------------------------------------------------------------------------------------
 # Memory
 # --------------------------------------------------------------------------------------------------
-
-# One representative HF linear name per ParamGroups kind; the quant config decides what its scope covers.
-_REPRESENTATIVE_HF_NAMES = {
-    "experts": "model.layers.0.mlp.experts.0.down_proj.weight",
-    "attention": "model.layers.0.self_attn.o_proj.weight",
-    "dense_mlp": "model.layers.0.mlp.down_proj.weight",
-}
-
-
-def quantized_groups(quant) -> tuple[str, ...]:
-    """Which ParamGroups kinds the quantization scope covers (router/embeddings/lm_head never)."""
-    return tuple(kind for kind, name in _REPRESENTATIVE_HF_NAMES.items() if quant.quantizes(name))
-
 
 # What a backend keeps per cached weight element besides the spec's codes + scales: `reference` the
 # dequantized bf16 weight, `marlin` its repacked int4 copy, `te` the column-wise FP8 copy for dgrad.
@@ -207,7 +91,8 @@ def _activation_bytes(cfg, shape: ModelShape, tp: int, etp: int) -> dict[str, fl
 
 def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     """Per-GPU byte estimate for `cfg` on `world_size` trainer ranks (see the module docstring)."""
-    shape = model_shape(cfg.model)
+    hf_config = resolve_hf_config(cfg.model.hf_path, cfg.model.preset)
+    shape = ModelShape.from_hf(hf_config)
     layout = cfg.parallel
     tp, ep = layout.tp, layout.ep
     etp = layout.etp if layout.etp is not None else tp
@@ -242,7 +127,7 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     trainer["total"] = sum(trainer.values())
     engine = engine_weight_bytes(cfg, groups)
     return {
-        "params": {**count_params(shape), "local_per_gpu": local_total},
+        "params": {**parameter_counts(hf_config), "local_per_gpu": local_total},
         "layout": {"world_size": world_size, "tp": tp, "ep": ep, "etp": etp, "pp": layout.pp, "dp": dp,
                    "expert_dp": expert_dp},
         "trainer_per_gpu": trainer,

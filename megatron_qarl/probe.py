@@ -66,7 +66,7 @@ def mismatch_stats(learner_logp: torch.Tensor, sampler_logp: torch.Tensor) -> Mi
 def _sample(hf_config, hf_state, prompts, settings: ProbeSettings, quant_cfg):
     from megatron_qarl.rollout.embedded import EmbeddedEngine
     from megatron_qarl.rollout.protocol import SamplingParams
-    from megatron_qarl.weights.engine_layout import engine_named_tensors
+    from megatron_qarl.quant.engine_layout import engine_named_tensors
 
     engine = EmbeddedEngine.from_hf_config(hf_config, dtype="bfloat16", seed=settings.seed)
     engine.begin_weight_update()
@@ -111,8 +111,8 @@ def probe_mismatch(hf_config, hf_state: Mapping[str, torch.Tensor], prompts: Seq
     from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model
     from megatron_qarl.parallel import ParallelLayout, init_distributed
     from megatron_qarl.quant import QuantConfig
-    from megatron_qarl.quant.apply import apply_aligned_quantization
-    from megatron_qarl.weights.hf_mapping import hf_to_mcore
+    from megatron_qarl.models.aligned import apply_aligned_quantization
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
     from megatron_qarl.weights.sharding import load_full_state_into_model
 
     settings = (settings or ProbeSettings()).validate()

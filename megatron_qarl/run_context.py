@@ -17,13 +17,9 @@ from megatron_qarl.rl.batch import RolloutBatch
 
 def resolve_hf_config(cfg: RunConfig):
     """The HF Qwen3-MoE config the run trains: a preset, or `<model.hf_path>/config.json`."""
-    if cfg.model.hf_path is not None:
-        from megatron_qarl.weights.hf_io import read_hf_config
+    from megatron_qarl.models.qwen3_moe.args import resolve_hf_config as resolve
 
-        return read_hf_config(cfg.model.hf_path)
-    from megatron_qarl.models.qwen3_moe import preset_hf_config
-
-    return preset_hf_config(cfg.model.preset)
+    return resolve(cfg.model.hf_path, cfg.model.preset)
 
 
 def load_tokenizer(cfg: RunConfig):
@@ -233,7 +229,7 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     from megatron_qarl.moe.routing_replay import RouteGeometry
     from megatron_qarl.optim import build_optimizer
     from megatron_qarl.parallel import init_distributed
-    from megatron_qarl.quant.apply import apply_aligned_quantization
+    from megatron_qarl.models.aligned import apply_aligned_quantization
     from megatron_qarl.rollout.protocol import SamplingParams
     from megatron_qarl.weights.publish import WeightPublisher
 
@@ -310,7 +306,7 @@ def _load_initial_weights(cfg: RunConfig, model, hf_config) -> None:
         load_dist_checkpoint(model, cfg.model.init_checkpoint)
     elif cfg.model.hf_path:
         from megatron_qarl.weights.hf_io import read_hf_state
-        from megatron_qarl.weights.hf_mapping import hf_to_mcore
+        from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
         from megatron_qarl.weights.sharding import load_full_state_into_model
 
         load_full_state_into_model(model, hf_to_mcore(hf_config, read_hf_state(cfg.model.hf_path)))

@@ -1,4 +1,4 @@
-"""The aligned low-bit forward applied to the megatron Qwen3-MoE model (megatron_qarl.quant.apply).
+"""The aligned low-bit forward applied to the megatron Qwen3-MoE model (megatron_qarl.models.aligned).
 
 References are independent of the code under test: transformers' Qwen3-MoE holding the engine's weights
 (spec-dequantized int4 on the in-scope linears), a compressed-tensors checkpoint decompressed by
@@ -18,9 +18,9 @@ from conftest import fp32_gemm_then_cast_bound  # noqa: E402
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config  # noqa: E402
 from megatron_qarl.parallel import ParallelLayout  # noqa: E402
 from megatron_qarl.quant import Int4Weight, QuantConfig, QuantizationError, unpack_int4_groupwise  # noqa: E402
-from megatron_qarl.quant.apply import (  # noqa: E402
+from megatron_qarl.models.aligned import (  # noqa: E402
     SiteGeometry, apply_aligned_quantization, check_site_geometry, site_in_scope)
-from megatron_qarl.weights.hf_mapping import hf_to_mcore, mcore_to_hf  # noqa: E402
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore, mcore_to_hf  # noqa: E402
 from megatron_qarl.weights.sharding import gather_full_state, load_full_state_into_model  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU world-of-one tests")
@@ -57,14 +57,18 @@ def test_sites_per_scope_never_router_embedding_or_output(hf_state, scope, n_sit
     assert any("linear_qkv" in n for n in names) == (scope != "experts")
 
 
+def _scope(scope: str) -> QuantConfig:
+    return QuantConfig(scheme="w4a16", scope=scope)
+
+
 def test_site_scope_mapping_by_name():
-    assert site_in_scope("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1", "experts")
-    assert not site_in_scope("decoder.layers.0.self_attention.linear_qkv", "experts")
-    assert site_in_scope("decoder.layers.0.self_attention.linear_proj", "experts+attention")
-    assert not site_in_scope("decoder.layers.0.mlp.linear_fc1", "experts+attention")
-    assert site_in_scope("decoder.layers.0.mlp.shared_experts.linear_fc2", "all-linears")
+    assert site_in_scope("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1", _scope("experts"))
+    assert not site_in_scope("decoder.layers.0.self_attention.linear_qkv", _scope("experts"))
+    assert site_in_scope("decoder.layers.0.self_attention.linear_proj", _scope("experts+attention"))
+    assert not site_in_scope("decoder.layers.0.mlp.linear_fc1", _scope("experts+attention"))
+    assert site_in_scope("decoder.layers.0.mlp.shared_experts.linear_fc2", _scope("all-linears"))
     for never in ("output_layer", "embedding.word_embeddings", "decoder.layers.0.mlp.router"):
-        assert not site_in_scope(never, "all-linears")
+        assert not site_in_scope(never, _scope("all-linears"))
 
 
 # ---------------------------------------------------------------------------------------- numerics
@@ -158,7 +162,7 @@ def mcore_to_hf_names(cfg, name: str) -> list[str]:
 
 def _export_w4a16_checkpoint(cfg, model, aligned, quant_cfg, path):
     """Engine-layout payload (cached codes for the experts, bf16 for the rest) as an HF checkpoint."""
-    from megatron_qarl.weights.engine_layout import engine_named_tensors, w4a16_quantization_config
+    from megatron_qarl.quant.engine_layout import engine_named_tensors, w4a16_quantization_config
     from megatron_qarl.weights.hf_io import write_hf_checkpoint
 
     exported_hf = mcore_to_hf(cfg, gather_full_state(model))

@@ -9,7 +9,7 @@ from megatron_qarl.weights.dist_ckpt import IncompleteCheckpointError, MARKER_NA
 from megatron_qarl.weights.hf_io import (
     CheckpointError, INDEX_NAME, hf_state_from_model, read_hf_checkpoint, write_hf_checkpoint,
 )
-from megatron_qarl.weights.hf_mapping import expected_hf_shapes
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_hf_shapes
 
 
 def random_hf_state(cfg, seed=0):

@@ -18,7 +18,7 @@ from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed  # noqa: E402
 from megatron_qarl.quant import (  # noqa: E402
     QuantConfig, dequantize_int4_groupwise, quantize_fp8_block, quantize_int4_groupwise)
-from megatron_qarl.weights.hf_mapping import hf_to_mcore  # noqa: E402
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore  # noqa: E402
 from megatron_qarl.weights.sharding import load_full_state_into_model  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU world-of-one tests")
@@ -133,7 +133,7 @@ def test_hf_to_mcore_tp2_ep2_under_torchrun_then_offline_back_is_bitwise(hf_dir,
 # ---------------------------------------------------------------------------------------- exports
 
 def aligned_mcore(state_fp32, quant_cfg):
-    from megatron_qarl.quant.apply import apply_aligned_quantization
+    from megatron_qarl.models.aligned import apply_aligned_quantization
 
     cfg = tiny_hf_config()
     model = build_qwen3_moe_model(cfg, ParallelLayout(), params_dtype=torch.float32,

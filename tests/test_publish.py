@@ -19,7 +19,7 @@ from publish_common import (  # noqa: E402
 from megatron_qarl.models.qwen3_moe import preset_hf_config, tiny_hf_config  # noqa: E402
 from megatron_qarl.parallel import ParallelLayout  # noqa: E402
 from megatron_qarl.quant import QuantConfig, pack_int4_groupwise  # noqa: E402
-from megatron_qarl.quant.apply import apply_aligned_quantization  # noqa: E402
+from megatron_qarl.models.aligned import apply_aligned_quantization  # noqa: E402
 from megatron_qarl.rollout.embedded import EmbeddedEngine  # noqa: E402
 from megatron_qarl.rollout.protocol import SamplingParams  # noqa: E402
 from megatron_qarl.weights.publish import (  # noqa: E402
@@ -80,7 +80,7 @@ def test_publisher_refuses_a_config_other_than_the_aligned_models(cfg):
 def _export_checkpoint(path: Path, cfg, named: dict, quant_cfg) -> None:
     from safetensors.torch import save_file
 
-    from megatron_qarl.weights.engine_layout import quantization_config_for
+    from megatron_qarl.quant.engine_layout import quantization_config_for
 
     config = cfg.to_dict()
     config.update(architectures=["Qwen3MoeForCausalLM"], torch_dtype="bfloat16")
@@ -203,9 +203,9 @@ def test_verification_names_a_dropped_tensor(cfg):
 def test_verification_catches_altered_bytes():
     class Corrupting(RecordingEngine):
         def checksum(self, names):
-            from megatron_qarl.weights.publish import tensor_digest
+            from megatron_qarl.weights.buckets import tensor_sha256
 
-            return {n: tensor_digest(self.tensors[n] + (1 if n == "lm_head.weight" else 0)) for n in names}
+            return {n: tensor_sha256(self.tensors[n] + (1 if n == "lm_head.weight" else 0)) for n in names}
 
     named = [(n, torch.full((4,), 1.5, dtype=torch.bfloat16)) for n in ("model.norm.weight", "lm_head.weight")]
     with pytest.raises(PublishVerificationError, match=r"lm_head\.weight"):
@@ -234,7 +234,7 @@ def test_plan_at_qwen3_30b_shapes_w4a16_is_under_30_percent_of_bf16():
 
 
 def _hf_shapes(hf_config):
-    from megatron_qarl.weights.hf_mapping import expected_hf_shapes
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_hf_shapes
 
     return expected_hf_shapes(hf_config)
 

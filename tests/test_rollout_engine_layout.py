@@ -5,7 +5,7 @@ import torch
 from compressed_tensors.quantization import QuantizationConfig
 
 from megatron_qarl.quant import QuantConfig, quantize_int4_groupwise
-from megatron_qarl.weights.engine_layout import (
+from megatron_qarl.quant.engine_layout import (
     engine_named_tensors,
     fp8_quantization_config,
     quantization_config_for,

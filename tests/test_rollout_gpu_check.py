@@ -8,7 +8,7 @@ from megatron_qarl.quant import QuantConfig
 from megatron_qarl.rollout import gpu_check
 from megatron_qarl.rollout.embedded import EmbeddedEngine
 from megatron_qarl.rollout.protocol import SamplingParams
-from megatron_qarl.weights.engine_layout import engine_named_tensors
+from megatron_qarl.quant.engine_layout import engine_named_tensors
 
 
 def test_check_separates_refit_from_stale_weights(tmp_path):

@@ -23,7 +23,7 @@ from megatron_qarl.quant import QuantConfig  # noqa: E402
 from megatron_qarl.rl.batch import build_rollout_batch  # noqa: E402
 from megatron_qarl.rollout.embedded import EmbeddedEngine  # noqa: E402
 from megatron_qarl.rollout.protocol import SamplingParams  # noqa: E402
-from megatron_qarl.weights.hf_mapping import hf_to_mcore  # noqa: E402
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore  # noqa: E402
 from megatron_qarl.weights.sharding import load_full_state_into_model  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU world-of-one tests")
@@ -280,7 +280,7 @@ def hf_mismatch_fractions(state, batch):
 def test_w4a16_sampler_k3_with_aligned_forward_and_replay_not_above_without(hf_state):
     """Sampler: the engine holding W4A16 experts (bf16). Learner: aligned W4A16 forward (bf16). Replay
     brings the sampler<->learner k3 down (or keeps it equal)."""
-    from megatron_qarl.quant.apply import apply_aligned_quantization
+    from megatron_qarl.models.aligned import apply_aligned_quantization
 
     qcfg = QuantConfig(scheme="w4a16", scope="experts")
     _, batch = sample(w4a16_dequantized_state(hf_state, qcfg), dtype=torch.bfloat16, prompts=8, new_tokens=12)

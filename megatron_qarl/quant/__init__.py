@@ -1,7 +1,9 @@
 """Low-bit numerics spec (int4 W4A16, FP8 block), aligned linear with STE, per-step cache, backends."""
-from megatron_qarl.quant.aligned import AlignedLinearFunction, aligned_linear, aligned_weight, fp8_fake_quant_activation
+from megatron_qarl.quant.aligned import aligned_weight, fp8_fake_quant_activation
 from megatron_qarl.quant.backends import (
+    AlignedLinearFunction,
     BackendUnavailableError,
+    aligned_linear,
     get_backend,
     install_spec_weight_quantizers,
 )
@@ -9,8 +11,6 @@ from megatron_qarl.quant.cache import CacheCounters, CacheEntry, QuantCache
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.quant.engine_layout import (
     engine_tensors_for_linear,
-    fp8_engine_tensors,
-    int4_engine_tensors,
     quantize_weight,
 )
 from megatron_qarl.quant.errors import QuantConfigError, QuantizationError
@@ -36,7 +36,7 @@ __all__ = [
     "install_spec_weight_quantizers",
     "FP8_MAX", "Fp8Weight", "Int4Weight", "QuantConfig", "QuantConfigError", "QuantizationError",
     "dequantize_fp8_activation", "dequantize_fp8_block", "dequantize_int4_groupwise",
-    "engine_tensors_for_linear", "fp8_engine_tensors", "int4_engine_tensors",
+    "engine_tensors_for_linear",
     "pack_int4_groupwise", "quantize_fp8_activation", "quantize_fp8_block",
     "quantize_int4_groupwise", "quantize_weight", "unpack_int4_groupwise",
 ]

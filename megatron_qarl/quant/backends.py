@@ -27,9 +27,9 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_qarl.quant.aligned import reference_fp8_forward, reference_w4a16_forward
+from megatron_qarl.quant.aligned import aligned_weight
 from megatron_qarl.quant.errors import QuantizationError
-from megatron_qarl.quant.fp8 import Fp8Weight
+from megatron_qarl.quant.fp8 import Fp8Weight, dequantize_fp8_activation, quantize_fp8_activation
 from megatron_qarl.quant.int4 import Int4Weight, pack_int4_groupwise
 
 
@@ -43,6 +43,16 @@ def _require_cuda(backend: str, tensor: torch.Tensor, needs: str) -> None:
             f"quant backend {backend!r} needs CUDA ({needs}); this tensor is on {tensor.device} and "
             f"torch.cuda.is_available()={torch.cuda.is_available()}. Use backend='reference' on CPU."
         )
+
+
+def reference_w4a16_forward(x: torch.Tensor, dequantized: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, dequantized.to(x.dtype))
+
+
+def reference_fp8_forward(x: torch.Tensor, dequantized: torch.Tensor, tile: int) -> torch.Tensor:
+    q, s = quantize_fp8_activation(x, tile)
+    x_deq = dequantize_fp8_activation(q, s, tile, dtype=torch.float32)
+    return torch.nn.functional.linear(x_deq, dequantized.float()).to(x.dtype)
 
 
 class ReferenceBackend:
@@ -229,7 +239,6 @@ class SpecWeightQuantizer(torch.nn.Module):
         self.param_name = name
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        from megatron_qarl.quant.aligned import aligned_weight
         from megatron_qarl.quant.engine_layout import quantize_weight
 
         if self.cache is not None:
@@ -255,3 +264,76 @@ def install_spec_weight_quantizers(model: torch.nn.Module, quant_cfg, cache=None
         module.weight_quantizer = SpecWeightQuantizer(quant_cfg, cache, name)
         replaced += 1
     return replaced
+
+
+# ------------------------------------------------------------------ the aligned linear through a backend
+
+
+class AlignedLinearFunction(torch.autograd.Function):
+    """y = forward_fn(x) with the low-bit weight; STE backward into `master_weight` (see module doc).
+
+    Args: x, master_weight, dequantized (weight the backward differentiates through; same values as
+    the forward's weight), bias or None, forward_fn(x) -> y computing the low-bit product (backend),
+    fp8_tile (None for W4A16; the activation tile for FP8).
+    """
+
+    @staticmethod
+    def forward(ctx, x, master_weight, dequantized, bias, forward_fn, fp8_tile):
+        ctx.master_dtype = master_weight.dtype
+        ctx.has_bias = bias is not None
+        ctx.fp8_tile = fp8_tile
+        ctx.save_for_backward(x, dequantized)
+        y = forward_fn(x)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, dequantized = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.fp8_tile is None:
+            compute_dtype = x.dtype
+            x_used = x
+        else:
+            compute_dtype = torch.float32
+            q, s = quantize_fp8_activation(x, ctx.fp8_tile)
+            x_used = dequantize_fp8_activation(q, s, ctx.fp8_tile, dtype=torch.float32)
+        # 2-D torch.mm: on CPU bf16, matmul() with a transposed operand can be ~10x slower than mm().
+        g = grad_out.to(compute_dtype).reshape(-1, grad_out.shape[-1])
+        w = dequantized.to(compute_dtype)
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(g, w).reshape(x.shape).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            x2 = x_used.reshape(-1, x_used.shape[-1]).to(compute_dtype)
+            grad_w = torch.mm(g.t(), x2).to(ctx.master_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        return grad_x, grad_w, None, grad_b, None, None
+
+
+def aligned_linear(
+    x: torch.Tensor,
+    master_weight: torch.Tensor,
+    qweight,
+    backend=None,
+    bias: Optional[torch.Tensor] = None,
+    dequantized: Optional[torch.Tensor] = None,
+    prepared=None,
+) -> torch.Tensor:
+    """Aligned linear for one weight.
+
+    `qweight` is an `Int4Weight` / `Fp8Weight` (spec output, e.g. from `QuantCache`), `backend` a
+    backend object or name (default "reference"), `dequantized` the spec-dequantized weight (in
+    `qweight.exact_dtype`: bf16 for int4, fp32 for FP8) if already at hand (the cache keeps it),
+    otherwise computed here; `prepared` the backend's per-step form of the weight (e.g. the Marlin
+    repack; the cache keeps it), otherwise prepared here.
+    """
+    backend = get_backend(backend or "reference")
+    if dequantized is None:
+        dequantized = qweight.dequantize(qweight.exact_dtype)
+    if prepared is None:
+        prepared = backend.prepare(qweight, dequantized)
+    forward_fn = lambda inp: backend.forward(inp, qweight, prepared, dequantized)  # noqa: E731
+    fp8_tile = getattr(qweight, "block", None)
+    return AlignedLinearFunction.apply(x, master_weight, dequantized, bias, forward_fn, fp8_tile)

@@ -22,8 +22,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_qarl.quant.aligned import aligned_linear, aligned_weight
-from megatron_qarl.quant.backends import get_backend
+from megatron_qarl.quant.aligned import aligned_weight
+from megatron_qarl.quant.backends import aligned_linear, get_backend
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.quant.engine_layout import QuantizedWeight, engine_tensors_for_linear, quantize_weight
 from megatron_qarl.quant.errors import QuantizationError

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from megatron_qarl.quant.errors import QuantConfigError, QuantizationError
 
-__all__ = ["QuantConfig", "QuantConfigError", "SCHEMES", "SCOPES", "BACKENDS"]
+__all__ = ["QuantConfig", "QuantConfigError", "SCHEMES", "SCOPES", "SCOPE_GROUPS", "BACKENDS", "is_routed_expert",
+           "linear_group"]
 
 SCHEMES = ("none", "w4a16", "fp8")
 SCOPES = ("experts", "experts+attention", "all-linears")
@@ -33,9 +34,28 @@ BACKEND_SCHEMES = {
 }
 SCHEME_SCOPES = {"w4a16": SCOPES, "fp8": ("all-linears",)}
 
-_EXPERT_LINEAR = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj(\.weight)?$")
-_ATTENTION_LINEAR = re.compile(r"\.self_attn\.(q|k|v|o)_proj(\.weight)?$")
-_OTHER_MLP_LINEAR = re.compile(r"\.mlp\.(shared_expert\.)?(gate|up|down)_proj(\.weight)?$")
+# The HF linear groups a scope is made of (names with or without `.weight`). The router (`mlp.gate`),
+# norms, embeddings and lm_head belong to none of them.
+_LINEAR_GROUPS = {
+    "experts": re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj(\.weight)?$"),
+    "attention": re.compile(r"\.self_attn\.(q|k|v|o)_proj(\.weight)?$"),
+    "dense_mlp": re.compile(r"\.mlp\.(shared_expert\.)?(gate|up|down)_proj(\.weight)?$"),
+}
+SCOPE_GROUPS = {
+    "experts": ("experts",),
+    "experts+attention": ("experts", "attention"),
+    "all-linears": ("experts", "attention", "dense_mlp"),
+}
+
+
+def linear_group(hf_name: str) -> str | None:
+    """"experts" / "attention" / "dense_mlp" for an HF linear name, None for everything else."""
+    return next((group for group, pattern in _LINEAR_GROUPS.items() if pattern.search(hf_name)), None)
+
+
+def is_routed_expert(hf_name: str) -> bool:
+    """HF name of a routed-expert linear (``model.layers.L.mlp.experts.E.{gate,up,down}_proj[.weight]``)."""
+    return linear_group(hf_name) == "experts"
 
 
 @dataclass
@@ -90,12 +110,4 @@ class QuantConfig:
 
     def quantizes(self, hf_name: str) -> bool:
         """Whether the linear with this HF name (with or without `.weight`) is quantized."""
-        if not self.enabled:
-            return False
-        if _EXPERT_LINEAR.search(hf_name):
-            return True
-        if _ATTENTION_LINEAR.search(hf_name):
-            return self.scope in ("experts+attention", "all-linears")
-        if _OTHER_MLP_LINEAR.search(hf_name):
-            return self.scope == "all-linears"
-        return False
+        return self.enabled and linear_group(hf_name) in SCOPE_GROUPS[self.scope]

@@ -1,7 +1,7 @@
 """EmbeddedEngine: an in-process CPU rollout engine on transformers' Qwen3-MoE.
 
 It holds exactly the published payload: ``update_weights`` takes engine-layout named tensors (see
-``megatron_qarl.weights.engine_layout``) and dequantizes W4A16 / FP8 ones with the quant spec's own
+``megatron_qarl.quant.engine_layout``) and dequantizes W4A16 / FP8 ones with the quant spec's own
 functions, so it generates with the same weights an SGLang engine would hold after the same refit.
 
 transformers 5.19 keeps a Qwen3-MoE layer's experts fused in memory:
@@ -14,7 +14,6 @@ fp32 BEFORE top-k/top-p truncation — the definition vLLM and SGLang use for th
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,7 +21,9 @@ from typing import Any
 
 import torch
 
+from megatron_qarl.quant.engine_layout import PARTS, EngineLayoutError, dequantize_linear, engine_part
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
+from megatron_qarl.weights.buckets import tensor_sha256
 
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -51,11 +52,6 @@ def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported engine dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
-
-
-def _sha256(t: torch.Tensor) -> str:
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
 class EmbeddedEngine:
@@ -142,22 +138,19 @@ class EmbeddedEngine:
 
     def _receive(self, name: str, tensor: torch.Tensor) -> None:
         if self.record_checksums:
-            self._received_digests[name] = _sha256(tensor)
-        for suffix in (".weight_packed", ".weight_scale", ".weight_shape"):
-            if name.endswith(suffix):
-                return self._stage(name[: -len(suffix)], suffix[1:], tensor, _W4A16_PARTS)
-        if name.endswith(".weight_scale_inv"):
-            return self._stage(name[: -len(".weight_scale_inv")], "weight_scale_inv", tensor, _FP8_PARTS)
-        if name.endswith(".weight") and tensor.dtype == torch.float8_e4m3fn:
-            return self._stage(name[: -len(".weight")], "weight", tensor, _FP8_PARTS)
-        self._write(name, tensor)
-
-    def _stage(self, prefix: str, part: str, tensor: torch.Tensor, parts: tuple[str, ...]) -> None:
-        group = self._pending.setdefault(prefix, {})
+            self._received_digests[name] = tensor_sha256(tensor)
+        hf_name, kind, part = engine_part(name, tensor)
+        if kind == "bf16":
+            return self._write(name, tensor)
+        group = self._pending.setdefault(hf_name, {})
         group[part] = tensor
-        if set(parts) <= set(group):
-            del self._pending[prefix]
-            self._write(prefix + ".weight", _dequantize_group(prefix, group, self.dtype))
+        if set(PARTS[kind]) <= set(group):
+            del self._pending[hf_name]
+            try:
+                weight = dequantize_linear(hf_name, kind, group, self.dtype)
+            except EngineLayoutError as err:
+                raise EngineWeightError(str(err)) from None
+            self._write(hf_name, weight)
 
     def _write(self, hf_name: str, value: torch.Tensor) -> None:
         target = self._target(hf_name)
@@ -233,35 +226,6 @@ class EmbeddedEngine:
         rows = [(i, p) for i, p in enumerate(prompt_token_ids) for _ in range(sampling.n)]
         gen = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
         return _SamplingLoop(self, rows, sampling, gen).run()
-
-
-_W4A16_PARTS = ("weight_packed", "weight_scale", "weight_shape")
-_FP8_PARTS = ("weight", "weight_scale_inv")
-
-
-def _dequantize_group(prefix: str, group: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    from megatron_qarl import quant
-
-    if "weight_packed" in group:
-        n, k = (int(v) for v in group["weight_shape"].tolist())
-        scales = group["weight_scale"]
-        if scales.dim() != 2 or scales.shape[0] != n or scales.shape[1] == 0 or k % scales.shape[1]:
-            raise EngineWeightError(f"{prefix}: weight_scale shape {tuple(scales.shape)} inconsistent with weight_shape {(n, k)}")
-        if tuple(group["weight_packed"].shape) != (n, k // 8):
-            raise EngineWeightError(f"{prefix}: weight_packed shape {tuple(group['weight_packed'].shape)} != {(n, k // 8)}")
-        codes = quant.unpack_int4_groupwise(group["weight_packed"], (n, k))
-        return quant.dequantize_int4_groupwise(codes, scales, group_size=k // scales.shape[1], dtype=dtype)
-    qweight, scale_inv = group["weight"], group["weight_scale_inv"]
-    n, k = qweight.shape
-    block = _fp8_block_size(n, k, scale_inv.shape, prefix)
-    return quant.dequantize_fp8_block(qweight, scale_inv, block=block, dtype=dtype)
-
-
-def _fp8_block_size(n: int, k: int, grid: torch.Size, prefix: str) -> int:
-    for block in (128, 64, 256, 32):
-        if tuple(grid) == (-(-n // block), -(-k // block)):
-            return block
-    raise EngineWeightError(f"{prefix}: weight_scale_inv grid {tuple(grid)} fits no block size for weight {(n, k)}")
 
 
 def _filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -52,7 +52,7 @@ def master_weights(seed: int) -> dict[str, torch.Tensor]:
 def export_checkpoint(out_dir: str, weights: dict[str, torch.Tensor], quant_cfg) -> None:
     from safetensors.torch import save_file
 
-    from megatron_qarl.weights.engine_layout import engine_named_tensors, quantization_config_for
+    from megatron_qarl.quant.engine_layout import engine_named_tensors, quantization_config_for
 
     cfg = tiny_hf_config().to_dict()
     cfg["architectures"] = ["Qwen3MoeForCausalLM"]
@@ -83,7 +83,7 @@ def recompute_logprobs(engine, prompts, results) -> list[torch.Tensor]:
 
 def reference_engine(weights, quant_cfg):
     from megatron_qarl.rollout.embedded import EmbeddedEngine
-    from megatron_qarl.weights.engine_layout import engine_named_tensors
+    from megatron_qarl.quant.engine_layout import engine_named_tensors
 
     ref = EmbeddedEngine.from_hf_config(tiny_hf_config(), dtype="float32")
     ref.begin_weight_update()
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     from megatron_qarl.quant import QuantConfig
     from megatron_qarl.rollout.protocol import SamplingParams
     from megatron_qarl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
-    from megatron_qarl.weights.engine_layout import engine_named_tensors
+    from megatron_qarl.quant.engine_layout import engine_named_tensors
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scheme", choices=["none", "w4a16", "fp8"], default="w4a16")

@@ -13,24 +13,21 @@ and are the bulk of the bytes). A tensor larger than the bucket size gets a buck
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from megatron_qarl.weights.engine_layout import is_routed_expert
+from megatron_qarl.quant.engine_layout import is_expert_engine_name
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 
-_ENGINE_SUFFIXES = (".weight_packed", ".weight_scale_inv", ".weight_scale", ".weight_shape", ".weight")
 
-
-def is_expert_engine_name(name: str) -> bool:
-    """Routed-expert tensor in engine layout (any of its W4A16 / FP8 / bf16 component names)."""
-    for suffix in _ENGINE_SUFFIXES:
-        if name.endswith(suffix):
-            return is_routed_expert(name[: -len(suffix)] + ".weight")
-    return False
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes as they travel: what an engine's ``checksum`` reports per received name."""
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
 @dataclass(frozen=True)

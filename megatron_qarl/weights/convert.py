@@ -119,7 +119,8 @@ class HfSource:
     def open(cls, path: str | os.PathLike) -> "HfSource":
         from safetensors import safe_open
 
-        from megatron_qarl.weights.hf_io import _check_safetensors_complete, _shard_files, read_hf_config
+        from megatron_qarl.models.qwen3_moe.args import read_hf_config
+        from megatron_qarl.weights.hf_io import _check_safetensors_complete, _shard_files
 
         path = Path(path)
         if not path.is_dir():
@@ -141,7 +142,7 @@ class HfSource:
         return cls(path, config, files, shapes, total)
 
     def validate(self) -> None:
-        from megatron_qarl.weights.hf_mapping import WeightMappingError, expected_hf_shapes, validate_state
+        from megatron_qarl.models.qwen3_moe.state_dict_adapter import WeightMappingError, expected_hf_shapes, validate_state
 
         try:
             validate_state({n: _ShapeOnly(s) for n, s in self.shapes.items()}, expected_hf_shapes(self.config),
@@ -257,7 +258,7 @@ def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *,
     with tp=ep=1). fp32 masters; the source dtype is recorded so mcore-to-hf writes it back bit-exactly."""
     from megatron_qarl.weights.dist_ckpt import save_dist_checkpoint
     from megatron_qarl.weights.hf_io import read_hf_checkpoint
-    from megatron_qarl.weights.hf_mapping import hf_to_mcore
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
     from megatron_qarl.weights.sharding import load_full_state_into_model
 
     out = check_output(out, force)
@@ -319,7 +320,7 @@ def _run_hf_config(step_dir: Path):
 
 def load_mcore_full_hf_state(src: McoreSource) -> dict[str, torch.Tensor]:
     """Full HF-named state of a checkpoint, loaded at TP1/EP1 in this process (megatron reshards on load)."""
-    from megatron_qarl.weights.hf_mapping import mcore_to_hf
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import mcore_to_hf
     from megatron_qarl.weights.sharding import gather_full_state
 
     layout = _init_world()
@@ -389,7 +390,7 @@ def export_quant_config(fmt: str, scope: str | None, group_size: int = 128, bloc
 def write_engine_checkpoint(out: Path, hf_config, named: Iterable[tuple[str, torch.Tensor]], total_bytes: int,
                             quant_cfg, side_files: dict[str, bytes], *, max_shard_bytes: int, force: bool) -> Path:
     """Stream HF-named tensors through the engine layout into a checkpoint SGLang/vLLM/transformers load."""
-    from megatron_qarl.weights.engine_layout import engine_named_tensors, quantization_config_for
+    from megatron_qarl.quant.engine_layout import engine_named_tensors, quantization_config_for
 
     with atomic_output_dir(out, force) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
@@ -437,7 +438,7 @@ def _drain(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]
 
 def _check_quantizable(hf_config, quant_cfg) -> None:
     """Fail before writing anything when a quantized linear does not divide into groups/blocks."""
-    from megatron_qarl.weights.hf_mapping import expected_hf_shapes
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_hf_shapes
 
     if not quant_cfg.enabled:
         return
@@ -450,20 +451,6 @@ def _check_quantizable(hf_config, quant_cfg) -> None:
 
 
 # ------------------------------------------------------------------ inspect
-
-
-def expected_engine_names(hf_config, quant_cfg) -> set[str]:
-    suffixes = {"w4a16": ("weight_packed", "weight_scale", "weight_shape"), "fp8": ("weight", "weight_scale_inv")}
-    from megatron_qarl.weights.hf_mapping import expected_hf_shapes
-
-    names = set()
-    for name in expected_hf_shapes(hf_config):
-        if quant_cfg.enabled and name.endswith(".weight") and quant_cfg.quantizes(name):
-            base = name[: -len(".weight")]
-            names.update(f"{base}.{s}" for s in suffixes[quant_cfg.scheme])
-        else:
-            names.add(name)
-    return names
 
 
 def quant_config_from_checkpoint(qc: dict | None):
@@ -509,7 +496,10 @@ def _inspect_hf(path: Path) -> dict:
         nbytes += (path / file_name).stat().st_size
         with safe_open(str(path / file_name), framework="pt") as fh:
             names.update(fh.keys())
-    expected = expected_engine_names(config, quant_cfg)
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_hf_shapes
+    from megatron_qarl.quant.engine_layout import expected_engine_names
+
+    expected = expected_engine_names(expected_hf_shapes(config), quant_cfg)
     missing, unexpected = sorted(expected - names), sorted(names - expected)
     return {"path": str(path), "format": f"hf-{fmt}", "layout": f"{len(files)} safetensors file(s)",
             "bytes": nbytes, "tensors": len(names), "parameters": parameter_counts(config),

@@ -19,15 +19,13 @@ from typing import Mapping
 
 import torch
 
-from megatron_qarl.weights.hf_mapping import WeightMappingError, expected_hf_shapes, validate_state
+from megatron_qarl.errors import CheckpointError
+from megatron_qarl.models.qwen3_moe.args import read_hf_config
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import WeightMappingError, expected_hf_shapes, validate_state
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-
-
-class CheckpointError(ValueError):
-    """An HF checkpoint directory is unreadable, incomplete or inconsistent."""
 
 
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -71,18 +69,6 @@ def load_hf_state_into_model(model, hf_state: Mapping[str, torch.Tensor]) -> Non
 
 
 # ---------------------------------------------------------------- reading
-
-def read_hf_config(path: str | os.PathLike):
-    from transformers import Qwen3MoeConfig
-
-    cfg_file = Path(path) / CONFIG_NAME
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{cfg_file} is missing; an HF checkpoint directory needs config.json")
-    try:
-        return Qwen3MoeConfig.from_pretrained(str(path))
-    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
-        raise CheckpointError(f"cannot parse {cfg_file}: {exc}") from exc
-
 
 def _shard_files(path: Path) -> dict[str, list[str]]:
     """{shard file name: [tensor names]} from the index, or the single file."""

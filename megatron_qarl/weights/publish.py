@@ -31,7 +31,6 @@ previous publish, counted by every sending rank on its LOCAL codes against its o
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Iterable, Iterator
@@ -40,15 +39,13 @@ from typing import Any
 
 import torch
 
-from megatron_qarl.quant.int4 import pack_int4_groupwise
-from megatron_qarl.weights.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, iter_buckets, plan_buckets
-from megatron_qarl.weights.engine_layout import as_quant_config
-from megatron_qarl.weights.hf_mapping import _GLOBAL_RENAMES, _LAYER_RENAMES, _dims, split_qkv
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_mcore_shapes, to_hf
+from megatron_qarl.quant.engine_layout import (
+    as_quant_config, engine_tensors, kind_of, linear_parts, meta_linear_parts, quantize_weight,
+)
+from megatron_qarl.weights.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, iter_buckets, plan_buckets, tensor_sha256
 
 ENGINE_RANK = 0
-
-_MCORE_TO_HF_LAYER = {mc: hf for hf, mc in _LAYER_RENAMES.items()}
-_MCORE_TO_HF_GLOBAL = {mc: hf for hf, mc in _GLOBAL_RENAMES.items()}
 
 
 class PublishError(RuntimeError):
@@ -64,11 +61,8 @@ class PublishVerificationError(PublishError):
 
 @dataclass
 class FullParam:
-    """One full (gathered) mcore parameter in the form it is published.
-
-    kind ``bf16``: parts {"weight"}; ``int4``: {"weight_packed" int32 [N, K/8], "weight_scale" [N, K/g]};
-    ``fp8``: {"weight" e4m3 [N, K], "weight_scale_inv" fp32 [ceil(N/b), ceil(K/b)]}. ``shape`` is [N, K].
-    """
+    """One full (gathered) mcore parameter in the form it is published: its engine ``kind`` ("bf16",
+    "int4", "fp8") and the `linear_parts` of that kind; ``shape`` is the weight's [N, K]."""
 
     name: str
     kind: str
@@ -76,73 +70,13 @@ class FullParam:
     shape: tuple[int, ...]
 
 
-def _local_parts(kind: str, qweight: Any | None, value: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    if kind == "int4":
-        return {"weight_packed": pack_int4_groupwise(qweight.codes), "weight_scale": qweight.scales}
-    if kind == "fp8":
-        return {"weight": qweight.qweight, "weight_scale_inv": qweight.scale_inv}
-    return {"weight": value.detach().to(torch.bfloat16)}
-
-
-def _qkv_split(hf_config, part: torch.Tensor, full_rows: int) -> tuple[torch.Tensor, ...]:
-    s = _dims(hf_config)
-    head_rows = s["d"] * part.shape[0]
-    if head_rows % full_rows:
-        raise PublishError(f"qkv part with {part.shape[0]} rows (weight rows {full_rows}) does not split into "
-                           f"heads of {s['d']} rows: FP8 blocks must not straddle heads (block | head_dim)")
-    return split_qkv(part, s["nq"], s["nkv"], head_rows // full_rows)
-
-
-def hf_split(hf_config, param: FullParam) -> list[tuple[str, dict[str, torch.Tensor], tuple[int, int]]]:
-    """(HF prefix without .weight, parts, [N, K]) of the HF tensors one full mcore parameter becomes."""
-    name, parts, (rows, cols) = param.name, param.parts, (tuple(param.shape) + (1,))[:2]
-    if name in _MCORE_TO_HF_GLOBAL:
-        return [(_MCORE_TO_HF_GLOBAL[name][: -len(".weight")], parts, param.shape)]
-    if not name.startswith("decoder.layers."):
-        raise PublishError(f"no HF name for mcore parameter {name!r}")
-    layer, suffix = name[len("decoder.layers."):].split(".", 1)
-    hf_layer = f"model.layers.{layer}."
-    if suffix in _MCORE_TO_HF_LAYER:
-        return [(hf_layer + _MCORE_TO_HF_LAYER[suffix][: -len(".weight")], parts, param.shape)]
-    if suffix == "self_attention.linear_qkv.weight":
-        s = _dims(hf_config)
-        split = {k: _qkv_split(hf_config, v, rows) for k, v in parts.items()}
-        sizes = (s["nq"] * s["d"], s["nkv"] * s["d"], s["nkv"] * s["d"])
-        return [(f"{hf_layer}self_attn.{p}_proj", {k: v[i].contiguous() for k, v in split.items()}, (sizes[i], cols))
-                for i, p in enumerate("qkv")]
-    if suffix.startswith("mlp.experts.local_experts."):
-        expert, leaf = suffix[len("mlp.experts.local_experts."):].split(".", 1)
-        base = f"{hf_layer}mlp.experts.{expert}."
-        if leaf == "linear_fc1.weight":
-            halves = {k: torch.chunk(v, 2, dim=0) for k, v in parts.items()}
-            return [(base + "gate_proj", {k: h[0].contiguous() for k, h in halves.items()}, (rows // 2, cols)),
-                    (base + "up_proj", {k: h[1].contiguous() for k, h in halves.items()}, (rows // 2, cols))]
-        if leaf == "linear_fc2.weight":
-            return [(base + "down_proj", parts, param.shape)]
-    raise PublishError(f"no HF name for mcore parameter {name!r}")
-
-
-def engine_tensors(hf_config, param: FullParam) -> Iterator[tuple[str, torch.Tensor]]:
+def full_param_engine_tensors(hf_config, param: FullParam) -> Iterator[tuple[str, torch.Tensor]]:
     """Engine-layout named tensors of one full mcore parameter (the names ``engine_named_tensors`` uses)."""
-    for prefix, parts, shape in hf_split(hf_config, param):
-        if param.kind == "int4":
-            yield f"{prefix}.weight_packed", parts["weight_packed"]
-            yield f"{prefix}.weight_scale", parts["weight_scale"]
-            yield f"{prefix}.weight_shape", torch.tensor(list(shape), dtype=torch.int32)
-        elif param.kind == "fp8":
-            yield f"{prefix}.weight", parts["weight"]
-            yield f"{prefix}.weight_scale_inv", parts["weight_scale_inv"]
-        else:
-            yield f"{prefix}.weight", parts["weight"]
+    for hf_name, parts, shape in to_hf(hf_config, param.name, param.parts, param.shape):
+        yield from engine_tensors(hf_name, param.kind, parts, shape)
 
 
 # ----------------------------------------------------------------------------- pushing
-
-
-def tensor_digest(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes (the embedded engine's ``checksum`` definition)."""
-    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
-    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
 @dataclass
@@ -169,7 +103,7 @@ def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]
             stats.num_tensors += len(bucket.metadata)
             if verify:
                 for entry in bucket.metadata:
-                    sent[entry.name] = tensor_digest(bucket.flattened_tensor[entry.start_idx:entry.end_idx])
+                    sent[entry.name] = tensor_sha256(bucket.flattened_tensor[entry.start_idx:entry.end_idx])
             if engine is not None:
                 engine.update_weights(bucket)
     except BaseException:
@@ -314,7 +248,7 @@ class WeightPublisher:
             return {}
         if self.quant is not None:
             return dict(self.quant.sites)
-        from megatron_qarl.quant.apply import check_site_geometry, find_sites, site_geometry
+        from megatron_qarl.models.aligned import check_site_geometry, find_sites, site_geometry
 
         sites = find_sites(self.model, self.quant_cfg)
         for name, module in sites.items():
@@ -322,23 +256,17 @@ class WeightPublisher:
         return sites
 
     # -- per-parameter local payload --------------------------------------------------------------
-    def _kind(self) -> str:
-        return {"w4a16": "int4", "fp8": "fp8"}[self.quant_cfg.scheme]
-
     def _qweight(self, name: str):
         module = self.sites[name]
         if self.quant is not None:
             return self.quant.cache.entry(module.weight, name).qweight
-        from megatron_qarl.quant import quantize_weight
-
         with torch.no_grad():
             return quantize_weight(module.weight.detach(), self.quant_cfg)
 
     def _local(self, name: str, param: torch.Tensor) -> tuple[str, dict[str, torch.Tensor]]:
         if name in self.sites:
-            kind = self._kind()
-            return kind, _local_parts(kind, self._qweight(name), None)
-        return "bf16", _local_parts("bf16", None, param)
+            return kind_of(self.quant_cfg), linear_parts(self._qweight(name))
+        return "bf16", linear_parts(None, param)
 
     # -- gathering one parameter to the engine rank -------------------------------------------------
     def _collect(self, topo: _Topology, name: str, param: torch.Tensor, flips: list) -> list[FullParam]:
@@ -385,7 +313,7 @@ class WeightPublisher:
         """Engine-layout named tensors on the engine rank (the other ranks only take part in gathers)."""
         for name, param in self.params.items():
             for full in self._collect(topo, name, param, flips):
-                yield from engine_tensors(self.hf_config, full)
+                yield from full_param_engine_tensors(self.hf_config, full)
 
     # -- public ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -450,31 +378,16 @@ def _changed_codes(previous: torch.Tensor, current: torch.Tensor, kind: str) -> 
 def engine_tensor_metas(hf_config, quant_cfg) -> list[TensorMeta]:
     """Engine-layout tensor metas of the whole model from the full mcore shapes (meta tensors, no data),
     through the same per-parameter conversion the publisher uses."""
-    from megatron_qarl.quant.apply import site_in_scope
-    from megatron_qarl.weights.hf_mapping import expected_mcore_shapes
+    from megatron_qarl.models.aligned import site_in_scope
 
     cfg = as_quant_config(quant_cfg)
     metas = []
     for name, shape in expected_mcore_shapes(hf_config).items():
-        quantized = cfg.enabled and len(shape) == 2 and site_in_scope(name[: -len(".weight")], cfg.scope)
-        kind = {"w4a16": "int4", "fp8": "fp8"}[cfg.scheme] if quantized else "bf16"
-        for hf_name, tensor in engine_tensors(hf_config, FullParam(name, kind, _meta_parts(kind, shape, cfg), shape)):
-            metas.append(TensorMeta.of(hf_name, tensor))
+        quantized = len(shape) == 2 and site_in_scope(name[: -len(".weight")], cfg)
+        kind = kind_of(cfg) if quantized else "bf16"
+        param = FullParam(name, kind, meta_linear_parts(kind, shape, cfg), shape)
+        metas.extend(TensorMeta.of(n, t) for n, t in full_param_engine_tensors(hf_config, param))
     return metas
-
-
-def _meta_parts(kind: str, shape, cfg) -> dict[str, torch.Tensor]:
-    meta = dict(device="meta")
-    if kind == "int4":
-        n, k = shape
-        return {"weight_packed": torch.empty(n, k // 8, dtype=torch.int32, **meta),
-                "weight_scale": torch.empty(n, k // cfg.group_size, dtype=torch.bfloat16, **meta)}
-    if kind == "fp8":
-        n, k = shape
-        b = cfg.block_size
-        return {"weight": torch.empty(n, k, dtype=torch.float8_e4m3fn, **meta),
-                "weight_scale_inv": torch.empty(-(-n // b), -(-k // b), dtype=torch.float32, **meta)}
-    return {"weight": torch.empty(*shape, dtype=torch.bfloat16, **meta)}
 
 
 def plan_publish(hf_config, quant_cfg, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:

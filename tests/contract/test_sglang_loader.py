@@ -25,7 +25,7 @@ sglang = pytest.importorskip("sglang", reason="contract tests need sglang (launc
 
 from megatron_qarl.quant import QuantConfig  # noqa: E402
 from megatron_qarl.weights.buckets import iter_buckets  # noqa: E402
-from megatron_qarl.weights.engine_layout import (  # noqa: E402
+from megatron_qarl.quant.engine_layout import (  # noqa: E402
     engine_named_tensors,
     fp8_quantization_config,
     w4a16_quantization_config,

@@ -72,7 +72,7 @@ def mcore_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
 def hf_grads_as_mcore(cfg, hf_ref_model) -> dict:
     """The transformers model's parameter gradients, renamed/laid out as the full mcore state."""
     from megatron_qarl.weights.hf_io import hf_state_from_model
-    from megatron_qarl.weights.hf_mapping import hf_to_mcore
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
 
     class GradView(torch.nn.Module):  # hf_state_from_model reads state_dict(): serve grads instead
         def __init__(self, m):

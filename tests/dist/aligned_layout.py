@@ -19,8 +19,8 @@ from aligned_common import hf_grads_as_mcore, hf_model, mcore_logits, seeded_hf_
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
 from megatron_qarl.quant import QuantConfig, quantize_int4_groupwise
-from megatron_qarl.quant.apply import apply_aligned_quantization
-from megatron_qarl.weights.hf_mapping import hf_to_mcore
+from megatron_qarl.models.aligned import apply_aligned_quantization
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
 from megatron_qarl.weights.sharding import (
     RankCoords, join_shards, local_to_global_name, num_local_experts, shard_rule)
 

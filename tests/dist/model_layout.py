@@ -17,7 +17,7 @@ from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
 from megatron_qarl.weights.dist_ckpt import load_dist_checkpoint, save_dist_checkpoint
 from megatron_qarl.weights.hf_io import hf_state_from_model, load_hf_state_into_model
-from megatron_qarl.weights.hf_mapping import hf_to_mcore, mcore_to_hf
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore, mcore_to_hf
 from megatron_qarl.weights.sharding import gather_full_state, global_grad_norm, load_full_state_into_model
 
 BATCH, SEQ = 2, 16

@@ -18,8 +18,8 @@ from publish_common import SCHEMES, RecordingEngine, build_model, mismatches, of
 from megatron_qarl.models.qwen3_moe import tiny_hf_config
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
 from megatron_qarl.quant import quantize_weight
-from megatron_qarl.quant.apply import apply_aligned_quantization
-from megatron_qarl.weights.hf_mapping import mcore_to_hf
+from megatron_qarl.models.aligned import apply_aligned_quantization
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import mcore_to_hf
 from megatron_qarl.weights.publish import WeightPublisher
 from megatron_qarl.weights.sharding import gather_full_state
 

@@ -25,7 +25,7 @@ from megatron_qarl.moe.routing_replay import (
     RouteGeometry, measure_replay_telemetry, observe_routers, replay_routing, routes_as_map, sampler_routed_mask)
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
 from megatron_qarl.rl.batch import build_rollout_batch
-from megatron_qarl.weights.hf_mapping import hf_to_mcore
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
 from megatron_qarl.weights.sharding import load_full_state_into_model
 
 ROWS, SEQ, EXPERTS = 4, 16, 8

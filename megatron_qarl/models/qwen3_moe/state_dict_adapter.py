@@ -1,15 +1,21 @@
-"""HF Qwen3-MoE checkpoint names/tensors <-> megatron-core *full* (unsharded) names/tensors.
+"""THE naming of Qwen3-MoE: HF checkpoint names/tensors <-> megatron-core *full* (unsharded) names/tensors.
+
+One table (`_GLOBAL_RENAMES`, `_LAYER_RENAMES`, and the fused qkv / gate-up splits in `hf_names`) serves
+the whole-state conversions (`hf_to_mcore` / `mcore_to_hf`), the publisher's per-parameter `to_hf`
+(which splits packed codes and scales exactly like weights) and the aligned forward's scope question
+(`hf_linear_name`: which HF linear a megatron module is).
 
 Pure functions, no torch.distributed. Full mcore names use the GLOBAL expert id in
-`decoder.layers.{i}.mlp.experts.local_experts.{e}`; sharding.py maps global <-> local ids.
+`decoder.layers.{i}.mlp.experts.local_experts.{e}`; weights/sharding.py maps global <-> local ids.
 """
 from __future__ import annotations
 
+import re
 from typing import Mapping
 
 import torch
 
-from megatron_qarl.models.qwen3_moe import hf_head_dim
+from megatron_qarl.models.qwen3_moe.args import hf_head_dim
 
 
 class WeightMappingError(ValueError):
@@ -151,25 +157,92 @@ def hf_to_mcore(hf_config, hf_state: Mapping[str, torch.Tensor], *, validate: bo
     return out
 
 
+_MCORE_TO_HF_LAYER = {mc: hf for hf, mc in _LAYER_RENAMES.items()}
+_MCORE_TO_HF_GLOBAL = {mc: hf for hf, mc in _GLOBAL_RENAMES.items()}
+_MCORE_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MCORE_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_MCORE_MLP = re.compile(r"^mlp\.(shared_experts\.)?(linear_fc1|linear_fc2)\.weight$")
+
+
+def hf_names(mcore_name: str) -> list[str]:
+    """HF names of the tensors one mcore parameter becomes, in split order (qkv -> q, k, v; fc1 -> gate, up).
+
+    Expert ids are copied as they are (global in a full state; any id answers the scope question). Dense
+    and shared-expert MLPs are named too, so a scope can be asked about them, though the model build
+    rejects configs that have them.
+    """
+    if mcore_name in _MCORE_TO_HF_GLOBAL:
+        return [_MCORE_TO_HF_GLOBAL[mcore_name]]
+    layer = _MCORE_LAYER.match(mcore_name)
+    if layer is None:
+        raise WeightMappingError(f"no HF name for mcore parameter {mcore_name!r}")
+    prefix, suffix = f"model.layers.{layer.group(1)}.", layer.group(2)
+    if suffix in _MCORE_TO_HF_LAYER:
+        return [prefix + _MCORE_TO_HF_LAYER[suffix]]
+    if suffix == "self_attention.linear_qkv.weight":
+        return [f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"]
+    expert, mlp = _MCORE_EXPERT.match(suffix), _MCORE_MLP.match(suffix)
+    if expert:
+        base, fc = f"{prefix}mlp.experts.{expert.group(1)}.", expert.group(2)
+    elif mlp:
+        base, fc = prefix + ("mlp.shared_expert." if mlp.group(1) else "mlp."), mlp.group(2)
+    else:
+        raise WeightMappingError(f"no HF name for mcore parameter {mcore_name!r}")
+    if fc == "linear_fc1":
+        return [base + "gate_proj.weight", base + "up_proj.weight"]
+    return [base + "down_proj.weight"]
+
+
+def hf_linear_name(mcore_module: str) -> str | None:
+    """The HF linear (first of a fused one) that megatron module `mcore_module` computes, or None when it
+    is no Qwen3-MoE parameter owner; what a quantization scope is asked about."""
+    try:
+        return hf_names(mcore_module + ".weight")[0]
+    except WeightMappingError:
+        return None
+
+
+def _split_qkv_rows(hf_config, part: torch.Tensor, weight_rows: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v of one part of the fused qkv weight whose rows may be coarser than the weight's (FP8 scale
+    blocks): a part row then covers weight_rows / rows weight rows, and heads must hold whole part rows."""
+    s = _dims(hf_config)
+    head_rows = s["d"] * part.shape[0]
+    if head_rows % weight_rows:
+        raise WeightMappingError(f"qkv part with {part.shape[0]} rows (weight rows {weight_rows}) does not split "
+                                 f"into heads of {s['d']} rows: FP8 blocks must not straddle heads (block | head_dim)")
+    return split_qkv(part, s["nq"], s["nkv"], head_rows // weight_rows)
+
+
+def to_hf(hf_config, mcore_name: str, parts: Mapping[str, torch.Tensor], shape
+          ) -> list[tuple[str, dict[str, torch.Tensor], tuple[int, ...]]]:
+    """(HF name, parts, weight shape) of each HF tensor one full mcore parameter becomes.
+
+    `parts` are the parameter's tensors in any encoding whose rows follow the weight's rows (the weight
+    itself; int4 packed codes and group scales; fp8 codes and block scales): fused qkv rows are
+    de-interleaved per head and fc1 is cut into gate / up halves, for every part alike.
+    """
+    names = hf_names(mcore_name)
+    if len(names) == 1:
+        return [(names[0], dict(parts), tuple(shape))]
+    rows, cols = tuple(shape)
+    if mcore_name.endswith("self_attention.linear_qkv.weight"):
+        s = _dims(hf_config)
+        split = {k: _split_qkv_rows(hf_config, v, rows) for k, v in parts.items()}
+        sizes = (s["nq"] * s["d"], s["nkv"] * s["d"], s["nkv"] * s["d"])
+        return [(name, {k: v[i].contiguous() for k, v in split.items()}, (sizes[i], cols))
+                for i, name in enumerate(names)]
+    halves = {k: torch.chunk(v, 2, dim=0) for k, v in parts.items()}
+    return [(name, {k: h[i].contiguous() for k, h in halves.items()}, (rows // 2, cols))
+            for i, name in enumerate(names)]
+
+
 def mcore_to_hf(hf_config, mcore_state: Mapping[str, torch.Tensor], *, validate: bool = True
                 ) -> dict[str, torch.Tensor]:
     """Full mcore state (global expert ids) -> HF checkpoint tensors. Exact inverse of hf_to_mcore."""
     if validate:
         validate_state(mcore_state, expected_mcore_shapes(hf_config), "mcore state")
-    s = _dims(hf_config)
-    out = {hf: mcore_state[mc] for hf, mc in _GLOBAL_RENAMES.items()}
-    for i in range(s["L"]):
-        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for hf_suffix, mc_suffix in _LAYER_RENAMES.items():
-            out[p + hf_suffix] = mcore_state[m + mc_suffix]
-        q, k, v = split_qkv(mcore_state[m + "self_attention.linear_qkv.weight"], s["nq"], s["nkv"], s["d"])
-        out[p + "self_attn.q_proj.weight"] = q.contiguous()
-        out[p + "self_attn.k_proj.weight"] = k.contiguous()
-        out[p + "self_attn.v_proj.weight"] = v.contiguous()
-        for e in range(s["E"]):
-            hq, x = f"{p}mlp.experts.{e}.", f"{m}mlp.experts.local_experts.{e}."
-            gate, up = torch.chunk(mcore_state[x + "linear_fc1.weight"], 2, dim=0)
-            out[hq + "gate_proj.weight"] = gate.contiguous()
-            out[hq + "up_proj.weight"] = up.contiguous()
-            out[hq + "down_proj.weight"] = mcore_state[x + "linear_fc2.weight"]
+    out = {}
+    for name, tensor in mcore_state.items():
+        for hf_name, parts, _ in to_hf(hf_config, name, {"weight": tensor}, tuple(tensor.shape)):
+            out[hf_name] = parts["weight"]
     return out

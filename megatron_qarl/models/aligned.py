@@ -17,22 +17,16 @@ site and names the layer, the size and the parallel split that broke it.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_linear_name
 from megatron_qarl.quant.aligned import fp8_fake_quant_activation
 from megatron_qarl.quant.cache import CacheEntry, QuantCache
-from megatron_qarl.quant.config import QuantConfig
+from megatron_qarl.quant.config import QuantConfig, is_routed_expert
 from megatron_qarl.quant.errors import QuantizationError
-
-# Module names in megatron's GPTModel (local spec) per scope group.
-_EXPERT_SITE = re.compile(r"(^|\.)mlp\.experts\.local_experts\.\d+\.linear_fc[12]$")
-_ATTENTION_SITE = re.compile(r"(^|\.)self_attention\.linear_(qkv|proj)$")
-_DENSE_MLP_SITE = re.compile(r"(^|\.)mlp\.(shared_experts\.)?linear_fc[12]$")
-_NEVER = ("output_layer", "embedding", "router")
 
 _WRAPPED_MARK = "_qarl_aligned_site"
 
@@ -70,17 +64,11 @@ class AlignedQuantization:
 
 # ------------------------------------------------------------------------------------- site selection
 
-def site_in_scope(module_name: str, scope: str) -> bool:
-    """Whether the megatron linear `module_name` is quantized under `scope` (router/embeddings/output never)."""
-    if any(part in module_name.split(".") for part in _NEVER):
-        return False
-    if _EXPERT_SITE.search(module_name):
-        return True
-    if _ATTENTION_SITE.search(module_name):
-        return scope in ("experts+attention", "all-linears")
-    if _DENSE_MLP_SITE.search(module_name):
-        return scope == "all-linears"
-    return False
+def site_in_scope(module_name: str, quant_cfg: QuantConfig) -> bool:
+    """Whether `quant_cfg` quantizes the megatron linear `module_name`: the quant config is asked about the
+    HF linear the module computes (one scope table for trainer, publisher and exporter)."""
+    hf_name = hf_linear_name(module_name)
+    return hf_name is not None and quant_cfg.quantizes(hf_name)
 
 
 def _parallel_linear_classes():
@@ -94,7 +82,7 @@ def find_sites(model: torch.nn.Module, quant_cfg: QuantConfig) -> dict[str, torc
     column, row = _parallel_linear_classes()
     sites = {}
     for name, module in model.named_modules():
-        if not name or not site_in_scope(name, quant_cfg.scope):
+        if not name or not site_in_scope(name, quant_cfg):
             continue
         if not isinstance(module, (column, row)):
             raise QuantizationError(
@@ -159,7 +147,7 @@ def check_site_geometry(geom: SiteGeometry, quant_cfg: QuantConfig) -> None:
 def site_geometry(name: str, module: torch.nn.Module) -> SiteGeometry:
     _, row = _parallel_linear_classes()
     config = module.config
-    expert = ".mlp.experts." in f".{name}"
+    expert = is_routed_expert(hf_linear_name(name[: -len(".weight")]) or "")
     group = getattr(module, "tp_group", None)
     parts = group.size() if group is not None else (
         config.expert_tensor_parallel_size if expert else config.tensor_model_parallel_size)

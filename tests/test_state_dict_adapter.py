@@ -4,7 +4,7 @@ import torch
 
 from megatron_qarl.models.qwen3_moe import tiny_hf_config
 from megatron_qarl.weights.hf_io import hf_state_from_model
-from megatron_qarl.weights.hf_mapping import (
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import (
     WeightMappingError, expected_hf_shapes, expected_mcore_shapes, hf_to_mcore, interleave_qkv, mcore_to_hf,
     split_qkv,
 )

@@ -1,0 +1,7 @@
+"""Errors shared across rooms (the lowest layer: imports nothing of the package)."""
+from __future__ import annotations
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (HF safetensors directory or megatron dist checkpoint) that cannot be used: missing,
+    incomplete, corrupted, or of another model."""

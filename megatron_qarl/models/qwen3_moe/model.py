@@ -1,0 +1,127 @@
+"""Qwen3-MoE as a megatron-core GPTModel: HF config -> TransformerConfig, layer spec, builder.
+
+The mcore model built here computes the same function as transformers' `Qwen3MoeForCausalLM`
+(checked to 1e-4 in fp32 by tests/test_qwen3_moe_model.py at TP1, TP2+SP, EP2, TP2xEP2).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_qarl.models.qwen3_moe.args import check_divisibility, check_supported, hf_head_dim, hf_rope_theta
+
+
+def _layout_sizes(layout) -> dict[str, Any]:
+    """(tp, ep, etp, pp, sp) of a ParallelLayout (None = a single process)."""
+    from megatron_qarl.parallel import ParallelLayout
+
+    layout = layout or ParallelLayout()
+    return dict(tp=layout.tp, ep=layout.ep, etp=layout.expert_tp, pp=layout.pp, sp=layout.sequence_parallel)
+
+
+def transformer_config_from_hf(hf_config, layout=None, *, params_dtype=torch.float32, **overrides):
+    """megatron-core TransformerConfig that reproduces `hf_config`'s Qwen3-MoE exactly.
+
+    Router: HF takes softmax over all experts, top-k, and (norm_topk_prob) renormalises the k probs.
+    softmax over the top-k logits equals those renormalised probs, which is mcore's
+    `moe_router_pre_softmax=False`; without renormalisation HF's probs are mcore's pre-softmax path.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    check_supported(hf_config)
+    sizes = _layout_sizes(layout)
+    check_divisibility(hf_config, sizes["tp"], sizes["ep"], sizes["etp"])
+    kwargs = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=hf_head_dim(hf_config),
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        normalization="RMSNorm",
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # MoE
+        num_moe_experts=hf_config.num_experts,
+        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
+        moe_router_topk=hf_config.num_experts_per_tok,
+        moe_router_pre_softmax=not hf_config.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=float(hf_config.router_aux_loss_coef),
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_router_dtype="fp32",
+        # fusions off: the local (non-TE) implementation on CPU, and bitwise-stable numerics
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        # parallelism
+        tensor_model_parallel_size=sizes["tp"],
+        expert_model_parallel_size=sizes["ep"],
+        expert_tensor_parallel_size=sizes["etp"],
+        pipeline_model_parallel_size=sizes["pp"],
+        sequence_parallel=sizes["sp"],
+        # numerics / init
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        transformer_impl="local",
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def qwen3_moe_layer_spec(hf_config, *, use_te: bool = False):
+    """Layer spec for Qwen3-MoE. The local spec runs anywhere; the TE spec is the GPU seam."""
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=hf_config.num_experts, moe_grouped_gemm=True, qk_layernorm=True)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(
+        num_experts=hf_config.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
+        normalization="RMSNorm")
+
+
+def build_qwen3_moe_model(hf_config, layout=None, *, params_dtype=torch.float32, use_te: bool = False,
+                          config_overrides: dict | None = None, pre_process: bool = True,
+                          post_process: bool = True):
+    """A megatron-core GPTModel for `hf_config` on the current parallel state.
+
+    The vocab must divide by TP (no implicit padding: padded rows would change the softmax
+    normaliser unless masked, so the caller pads the checkpoint explicitly if needed).
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config_from_hf(hf_config, layout, params_dtype=params_dtype,
+                                        **(config_overrides or {}))
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=qwen3_moe_layer_spec(hf_config, use_te=use_te),
+        vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=hf_rope_theta(hf_config),
+    )
