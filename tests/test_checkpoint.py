@@ -6,10 +6,8 @@ import torch
 
 from megatron_qarl.models.qwen3_moe import tiny_hf_config
 from megatron_qarl.weights.dist_ckpt import IncompleteCheckpointError, MARKER_NAME, load_dist_checkpoint
-from megatron_qarl.weights.hf_io import (
-    CheckpointError, INDEX_NAME, hf_state_from_model, read_hf_checkpoint, write_hf_checkpoint,
-)
-from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_hf_shapes
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_hf_shapes, hf_state_from_model
+from megatron_qarl.weights.hf_io import CheckpointError, INDEX_NAME, read_hf_checkpoint, write_hf_checkpoint
 
 
 def random_hf_state(cfg, seed=0):

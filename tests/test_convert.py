@@ -48,7 +48,7 @@ def hf_dir(tmp_path_factory, source_state):
     """An HF checkpoint written by transformers' own save_pretrained (+ a tokenizer file)."""
     from transformers import Qwen3MoeForCausalLM
 
-    from megatron_qarl.weights.hf_io import load_hf_state_into_model
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import load_hf_state_into_model
 
     model = Qwen3MoeForCausalLM(tiny_hf_config()).to(torch.bfloat16)
     load_hf_state_into_model(model, source_state)

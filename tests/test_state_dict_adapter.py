@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megatron_qarl.models.qwen3_moe import tiny_hf_config
-from megatron_qarl.weights.hf_io import hf_state_from_model
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_state_from_model
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import (
     WeightMappingError, expected_hf_shapes, expected_mcore_shapes, hf_to_mcore, interleave_qkv, mcore_to_hf,
     split_qkv,

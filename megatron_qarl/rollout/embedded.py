@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_state_from_model
 from megatron_qarl.quant.engine_layout import PARTS, EngineLayoutError, dequantize_linear, engine_part
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.weights.buckets import tensor_sha256
@@ -183,20 +184,7 @@ class EmbeddedEngine:
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The held weights under per-expert HF checkpoint names (copies)."""
-        out = {}
-        for name, p in self._params.items():
-            if name.endswith("mlp.experts.gate_up_proj"):
-                base, inter = name[: -len(".gate_up_proj")], p.shape[1] // 2
-                for e in range(p.shape[0]):
-                    out[f"{base}.{e}.gate_proj.weight"] = p.data[e, :inter].clone()
-                    out[f"{base}.{e}.up_proj.weight"] = p.data[e, inter:].clone()
-            elif name.endswith("mlp.experts.down_proj"):
-                base = name[: -len(".down_proj")]
-                for e in range(p.shape[0]):
-                    out[f"{base}.{e}.down_proj.weight"] = p.data[e].clone()
-            else:
-                out[name] = p.data.clone()
-        return out
+        return {name: t.clone() for name, t in hf_state_from_model(self.model).items()}
 
     def checksum(self, names: Iterable[str] | None = None) -> dict[str, str]:
         """sha256 of each named tensor's bytes AS RECEIVED (engine layout: packed codes, scales, fp8

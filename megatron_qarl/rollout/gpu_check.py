@@ -28,15 +28,9 @@ import torch
 
 
 def tiny_hf_config():
-    from transformers import Qwen3MoeConfig
+    from megatron_qarl.models.qwen3_moe.args import tiny_hf_config as preset
 
-    return Qwen3MoeConfig(
-        hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, intermediate_size=512,
-        vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6, norm_topk_prob=True,
-        tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
-        bos_token_id=1, eos_token_id=2,
-    )
+    return preset(bos_token_id=1, eos_token_id=2)
 
 
 def master_weights(seed: int) -> dict[str, torch.Tensor]:

@@ -1,16 +1,9 @@
-"""Read and write HF Qwen3-MoE checkpoints (config.json + safetensors, single or sharded), and
-convert a transformers model's in-memory state to checkpoint names.
-
-transformers 5 keeps routed experts fused in memory (`mlp.experts.gate_up_proj` [E, 2I, H],
-`mlp.experts.down_proj` [E, H, I]); files and engines use per-expert names. The split here matches
-what `save_pretrained` writes (tests compare against it).
-"""
+"""Read and write HF Qwen3-MoE checkpoints (config.json + safetensors, single or sharded)."""
 from __future__ import annotations
 
 import json
 import os
 from contextlib import contextmanager
-import re
 import shutil
 import struct
 import tempfile
@@ -26,46 +19,6 @@ from megatron_qarl.models.qwen3_moe.state_dict_adapter import WeightMappingError
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-
-
-_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-
-
-def hf_state_from_model(model) -> dict[str, torch.Tensor]:
-    """Checkpoint-named tensors (views, detached) of a transformers Qwen3-MoE model."""
-    out = {}
-    for name, tensor in model.state_dict().items():
-        match = _FUSED.match(name)
-        if not match:
-            out[name] = tensor.detach()
-            continue
-        prefix, kind = match.groups()
-        for e in range(tensor.shape[0]):
-            if kind == "down_proj":
-                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e].detach()
-            else:
-                gate, up = torch.chunk(tensor[e].detach(), 2, dim=0)
-                out[f"{prefix}.{e}.gate_proj.weight"] = gate
-                out[f"{prefix}.{e}.up_proj.weight"] = up
-    return out
-
-
-@torch.no_grad()
-def load_hf_state_into_model(model, hf_state: Mapping[str, torch.Tensor]) -> None:
-    """Copy checkpoint-named tensors into a transformers Qwen3-MoE model (fused or per-expert layout)."""
-    validate_state(hf_state, expected_hf_shapes(model.config), "HF state")
-    for name, param in model.state_dict().items():
-        match = _FUSED.match(name)
-        if not match:
-            param.copy_(hf_state[name])
-            continue
-        prefix, kind = match.groups()
-        for e in range(param.shape[0]):
-            if kind == "down_proj":
-                param[e].copy_(hf_state[f"{prefix}.{e}.down_proj.weight"])
-            else:
-                param[e].copy_(torch.cat([hf_state[f"{prefix}.{e}.gate_proj.weight"],
-                                          hf_state[f"{prefix}.{e}.up_proj.weight"]], dim=0))
 
 
 # ---------------------------------------------------------------- reading

@@ -216,33 +216,3 @@ def _value(param: torch.Tensor, use_grad: bool) -> torch.Tensor:
 
 def _natural_key(name: str):
     return [int(tok) if tok.isdigit() else tok for tok in re.split(r"(\d+)", name)]
-
-
-@torch.no_grad()
-def global_grad_norm(model) -> float:
-    """L2 norm of the whole model's gradient from local shards, without gathering tensors.
-
-    Each tensor is counted once: TP-split dense params sum over the TP group, dense params
-    replicated across TP (norms, router) count only on TP rank 0; expert params sum over the
-    expert-TP x EP group, with ETP-replicated ones counted on expert-TP rank 0. DP replicas hold
-    the same reduced grads and are not summed. Collective over the model-parallel groups (pp=1).
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    module = unwrap_model(model)
-    coords = RankCoords.from_parallel_state()
-    dense = torch.zeros((), dtype=torch.float64)
-    expert = torch.zeros((), dtype=torch.float64)
-    for name, param in module.named_parameters():
-        rule = shard_rule(name, param)
-        sq = _value(param, use_grad=True).double().pow(2).sum()
-        if rule.expert:
-            if rule.partition_dim is not None or coords.etp_rank == 0:
-                expert += sq
-        elif rule.partition_dim is not None or coords.tp_rank == 0:
-            dense += sq
-    if dist.is_initialized():
-        dist.all_reduce(dense, group=ps.get_tensor_model_parallel_group())
-        dist.all_reduce(expert, group=ps.get_expert_tensor_and_model_parallel_group())
-    return float((dense + expert).sqrt())

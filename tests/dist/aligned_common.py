@@ -15,7 +15,7 @@ def seeded_hf_state(cfg=None, seed: int = 1234) -> dict:
     """HF-named fp32 weights of the tiny model: norms around 1, router spread to route unevenly."""
     from transformers import Qwen3MoeForCausalLM
 
-    from megatron_qarl.weights.hf_io import hf_state_from_model
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_state_from_model
 
     cfg = cfg or tiny_hf_config()
     with torch.device("meta"):
@@ -47,7 +47,7 @@ def w4a16_dequantized_state(hf_state: dict, quant_cfg: QuantConfig) -> dict:
 def hf_model(cfg, state: dict, dtype=torch.float32):
     from transformers import Qwen3MoeForCausalLM
 
-    from megatron_qarl.weights.hf_io import load_hf_state_into_model
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import load_hf_state_into_model
 
     model = Qwen3MoeForCausalLM(cfg).float().eval()
     load_hf_state_into_model(model, state)
@@ -71,7 +71,7 @@ def mcore_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 def hf_grads_as_mcore(cfg, hf_ref_model) -> dict:
     """The transformers model's parameter gradients, renamed/laid out as the full mcore state."""
-    from megatron_qarl.weights.hf_io import hf_state_from_model
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_state_from_model
     from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
 
     class GradView(torch.nn.Module):  # hf_state_from_model reads state_dict(): serve grads instead

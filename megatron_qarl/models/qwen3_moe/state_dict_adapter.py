@@ -5,6 +5,10 @@ the whole-state conversions (`hf_to_mcore` / `mcore_to_hf`), the publisher's per
 (which splits packed codes and scales exactly like weights) and the aligned forward's scope question
 (`hf_linear_name`: which HF linear a megatron module is).
 
+transformers 5 keeps routed experts fused in memory (`mlp.experts.gate_up_proj` [E, 2I, H],
+`mlp.experts.down_proj` [E, H, I]); files and engines use per-expert names: `hf_state_from_model` /
+`load_hf_state_into_model` translate, matching what `save_pretrained` writes (tests compare against it).
+
 Pure functions, no torch.distributed. Full mcore names use the GLOBAL expert id in
 `decoder.layers.{i}.mlp.experts.local_experts.{e}`; weights/sharding.py maps global <-> local ids.
 """
@@ -246,3 +250,45 @@ def mcore_to_hf(hf_config, mcore_state: Mapping[str, torch.Tensor], *, validate:
         for hf_name, parts, _ in to_hf(hf_config, name, {"weight": tensor}, tuple(tensor.shape)):
             out[hf_name] = parts["weight"]
     return out
+
+
+# ---------------------------------------------------------------- transformers' in-memory layout
+
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def hf_state_from_model(model) -> dict[str, torch.Tensor]:
+    """Checkpoint-named tensors (views, detached) of a transformers Qwen3-MoE model."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        match = _FUSED.match(name)
+        if not match:
+            out[name] = tensor.detach()
+            continue
+        prefix, kind = match.groups()
+        for e in range(tensor.shape[0]):
+            if kind == "down_proj":
+                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e].detach()
+            else:
+                gate, up = torch.chunk(tensor[e].detach(), 2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate
+                out[f"{prefix}.{e}.up_proj.weight"] = up
+    return out
+
+
+@torch.no_grad()
+def load_hf_state_into_model(model, hf_state: Mapping[str, torch.Tensor]) -> None:
+    """Copy checkpoint-named tensors into a transformers Qwen3-MoE model (fused or per-expert layout)."""
+    validate_state(hf_state, expected_hf_shapes(model.config), "HF state")
+    for name, param in model.state_dict().items():
+        match = _FUSED.match(name)
+        if not match:
+            param.copy_(hf_state[name])
+            continue
+        prefix, kind = match.groups()
+        for e in range(param.shape[0]):
+            if kind == "down_proj":
+                param[e].copy_(hf_state[f"{prefix}.{e}.down_proj.weight"])
+            else:
+                param[e].copy_(torch.cat([hf_state[f"{prefix}.{e}.gate_proj.weight"],
+                                          hf_state[f"{prefix}.{e}.up_proj.weight"]], dim=0))

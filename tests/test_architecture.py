@@ -1,0 +1,183 @@
+"""The map in docs/ARCHITECTURE.md, checked: every import inside the package (module level or inside a
+function) stays within what its room may import, and no two modules import each other, even lazily."""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("megatron_qarl", "conversion")
+
+# Room -> rooms it may import (its own room always). Rooms are listed bottom-up; docs/ARCHITECTURE.md has
+# one paragraph per room. A module's room is the longest matching dotted prefix below.
+ALLOWED: dict[str, set[str]] = {
+    "megatron_qarl.errors": set(),
+    "megatron_qarl.fileio": set(),
+    "megatron_qarl.lifecycle": set(),
+    "megatron_qarl.compat_cpu": set(),
+    "megatron_qarl.quant": {"megatron_qarl.errors"},
+    "megatron_qarl.parallel": {"megatron_qarl.compat_cpu"},
+    "megatron_qarl.models": {"megatron_qarl.errors", "megatron_qarl.quant", "megatron_qarl.parallel"},
+    "megatron_qarl.moe": {"megatron_qarl.models"},
+    "megatron_qarl.optim": {"megatron_qarl.parallel"},
+    "megatron_qarl.rollout": {"megatron_qarl.errors", "megatron_qarl.lifecycle", "megatron_qarl.quant",
+                              "megatron_qarl.models"},
+    "megatron_qarl.weights": {"megatron_qarl.errors", "megatron_qarl.fileio", "megatron_qarl.lifecycle",
+                              "megatron_qarl.quant", "megatron_qarl.models", "megatron_qarl.parallel",
+                              "megatron_qarl.rollout", "megatron_qarl.checkpointing"},
+    "megatron_qarl.checkpointing": {"megatron_qarl.errors", "megatron_qarl.fileio", "megatron_qarl.lifecycle",
+                                    "megatron_qarl.weights.sharding"},
+    "megatron_qarl.rl": {"megatron_qarl.fileio", "megatron_qarl.moe"},
+    "megatron_qarl.tracking": {"megatron_qarl.fileio"},
+    "megatron_qarl.memory": {"megatron_qarl.models"},
+    "megatron_qarl.probe": {"megatron_qarl.models", "megatron_qarl.parallel", "megatron_qarl.quant",
+                            "megatron_qarl.rl", "megatron_qarl.rollout", "megatron_qarl.weights"},
+    "megatron_qarl.config": {"megatron_qarl.fileio", "megatron_qarl.memory", "megatron_qarl.models",
+                             "megatron_qarl.optim", "megatron_qarl.parallel", "megatron_qarl.quant",
+                             "megatron_qarl.rl"},
+    # The run: builders (run_context) and the two loops (trainer for RL, sft for the warm-up) may use
+    # every room below them; the CLIs sit on top.
+    "megatron_qarl.run_context": {"*"},
+    "megatron_qarl.trainer": {"*"},
+    "megatron_qarl.sft": {"*"},
+    "megatron_qarl.cli": {"*"},
+    "megatron_qarl": set(),  # the package __init__
+    "conversion": {"*"},
+}
+TOP = {"megatron_qarl.run_context", "megatron_qarl.trainer", "megatron_qarl.sft", "megatron_qarl.cli", "conversion"}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(module: str, path: Path, known: set[str]) -> set[str]:
+    """Package modules `module` imports anywhere in its body (lazy imports included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(module, path.name == "__init__.py", node)
+            # `from pkg import mod` imports the submodule pkg.mod when there is one
+            names = [f"{target}.{a.name}" if f"{target}.{a.name}" in known else target for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                out.add(name)
+    return out
+
+
+def _room(module: str) -> str:
+    matches = [room for room in ALLOWED if module == room or module.startswith(room + ".")]
+    if not matches:
+        raise AssertionError(f"{module} belongs to no room of ALLOWED: add it (and to docs/ARCHITECTURE.md)")
+    return max(matches, key=len)
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: _imports(m, p, set(mods)) for m, p in mods.items()}
+
+
+def _may_import(room: str, target: str) -> bool:
+    allowed = ALLOWED[room]
+    if "*" in allowed:
+        return True
+    target_room = _room(target)
+    if target_room in TOP:
+        return False
+    if target_room == room or target_room == "megatron_qarl":
+        return True
+    # an allowed room admits its modules; an allowed single module admits only itself
+    return any(target == a or target.startswith(a + ".") or target_room == a for a in allowed)
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} ({_room(m)}) imports {t} ({_room(t)})"
+                  for m, targets in graph.items() for t in targets if not _may_import(_room(m), t))
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_every_module_has_a_room():
+    for module in _modules():
+        _room(module)
+
+
+def test_no_module_imports_a_room_above_it():
+    assert layer_violations(_graph()) == []
+
+
+def test_no_import_cycles():
+    assert import_cycles(_graph()) == []
+
+
+def test_the_checks_catch_a_violation_and_a_cycle():
+    graph = {"megatron_qarl.quant.int4": {"megatron_qarl.models.qwen3_moe.args"},
+             "megatron_qarl.models.qwen3_moe.args": {"megatron_qarl.quant.int4"}}
+    assert layer_violations(graph) == [
+        "megatron_qarl.quant.int4 (megatron_qarl.quant) imports megatron_qarl.models.qwen3_moe.args "
+        "(megatron_qarl.models)"]
+    assert import_cycles(graph) == [sorted(graph)]
+
+
+def test_lazy_imports_are_seen(tmp_path):
+    src = tmp_path / "mod.py"
+    src.write_text("def f():\n    from megatron_qarl.trainer import train\n    return train\n")
+    assert _imports("megatron_qarl.quant.mod", src, {"megatron_qarl.trainer"}) == {"megatron_qarl.trainer"}
+
+
+@pytest.mark.parametrize("room", sorted(ALLOWED))
+def test_architecture_doc_names_every_room(room):
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    short = room.replace("megatron_qarl.", "").replace(".", "/")
+    assert short in doc, f"docs/ARCHITECTURE.md does not describe room {room}"
