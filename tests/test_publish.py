@@ -178,7 +178,7 @@ class _DroppingEngine:
         self.inner.begin_weight_update()
 
     def update_weights(self, bucket):
-        from megatron_qarl.weights.buckets import unflatten_bucket
+        from megatron_qarl.rollout.payload import unflatten_bucket
 
         self.inner.update_weights([(n, t) for n, t in unflatten_bucket(bucket) if n != self.drop])
 

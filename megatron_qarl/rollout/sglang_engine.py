@@ -48,7 +48,7 @@ import torch
 
 from megatron_qarl.lifecycle import die_with_parent
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
-from megatron_qarl.weights.buckets import DEFAULT_BUCKET_BYTES, FlattenedBucket, iter_buckets, unflatten_bucket
+from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, FlattenedBucket, iter_buckets, unflatten_bucket
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from megatron_qarl.quant.int4 import pack_int4_groupwise
-from megatron_qarl.weights.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, iter_buckets, plan_buckets
+from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, TensorMeta, iter_buckets, plan_buckets
 from megatron_qarl.weights.engine_layout import as_quant_config
 from megatron_qarl.weights.hf_mapping import _GLOBAL_RENAMES, _LAYER_RENAMES, _dims, split_qkv
 
