@@ -319,7 +319,7 @@ def _load_initial_weights(cfg: RunConfig, model, hf_config) -> None:
 
 def _build_engine(cfg: RunConfig, hf_config):
     from megatron_qarl.config import sglang_engine_options
-    from megatron_qarl.rollout.protocol import make_engine
+    from megatron_qarl.rollout.factory import make_engine
 
     if cfg.rollout.engine == "embedded":
         return make_engine({"name": "embedded", "hf_config": hf_config, "dtype": cfg.rollout.embedded_dtype,
