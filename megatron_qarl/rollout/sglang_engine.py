@@ -39,9 +39,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -51,6 +51,9 @@ from megatron_qarl.rollout import sglang_compat
 from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, FlattenedBucket, iter_buckets, unflatten_bucket
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.sglang_compat import SGLangUnavailableError, require_sglang
+
+if TYPE_CHECKING:  # annotation only: config.py would bring omegaconf and the model/optim/rl configs along
+    from megatron_qarl.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +102,33 @@ class SGLangEngineConfig:
         if self.mode != "attach" and not self.model_path and not self.launch_cmd:
             raise ValueError(f"mode={self.mode!r} needs model_path (an HF/exported checkpoint directory)")
         check_refit_backend(self.quant_scheme, self.moe_runner_backend)
+
+    @classmethod
+    def from_run(cls, cfg: RunConfig, *, environ: Mapping[str, str] | None = None) -> SGLangEngineConfig:
+        """The engine config a run asks for (``rollout.sglang``, ``quant``, ``train`` routing, ``publish``);
+        the API key is read from the environment variable ``rollout.sglang.api_key_env`` names."""
+        s = cfg.rollout.sglang
+        environ = os.environ if environ is None else environ
+        extra = list(s.extra_server_args)
+        if s.ep_size > 1:
+            extra += ["--ep-size", str(s.ep_size)]
+        return cls(
+            mode="attach" if s.url else s.launch,
+            url=s.url,
+            model_path=s.model_path,
+            host=s.host,
+            port=s.port,
+            api_key=environ.get(s.api_key_env) or None,
+            tp_size=s.tp_size,
+            mem_fraction_static=s.mem_fraction_static,
+            moe_runner_backend=s.moe_runner_backend,
+            quant_scheme=cfg.quant.scheme,
+            return_routed_experts=cfg.train.routing_replay == "replay" or cfg.train.routing_telemetry,
+            transport="tensor" if s.mode == "colocated" else "distributed",
+            bucket_bytes=cfg.publish.bucket_mb * 1024 * 1024,
+            health_timeout_s=s.health_timeout_s,
+            extra_server_args=extra,
+        )
 
 
 def check_refit_backend(quant_scheme: str, moe_runner_backend: str) -> None:
