@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from megatron_qarl.rollout.payload import unflatten_bucket
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
 
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -124,6 +123,8 @@ class EmbeddedEngine:
         if not self._in_update:
             raise RolloutEngineError("update_weights outside begin_weight_update()/end_weight_update()")
         if hasattr(named_tensors, "flattened_tensor") and hasattr(named_tensors, "metadata"):
+            from megatron_qarl.rollout.payload import unflatten_bucket
+
             named_tensors = unflatten_bucket(named_tensors)
         with torch.no_grad():
             for name, tensor in named_tensors:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_qarl.rollout import sglang_compat
 from megatron_qarl.weights.engine_layout import is_routed_expert
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
@@ -150,6 +149,8 @@ class FlattenedBucket:
         """``{"flattened_tensor", "metadata"}`` as ``update_weights_from_tensor(load_format=
         "flattened_bucket")`` expects. Metadata become SGLang's own dataclass when it is importable (the
         engine process unpickles them and may not import this package), else ours (same attributes)."""
+        from megatron_qarl.rollout import sglang_compat
+
         Meta = sglang_compat.flattened_tensor_metadata_class() or BucketEntry
         meta = [
             Meta(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx, end_idx=m.end_idx, numel=m.numel)
