@@ -566,33 +566,6 @@ def _nearest_divisor(n: int, near: int) -> int:
     return min(divisors, key=lambda d: (abs(d - near), d))
 
 
-def sglang_engine_options(cfg: RunConfig, *, environ=None) -> dict[str, Any]:
-    """Keyword arguments of `megatron_qarl.rollout.sglang_engine.SGLangEngineConfig` for this run
-    (for `make_engine({"name": "sglang", **options})`)."""
-    s = cfg.rollout.sglang
-    environ = os.environ if environ is None else environ
-    extra = list(s.extra_server_args)
-    if s.ep_size > 1:
-        extra += ["--ep-size", str(s.ep_size)]
-    return {
-        "mode": "attach" if s.url else s.launch,
-        "url": s.url,
-        "model_path": s.model_path,
-        "host": s.host,
-        "port": s.port,
-        "api_key": environ.get(s.api_key_env) or None,
-        "tp_size": s.tp_size,
-        "mem_fraction_static": s.mem_fraction_static,
-        "moe_runner_backend": s.moe_runner_backend,
-        "quant_scheme": cfg.quant.scheme,
-        "return_routed_experts": cfg.train.routing_replay == "replay" or cfg.train.routing_telemetry,
-        "transport": "tensor" if s.mode == "colocated" else "distributed",
-        "bucket_bytes": cfg.publish.bucket_mb * 1024 * 1024,
-        "health_timeout_s": s.health_timeout_s,
-        "extra_server_args": extra,
-    }
-
-
 # --------------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ metrics sinks and checkpoints. The loop in `trainer.py` only calls the small met
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -314,12 +315,13 @@ def _load_initial_weights(cfg: RunConfig, model, hf_config) -> None:
 
 
 def _build_engine(cfg: RunConfig, hf_config):
-    from megatron_qarl.config import sglang_engine_options
-    from megatron_qarl.rollout.protocol import make_engine
+    from megatron_qarl.rollout.factory import make_engine
 
     if cfg.rollout.engine == "embedded":
         return make_engine({"name": "embedded", "hf_config": hf_config, "dtype": cfg.rollout.embedded_dtype,
                             "seed": cfg.train.seed, "collect_routed_experts": True})
     if cfg.rollout.engine == "sglang":
-        return make_engine({"name": "sglang", **sglang_engine_options(cfg)})
+        from megatron_qarl.rollout.sglang_engine import SGLangEngineConfig
+
+        return make_engine({"name": "sglang", **dataclasses.asdict(SGLangEngineConfig.from_run(cfg))})
     return make_engine({"name": cfg.rollout.engine})

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_qarl.weights.buckets import (
+from megatron_qarl.rollout.payload import (
     FlattenedBucket,
     TensorMeta,
     is_expert_engine_name,

@@ -221,19 +221,17 @@ def test_synthetic_task_options_compose_the_generator_config():
     assert (cfg.data.synthetic.num_rows, cfg.data.synthetic.operations) == (12, ("+", "-"))
 
 
-def test_sglang_engine_options_build_the_engine_config():
-    from megatron_qarl.config import sglang_engine_options
+def test_sglang_engine_config_from_run():
     from megatron_qarl.rollout.sglang_engine import SGLangEngineConfig
 
     cfg = load_config(ROOT / "configs" / "qwen3_30b_a3b_qarl_w4a16_tbpo.yaml",
                       ["rollout.sglang.model_path=/ckpt/qwen3-30b-a3b-w4a16", "rollout.sglang.ep_size=2",
                        "train.routing_replay=replay"])
-    options = sglang_engine_options(cfg, environ={"QARL_SGLANG_API_KEY": "k"})
-    engine_cfg = SGLangEngineConfig(**options)  # the engine's own validation accepts it
+    engine_cfg = SGLangEngineConfig.from_run(cfg, environ={"QARL_SGLANG_API_KEY": "k"})  # passes its validation
     assert (engine_cfg.mode, engine_cfg.transport, engine_cfg.quant_scheme) == ("subprocess", "tensor", "w4a16")
     assert engine_cfg.api_key == "k" and engine_cfg.return_routed_experts is True
     assert engine_cfg.bucket_bytes == 512 * 2 ** 20 and engine_cfg.extra_server_args[-2:] == ["--ep-size", "2"]
     attach = load_config(None, ["rollout.engine=sglang", "rollout.sglang.mode=separate",
                                 "rollout.sglang.launch=attach", "rollout.sglang.url=http://n1:30000"])
-    engine_cfg = SGLangEngineConfig(**sglang_engine_options(attach, environ={}))
+    engine_cfg = SGLangEngineConfig.from_run(attach, environ={})
     assert (engine_cfg.mode, engine_cfg.url, engine_cfg.transport) == ("attach", "http://n1:30000", "distributed")

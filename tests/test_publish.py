@@ -178,7 +178,7 @@ class _DroppingEngine:
         self.inner.begin_weight_update()
 
     def update_weights(self, bucket):
-        from megatron_qarl.weights.buckets import unflatten_bucket
+        from megatron_qarl.rollout.payload import unflatten_bucket
 
         self.inner.update_weights([(n, t) for n, t in unflatten_bucket(bucket) if n != self.drop])
 
@@ -203,7 +203,7 @@ def test_verification_names_a_dropped_tensor(cfg):
 def test_verification_catches_altered_bytes():
     class Corrupting(RecordingEngine):
         def checksum(self, names):
-            from megatron_qarl.weights.buckets import tensor_sha256
+            from megatron_qarl.rollout.payload import tensor_sha256
 
             return {n: tensor_sha256(self.tensors[n] + (1 if n == "lm_head.weight" else 0)) for n in names}
 

@@ -12,8 +12,9 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from megatron_qarl.quant import QuantConfig
 from megatron_qarl.rollout.embedded import EmbeddedEngine, EngineWeightError
-from megatron_qarl.rollout.protocol import RolloutEngine, RolloutEngineError, SamplingParams, make_engine
-from megatron_qarl.weights.buckets import iter_buckets
+from megatron_qarl.rollout.factory import make_engine
+from megatron_qarl.rollout.payload import iter_buckets
+from megatron_qarl.rollout.protocol import RolloutEngine, RolloutEngineError, SamplingParams
 from megatron_qarl.quant.engine_layout import engine_named_tensors, quantization_config_for
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]

@@ -1,15 +1,17 @@
 """Rollout engines behind one protocol: the embedded CPU engine (transformers) and SGLang (GPU).
 
-Engine modules import their heavy dependencies lazily; import them directly
-(``megatron_qarl.rollout.embedded``, ``megatron_qarl.rollout.sglang_engine``) or use ``make_engine``.
+Rooms: ``protocol`` (value types + the RolloutEngine protocol), ``payload`` (the weight buckets engines
+receive), ``factory`` (``make_engine``), ``sglang_compat`` (every ``sglang`` import), and the engines
+``embedded`` / ``sglang_engine`` plus ``gpu_check``. Engine modules import their heavy dependencies lazily and are not imported here:
+import them directly or use ``make_engine``.
 """
 
+from megatron_qarl.rollout.factory import make_engine
 from megatron_qarl.rollout.protocol import (
     GenerationResult,
     RolloutEngine,
     RolloutEngineError,
     SamplingParams,
-    make_engine,
 )
 
 __all__ = ["GenerationResult", "RolloutEngine", "RolloutEngineError", "SamplingParams", "make_engine"]

@@ -24,7 +24,7 @@ import torch
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_state_from_model
 from megatron_qarl.quant.engine_layout import PARTS, EngineLayoutError, dequantize_linear, engine_part
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
-from megatron_qarl.weights.buckets import tensor_sha256
+from megatron_qarl.rollout.payload import tensor_sha256
 
 _EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -120,7 +120,7 @@ class EmbeddedEngine:
         if not self._in_update:
             raise RolloutEngineError("update_weights outside begin_weight_update()/end_weight_update()")
         if hasattr(named_tensors, "flattened_tensor") and hasattr(named_tensors, "metadata"):
-            from megatron_qarl.weights.buckets import unflatten_bucket
+            from megatron_qarl.rollout.payload import unflatten_bucket
 
             named_tensors = unflatten_bucket(named_tensors)
         with torch.no_grad():

@@ -1,12 +1,18 @@
-"""The rollout-engine protocol the trainer talks to, its value types, and the engine factory."""
+"""The rollout-engine protocol the trainer talks to and its value types.
+
+No engine is imported here (engines import this module); ``megatron_qarl.rollout.factory`` builds them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_qarl.rollout.payload import FlattenedBucket
 
 FINISH_REASONS = ("stop", "length")
 
@@ -69,7 +75,7 @@ class RolloutEngine(Protocol):
 
     def begin_weight_update(self) -> None: ...
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Any) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | FlattenedBucket) -> None:
         """Engine-layout named tensors, or a ``FlattenedBucket``; only inside begin/end."""
 
     def end_weight_update(self) -> None: ...
@@ -77,35 +83,3 @@ class RolloutEngine(Protocol):
     def health(self) -> bool: ...
 
     def shutdown(self) -> None: ...
-
-
-ENGINE_NAMES = ("embedded", "sglang", "vllm")
-
-
-def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
-
-
-def make_engine(cfg: Any) -> RolloutEngine:
-    """Build the engine named by ``cfg.name`` (``embedded`` | ``sglang`` | ``vllm``).
-
-    ``cfg`` is a dict or object; remaining keys go to the engine's config dataclass.
-    """
-    name = _cfg_get(cfg, "name")
-    options = dict(cfg) if isinstance(cfg, dict) else {k: v for k, v in vars(cfg).items()}
-    options.pop("name", None)
-    if name == "embedded":
-        from megatron_qarl.rollout.embedded import EmbeddedEngine, EmbeddedEngineConfig
-
-        return EmbeddedEngine.from_config(EmbeddedEngineConfig(**options))
-    if name == "sglang":
-        from megatron_qarl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
-
-        return SGLangEngine(SGLangEngineConfig(**options))
-    if name == "vllm":
-        raise NotImplementedError(
-            "the vLLM engine is not implemented yet; use rollout engine 'embedded' (CPU) or 'sglang' (GPU)"
-        )
-    raise ValueError(f"unknown rollout engine {name!r}; expected one of {ENGINE_NAMES}")

@@ -39,25 +39,26 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from megatron_qarl.lifecycle import die_with_parent
+from megatron_qarl.rollout import sglang_compat
+from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, FlattenedBucket, iter_buckets, unflatten_bucket
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
-from megatron_qarl.weights.buckets import DEFAULT_BUCKET_BYTES, FlattenedBucket, iter_buckets, unflatten_bucket
+from megatron_qarl.rollout.sglang_compat import SGLangUnavailableError, require_sglang
+
+if TYPE_CHECKING:  # annotation only: config.py would bring omegaconf and the model/optim/rl configs along
+    from megatron_qarl.config import RunConfig
 
 log = logging.getLogger(__name__)
 
 MODES = ("subprocess", "attach", "inprocess")
 TRANSPORTS = ("tensor", "distributed")
-
-
-class SGLangUnavailableError(RolloutEngineError):
-    """SGLang is not installed / cannot be imported or launched here."""
 
 
 class EngineCrashedError(RolloutEngineError):
@@ -102,6 +103,33 @@ class SGLangEngineConfig:
             raise ValueError(f"mode={self.mode!r} needs model_path (an HF/exported checkpoint directory)")
         check_refit_backend(self.quant_scheme, self.moe_runner_backend)
 
+    @classmethod
+    def from_run(cls, cfg: RunConfig, *, environ: Mapping[str, str] | None = None) -> SGLangEngineConfig:
+        """The engine config a run asks for (``rollout.sglang``, ``quant``, ``train`` routing, ``publish``);
+        the API key is read from the environment variable ``rollout.sglang.api_key_env`` names."""
+        s = cfg.rollout.sglang
+        environ = os.environ if environ is None else environ
+        extra = list(s.extra_server_args)
+        if s.ep_size > 1:
+            extra += ["--ep-size", str(s.ep_size)]
+        return cls(
+            mode="attach" if s.url else s.launch,
+            url=s.url,
+            model_path=s.model_path,
+            host=s.host,
+            port=s.port,
+            api_key=environ.get(s.api_key_env) or None,
+            tp_size=s.tp_size,
+            mem_fraction_static=s.mem_fraction_static,
+            moe_runner_backend=s.moe_runner_backend,
+            quant_scheme=cfg.quant.scheme,
+            return_routed_experts=cfg.train.routing_replay == "replay" or cfg.train.routing_telemetry,
+            transport="tensor" if s.mode == "colocated" else "distributed",
+            bucket_bytes=cfg.publish.bucket_mb * 1024 * 1024,
+            health_timeout_s=s.health_timeout_s,
+            extra_server_args=extra,
+        )
+
 
 def check_refit_backend(quant_scheme: str, moe_runner_backend: str) -> None:
     """Refuse configurations whose in-place refit SGLang cannot do."""
@@ -124,7 +152,7 @@ def sglang_server_command(cfg: SGLangEngineConfig, port: int, api_key: str) -> l
     if cfg.launch_cmd:
         return [a.format(port=port, api_key=api_key, host=cfg.host) for a in cfg.launch_cmd]
     cmd = [
-        sys.executable, "-m", "sglang.launch_server",
+        sys.executable, "-m", sglang_compat.LAUNCH_SERVER_MODULE,
         "--model-path", cfg.model_path,
         "--host", cfg.host, "--port", str(port), "--api-key", api_key,
         "--tp-size", str(cfg.tp_size),
@@ -135,18 +163,6 @@ def sglang_server_command(cfg: SGLangEngineConfig, port: int, api_key: str) -> l
     if cfg.return_routed_experts:
         cmd.append("--enable-return-routed-experts")
     return cmd + list(cfg.extra_server_args)
-
-
-def require_sglang() -> None:
-    """Raise SGLangUnavailableError naming the fix when sglang cannot be imported."""
-    try:
-        import sglang  # noqa: F401
-    except Exception as e:  # ImportError, or a broken install failing at import time
-        raise SGLangUnavailableError(
-            f"SGLang is not importable in {sys.executable} ({type(e).__name__}: {e}). Install the GPU extra "
-            "(pip install 'megatron-qarl[gpu]', sglang==0.5.23) on a CUDA machine, or use the 'embedded' "
-            "rollout engine on CPU."
-        ) from e
 
 
 class _Http:
@@ -272,10 +288,7 @@ class SGLangEngine:
             self.wait_healthy()
             return
         if cfg.mode == "inprocess":
-            require_sglang()
-            import sglang
-
-            self._inproc = sglang.Engine(
+            self._inproc = sglang_compat.engine_class()(
                 model_path=cfg.model_path, tp_size=cfg.tp_size, mem_fraction_static=cfg.mem_fraction_static,
                 moe_runner_backend=cfg.moe_runner_backend, skip_tokenizer_init=True,
                 enable_return_routed_experts=cfg.return_routed_experts,
@@ -462,8 +475,8 @@ class SGLangEngine:
     def _ensure_group(self) -> None:
         if self._group_ready:
             return
-        from sglang.srt.utils.common import init_custom_process_group  # lazy: GPU-only dependency
-
+        # resolved first: a missing SGLang fails before the engine is asked to join the group
+        init_custom_process_group = sglang_compat.custom_process_group_init()
         port = self.cfg.master_port or _free_port()
         world = 1 + self.cfg.tp_size
         payload = {
@@ -533,12 +546,8 @@ class SGLangEngine:
 def _sglang_serialize_bucket(bucket: FlattenedBucket, tp_size: int) -> list:
     """One serialized copy of the bucket per engine TP rank, SGLang's own way (CUDA IPC handles); base64
     strings, which the HTTP route requires and the in-process Engine also accepts."""
-    require_sglang()
-    from sglang.srt.utils.common import MultiprocessingSerializer
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-    monkey_patch_torch_reductions()
+    serialize = sglang_compat.ipc_serializer()
     if not bucket.flattened_tensor.is_cuda:
         bucket = FlattenedBucket(bucket.flattened_tensor.cuda(), bucket.metadata)
-    payload = MultiprocessingSerializer.serialize(bucket.to_sglang_dict(), output_str=True)
+    payload = serialize(bucket.to_sglang_dict())
     return [payload] * tp_size

@@ -43,7 +43,7 @@ from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_mcore_sha
 from megatron_qarl.quant.engine_layout import (
     as_quant_config, engine_tensors, kind_of, linear_parts, meta_linear_parts, quantize_weight,
 )
-from megatron_qarl.weights.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, iter_buckets, plan_buckets, tensor_sha256
+from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, TensorMeta, iter_buckets, plan_buckets, tensor_sha256
 
 ENGINE_RANK = 0
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.contract
 sglang = pytest.importorskip("sglang", reason="contract tests need sglang (launch/run_contract_tests.sh)")
 
 from megatron_qarl.quant import QuantConfig  # noqa: E402
-from megatron_qarl.weights.buckets import iter_buckets  # noqa: E402
+from megatron_qarl.rollout.payload import iter_buckets  # noqa: E402
 from megatron_qarl.quant.engine_layout import (  # noqa: E402
     engine_named_tensors,
     fp8_quantization_config,

@@ -9,7 +9,7 @@ import torch
 from aligned_common import seeded_hf_state, tokens
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
 from megatron_qarl.quant import QuantConfig
-from megatron_qarl.weights.buckets import unflatten_bucket
+from megatron_qarl.rollout.payload import unflatten_bucket
 from megatron_qarl.quant.engine_layout import engine_named_tensors
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore, mcore_to_hf
 from megatron_qarl.weights.sharding import gather_full_state, load_full_state_into_model

@@ -146,10 +146,9 @@ class FlattenedBucket:
         """``{"flattened_tensor", "metadata"}`` as ``update_weights_from_tensor(load_format=
         "flattened_bucket")`` expects. Metadata become SGLang's own dataclass when it is importable (the
         engine process unpickles them and may not import this package), else ours (same attributes)."""
-        try:
-            from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata as Meta
-        except ImportError:
-            Meta = BucketEntry
+        from megatron_qarl.rollout import sglang_compat
+
+        Meta = sglang_compat.flattened_tensor_metadata_class() or BucketEntry
         meta = [
             Meta(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx, end_idx=m.end_idx, numel=m.numel)
             for m in self.metadata
