@@ -43,6 +43,8 @@ from typing import Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import is_expert_param
+
 OPTIMIZER_NAMES = ("adamw", "muon")
 MUON_ADJUST_LR = ("original", "match_rms_adamw")
 MUON_TP_MODES = ("whole", "blockwise")
@@ -340,7 +342,7 @@ def is_muon_param(name: str, param: torch.nn.Parameter) -> bool:
 def is_routed_expert_param(name: str, param) -> bool:
     # By name as well as by `allreduce`: megatron only marks experts allreduce=False when EP > 1,
     # but they are sharded over the expert-TP group whatever the EP size.
-    return not getattr(param, "allreduce", True) or (".experts." in name and "shared_experts" not in name)
+    return not getattr(param, "allreduce", True) or is_expert_param(name)
 
 
 def _tp_placement(name: str, param) -> tuple[Optional[int], Optional[dist.ProcessGroup]]:

@@ -22,10 +22,10 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_linear_name
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_linear_name, is_expert_param
 from megatron_qarl.quant.aligned import fp8_fake_quant_activation
 from megatron_qarl.quant.cache import CacheEntry, QuantCache
-from megatron_qarl.quant.config import QuantConfig, is_routed_expert
+from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.quant.errors import QuantizationError
 
 _WRAPPED_MARK = "_qarl_aligned_site"
@@ -147,7 +147,7 @@ def check_site_geometry(geom: SiteGeometry, quant_cfg: QuantConfig) -> None:
 def site_geometry(name: str, module: torch.nn.Module) -> SiteGeometry:
     _, row = _parallel_linear_classes()
     config = module.config
-    expert = is_routed_expert(hf_linear_name(name[: -len(".weight")]) or "")
+    expert = is_expert_param(name)
     group = getattr(module, "tp_group", None)
     parts = group.size() if group is not None else (
         config.expert_tensor_parallel_size if expert else config.tensor_model_parallel_size)

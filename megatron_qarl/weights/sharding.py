@@ -17,6 +17,8 @@ from typing import Mapping
 
 import torch
 
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import is_expert_param
+
 _LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
 
 
@@ -44,10 +46,6 @@ class ShardRule:
     partition_dim: int | None  # None: replicated
     glu: bool = False          # fc1 of a gated MLP: shard gate and up halves separately
     expert: bool = False       # split over expert-TP (and EP) instead of TP
-
-
-def is_expert_param(name: str) -> bool:
-    return ".mlp.experts." in name
 
 
 def shard_rule(name: str, param: torch.Tensor | None = None, *, gated_linear_unit: bool = True) -> ShardRule:

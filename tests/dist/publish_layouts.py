@@ -43,7 +43,8 @@ def hand_flip_frac(before: dict, after: dict) -> float:
 def perturb(model, lr: float, seed: int):
     """An in-place update of every master (what an optimizer step does): different per shard, identical on
     data-parallel replicas (as after a real step, whose gradients are all-reduced over DP)."""
-    from megatron_qarl.weights.sharding import RankCoords, is_expert_param
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import is_expert_param
+    from megatron_qarl.weights.sharding import RankCoords
 
     c = RankCoords.from_parallel_state()
     with torch.no_grad():

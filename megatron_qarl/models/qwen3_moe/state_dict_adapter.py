@@ -197,6 +197,12 @@ def hf_names(mcore_name: str) -> list[str]:
     return [base + "down_proj.weight"]
 
 
+def is_expert_param(mcore_name: str) -> bool:
+    """A routed-expert parameter or module of megatron's MoE layer (local, global or grouped-GEMM naming;
+    shared experts are `mlp.shared_experts` and do not count): split over expert-TP x EP, not TP."""
+    return ".mlp.experts." in f".{mcore_name}"
+
+
 def hf_linear_name(mcore_module: str) -> str | None:
     """The HF linear (first of a fused one) that megatron module `mcore_module` computes, or None when it
     is no Qwen3-MoE parameter owner; what a quantization scope is asked about."""
