@@ -102,7 +102,7 @@ class RunContext:
         """Context in which the learner's routers replay the sampler's experts (train.routing_replay)."""
         import contextlib
 
-        from megatron_qarl.moe.routing_replay import RouteLayoutError, replay_routing
+        from megatron_qarl.moe.replay import RouteLayoutError, replay_routing
 
         if self.cfg.train.routing_replay != "replay":
             return contextlib.nullcontext()
@@ -118,7 +118,7 @@ class RunContext:
         engine returned no routes."""
         from megatron.core import parallel_state
 
-        from megatron_qarl.moe.routing_replay import measure_replay_telemetry
+        from megatron_qarl.moe.replay import measure_replay_telemetry
 
         if batch.routed_experts is None or not self.cfg.train.routing_telemetry:
             return {}
@@ -230,7 +230,7 @@ def build_run_context(cfg: RunConfig) -> RunContext:
 
     from megatron_qarl.checkpointing import RunCheckpoints
     from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model
-    from megatron_qarl.moe.routing_replay import RouteGeometry
+    from megatron_qarl.moe.replay import RouteGeometry
     from megatron_qarl.optim import build_optimizer
     from megatron_qarl.parallel import init_distributed
     from megatron_qarl.quant.apply import apply_aligned_quantization
