@@ -389,12 +389,12 @@ def _is_rank0() -> bool:
 
 def _dp_mean(value: float) -> float:
     """Mean of a per-rank scalar over the data-parallel group (each DP rank trains on its own problems)."""
-    from megatron.core import parallel_state
+    from megatron_qarl.parallel import collective_device, dp_group
 
-    group = parallel_state.get_data_parallel_group()
+    group = dp_group()
     if dist.get_world_size(group) == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=collective_device(group))
     dist.all_reduce(t, group=group)
     return float(t.item()) / dist.get_world_size(group)
 

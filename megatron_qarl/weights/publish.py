@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from megatron_qarl.parallel import collective_device
 from megatron_qarl.quant.int4 import pack_int4_groupwise
 from megatron_qarl.weights.buckets import DEFAULT_BUCKET_BYTES, TensorMeta, iter_buckets, plan_buckets
 from megatron_qarl.weights.engine_layout import as_quant_config
@@ -410,7 +411,7 @@ class WeightPublisher:
         else:
             for _ in stream:
                 pass
-        counts = torch.tensor(flips + [1 if error is not None else 0], dtype=torch.int64, device=_collective_device())
+        counts = torch.tensor(flips + [1 if error is not None else 0], dtype=torch.int64, device=collective_device())
         dist.all_reduce(counts)
         if error is not None:
             raise error
@@ -425,14 +426,6 @@ class WeightPublisher:
             "publish/num_buckets": stats.num_buckets,
             "publish/code_flip_frac": changed / compared if compared else math.nan,
         }
-
-
-def _collective_device() -> torch.device:
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _changed_codes(previous: torch.Tensor, current: torch.Tensor, kind: str) -> int:
