@@ -118,7 +118,7 @@ class RunContext:
         engine returned no routes."""
         from megatron.core import parallel_state
 
-        from megatron_qarl.moe.replay import measure_replay_telemetry
+        from megatron_qarl.moe.telemetry import measure_replay_telemetry
 
         if batch.routed_experts is None or not self.cfg.train.routing_telemetry:
             return {}

@@ -16,8 +16,9 @@ from aligned_common import hf_model, seeded_hf_state, w4a16_dequantized_state  #
 from megatron_qarl.models.logprobs import token_logprobs  # noqa: E402
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, preset_hf_config, tiny_hf_config  # noqa: E402
 from megatron_qarl.moe.replay import (  # noqa: E402
-    RouteGeometry, RouteLayoutError, check_replay_fits, measure_replay_telemetry, observe_routers, pack_routes,
-    replay_routing, route_bytes_per_token, router_token_order, routes_as_map, sampler_routed_mask)
+    RouteGeometry, RouteLayoutError, check_replay_fits, pack_routes, replay_routing, route_bytes_per_token,
+    router_token_order, sampler_routed_mask)
+from megatron_qarl.moe.telemetry import measure_replay_telemetry, observe_routers, routes_as_map  # noqa: E402
 from megatron_qarl.parallel import ParallelLayout  # noqa: E402
 from megatron_qarl.quant import QuantConfig  # noqa: E402
 from megatron_qarl.rl.batch import build_rollout_batch  # noqa: E402
