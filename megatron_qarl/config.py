@@ -26,12 +26,15 @@ from megatron_qarl.optim import OptimConfig
 from megatron_qarl.parallel import ParallelLayout
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.rl.losses import LossConfig
-from megatron_qarl.sft import SFTConfig
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig
 
 
 class ConfigError(ValueError):
     """A run configuration that cannot be used; the message lists every problem and its fix."""
+
+
+class SFTConfigError(ValueError):
+    """An SFT setting is invalid; the message names the setting and the fix."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -47,6 +50,7 @@ DATA_SOURCES = ("file", "synthetic")
 ROUTING_REPLAY = ("off", "replay")
 WANDB_MODES = ("offline", "online", "disabled")
 RESUME_KEYWORDS = ("auto", "none")
+SFT_DTYPES = ("float32",)
 
 
 @dataclass
@@ -167,6 +171,73 @@ class LoggingConfig:
     jsonl: bool = True
     plots: bool = True
     log_every: int = 1
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm-up: optimisation, task distribution, evaluation and output.
+
+    The task fields must match the RL prompts (same digits / operators / style / digit order),
+    otherwise RL starts from a policy trained on another distribution.
+    """
+
+    steps: int = 700  # the budget; stop_at_sampled_accuracy usually ends the run earlier
+    batch_size: int = 64  # sequences per optimizer step, over all data-parallel ranks
+    lr: float = 2e-3
+    lr_warmup_steps: int = 20
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    seed: int = 0
+    # Task distribution (megatron_qarl.rl.synthetic.ArithmeticTaskConfig fields).
+    min_digits: int = 2
+    max_digits: int = 2
+    operators: str = "+"
+    style: str = "plain"
+    digit_order: str = "msd_first"  # "lsd_first": answers written least-significant digit first
+    # Evaluation on held-out prompts: greedy and temperature-1 sampled exact match.
+    eval_every: int = 25  # steps; 0 = only at the end (an eval of 128 prompts costs ~0.3 s)
+    eval_prompts: int = 128
+    eval_max_new_tokens: int = 8  # same budget as the RL rollout (rollout.max_new_tokens)
+    eval_temperature: float = 1.0
+    # Stop early once the sampled accuracy at an evaluation reaches this (None: run all steps).
+    stop_at_sampled_accuracy: float | None = 0.3
+    log_every: int = 10
+    # Learner dtype. fp32 only: megatron's bf16 optimizer (Float16OptimizerWithFloat16Params)
+    # requires CUDA tensors.
+    dtype: str = "float32"
+    init_checkpoint: str | None = None  # continue from a dist checkpoint instead of random init
+    out_checkpoint: str | None = "runs/sft/checkpoint"
+    overwrite: bool = True  # replace an existing out_checkpoint (atomically)
+
+    def validate(self) -> "SFTConfig":
+        problems = []
+        for name in ("steps", "batch_size", "eval_prompts", "eval_max_new_tokens", "log_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)!r}: must be an integer >= 1")
+        for name in ("eval_every", "lr_warmup_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)!r}: must be an integer >= 0")
+        if not self.lr > 0:
+            problems.append(f"lr={self.lr}: must be > 0 (e.g. 2e-3)")
+        if not self.eval_temperature > 0:
+            problems.append(f"eval_temperature={self.eval_temperature}: must be > 0 (greedy is always evaluated)")
+        if self.stop_at_sampled_accuracy is not None and not 0 < self.stop_at_sampled_accuracy <= 1:
+            problems.append(f"stop_at_sampled_accuracy={self.stop_at_sampled_accuracy}: must be in (0, 1] or null")
+        if self.dtype not in SFT_DTYPES:
+            problems.append(f"dtype={self.dtype!r}: choose one of {SFT_DTYPES} (megatron's bf16 optimizer "
+                            "needs CUDA; the RL learner may still compute in bf16)")
+        try:
+            self.task_config()
+        except ValueError as err:
+            problems.append(f"task: {err}")
+        if problems:
+            raise SFTConfigError("invalid SFT config: " + "; ".join(problems))
+        return self
+
+    def task_config(self, seed: int | None = None) -> ArithmeticTaskConfig:
+        return ArithmeticTaskConfig(min_digits=self.min_digits, max_digits=self.max_digits,
+                                    operations=tuple(self.operators), style=self.style,
+                                    digit_order=self.digit_order, seed=self.seed if seed is None else seed)
 
 
 @dataclass
