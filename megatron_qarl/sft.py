@@ -11,7 +11,7 @@ RL see one token distribution. Fresh problems are drawn every step; evaluation p
 
 Usage (one process, or under torchrun for TP/EP/DP):
 
-    python -m megatron_qarl.sft --config configs/tiny_qarl_w4a16_tbpo.yaml sft.out_checkpoint=runs/sft/ckpt
+    qarl-train sft --config configs/tiny_qarl_w4a16_tbpo.yaml sft.out_checkpoint=runs/sft/ckpt
 
 The CPU demo (configs/_base_tiny.yaml's `sft` section) trains 2-digit addition with answers written
 least-significant digit first (``63+43=`` -> ``601``): the tiny model learns it on every seed measured,
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -331,13 +330,6 @@ def _sft_section(cfg, sft: SFTConfig | None) -> SFTConfig:
         sft = getattr(cfg, "sft", None)
     if sft is None:
         raise SFTConfigError("no SFT settings: pass run_sft(cfg, SFTConfig(...)) or add an `sft` section to the config")
-    if not isinstance(sft, SFTConfig):  # an OmegaConf node, a dict, or an SFTConfig of another import
-        values = dataclasses.asdict(sft) if dataclasses.is_dataclass(sft) else dict(sft)
-        names = {f.name for f in dataclasses.fields(SFTConfig)}
-        unknown = sorted(set(values) - names)
-        if unknown:
-            raise SFTConfigError(f"unknown SFT settings {unknown}; known: {sorted(names)}")
-        sft = SFTConfig(**values)
     return sft.validate()
 
 
@@ -494,52 +486,3 @@ def _save(ddp, sft: SFTConfig, final: dict[str, Any]) -> str:
     if _is_rank0():
         print(f"[sft] saved dist checkpoint to {path}", flush=True)
     return str(path)
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """`python -m megatron_qarl.sft [--config run.yaml] [sft.key=value ...] [other.key=value ...]`."""
-    import argparse
-    import json
-
-    from megatron_qarl.config import load_config
-
-    parser = argparse.ArgumentParser(description="Supervised warm-up of the model on the synthetic task.")
-    parser.add_argument("--config", default=None, help="run config YAML (model / parallel sections are used)")
-    parser.add_argument("overrides", nargs="*", help="key=value; sft.<field>=... set SFTConfig fields")
-    args = parser.parse_args(argv)
-    from megatron_qarl.config import RunConfig
-
-    # Once RunConfig has an `sft` section, load_config validates sft.* overrides like any other key.
-    composed = any(f.name == "sft" for f in dataclasses.fields(RunConfig))
-    sft_overrides = [] if composed else [o for o in args.overrides if o.startswith("sft.")]
-    run_overrides = [o for o in args.overrides if o not in sft_overrides]
-    world = dist.get_world_size() if dist.is_initialized() else None
-    cfg = load_config(args.config, run_overrides, world_size=world)
-    sft = getattr(cfg, "sft", None) or SFTConfig()
-    sft = _apply_overrides(sft, sft_overrides)
-    rank0 = int(os.environ.get("RANK", "0")) == 0  # the process group is gone after run_sft
-    result = run_sft(cfg, sft)
-    if rank0:
-        print(json.dumps({k: v for k, v in result.items() if k not in ("history", "loss_history")}, indent=2))
-    return result
-
-
-def _apply_overrides(sft: SFTConfig, overrides: Sequence[str]) -> SFTConfig:
-    from omegaconf import OmegaConf
-
-    if not overrides:
-        return sft
-    base = OmegaConf.structured(sft)
-    try:
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist([o[len("sft."):] for o in overrides]))
-    except Exception as err:  # omegaconf raises several types for unknown keys / bad values
-        raise SFTConfigError(f"bad sft override {list(overrides)}: {err}") from err
-    return OmegaConf.to_object(merged)
-
-
-if __name__ == "__main__":
-    # Run the importable module's main, so classes built by OmegaConf (megatron_qarl.sft.SFTConfig)
-    # are the ones run_sft checks against, not __main__'s copies.
-    from megatron_qarl.sft import main as _main
-
-    _main()

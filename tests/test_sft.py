@@ -191,12 +191,13 @@ def test_saved_weights_are_the_trained_weights(tmp_path, tok):
 
 
 def test_cli_style_overrides_set_fields_and_reject_unknown_keys():
-    from megatron_qarl.sft import _apply_overrides
+    """`qarl-train sft ... sft.<field>=value`: the sft section is overridden like any other run key."""
+    from megatron_qarl.config import ConfigError, load_config
 
-    sft = _apply_overrides(SFTConfig(), ["sft.steps=7", "sft.operators=+-", "sft.stop_at_sampled_accuracy=0.3"])
+    sft = load_config(None, ["sft.steps=7", "sft.operators=+-", "sft.stop_at_sampled_accuracy=0.3"]).sft
     assert (sft.steps, sft.operators, sft.stop_at_sampled_accuracy) == (7, "+-", 0.3)
-    with pytest.raises(SFTConfigError, match="stepz"):
-        _apply_overrides(SFTConfig(), ["sft.stepz=7"])
+    with pytest.raises(ConfigError, match="stepz"):
+        load_config(None, ["sft.stepz=7"])
 
 
 @pytest.mark.dist
