@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_qarl.models.qwen3_moe import PRESETS as MODEL_PRESETS
+from megatron_qarl.models.qwen3_moe import PRESETS as MODEL_PRESETS, preset_hf_config
 from megatron_qarl.optim import OptimConfig
 from megatron_qarl.parallel import ParallelLayout
 from megatron_qarl.quant.config import QuantConfig
@@ -64,6 +64,18 @@ class ModelConfig:
     # Dtype of the learner's compute (GEMM inputs); masters are always fp32.
     dtype: str = "float32"  # bfloat16 needs train.optim.bf16=true (megatron mixed precision, GPU)
     tokenizer: str | None = None  # None: from hf_path; "char": the synthetic task's char tokenizer
+
+
+def resolve_hf_config(model: ModelConfig):
+    """The HF Qwen3-MoE config a `ModelConfig` names (RL, SFT and conversion alike): `<hf_path>/config.json`,
+    else the preset."""
+    if model.hf_path is not None:
+        from megatron_qarl.weights.hf_io import read_hf_config
+
+        return read_hf_config(model.hf_path)
+    if model.preset is None:
+        raise ConfigError("model: set model.preset (e.g. tiny) or model.hf_path")
+    return preset_hf_config(model.preset)
 
 
 @dataclass

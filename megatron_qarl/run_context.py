@@ -11,29 +11,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_qarl.config import RunConfig, save_yaml, to_dict
+from megatron_qarl.config import RunConfig, resolve_hf_config, save_yaml, to_dict
 from megatron_qarl.rl.batch import RolloutBatch
-
-
-def resolve_hf_config(cfg: RunConfig):
-    """The HF Qwen3-MoE config the run trains: a preset, or `<model.hf_path>/config.json`."""
-    if cfg.model.hf_path is not None:
-        from megatron_qarl.weights.hf_io import read_hf_config
-
-        return read_hf_config(cfg.model.hf_path)
-    from megatron_qarl.models.qwen3_moe import preset_hf_config
-
-    return preset_hf_config(cfg.model.preset)
-
-
-def load_tokenizer(cfg: RunConfig):
-    if cfg.model.tokenizer == "char" or (cfg.model.tokenizer is None and cfg.model.hf_path is None):
-        from megatron_qarl.rl.tokenizer import build_char_tokenizer
-
-        return build_char_tokenizer()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.hf_path)
+from megatron_qarl.rl.tokenizer import load_tokenizer
 
 
 def build_prompt_dataset(cfg: RunConfig, tokenizer):
@@ -239,8 +219,8 @@ def build_run_context(cfg: RunConfig) -> RunContext:
 
     layout = init_distributed(cfg.parallel, seed=cfg.train.seed)
     rank, world = dist.get_rank(), dist.get_world_size()
-    hf_config = resolve_hf_config(cfg)
-    tokenizer = load_tokenizer(cfg)
+    hf_config = resolve_hf_config(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
 
     # Each rank's loss is already normalised by the global token/sequence count, so DP gradients must
     # be summed, not averaged: megatron's calculate_per_token_loss switches DDP to sum.

@@ -33,8 +33,14 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_qarl.config import SFTConfig, SFTConfigError
+from megatron_qarl.config import SFTConfig, SFTConfigError, resolve_hf_config
+from megatron_qarl.parallel import (
+    ParallelLayout, collective_device, destroy_distributed, dp_group, dp_rank, dp_size, init_distributed,
+    is_logging_rank,
+)
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig, make_problem
+from megatron_qarl.rl.tokenizer import load_tokenizer
+
 
 # ----------------------------------------------------------------------------------------------
 # Data: encoding, loss mask, batches
@@ -244,35 +250,8 @@ def evaluate(model, tokenizer, problems: Sequence[dict[str, str]], sft: SFTConfi
 
 
 # ----------------------------------------------------------------------------------------------
-# Model, tokenizer, optimizer
+# Model, optimizer
 # ----------------------------------------------------------------------------------------------
-
-
-def build_tokenizer(model_cfg):
-    name = getattr(model_cfg, "tokenizer", None)
-    if name == "char":
-        from megatron_qarl.rl.tokenizer import build_char_tokenizer
-
-        return build_char_tokenizer()
-    path = name or getattr(model_cfg, "hf_path", None)
-    if not path:
-        raise SFTConfigError("model.tokenizer is not set and there is no model.hf_path to load one from; "
-                             "set model.tokenizer=char for the synthetic task")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def hf_config_for(model_cfg):
-    from megatron_qarl.models.qwen3_moe import preset_hf_config
-
-    if getattr(model_cfg, "preset", None):
-        return preset_hf_config(model_cfg.preset)
-    if getattr(model_cfg, "hf_path", None):
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(model_cfg.hf_path)
-    raise SFTConfigError("model: set model.preset (e.g. tiny) or model.hf_path")
 
 
 def build_sft_model(hf_config, layout, sft: SFTConfig):
@@ -309,14 +288,8 @@ def train_step(ddp, optimizer, batch: SFTBatch) -> tuple[float, float]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def _dp_mean(value: float) -> float:
     """Mean of a per-rank scalar over the data-parallel group (each DP rank trains on its own problems)."""
-    from megatron_qarl.parallel import collective_device, dp_group
-
     group = dp_group()
     if dist.get_world_size(group) == 1:
         return value
@@ -346,7 +319,7 @@ class _Progress:
         from tqdm import tqdm
 
         self.sft, self.dp = sft, dp
-        self.bar = tqdm(total=sft.steps, desc="sft", disable=not _is_rank0(), mininterval=1.0, dynamic_ncols=True)
+        self.bar = tqdm(total=sft.steps, desc="sft", disable=not is_logging_rank(), mininterval=1.0, dynamic_ncols=True)
         self.metrics: dict[str, Any] = {}
         self.loss_history: list[tuple[int, float]] = []  # (step, DP-mean loss of the log window)
         self._reset()
@@ -371,7 +344,7 @@ class _Progress:
         self.t0 += seconds
 
     def write(self, line: str) -> None:
-        if _is_rank0():
+        if is_logging_rank():
             self.bar.write(line)
 
     def close(self) -> None:
@@ -400,8 +373,6 @@ def run_sft(cfg, sft: SFTConfig | None = None) -> dict[str, Any]:
     Scripts that call it need an `if __name__ == "__main__":` guard: the checkpoint writer spawns
     processes that re-import the main module.
     """
-    from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
-
     sft = _sft_section(cfg, sft)
     owns_process_group = not dist.is_initialized()
     layout = init_distributed(getattr(cfg, "parallel", None) or ParallelLayout(), seed=sft.seed)
@@ -415,11 +386,9 @@ def run_sft(cfg, sft: SFTConfig | None = None) -> dict[str, Any]:
 
 
 def _train(cfg, sft: SFTConfig, layout) -> dict[str, Any]:
-    from megatron_qarl.parallel import dp_rank, dp_size
-
     t_start = time.perf_counter()
-    hf_config = hf_config_for(cfg.model)
-    tokenizer = build_tokenizer(cfg.model)
+    hf_config = resolve_hf_config(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
     _check_vocab(tokenizer, hf_config)
     if sft.batch_size % dp_size():
         raise SFTConfigError(f"batch_size={sft.batch_size} is not divisible by the data-parallel size "
@@ -432,8 +401,7 @@ def _train(cfg, sft: SFTConfig, layout) -> dict[str, Any]:
     eval_set = held_out_problems(sft)
     stream = ProblemStream(sft.task_config(), seed=sft.seed * 1000 + dp_rank(),
                            held_out={p["prompt"] for p in eval_set})
-    # Sequence parallel splits the sequence over TP ranks: pad to a multiple of TP.
-    pad_multiple = layout.tp if layout.sequence_parallel else 1
+    pad_multiple = layout.pad_multiple
     per_rank = sft.batch_size // dp_size()
 
     history: list[dict[str, Any]] = []
@@ -469,7 +437,7 @@ def _write_metrics(cfg, result: dict[str, Any]) -> None:
     import json
 
     out_dir = getattr(getattr(cfg, "logging", None), "out_dir", None)
-    if out_dir and _is_rank0():
+    if out_dir and is_logging_rank():
         from megatron_qarl.fileio import atomic_write_text
 
         atomic_write_text(Path(out_dir) / "sft_metrics.json", json.dumps(result, indent=1, default=str))
@@ -483,6 +451,6 @@ def _save(ddp, sft: SFTConfig, final: dict[str, Any]) -> str:
     extra = {"kind": "sft", "sft_config": dataclasses.asdict(sft),
              "metrics": {k: v for k, v in final.items() if isinstance(v, (int, float))}}
     save_dist_checkpoint(ddp, path, extra_state=extra, force=sft.overwrite)
-    if _is_rank0():
+    if is_logging_rank():
         print(f"[sft] saved dist checkpoint to {path}", flush=True)
     return str(path)
