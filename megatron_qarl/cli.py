@@ -19,22 +19,16 @@ class UserError(Exception):
     """Raised for problems the user can fix; the CLI prints the message without a traceback."""
 
 
-def _user_errors():
-    from megatron_qarl.config import ConfigError
+def _user_errors() -> tuple[type[Exception], ...]:
+    from megatron_qarl.checkpointing import CheckpointError as RunCheckpointError
+    from megatron_qarl.config import ConfigError, SFTConfigError
+    from megatron_qarl.quant.config import QuantConfigError
+    from megatron_qarl.rl.data import DatasetError
+    from megatron_qarl.weights.convert import ConversionError
+    from megatron_qarl.weights.hf_io import CheckpointError
 
-    errors = [UserError, ConfigError]
-    for module, name in (
-        ("megatron_qarl.rl.data", "DatasetError"),
-        ("megatron_qarl.weights.hf_io", "CheckpointError"),
-        ("megatron_qarl.checkpointing", "CheckpointError"),
-        ("megatron_qarl.quant.config", "QuantConfigError"),
-        ("megatron_qarl.weights.convert", "ConversionError"),
-    ):
-        try:
-            errors.append(getattr(__import__(module, fromlist=[name]), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errors)
+    return (UserError, ConfigError, SFTConfigError, DatasetError, CheckpointError, RunCheckpointError,
+            QuantConfigError, ConversionError)
 
 
 def _quiet_library_warnings() -> None:
@@ -143,11 +137,6 @@ def convert_main(argv=None) -> int:
         from conversion.cli import main as convert
 
         return convert(argv)
-    except ImportError as err:
-        if "conversion.cli" not in str(err) and "conversion" not in str(err):
-            raise
-        print("qarl-convert: not yet available (the conversion CLI lands with its issue)", file=sys.stderr)
-        return 2
     except errors as err:
         print(f"qarl-convert: error: {err}", file=sys.stderr)
         return 2
