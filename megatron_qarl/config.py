@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -623,7 +624,7 @@ def _check_world(cfg: RunConfig, world_size: int) -> list[str]:
                    f"(world {world_size} / (TP {tp} x PP {pp}))")
     if seqs_mini % dp:
         out.append(f"train.mini_batch_prompts x rollout.n = {seqs_mini} sequences is not divisible by DP "
-                   f"{dp}; make the mini-batch a multiple of {dp // _gcd(dp, r.n)} prompts")
+                   f"{dp}; make the mini-batch a multiple of {dp // math.gcd(dp, r.n)} prompts")
     elif (seqs_mini // dp) % t.micro_batch_size:
         out.append(f"each DP rank gets {seqs_mini // dp} sequences per mini-batch, not divisible by "
                    f"train.micro_batch_size={t.micro_batch_size}; choose a divisor of {seqs_mini // dp}")
@@ -636,12 +637,6 @@ def _check_world(cfg: RunConfig, world_size: int) -> list[str]:
         out.append(f"rollout.sglang.ep_size={r.sglang.ep_size} must divide rollout.sglang.tp_size="
                    f"{r.sglang.tp_size} (SGLang partitions experts inside its TP group)")
     return out
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 def _nearest_divisor(n: int, near: int) -> int:
