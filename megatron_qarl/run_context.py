@@ -42,6 +42,19 @@ def build_reward_fn(cfg: RunConfig):
     return build(RewardConfig(kind=cfg.data.reward, timeout_s=cfg.data.reward_timeout_s))
 
 
+def build_tracker(cfg: RunConfig, *, resume: bool = False):
+    """The metrics sinks of the logging rank, as `cfg.logging` asks for them."""
+    from megatron_qarl.tracking import MetricsTracker, TrackerConfig
+
+    log = cfg.logging
+    return MetricsTracker(
+        TrackerConfig(out_dir=log.out_dir, project=log.wandb.project, run_name=cfg.name, wandb_mode=log.wandb.mode,
+                      config=to_dict(cfg), jsonl=log.jsonl, plots=log.plots, log_every=log.log_every,
+                      total_steps=cfg.train.steps),
+        resume=resume,
+    )
+
+
 @dataclass
 class RunContext:
     cfg: RunConfig
@@ -174,7 +187,6 @@ class RunContext:
     def log(self, step: int, metrics: dict) -> dict:
         if self.tracker is not None:
             self.tracker.log(step, metrics)
-            _print_progress(step, self.cfg.train.steps, metrics)
         return metrics
 
     def maybe_checkpoint(self, step: int) -> None:
@@ -188,20 +200,13 @@ class RunContext:
             summary = self.tracker.summary()
             if summary:
                 print(f"[qarl] {summary}", flush=True)
-            plots = self.tracker.finish()
-            out = Path(self.cfg.logging.out_dir)
-            print(f"[qarl] metrics: {out / 'metrics.jsonl'}; plots: {', '.join(str(p) for p in plots)}")
+            written = self.tracker.finish()
+            if written:
+                print(f"[qarl] metrics: {', '.join(str(p) for p in written)}", flush=True)
         if self.engine is not None:
             self.engine.shutdown()
         if self.reward_fn is not None:
             self.reward_fn.close()
-
-
-def _print_progress(step: int, total: int, m: dict) -> None:
-    keys = (("reward/mean", "reward"), ("loss/value", "loss"), ("mismatch/k3", "k3"),
-            ("tbpo/kept_frac", "kept"), ("publish/code_flip_frac", "flips"), ("time/step_s", "s/step"))
-    parts = [f"{label} {m[k]:.4g}" for k, label in keys if isinstance(m.get(k), (int, float))]
-    print(f"[qarl] step {step + 1}/{total}  " + "  ".join(parts), flush=True)
 
 
 def build_run_context(cfg: RunConfig) -> RunContext:
@@ -272,14 +277,8 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     )
     ctx.start_step = ctx.checkpoints.resume(cfg.checkpoint.resume, ctx)
     if rank == 0:
-        from megatron_qarl.tracking import MetricsTracker, TrackerConfig
-
         save_yaml(cfg, Path(cfg.logging.out_dir) / "config.yaml")
-        ctx.tracker = MetricsTracker(
-            TrackerConfig(out_dir=cfg.logging.out_dir, project=cfg.logging.wandb.project, run_name=cfg.name,
-                          wandb_mode=cfg.logging.wandb.mode, config=to_dict(cfg)),
-            resume=ctx.start_step > 0,
-        )
+        ctx.tracker = build_tracker(cfg, resume=ctx.start_step > 0)
     return ctx
 
 
