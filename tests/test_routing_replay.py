@@ -324,12 +324,12 @@ def test_replay_is_exact_at_tp2_x_ep2(torchrun):
 def test_trainer_without_routes_under_replay_is_a_clear_error():
     from types import SimpleNamespace
 
-    from megatron_qarl.run_context import RunContext
+    from megatron_qarl.trainer import routing_replay
 
     ctx = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(routing_replay="replay")), model=None)
     micro = SimpleNamespace(routed_experts=None)
     with pytest.raises(RouteLayoutError, match="carries no routed experts"):
-        RunContext.routing_replay(ctx, micro)
+        routing_replay(ctx, micro)
 
 
 def _qarl_train_with_replay(out, nproc=1, *overrides):
