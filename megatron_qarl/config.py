@@ -144,8 +144,6 @@ class TrainConfig:
     prompts_per_step: int = 16  # train_batch_size (prompts; sequences = prompts * rollout.n)
     mini_batch_prompts: int = 4  # ppo_mini_batch_size: one optimizer step per mini-batch
     micro_batch_size: int = 4  # sequences per forward/backward on one DP rank
-    # Optional token budget per micro-batch (paper: ppo_max_token_len_per_gpu 22528); None: fixed size.
-    max_tokens_per_micro_batch: int | None = None
     recompute_activations: bool = False  # full-layer activation recompute (needed at 30B scale)
     seed: int = 1234
     routing_replay: str = "off"
@@ -482,12 +480,6 @@ def _check_positive(cfg: RunConfig) -> list[str]:
         out.append(f"checkpoint.resume={resume!r} is neither 'auto', 'none' nor an existing checkpoint path")
     if cfg.checkpoint.every < 0:
         out.append(f"checkpoint.every={cfg.checkpoint.every} must be >= 0 (0 = only at the end)")
-    if t.max_tokens_per_micro_batch is not None:
-        longest = d.max_prompt_len + r.max_new_tokens
-        if t.max_tokens_per_micro_batch < longest:
-            out.append(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} is below one "
-                       f"full sequence (data.max_prompt_len + rollout.max_new_tokens = {longest}); "
-                       f"raise it to at least {longest}")
     if d.source == "file" and not d.path:
         out.append("data.path is empty; set it to a JSONL/Parquet file or use data.source=synthetic")
     if t.prompts_per_step % t.mini_batch_prompts:

@@ -14,8 +14,8 @@ Trainer memory per GPU (bytes), for the parameters a rank holds under TP / EP / 
     128x128 block); plus per element 2 B (`reference`: dequantized bf16 weight), 0.5 B (`marlin`:
     repacked int4 copy) or 1 B (`te`: column-wise FP8 copy for the backward);
   - one publish bucket (publish.bucket_mb) in flight;
-  - activations of one micro-batch of T tokens (T = train.max_tokens_per_micro_batch, else
-    micro_batch_size x (max_prompt_len + max_new_tokens)), bf16, TP/SP-sharded, balanced routing:
+  - activations of one micro-batch of T = micro_batch_size x (max_prompt_len + max_new_tokens) tokens (the
+    widest micro-batch the trainer forms), bf16, TP/SP-sharded, balanced routing:
       attention per layer and token: 2 B x (2H + (2 n_heads + 2 n_kv) x head_dim) / TP
         (layernorm in/out, q/k/v and attention output saved for the flash-attention backward)
       MoE per layer and token:       2 B x 2H / TP + 8 B x E (fp32 router logits + probs)
@@ -190,8 +190,7 @@ def _optimizer_bytes(local: dict[str, float], optim) -> float:
 
 
 def _activation_bytes(cfg, shape: ModelShape, tp: int, etp: int) -> dict[str, float]:
-    t = cfg.train.max_tokens_per_micro_batch or (
-        cfg.train.micro_batch_size * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens))
+    t = cfg.train.micro_batch_size * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
     h, hd, f = shape.hidden_size, shape.head_dim, shape.moe_intermediate_size
     attn = 2.0 * (2 * h + (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads) * hd) / tp
     moe = 2.0 * 2 * h / tp + 8.0 * shape.num_experts + \
