@@ -425,7 +425,9 @@ def _estimate(preset: str, layers: int, tokens: int, quant, optim_name: str, bf1
     overrides = [
         "model.preset=null", f"model.hf_path={hf_dir}", f"model.dtype={'bfloat16' if bf16 else 'float32'}",
         "parallel.tp=1", "parallel.ep=1", "parallel.etp=1", "parallel.sp=false",
-        "train.micro_batch_size=1", f"train.max_tokens_per_micro_batch={tokens}",
+        # one sequence of `tokens` tokens per micro-batch: the estimate's T = 1 x (prompt + response)
+        "train.micro_batch_size=1", f"data.max_prompt_len={tokens // 2}",
+        f"rollout.max_new_tokens={tokens - tokens // 2}",
         "train.recompute_activations=false", f"train.optim.name={optim_name}", f"train.optim.bf16={str(bf16).lower()}",
     ]
     if quant is None:

@@ -19,22 +19,16 @@ class UserError(Exception):
     """Raised for problems the user can fix; the CLI prints the message without a traceback."""
 
 
-def _user_errors():
-    from megatron_qarl.config import ConfigError
+def _user_errors() -> tuple[type[Exception], ...]:
+    from megatron_qarl.checkpointing import CheckpointError as RunCheckpointError
+    from megatron_qarl.config import ConfigError, SFTConfigError
+    from megatron_qarl.quant.config import QuantConfigError
+    from megatron_qarl.rl.data import DatasetError
+    from megatron_qarl.weights.convert import ConversionError
+    from megatron_qarl.weights.hf_io import CheckpointError
 
-    errors = [UserError, ConfigError]
-    for module, name in (
-        ("megatron_qarl.rl.data", "DatasetError"),
-        ("megatron_qarl.weights.hf_io", "CheckpointError"),
-        ("megatron_qarl.checkpointing", "CheckpointError"),
-        ("megatron_qarl.quant.config", "QuantConfigError"),
-        ("megatron_qarl.weights.convert", "ConversionError"),
-    ):
-        try:
-            errors.append(getattr(__import__(module, fromlist=[name]), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errors)
+    return (UserError, ConfigError, SFTConfigError, DatasetError, CheckpointError, RunCheckpointError,
+            QuantConfigError, ConversionError)
 
 
 def _quiet_library_warnings() -> None:
@@ -45,6 +39,47 @@ def _quiet_library_warnings() -> None:
 
 def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _count(n: float) -> str:
+    return f"{int(n):,} ({n / 1e9:.3f} B)"
+
+
+def _human(n_bytes: float) -> str:
+    for unit, size in (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if n_bytes >= size:
+            return f"{n_bytes / size:.2f} {unit}"
+    return f"{n_bytes:.0f} B"
+
+
+def format_dry_run(cfg, world_size: int) -> str:
+    """Resolved config + parallel layout + memory estimate, as `qarl-train --dry-run` prints it."""
+    from megatron_qarl.config import to_yaml, validate_config
+    from megatron_qarl.memory import estimate_memory
+
+    validate_config(cfg, world_size=world_size)
+    est = estimate_memory(cfg, world_size)
+    lay, p, tr, eng = est["layout"], est["params"], est["trainer_per_gpu"], est["engine"]
+    lines = ["# resolved config", to_yaml(cfg).rstrip(), "",
+             "# parallel layout",
+             f"world {lay['world_size']} = TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']}; experts: "
+             f"EP {lay['ep']} x ETP {lay['etp']} x expert-DP {lay['expert_dp']}; sequence parallel "
+             f"{'on' if cfg.parallel.sequence_parallel else 'off'}",
+             "",
+             "# parameters (B = billions)",
+             f"total {_count(p['total'])}, active per token {_count(p['active'])}, "
+             f"held per GPU {_count(p['local_per_gpu'])}",
+             "",
+             f"# trainer memory per GPU (micro-batch of {est['tokens_per_micro_batch']} tokens)"]
+    lines += [f"{k:<20}{_human(v):>14}" for k, v in tr.items()]
+    lines += ["", "# rollout engine weights",
+              f"published ({cfg.quant.scheme}) total {_human(eng['published_total'])}, bf16 would be "
+              f"{_human(eng['bf16_total'])}; per engine GPU ({eng['engine_gpus']} GPUs per engine) "
+              f"{_human(eng['per_engine_gpu'])}"]
+    if cfg.rollout.engine == "sglang" and cfg.rollout.sglang.mode == "colocated":
+        lines.append(f"colocated: the engine also takes mem_fraction_static "
+                     f"{cfg.rollout.sglang.mem_fraction_static} of each GPU while it is resident")
+    return "\n".join(lines) + "\n"
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -78,10 +113,6 @@ def train_main(argv=None) -> int:
 
         cfg = load_config(args.config, args.overrides, world_size=_world_size())
         if args.dry_run:
-            from megatron_qarl.config import to_yaml
-            from megatron_qarl.memory import format_dry_run
-
-            print(to_yaml(cfg))
             print(format_dry_run(cfg, _world_size()))
             return 0
         if mode == "sft":
@@ -106,11 +137,6 @@ def convert_main(argv=None) -> int:
         from conversion.cli import main as convert
 
         return convert(argv)
-    except ImportError as err:
-        if "conversion.cli" not in str(err) and "conversion" not in str(err):
-            raise
-        print("qarl-convert: not yet available (the conversion CLI lands with its issue)", file=sys.stderr)
-        return 2
     except errors as err:
         print(f"qarl-convert: error: {err}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,6 @@ from megatron_qarl.optim import OptimConfig
 from megatron_qarl.parallel import ParallelLayout
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.rl.losses import LossConfig
-from megatron_qarl.sft import SFTConfig
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig
 
 
@@ -34,12 +34,18 @@ class ConfigError(ValueError):
     """A run configuration that cannot be used; the message lists every problem and its fix."""
 
 
+class SFTConfigError(ValueError):
+    """An SFT setting is invalid; the message names the setting and the fix."""
+
+
 # --------------------------------------------------------------------------------------------------
 # Schema
 # --------------------------------------------------------------------------------------------------
 
 COMPUTE_DTYPES = ("bfloat16", "float32")
-ENGINES = ("embedded", "sglang", "vllm")
+ENGINES = ("embedded", "sglang")
+# Engines the rollout protocol names but that are not built yet: refused up front, not at the first rollout.
+UNBUILT_ENGINES = ("vllm",)
 SGLANG_MODES = ("colocated", "separate")
 SGLANG_LAUNCH = ("subprocess", "inprocess", "attach")
 REWARDS = ("exact_match", "math")
@@ -47,6 +53,7 @@ DATA_SOURCES = ("file", "synthetic")
 ROUTING_REPLAY = ("off", "replay")
 WANDB_MODES = ("offline", "online", "disabled")
 RESUME_KEYWORDS = ("auto", "none")
+SFT_DTYPES = ("float32",)
 
 
 @dataclass
@@ -127,8 +134,6 @@ class TrainConfig:
     prompts_per_step: int = 16  # train_batch_size (prompts; sequences = prompts * rollout.n)
     mini_batch_prompts: int = 4  # ppo_mini_batch_size: one optimizer step per mini-batch
     micro_batch_size: int = 4  # sequences per forward/backward on one DP rank
-    # Optional token budget per micro-batch (paper: ppo_max_token_len_per_gpu 22528); None: fixed size.
-    max_tokens_per_micro_batch: int | None = None
     recompute_activations: bool = False  # full-layer activation recompute (needed at 30B scale)
     seed: int = 1234
     routing_replay: str = "off"
@@ -167,6 +172,73 @@ class LoggingConfig:
     jsonl: bool = True
     plots: bool = True
     log_every: int = 1
+
+
+@dataclass
+class SFTConfig:
+    """Supervised warm-up: optimisation, task distribution, evaluation and output.
+
+    The task fields must match the RL prompts (same digits / operators / style / digit order),
+    otherwise RL starts from a policy trained on another distribution.
+    """
+
+    steps: int = 700  # the budget; stop_at_sampled_accuracy usually ends the run earlier
+    batch_size: int = 64  # sequences per optimizer step, over all data-parallel ranks
+    lr: float = 2e-3
+    lr_warmup_steps: int = 20
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    seed: int = 0
+    # Task distribution (megatron_qarl.rl.synthetic.ArithmeticTaskConfig fields).
+    min_digits: int = 2
+    max_digits: int = 2
+    operators: str = "+"
+    style: str = "plain"
+    digit_order: str = "msd_first"  # "lsd_first": answers written least-significant digit first
+    # Evaluation on held-out prompts: greedy and temperature-1 sampled exact match.
+    eval_every: int = 25  # steps; 0 = only at the end (an eval of 128 prompts costs ~0.3 s)
+    eval_prompts: int = 128
+    eval_max_new_tokens: int = 8  # same budget as the RL rollout (rollout.max_new_tokens)
+    eval_temperature: float = 1.0
+    # Stop early once the sampled accuracy at an evaluation reaches this (None: run all steps).
+    stop_at_sampled_accuracy: float | None = 0.3
+    log_every: int = 10
+    # Learner dtype. fp32 only: megatron's bf16 optimizer (Float16OptimizerWithFloat16Params)
+    # requires CUDA tensors.
+    dtype: str = "float32"
+    init_checkpoint: str | None = None  # continue from a dist checkpoint instead of random init
+    out_checkpoint: str | None = "runs/sft/checkpoint"
+    overwrite: bool = True  # replace an existing out_checkpoint (atomically)
+
+    def validate(self) -> "SFTConfig":
+        problems = []
+        for name in ("steps", "batch_size", "eval_prompts", "eval_max_new_tokens", "log_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)!r}: must be an integer >= 1")
+        for name in ("eval_every", "lr_warmup_steps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                problems.append(f"{name}={getattr(self, name)!r}: must be an integer >= 0")
+        if not self.lr > 0:
+            problems.append(f"lr={self.lr}: must be > 0 (e.g. 2e-3)")
+        if not self.eval_temperature > 0:
+            problems.append(f"eval_temperature={self.eval_temperature}: must be > 0 (greedy is always evaluated)")
+        if self.stop_at_sampled_accuracy is not None and not 0 < self.stop_at_sampled_accuracy <= 1:
+            problems.append(f"stop_at_sampled_accuracy={self.stop_at_sampled_accuracy}: must be in (0, 1] or null")
+        if self.dtype not in SFT_DTYPES:
+            problems.append(f"dtype={self.dtype!r}: choose one of {SFT_DTYPES} (megatron's bf16 optimizer "
+                            "needs CUDA; the RL learner may still compute in bf16)")
+        try:
+            self.task_config()
+        except ValueError as err:
+            problems.append(f"task: {err}")
+        if problems:
+            raise SFTConfigError("invalid SFT config: " + "; ".join(problems))
+        return self
+
+    def task_config(self, seed: int | None = None) -> ArithmeticTaskConfig:
+        return ArithmeticTaskConfig(min_digits=self.min_digits, max_digits=self.max_digits,
+                                    operations=tuple(self.operators), style=self.style,
+                                    digit_order=self.digit_order, seed=self.seed if seed is None else seed)
 
 
 @dataclass
@@ -332,7 +404,11 @@ def _check_choices(cfg: RunConfig) -> list[str]:
     if cfg.model.preset is not None:
         out += _choice("model.preset", cfg.model.preset, tuple(MODEL_PRESETS))
     out += _choice("model.dtype", cfg.model.dtype, COMPUTE_DTYPES)
-    out += _choice("rollout.engine", cfg.rollout.engine, ENGINES)
+    if cfg.rollout.engine in UNBUILT_ENGINES:
+        out.append(f"rollout.engine={cfg.rollout.engine!r}: {cfg.rollout.engine} is not built yet; use "
+                   f"{' or '.join(ENGINES)}")
+    else:
+        out += _choice("rollout.engine", cfg.rollout.engine, ENGINES)
     out += _choice("rollout.embedded_dtype", cfg.rollout.embedded_dtype, COMPUTE_DTYPES)
     out += _choice("rollout.sglang.mode", cfg.rollout.sglang.mode, SGLANG_MODES)
     out += _choice("rollout.sglang.launch", cfg.rollout.sglang.launch, SGLANG_LAUNCH)
@@ -398,12 +474,6 @@ def _check_positive(cfg: RunConfig) -> list[str]:
         out.append(f"checkpoint.resume={resume!r} is neither 'auto', 'none' nor an existing checkpoint path")
     if cfg.checkpoint.every < 0:
         out.append(f"checkpoint.every={cfg.checkpoint.every} must be >= 0 (0 = only at the end)")
-    if t.max_tokens_per_micro_batch is not None:
-        longest = d.max_prompt_len + r.max_new_tokens
-        if t.max_tokens_per_micro_batch < longest:
-            out.append(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} is below one "
-                       f"full sequence (data.max_prompt_len + rollout.max_new_tokens = {longest}); "
-                       f"raise it to at least {longest}")
     if d.source == "file" and not d.path:
         out.append("data.path is empty; set it to a JSONL/Parquet file or use data.source=synthetic")
     if t.prompts_per_step % t.mini_batch_prompts:
@@ -438,9 +508,6 @@ def _check_engine_quant(cfg: RunConfig) -> list[str]:
     if r.engine == "sglang" and r.sglang.launch == "inprocess" and r.sglang.mode == "separate":
         out.append("rollout.sglang.launch=inprocess runs the engine inside the trainer process, which is "
                    "mode=colocated; use launch=subprocess or attach for mode=separate")
-    if cfg.train.routing_replay == "replay" and r.engine == "vllm":
-        out.append("train.routing_replay=replay needs routed experts from the engine; the vllm engine does "
-                   "not return them (use engine embedded or sglang, or routing_replay=off)")
     return out
 
 
@@ -450,7 +517,7 @@ def _check_shard_shapes(cfg: RunConfig) -> list[str]:
     from megatron_qarl.models.qwen3_moe.args import ModelShape, resolve_hf_config
 
     try:
-        shape = ModelShape.from_hf(resolve_hf_config(cfg.model.hf_path, cfg.model.preset))
+        shape = ModelShape.from_hf(resolve_hf_config(cfg.model))
     except (ValueError, OSError, KeyError) as err:
         return [f"model: {err}"]
     layout = cfg.parallel
@@ -540,7 +607,7 @@ def _check_world(cfg: RunConfig, world_size: int) -> list[str]:
                    f"(world {world_size} / (TP {tp} x PP {pp}))")
     if seqs_mini % dp:
         out.append(f"train.mini_batch_prompts x rollout.n = {seqs_mini} sequences is not divisible by DP "
-                   f"{dp}; make the mini-batch a multiple of {dp // _gcd(dp, r.n)} prompts")
+                   f"{dp}; make the mini-batch a multiple of {dp // math.gcd(dp, r.n)} prompts")
     elif (seqs_mini // dp) % t.micro_batch_size:
         out.append(f"each DP rank gets {seqs_mini // dp} sequences per mini-batch, not divisible by "
                    f"train.micro_batch_size={t.micro_batch_size}; choose a divisor of {seqs_mini // dp}")
@@ -553,12 +620,6 @@ def _check_world(cfg: RunConfig, world_size: int) -> list[str]:
         out.append(f"rollout.sglang.ep_size={r.sglang.ep_size} must divide rollout.sglang.tp_size="
                    f"{r.sglang.tp_size} (SGLang partitions experts inside its TP group)")
     return out
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 def _nearest_divisor(n: int, near: int) -> int:

@@ -14,8 +14,8 @@ Trainer memory per GPU (bytes), for the parameters a rank holds under TP / EP / 
     128x128 block); plus per element 2 B (`reference`: dequantized bf16 weight), 0.5 B (`marlin`:
     repacked int4 copy) or 1 B (`te`: column-wise FP8 copy for the backward);
   - one publish bucket (publish.bucket_mb) in flight;
-  - activations of one micro-batch of T tokens (T = train.max_tokens_per_micro_batch, else
-    micro_batch_size x (max_prompt_len + max_new_tokens)), bf16, TP/SP-sharded, balanced routing:
+  - activations of one micro-batch of T = micro_batch_size x (max_prompt_len + max_new_tokens) tokens (the
+    widest micro-batch the trainer forms), bf16, TP/SP-sharded, balanced routing:
       attention per layer and token: 2 B x (2H + (2 n_heads + 2 n_kv) x head_dim) / TP
         (layernorm in/out, q/k/v and attention output saved for the flash-attention backward)
       MoE per layer and token:       2 B x 2H / TP + 8 B x E (fp32 router logits + probs)
@@ -74,8 +74,7 @@ def _optimizer_bytes(local: dict[str, float], optim) -> float:
 
 
 def _activation_bytes(cfg, shape: ModelShape, tp: int, etp: int) -> dict[str, float]:
-    t = cfg.train.max_tokens_per_micro_batch or (
-        cfg.train.micro_batch_size * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens))
+    t = cfg.train.micro_batch_size * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
     h, hd, f = shape.hidden_size, shape.head_dim, shape.moe_intermediate_size
     attn = 2.0 * (2 * h + (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads) * hd) / tp
     moe = 2.0 * 2 * h / tp + 8.0 * shape.num_experts + \
@@ -91,7 +90,7 @@ def _activation_bytes(cfg, shape: ModelShape, tp: int, etp: int) -> dict[str, fl
 
 def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     """Per-GPU byte estimate for `cfg` on `world_size` trainer ranks (see the module docstring)."""
-    hf_config = resolve_hf_config(cfg.model.hf_path, cfg.model.preset)
+    hf_config = resolve_hf_config(cfg.model)
     shape = ModelShape.from_hf(hf_config)
     layout = cfg.parallel
     tp, ep = layout.tp, layout.ep
@@ -148,48 +147,3 @@ def engine_weight_bytes(cfg, groups: ParamGroups) -> dict[str, float]:
     engine_gpus = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else 1
     return {"published_total": published, "bf16_total": bf16_all, "engine_gpus": engine_gpus,
             "per_engine_gpu": published / engine_gpus}
-
-
-# --------------------------------------------------------------------------------------------------
-# Dry run
-# --------------------------------------------------------------------------------------------------
-
-def _count(n: float) -> str:
-    return f"{int(n):,} ({n / 1e9:.3f} B)"
-
-
-def _human(n_bytes: float) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", 1024 ** 2), ("KiB", 1024)):
-        if n_bytes >= size:
-            return f"{n_bytes / size:.2f} {unit}"
-    return f"{n_bytes:.0f} B"
-
-
-def format_dry_run(cfg, world_size: int) -> str:
-    """Resolved config + parallel layout + memory estimate, as `qarl-train --dry-run` prints it."""
-    from megatron_qarl.config import to_yaml, validate_config
-
-    validate_config(cfg, world_size=world_size)
-    est = estimate_memory(cfg, world_size)
-    lay, p, tr, eng = est["layout"], est["params"], est["trainer_per_gpu"], est["engine"]
-    sp = cfg.parallel.sp if cfg.parallel.sp is not None else lay["tp"] > 1
-    lines = ["# resolved config", to_yaml(cfg).rstrip(), "",
-             "# parallel layout",
-             f"world {lay['world_size']} = TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']}; experts: "
-             f"EP {lay['ep']} x ETP {lay['etp']} x expert-DP {lay['expert_dp']}; sequence parallel "
-             f"{'on' if sp else 'off'}",
-             "",
-             "# parameters (B = billions)",
-             f"total {_count(p['total'])}, active per token {_count(p['active'])}, "
-             f"held per GPU {_count(p['local_per_gpu'])}",
-             "",
-             f"# trainer memory per GPU (micro-batch of {est['tokens_per_micro_batch']} tokens)"]
-    lines += [f"{k:<20}{_human(v):>14}" for k, v in tr.items()]
-    lines += ["", "# rollout engine weights",
-              f"published ({cfg.quant.scheme}) total {_human(eng['published_total'])}, bf16 would be "
-              f"{_human(eng['bf16_total'])}; per engine GPU ({eng['engine_gpus']} GPUs per engine) "
-              f"{_human(eng['per_engine_gpu'])}"]
-    if cfg.rollout.engine == "sglang" and cfg.rollout.sglang.mode == "colocated":
-        lines.append(f"colocated: the engine also takes mem_fraction_static "
-                     f"{cfg.rollout.sglang.mem_fraction_static} of each GPU while it is resident")
-    return "\n".join(lines) + "\n"

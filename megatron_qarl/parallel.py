@@ -40,6 +40,11 @@ class ParallelLayout:
     def sequence_parallel(self) -> bool:
         return self.tp > 1 if self.sp is None else self.sp
 
+    @property
+    def pad_multiple(self) -> int:
+        """Sequence lengths must be a multiple of this: sequence parallel splits the sequence over TP."""
+        return self.tp if self.sequence_parallel else 1
+
     def dp(self, world_size: int) -> int:
         """Data-parallel size of the dense part (world / (tp * pp))."""
         self.validate(world_size)
@@ -162,3 +167,32 @@ def dp_size() -> int:
     from megatron.core import parallel_state
 
     return parallel_state.get_data_parallel_world_size()
+
+
+def dp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group()
+
+
+# The one global rank that drives the rollout engine, reads the prompts and scores the rewards; the batch
+# it builds is broadcast from it. It happens to be the logging rank too, but the two are separate roles.
+ROLLOUT_RANK = 0
+
+
+def is_rollout_rank() -> bool:
+    return dist.get_rank() == ROLLOUT_RANK
+
+
+def is_logging_rank() -> bool:
+    """The rank that writes metrics, the resolved config and console progress (global rank 0, or the only
+    process when there is no process group)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def collective_device(group=None) -> torch.device:
+    """Where a tensor must live to take part in a collective on `group`: NCCL only takes CUDA tensors,
+    gloo host ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -25,6 +25,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from megatron_qarl.rl.metrics import k3
+
 
 class ProbeError(ValueError):
     """Bad probe input (prompts, checkpoint, scheme)."""
@@ -59,8 +61,8 @@ class MismatchStats:
 def mismatch_stats(learner_logp: torch.Tensor, sampler_logp: torch.Tensor) -> MismatchStats:
     """Token-level stats of two equally shaped 1-D log-prob tensors (learner, sampler) in fp64."""
     delta = learner_logp.double() - sampler_logp.double()
-    k3 = torch.expm1(delta) - delta  # r - 1 - log r with log r = delta
-    return MismatchStats(tokens=int(delta.numel()), mean_abs_dlogp=float(delta.abs().mean()), k3=float(k3.mean()))
+    return MismatchStats(tokens=int(delta.numel()), mean_abs_dlogp=float(delta.abs().mean()),
+                         k3=float(k3(delta).mean()))
 
 
 def _sample(hf_config, hf_state, prompts, settings: ProbeSettings, quant_cfg):

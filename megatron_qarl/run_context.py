@@ -1,36 +1,20 @@
-"""Everything one training run holds, built once from a `RunConfig`: parallel state, the megatron model
-(with the aligned low-bit forward applied), DDP, optimizer, rollout engine, publisher, data, rewards,
-metrics sinks and checkpoints. The loop in `trainer.py` only calls the small methods below.
+"""Everything one training run holds, built once from a `RunConfig`: the megatron model (with the aligned
+low-bit forward applied), DDP, optimizer, rollout engine, publisher, data, rewards, metrics sinks and
+checkpoints. The loop and its phases are `trainer.py`'s; this module only builds what they use.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_qarl.config import RunConfig, save_yaml, to_dict
-from megatron_qarl.rl.batch import RolloutBatch
-
-
-def resolve_hf_config(cfg: RunConfig):
-    """The HF Qwen3-MoE config the run trains: a preset, or `<model.hf_path>/config.json`."""
-    from megatron_qarl.models.qwen3_moe.args import resolve_hf_config as resolve
-
-    return resolve(cfg.model.hf_path, cfg.model.preset)
-
-
-def load_tokenizer(cfg: RunConfig):
-    if cfg.model.tokenizer == "char" or (cfg.model.tokenizer is None and cfg.model.hf_path is None):
-        from megatron_qarl.rl.tokenizer import build_char_tokenizer
-
-        return build_char_tokenizer()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(cfg.model.tokenizer or cfg.model.hf_path)
+from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
+from megatron_qarl.parallel import init_distributed, is_logging_rank, is_rollout_rank
+from megatron_qarl.rl.tokenizer import load_tokenizer
 
 
 def build_prompt_dataset(cfg: RunConfig, tokenizer):
@@ -59,185 +43,56 @@ def build_reward_fn(cfg: RunConfig):
     return build(RewardConfig(kind=cfg.data.reward, timeout_s=cfg.data.reward_timeout_s))
 
 
+def build_tracker(cfg: RunConfig, *, resume: bool = False):
+    """The metrics sinks of the logging rank, as `cfg.logging` asks for them."""
+    from megatron_qarl.tracking import MetricsTracker, TrackerConfig
+
+    log = cfg.logging
+    return MetricsTracker(
+        TrackerConfig(out_dir=log.out_dir, project=log.wandb.project, run_name=cfg.name, wandb_mode=log.wandb.mode,
+                      config=to_dict(cfg), jsonl=log.jsonl, plots=log.plots, log_every=log.log_every,
+                      total_steps=cfg.train.steps),
+        resume=resume,
+    )
+
+
 @dataclass
 class RunContext:
+    """The built state of a run; the phases that use it are plain functions in `trainer.py`. Rank and
+    data-parallel coordinates are not copied here: `megatron_qarl.parallel` reads them from megatron."""
+
     cfg: RunConfig
     model: Any  # megatron DDP-wrapped GPTModel
     optimizer: Any
     quant: Any  # AlignedQuantization or None (unaligned learner)
     publisher: Any
-    engine: Any  # only on the rollout rank
+    engine: Any  # only on the rollout rank (parallel.is_rollout_rank)
     tokenizer: Any
     data: Any  # only on the rollout rank
     reward_fn: Any  # only on the rollout rank
-    tracker: Any  # only on rank 0
+    tracker: Any  # only on the logging rank (parallel.is_logging_rank)
     checkpoints: Any
-    sampling: Any
+    sampling: Any  # step 0's SamplingParams; each step offsets the seed
     start_step: int
-    rank: int
-    world_size: int
-    dp_rank: int
-    dp_size: int
-    dp_group: Any
-    pad_multiple: int
     route_geometry: Any = None  # RouteGeometry: what the engine's routed experts must fit
-
-    @property
-    def is_rollout_rank(self) -> bool:
-        return self.rank == 0
-
-    # -- learner ----------------------------------------------------------------------------------
-    def forward_logprobs(self, micro: RolloutBatch) -> torch.Tensor:
-        from megatron_qarl.models.logprobs import token_logprobs
-
-        return token_logprobs(
-            self.model, micro.input_ids, temperature=self.cfg.rollout.temperature,
-            padding_mask=micro.padding_mask,
-        )
-
-    def routing_replay(self, micro: RolloutBatch):
-        """Context in which the learner's routers replay the sampler's experts (train.routing_replay)."""
-        import contextlib
-
-        from megatron_qarl.moe.routing_replay import RouteLayoutError, replay_routing
-
-        if self.cfg.train.routing_replay != "replay":
-            return contextlib.nullcontext()
-        if micro.routed_experts is None:
-            raise RouteLayoutError("train.routing_replay=replay but the rollout batch carries no routed experts: "
-                                   "the engine must return them (sglang return_routed_experts / embedded engine)")
-        return replay_routing(self.model, micro.routed_experts)
-
-    @torch.no_grad()
-    def routing_telemetry(self, batch: RolloutBatch) -> dict:
-        """Per-layer sampler<->learner router mismatch (learner with replay off) and the sampler<->learner
-        k3 with and without replay; one extra forward per micro-batch (two when replay is off). {} when the
-        engine returned no routes."""
-        from megatron.core import parallel_state
-
-        from megatron_qarl.moe.routing_replay import measure_replay_telemetry
-
-        if batch.routed_experts is None or not self.cfg.train.routing_telemetry:
-            return {}
-        mbs = self.cfg.train.micro_batch_size
-        replayed = None
-        if self.cfg.train.routing_replay == "replay":
-            replayed = list(batch.old_logp.split(mbs))  # l_old was computed with replay
-        self.model.eval()
-        tel = measure_replay_telemetry(self.model, list(batch.chunks(mbs)), self.forward_logprobs, replayed)
-        self.model.train()
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        sp_groups = [parallel_state.get_tensor_model_parallel_group()] if tp > 1 and self.pad_multiple > 1 else []
-        dp_groups = [self.dp_group] if self.dp_size > 1 else []
-        tel.reduce(token_groups=sp_groups + dp_groups, logp_groups=dp_groups)
-        return tel.metrics()
-
-    def zero_grad(self) -> None:
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-
-    def optimizer_step(self) -> dict:
-        from megatron.core.distributed import finalize_model_grads
-
-        finalize_model_grads([self.model])
-        success, grad_norm, _ = self.optimizer.step()
-        if self.quant is not None:
-            self.quant.invalidate()  # masters changed: the next forward re-quantizes once
-        return {
-            "optim/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "optim/skipped": 0.0 if success else 1.0,
-            "optim/lr": self.optimizer.current_lr(),
-        }
-
-    # -- communication helpers ----------------------------------------------------------------------
-    def gather_dp(self, items: list) -> list:
-        """Concatenate a per-rank list over the data-parallel group (metrics dicts, small objects)."""
-        if self.dp_size == 1:
-            return list(items)
-        out: list = [None] * self.dp_size
-        dist.all_gather_object(out, items, group=self.dp_group)
-        return [x for part in out for x in part]
-
-    # -- engine memory (colocated SGLang shares the trainer's GPUs) ------------------------------------
-    @property
-    def _colocated(self) -> bool:
-        return self.engine is not None and self.cfg.rollout.engine == "sglang" and \
-            self.cfg.rollout.sglang.mode == "colocated"
-
-    def engine_sleep(self) -> None:
-        if self._colocated:
-            self.engine.release_memory()
-
-    def engine_wake(self) -> None:
-        if self._colocated:
-            self.engine.resume_memory()
-
-    # -- publish / log / checkpoint -----------------------------------------------------------------
-    def publish(self) -> dict:
-        return self.publisher.publish()
-
-    def reward_step_metrics(self) -> dict:
-        stats = self.reward_fn.stats
-        now = stats.as_metrics()
-        prev = getattr(self, "_reward_prev", {k: 0.0 for k in now})
-        self._reward_prev = now
-        return {f"{k}_step": now[k] - prev.get(k, 0.0) for k in now}
-
-    def advantages(self, rewards: torch.Tensor, group_ids: list[int]):
-        from megatron_qarl.rl.advantages import group_normalized_advantages
-
-        return group_normalized_advantages(rewards, group_ids)
-
-    def log(self, step: int, metrics: dict) -> dict:
-        if self.tracker is not None:
-            self.tracker.log(step, metrics)
-            _print_progress(step, self.cfg.train.steps, metrics)
-        return metrics
-
-    def maybe_checkpoint(self, step: int) -> None:
-        every = self.cfg.checkpoint.every
-        last = step + 1 == self.cfg.train.steps
-        if (every and (step + 1) % every == 0) or last:
-            self.checkpoints.save(step + 1, self)
-
-    def close(self) -> None:
-        if self.tracker is not None:
-            summary = self.tracker.summary()
-            if summary:
-                print(f"[qarl] {summary}", flush=True)
-            plots = self.tracker.finish()
-            out = Path(self.cfg.logging.out_dir)
-            print(f"[qarl] metrics: {out / 'metrics.jsonl'}; plots: {', '.join(str(p) for p in plots)}")
-        if self.engine is not None:
-            self.engine.shutdown()
-        if self.reward_fn is not None:
-            self.reward_fn.close()
-
-
-def _print_progress(step: int, total: int, m: dict) -> None:
-    keys = (("reward/mean", "reward"), ("loss/value", "loss"), ("mismatch/k3", "k3"),
-            ("tbpo/kept_frac", "kept"), ("publish/code_flip_frac", "flips"), ("time/step_s", "s/step"))
-    parts = [f"{label} {m[k]:.4g}" for k, label in keys if isinstance(m.get(k), (int, float))]
-    print(f"[qarl] step {step + 1}/{total}  " + "  ".join(parts), flush=True)
+    # The reward pool's cumulative counters when last logged: each step logs its own share.
+    reward_counts: dict = field(default_factory=dict)
 
 
 def build_run_context(cfg: RunConfig) -> RunContext:
-    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_qarl.checkpointing import RunCheckpoints
     from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model
-    from megatron_qarl.moe.routing_replay import RouteGeometry
+    from megatron_qarl.moe.replay import RouteGeometry
     from megatron_qarl.optim import build_optimizer
-    from megatron_qarl.parallel import init_distributed
     from megatron_qarl.models.aligned import apply_aligned_quantization
     from megatron_qarl.rollout.protocol import SamplingParams
     from megatron_qarl.weights.publish import WeightPublisher
 
     layout = init_distributed(cfg.parallel, seed=cfg.train.seed)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    hf_config = resolve_hf_config(cfg)
-    tokenizer = load_tokenizer(cfg)
+    hf_config = resolve_hf_config(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
 
     # Each rank's loss is already normalised by the global token/sequence count, so DP gradients must
     # be summed, not averaged: megatron's calculate_per_token_loss switches DDP to sum.
@@ -261,7 +116,7 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     )
     optimizer = build_optimizer(cfg.train.optim, [ddp])
 
-    is_rollout = rank == 0
+    is_rollout = is_rollout_rank()
     engine = _build_engine(cfg, hf_config) if is_rollout else None
     publisher = WeightPublisher(
         model, hf_config, cfg.quant, quant=quant, engine=engine,
@@ -280,23 +135,13 @@ def build_run_context(cfg: RunConfig) -> RunContext:
             max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id],
             seed=cfg.train.seed,
         ),
-        start_step=0, rank=rank, world_size=world,
-        dp_rank=parallel_state.get_data_parallel_rank(),
-        dp_size=parallel_state.get_data_parallel_world_size(),
-        dp_group=parallel_state.get_data_parallel_group(),
-        pad_multiple=layout.tp if layout.sequence_parallel else 1,
+        start_step=0,
         route_geometry=RouteGeometry.from_hf_config(hf_config),
     )
     ctx.start_step = ctx.checkpoints.resume(cfg.checkpoint.resume, ctx)
-    if rank == 0:
-        from megatron_qarl.tracking import MetricsTracker, TrackerConfig
-
+    if is_logging_rank():
         save_yaml(cfg, Path(cfg.logging.out_dir) / "config.yaml")
-        ctx.tracker = MetricsTracker(
-            TrackerConfig(out_dir=cfg.logging.out_dir, project=cfg.logging.wandb.project, run_name=cfg.name,
-                          wandb_mode=cfg.logging.wandb.mode, config=to_dict(cfg)),
-            resume=ctx.start_step > 0,
-        )
+        ctx.tracker = build_tracker(cfg, resume=ctx.start_step > 0)
     return ctx
 
 

@@ -11,7 +11,7 @@ RL see one token distribution. Fresh problems are drawn every step; evaluation p
 
 Usage (one process, or under torchrun for TP/EP/DP):
 
-    python -m megatron_qarl.sft --config configs/tiny_qarl_w4a16_tbpo.yaml sft.out_checkpoint=runs/sft/ckpt
+    qarl-train sft --config configs/tiny_qarl_w4a16_tbpo.yaml sft.out_checkpoint=runs/sft/ckpt
 
 The CPU demo (configs/_base_tiny.yaml's `sft` section) trains 2-digit addition with answers written
 least-significant digit first (``63+43=`` -> ``601``): the tiny model learns it on every seed measured,
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -34,80 +33,14 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_qarl.config import SFTConfig, SFTConfigError
+from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
+from megatron_qarl.parallel import (
+    ParallelLayout, collective_device, destroy_distributed, dp_group, dp_rank, dp_size, init_distributed,
+    is_logging_rank,
+)
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig, make_problem
-
-SFT_DTYPES = ("float32",)
-
-
-class SFTConfigError(ValueError):
-    """An SFT setting is invalid; the message names the setting and the fix."""
-
-
-@dataclass
-class SFTConfig:
-    """Supervised warm-up: optimisation, task distribution, evaluation and output.
-
-    The task fields must match the RL prompts (same digits / operators / style / digit order),
-    otherwise RL starts from a policy trained on another distribution.
-    """
-
-    steps: int = 700  # the budget; stop_at_sampled_accuracy usually ends the run earlier
-    batch_size: int = 64  # sequences per optimizer step, over all data-parallel ranks
-    lr: float = 2e-3
-    lr_warmup_steps: int = 20
-    weight_decay: float = 0.0
-    clip_grad: float = 1.0
-    seed: int = 0
-    # Task distribution (megatron_qarl.rl.synthetic.ArithmeticTaskConfig fields).
-    min_digits: int = 2
-    max_digits: int = 2
-    operators: str = "+"
-    style: str = "plain"
-    digit_order: str = "msd_first"  # "lsd_first": answers written least-significant digit first
-    # Evaluation on held-out prompts: greedy and temperature-1 sampled exact match.
-    eval_every: int = 25  # steps; 0 = only at the end (an eval of 128 prompts costs ~0.3 s)
-    eval_prompts: int = 128
-    eval_max_new_tokens: int = 8  # same budget as the RL rollout (rollout.max_new_tokens)
-    eval_temperature: float = 1.0
-    # Stop early once the sampled accuracy at an evaluation reaches this (None: run all steps).
-    stop_at_sampled_accuracy: float | None = 0.3
-    log_every: int = 10
-    # Learner dtype. fp32 only: megatron's bf16 optimizer (Float16OptimizerWithFloat16Params)
-    # requires CUDA tensors.
-    dtype: str = "float32"
-    init_checkpoint: str | None = None  # continue from a dist checkpoint instead of random init
-    out_checkpoint: str | None = "runs/sft/checkpoint"
-    overwrite: bool = True  # replace an existing out_checkpoint (atomically)
-
-    def validate(self) -> "SFTConfig":
-        problems = []
-        for name in ("steps", "batch_size", "eval_prompts", "eval_max_new_tokens", "log_every"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                problems.append(f"{name}={getattr(self, name)!r}: must be an integer >= 1")
-        for name in ("eval_every", "lr_warmup_steps"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                problems.append(f"{name}={getattr(self, name)!r}: must be an integer >= 0")
-        if not self.lr > 0:
-            problems.append(f"lr={self.lr}: must be > 0 (e.g. 2e-3)")
-        if not self.eval_temperature > 0:
-            problems.append(f"eval_temperature={self.eval_temperature}: must be > 0 (greedy is always evaluated)")
-        if self.stop_at_sampled_accuracy is not None and not 0 < self.stop_at_sampled_accuracy <= 1:
-            problems.append(f"stop_at_sampled_accuracy={self.stop_at_sampled_accuracy}: must be in (0, 1] or null")
-        if self.dtype not in SFT_DTYPES:
-            problems.append(f"dtype={self.dtype!r}: choose one of {SFT_DTYPES} (megatron's bf16 optimizer "
-                            "needs CUDA; the RL learner may still compute in bf16)")
-        try:
-            self.task_config()
-        except ValueError as err:
-            problems.append(f"task: {err}")
-        if problems:
-            raise SFTConfigError("invalid SFT config: " + "; ".join(problems))
-        return self
-
-    def task_config(self, seed: int | None = None) -> ArithmeticTaskConfig:
-        return ArithmeticTaskConfig(min_digits=self.min_digits, max_digits=self.max_digits,
-                                    operations=tuple(self.operators), style=self.style,
-                                    digit_order=self.digit_order, seed=self.seed if seed is None else seed)
+from megatron_qarl.rl.tokenizer import load_tokenizer
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,35 +251,8 @@ def evaluate(model, tokenizer, problems: Sequence[dict[str, str]], sft: SFTConfi
 
 
 # ----------------------------------------------------------------------------------------------
-# Model, tokenizer, optimizer
+# Model, optimizer
 # ----------------------------------------------------------------------------------------------
-
-
-def build_tokenizer(model_cfg):
-    name = getattr(model_cfg, "tokenizer", None)
-    if name == "char":
-        from megatron_qarl.rl.tokenizer import build_char_tokenizer
-
-        return build_char_tokenizer()
-    path = name or getattr(model_cfg, "hf_path", None)
-    if not path:
-        raise SFTConfigError("model.tokenizer is not set and there is no model.hf_path to load one from; "
-                             "set model.tokenizer=char for the synthetic task")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def hf_config_for(model_cfg):
-    from megatron_qarl.models.qwen3_moe import preset_hf_config
-
-    if getattr(model_cfg, "preset", None):
-        return preset_hf_config(model_cfg.preset)
-    if getattr(model_cfg, "hf_path", None):
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(model_cfg.hf_path)
-    raise SFTConfigError("model: set model.preset (e.g. tiny) or model.hf_path")
 
 
 def build_sft_model(hf_config, layout, sft: SFTConfig):
@@ -383,18 +289,12 @@ def train_step(ddp, optimizer, batch: SFTBatch) -> tuple[float, float]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
 def _dp_mean(value: float) -> float:
     """Mean of a per-rank scalar over the data-parallel group (each DP rank trains on its own problems)."""
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_data_parallel_group()
+    group = dp_group()
     if dist.get_world_size(group) == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=collective_device(group))
     dist.all_reduce(t, group=group)
     return float(t.item()) / dist.get_world_size(group)
 
@@ -404,13 +304,6 @@ def _sft_section(cfg, sft: SFTConfig | None) -> SFTConfig:
         sft = getattr(cfg, "sft", None)
     if sft is None:
         raise SFTConfigError("no SFT settings: pass run_sft(cfg, SFTConfig(...)) or add an `sft` section to the config")
-    if not isinstance(sft, SFTConfig):  # an OmegaConf node, a dict, or an SFTConfig of another import
-        values = dataclasses.asdict(sft) if dataclasses.is_dataclass(sft) else dict(sft)
-        names = {f.name for f in dataclasses.fields(SFTConfig)}
-        unknown = sorted(set(values) - names)
-        if unknown:
-            raise SFTConfigError(f"unknown SFT settings {unknown}; known: {sorted(names)}")
-        sft = SFTConfig(**values)
     return sft.validate()
 
 
@@ -427,7 +320,7 @@ class _Progress:
         from tqdm import tqdm
 
         self.sft, self.dp = sft, dp
-        self.bar = tqdm(total=sft.steps, desc="sft", disable=not _is_rank0(), mininterval=1.0, dynamic_ncols=True)
+        self.bar = tqdm(total=sft.steps, desc="sft", disable=not is_logging_rank(), mininterval=1.0, dynamic_ncols=True)
         self.metrics: dict[str, Any] = {}
         self.loss_history: list[tuple[int, float]] = []  # (step, DP-mean loss of the log window)
         self._reset()
@@ -452,7 +345,7 @@ class _Progress:
         self.t0 += seconds
 
     def write(self, line: str) -> None:
-        if _is_rank0():
+        if is_logging_rank():
             self.bar.write(line)
 
     def close(self) -> None:
@@ -481,8 +374,6 @@ def run_sft(cfg, sft: SFTConfig | None = None) -> dict[str, Any]:
     Scripts that call it need an `if __name__ == "__main__":` guard: the checkpoint writer spawns
     processes that re-import the main module.
     """
-    from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
-
     sft = _sft_section(cfg, sft)
     owns_process_group = not dist.is_initialized()
     layout = init_distributed(getattr(cfg, "parallel", None) or ParallelLayout(), seed=sft.seed)
@@ -496,11 +387,9 @@ def run_sft(cfg, sft: SFTConfig | None = None) -> dict[str, Any]:
 
 
 def _train(cfg, sft: SFTConfig, layout) -> dict[str, Any]:
-    from megatron_qarl.parallel import dp_rank, dp_size
-
     t_start = time.perf_counter()
-    hf_config = hf_config_for(cfg.model)
-    tokenizer = build_tokenizer(cfg.model)
+    hf_config = resolve_hf_config(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
     _check_vocab(tokenizer, hf_config)
     if sft.batch_size % dp_size():
         raise SFTConfigError(f"batch_size={sft.batch_size} is not divisible by the data-parallel size "
@@ -513,8 +402,7 @@ def _train(cfg, sft: SFTConfig, layout) -> dict[str, Any]:
     eval_set = held_out_problems(sft)
     stream = ProblemStream(sft.task_config(), seed=sft.seed * 1000 + dp_rank(),
                            held_out={p["prompt"] for p in eval_set})
-    # Sequence parallel splits the sequence over TP ranks: pad to a multiple of TP.
-    pad_multiple = layout.tp if layout.sequence_parallel else 1
+    pad_multiple = layout.pad_multiple
     per_rank = sft.batch_size // dp_size()
 
     history: list[dict[str, Any]] = []
@@ -550,7 +438,7 @@ def _write_metrics(cfg, result: dict[str, Any]) -> None:
     import json
 
     out_dir = getattr(getattr(cfg, "logging", None), "out_dir", None)
-    if out_dir and _is_rank0():
+    if out_dir and is_logging_rank():
         from megatron_qarl.fileio import atomic_write_text
 
         atomic_write_text(Path(out_dir) / "sft_metrics.json", json.dumps(result, indent=1, default=str))
@@ -564,55 +452,6 @@ def _save(ddp, sft: SFTConfig, final: dict[str, Any]) -> str:
     extra = {"kind": "sft", "sft_config": dataclasses.asdict(sft),
              "metrics": {k: v for k, v in final.items() if isinstance(v, (int, float))}}
     save_dist_checkpoint(ddp, path, extra_state=extra, force=sft.overwrite)
-    if _is_rank0():
+    if is_logging_rank():
         print(f"[sft] saved dist checkpoint to {path}", flush=True)
     return str(path)
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """`python -m megatron_qarl.sft [--config run.yaml] [sft.key=value ...] [other.key=value ...]`."""
-    import argparse
-    import json
-
-    from megatron_qarl.config import load_config
-
-    parser = argparse.ArgumentParser(description="Supervised warm-up of the model on the synthetic task.")
-    parser.add_argument("--config", default=None, help="run config YAML (model / parallel sections are used)")
-    parser.add_argument("overrides", nargs="*", help="key=value; sft.<field>=... set SFTConfig fields")
-    args = parser.parse_args(argv)
-    from megatron_qarl.config import RunConfig
-
-    # Once RunConfig has an `sft` section, load_config validates sft.* overrides like any other key.
-    composed = any(f.name == "sft" for f in dataclasses.fields(RunConfig))
-    sft_overrides = [] if composed else [o for o in args.overrides if o.startswith("sft.")]
-    run_overrides = [o for o in args.overrides if o not in sft_overrides]
-    world = dist.get_world_size() if dist.is_initialized() else None
-    cfg = load_config(args.config, run_overrides, world_size=world)
-    sft = getattr(cfg, "sft", None) or SFTConfig()
-    sft = _apply_overrides(sft, sft_overrides)
-    rank0 = int(os.environ.get("RANK", "0")) == 0  # the process group is gone after run_sft
-    result = run_sft(cfg, sft)
-    if rank0:
-        print(json.dumps({k: v for k, v in result.items() if k not in ("history", "loss_history")}, indent=2))
-    return result
-
-
-def _apply_overrides(sft: SFTConfig, overrides: Sequence[str]) -> SFTConfig:
-    from omegaconf import OmegaConf
-
-    if not overrides:
-        return sft
-    base = OmegaConf.structured(sft)
-    try:
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist([o[len("sft."):] for o in overrides]))
-    except Exception as err:  # omegaconf raises several types for unknown keys / bad values
-        raise SFTConfigError(f"bad sft override {list(overrides)}: {err}") from err
-    return OmegaConf.to_object(merged)
-
-
-if __name__ == "__main__":
-    # Run the importable module's main, so classes built by OmegaConf (megatron_qarl.sft.SFTConfig)
-    # are the ones run_sft checks against, not __main__'s copies.
-    from megatron_qarl.sft import main as _main
-
-    _main()

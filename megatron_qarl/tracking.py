@@ -1,4 +1,6 @@
-"""Metrics sinks for a run: JSONL (always), wandb (offline unless a key or online mode is set), PNG plots.
+"""Metrics sinks for a run: metrics.jsonl (every step; `logging.jsonl`), wandb (offline unless a key or
+online mode is set), a console progress line (every `logging.log_every` steps) and PNG plots at the end
+(`logging.plots`).
 
 Only the rank that owns logging (global rank 0) creates a tracker; other ranks pass their numbers to it
 through the trainer's reductions.
@@ -26,6 +28,11 @@ PLOTTED_METRICS = (
 )
 
 
+# The console line: the handful of numbers that say whether a QaRL step went well, and what it cost.
+PROGRESS_METRICS = (("reward/mean", "reward"), ("loss/value", "loss"), ("mismatch/k3", "k3"),
+                    ("tbpo/kept_frac", "kept"), ("publish/code_flip_frac", "flips"), ("time/step_s", "s/step"))
+
+
 @dataclass
 class TrackerConfig:
     out_dir: str
@@ -33,25 +40,40 @@ class TrackerConfig:
     run_name: str = "run"
     wandb_mode: str = "offline"  # offline | online | disabled
     config: dict | None = None
+    jsonl: bool = True  # write <out_dir>/metrics.jsonl, one row per step
+    plots: bool = True  # write one PNG per PLOTTED_METRICS curve at finish()
+    log_every: int = 1  # print the progress line every N steps (and at the last step)
+    total_steps: int | None = None  # for "step k/N" and the last-step line
 
 
 class MetricsTracker:
     def __init__(self, cfg: TrackerConfig, *, resume: bool = False):
+        self.cfg = cfg
         self.out_dir = Path(cfg.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.out_dir / "metrics.jsonl"
         if not resume and self.jsonl_path.exists():
-            self.jsonl_path.unlink()
+            self.jsonl_path.unlink()  # another run's rows, whether or not this run writes its own
+        self._rows: list[dict] = []  # what summary() and the plots read when there is no metrics.jsonl
         self._wandb = _init_wandb(cfg, self.out_dir)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        with open(self.jsonl_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        if self.cfg.jsonl:
+            with open(self.jsonl_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        else:
+            self._rows.append(row)
         if self._wandb is not None:
             self._wandb.log(row, step=step)
+        last = self.cfg.total_steps is not None and step + 1 == self.cfg.total_steps
+        if (step + 1) % self.cfg.log_every == 0 or last:
+            print(progress_line(step, self.cfg.total_steps, metrics), flush=True)
 
     def rows(self) -> list[dict]:
+        """Every logged row; with metrics.jsonl that includes the rows of the run this one resumed."""
+        if not self.cfg.jsonl:
+            return list(self._rows)
         if not self.jsonl_path.exists():
             return []
         return [json.loads(line) for line in self.jsonl_path.read_text().splitlines() if line.strip()]
@@ -65,10 +87,18 @@ class MetricsTracker:
         return f"{key}: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({last - first:+.3f})"
 
     def finish(self) -> list[Path]:
-        plots = plot_metrics(self.rows(), self.out_dir)
+        """Close the sinks; returns the files the run's metrics are in (metrics.jsonl, plots)."""
+        written = [self.jsonl_path] if self.cfg.jsonl and self.jsonl_path.exists() else []
+        if self.cfg.plots:
+            written += plot_metrics(self.rows(), self.out_dir)
         if self._wandb is not None:
             self._wandb.finish()
-        return plots
+        return written
+
+
+def progress_line(step: int, total: int | None, metrics: dict[str, Any]) -> str:
+    parts = [f"{label} {metrics[k]:.4g}" for k, label in PROGRESS_METRICS if isinstance(metrics.get(k), (int, float))]
+    return f"[qarl] step {step + 1}/{total if total is not None else '?'}  " + "  ".join(parts)
 
 
 def first_last_means(values: list[float], window: int = 5) -> tuple[int, float, float]:

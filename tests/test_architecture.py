@@ -18,7 +18,8 @@ ALLOWED: dict[str, set[str]] = {
     "megatron_qarl.quant": {"megatron_qarl.errors"},
     "megatron_qarl.parallel": {"megatron_qarl.compat_cpu"},
     "megatron_qarl.models": {"megatron_qarl.errors", "megatron_qarl.quant", "megatron_qarl.parallel"},
-    "megatron_qarl.moe": {"megatron_qarl.models"},
+    # telemetry reports the k3 estimator of rl.metrics; rl's batch packs routes with moe.replay
+    "megatron_qarl.moe": {"megatron_qarl.models", "megatron_qarl.parallel", "megatron_qarl.rl.metrics"},
     "megatron_qarl.optim": {"megatron_qarl.parallel", "megatron_qarl.models"},
     "megatron_qarl.rollout": {"megatron_qarl.errors", "megatron_qarl.lifecycle", "megatron_qarl.quant",
                               "megatron_qarl.models"},
@@ -27,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
                               "megatron_qarl.rollout", "megatron_qarl.checkpointing"},
     "megatron_qarl.checkpointing": {"megatron_qarl.errors", "megatron_qarl.fileio", "megatron_qarl.lifecycle",
                                     "megatron_qarl.weights.sharding"},
-    "megatron_qarl.rl": {"megatron_qarl.fileio", "megatron_qarl.moe"},
+    "megatron_qarl.rl": {"megatron_qarl.fileio", "megatron_qarl.parallel", "megatron_qarl.moe.replay"},
     "megatron_qarl.tracking": {"megatron_qarl.fileio"},
     "megatron_qarl.memory": {"megatron_qarl.models"},
     "megatron_qarl.probe": {"megatron_qarl.models", "megatron_qarl.parallel", "megatron_qarl.quant",

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from megatron_qarl.cli import format_dry_run
 from megatron_qarl.config import load_config
-from megatron_qarl.memory import estimate_memory, format_dry_run
+from megatron_qarl.memory import estimate_memory
 from megatron_qarl.models.qwen3_moe.args import ModelShape, parameter_counts, resolve_hf_config
 
 
@@ -14,7 +15,7 @@ def count_params(hf) -> dict[str, int]:
 
 
 def model_shape(model_cfg):
-    return resolve_hf_config(model_cfg.hf_path, model_cfg.preset)
+    return resolve_hf_config(model_cfg)
 
 TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, intermediate_size=512,

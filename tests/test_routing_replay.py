@@ -15,9 +15,10 @@ from aligned_common import hf_model, seeded_hf_state, w4a16_dequantized_state  #
 
 from megatron_qarl.models.logprobs import token_logprobs  # noqa: E402
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, preset_hf_config, tiny_hf_config  # noqa: E402
-from megatron_qarl.moe.routing_replay import (  # noqa: E402
-    RouteGeometry, RouteLayoutError, check_replay_fits, measure_replay_telemetry, observe_routers, pack_routes,
-    replay_routing, route_bytes_per_token, router_token_order, routes_as_map, sampler_routed_mask)
+from megatron_qarl.moe.replay import (  # noqa: E402
+    RouteGeometry, RouteLayoutError, check_replay_fits, pack_routes, replay_routing, route_bytes_per_token,
+    router_token_order, sampler_routed_mask)
+from megatron_qarl.moe.telemetry import measure_replay_telemetry, observe_routers, routes_as_map  # noqa: E402
 from megatron_qarl.parallel import ParallelLayout  # noqa: E402
 from megatron_qarl.quant import QuantConfig  # noqa: E402
 from megatron_qarl.rl.batch import build_rollout_batch  # noqa: E402
@@ -323,12 +324,12 @@ def test_replay_is_exact_at_tp2_x_ep2(torchrun):
 def test_trainer_without_routes_under_replay_is_a_clear_error():
     from types import SimpleNamespace
 
-    from megatron_qarl.run_context import RunContext
+    from megatron_qarl.trainer import routing_replay
 
     ctx = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(routing_replay="replay")), model=None)
     micro = SimpleNamespace(routed_experts=None)
     with pytest.raises(RouteLayoutError, match="carries no routed experts"):
-        RunContext.routing_replay(ctx, micro)
+        routing_replay(ctx, micro)
 
 
 def _qarl_train_with_replay(out, nproc=1, *overrides):

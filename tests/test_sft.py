@@ -9,9 +9,10 @@ import torch
 from megatron_qarl.models.qwen3_moe import tiny_hf_config
 from megatron_qarl.parallel import ParallelLayout, init_distributed
 from megatron_qarl.rl.tokenizer import build_char_tokenizer
+from megatron_qarl.config import SFTConfig, SFTConfigError
 from megatron_qarl.sft import (
-    ProblemStream, SFTConfig, SFTConfigError, answer_token_ids, build_sft_model, collate, encode_example,
-    generate, held_out_problems, make_batch, prompt_token_ids, run_sft, sft_loss, train_step,
+    ProblemStream, answer_token_ids, build_sft_model, collate, encode_example, generate, held_out_problems,
+    make_batch, prompt_token_ids, run_sft, sft_loss, train_step,
 )
 
 
@@ -190,12 +191,13 @@ def test_saved_weights_are_the_trained_weights(tmp_path, tok):
 
 
 def test_cli_style_overrides_set_fields_and_reject_unknown_keys():
-    from megatron_qarl.sft import _apply_overrides
+    """`qarl-train sft ... sft.<field>=value`: the sft section is overridden like any other run key."""
+    from megatron_qarl.config import ConfigError, load_config
 
-    sft = _apply_overrides(SFTConfig(), ["sft.steps=7", "sft.operators=+-", "sft.stop_at_sampled_accuracy=0.3"])
+    sft = load_config(None, ["sft.steps=7", "sft.operators=+-", "sft.stop_at_sampled_accuracy=0.3"]).sft
     assert (sft.steps, sft.operators, sft.stop_at_sampled_accuracy) == (7, "+-", 0.3)
-    with pytest.raises(SFTConfigError, match="stepz"):
-        _apply_overrides(SFTConfig(), ["sft.stepz=7"])
+    with pytest.raises(ConfigError, match="stepz"):
+        load_config(None, ["sft.stepz=7"])
 
 
 @pytest.mark.dist

@@ -70,7 +70,7 @@ def build_rollout_batch(
     """Right-pad prompt+response rows and lay the sampler's log-probs on the response positions.
 
     `routed_experts`: the engine's per-sample routes ([prompt+response-1, layers, topk] each), checked
-    against `route_geometry` (a `megatron_qarl.moe.routing_replay.RouteGeometry`) and packed to
+    against `route_geometry` (a `megatron_qarl.moe.replay.RouteGeometry`) and packed to
     [N, S, layers, topk] uint8 (see `pack_routes`).
     """
     if not (len(prompt_ids) == len(response_ids) == len(response_logprobs) == len(group_ids)):
@@ -93,7 +93,7 @@ def build_rollout_batch(
         sampler_logp[i, start : start + len(r)] = torch.tensor(lp, dtype=torch.float32)
     routes = None
     if routed_experts is not None:
-        from megatron_qarl.moe.routing_replay import pack_routes
+        from megatron_qarl.moe.replay import pack_routes
 
         if route_geometry is None:
             raise ValueError("routed_experts need route_geometry (the model's MoE layers, top-k and experts)")

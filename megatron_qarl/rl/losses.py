@@ -166,9 +166,9 @@ def compute_loss_normalizer(
 
         if not dist.is_initialized():
             raise RuntimeError("compute_loss_normalizer(all_reduce=True) needs torch.distributed to be initialised")
-        backend = dist.get_backend(process_group)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        counts = counts.to(device)
+        from megatron_qarl.parallel import collective_device
+
+        counts = counts.to(collective_device(process_group))
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=process_group)
         counts = counts.cpu()
     return LossNormalizer(num_tokens=float(counts[0]), num_seqs=float(counts[1]))

@@ -59,6 +59,13 @@ def sequence_stats(prefix: str, values: torch.Tensor) -> Dict[str, float]:
     return {f"{prefix}/mean": float(v.mean()), f"{prefix}/min": float(v.min()), f"{prefix}/max": float(v.max())}
 
 
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 = r - 1 - log r with log r = `log_ratio` (learner minus sampler log-prob, on the
+    sampler's tokens): Schulman's estimator of KL(sampler || learner), >= 0 for every token. expm1 keeps it
+    exact for the tiny ratios a well-aligned learner produces."""
+    return torch.expm1(log_ratio) - log_ratio
+
+
 def mismatch_metrics(logp: torch.Tensor, old_logp: torch.Tensor, sampler_logp: torch.Tensor) -> Dict[str, float]:
     """Token mismatch weight exp(old - sampler) stats and k1/k3 KL estimates (inputs: 1-D masked tokens)."""
     x = (old_logp - sampler_logp).detach().to(torch.float64)
@@ -67,9 +74,9 @@ def mismatch_metrics(logp: torch.Tensor, old_logp: torch.Tensor, sampler_logp: t
         out.update({"mismatch/k1": 0.0, "mismatch/k3": 0.0, "policy/k3": 0.0})
         return out
     out["mismatch/k1"] = float((-x).mean())
-    out["mismatch/k3"] = float((torch.expm1(x) - x).mean())
+    out["mismatch/k3"] = float(k3(x).mean())
     y = (logp - old_logp).detach().to(torch.float64)
-    out["policy/k3"] = float((torch.expm1(y) - y).mean())
+    out["policy/k3"] = float(k3(y).mean())
     return out
 
 

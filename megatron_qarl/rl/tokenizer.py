@@ -53,3 +53,14 @@ def build_char_tokenizer():
         clean_up_tokenization_spaces=False,
     )
     return tok
+
+
+def load_tokenizer(model_cfg):
+    """The tokenizer a `ModelConfig` names (RL and SFT alike): `model.tokenizer` (a path or hub name, or
+    "char"), else the one saved at `model.hf_path`; a preset with neither gets the char tokenizer, the one
+    the presets' synthetic task is written for."""
+    if model_cfg.tokenizer == "char" or (model_cfg.tokenizer is None and model_cfg.hf_path is None):
+        return build_char_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_cfg.tokenizer or model_cfg.hf_path)

@@ -309,11 +309,11 @@ def open_mcore_checkpoint(path: str | os.PathLike) -> McoreSource:
 def _run_hf_config(step_dir: Path):
     """The architecture of a trainer checkpoint, from the run's config.yaml (<out_dir>/config.yaml)."""
     from megatron_qarl.config import load_config
-    from megatron_qarl.run_context import resolve_hf_config
+    from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
 
     for candidate in (step_dir.parent.parent / "config.yaml", step_dir.parent / "config.yaml"):
         if candidate.is_file():
-            return resolve_hf_config(load_config(str(candidate)))
+            return resolve_hf_config(load_config(str(candidate)).model)
     raise ConversionError(f"cannot find the run's config.yaml for {step_dir} (looked in "
                           f"{step_dir.parent.parent} and {step_dir.parent}); it names the model architecture")
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_mcore_shapes, to_hf
+from megatron_qarl.parallel import collective_device
 from megatron_qarl.quant.engine_layout import (
     as_quant_config, engine_tensors, kind_of, linear_parts, meta_linear_parts, quantize_weight,
 )
@@ -338,7 +339,7 @@ class WeightPublisher:
         else:
             for _ in stream:
                 pass
-        counts = torch.tensor(flips + [1 if error is not None else 0], dtype=torch.int64, device=_collective_device())
+        counts = torch.tensor(flips + [1 if error is not None else 0], dtype=torch.int64, device=collective_device())
         dist.all_reduce(counts)
         if error is not None:
             raise error
@@ -353,14 +354,6 @@ class WeightPublisher:
             "publish/num_buckets": stats.num_buckets,
             "publish/code_flip_frac": changed / compared if compared else math.nan,
         }
-
-
-def _collective_device() -> torch.device:
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _changed_codes(previous: torch.Tensor, current: torch.Tensor, kind: str) -> int:

@@ -21,8 +21,8 @@ from _common import write_result
 from aligned_common import hf_model, seeded_hf_state
 from megatron_qarl.models.logprobs import token_logprobs
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
-from megatron_qarl.moe.routing_replay import (
-    RouteGeometry, measure_replay_telemetry, observe_routers, replay_routing, routes_as_map, sampler_routed_mask)
+from megatron_qarl.moe.replay import RouteGeometry, replay_routing, sampler_routed_mask
+from megatron_qarl.moe.telemetry import measure_replay_telemetry, observe_routers, routes_as_map
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
 from megatron_qarl.rl.batch import build_rollout_batch
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore

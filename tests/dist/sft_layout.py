@@ -3,9 +3,9 @@ import sys
 
 from _common import write_result
 
-from megatron_qarl.config import RunConfig
+from megatron_qarl.config import RunConfig, SFTConfig
 from megatron_qarl.parallel import ParallelLayout
-from megatron_qarl.sft import SFTConfig, run_sft
+from megatron_qarl.sft import run_sft
 
 
 def short_sft(out: str) -> SFTConfig:

@@ -169,9 +169,14 @@ def read_hf_config(path):
         raise CheckpointError(f"cannot parse {cfg_file}: {exc}") from exc
 
 
-def resolve_hf_config(hf_path: str | None, preset: str | None):
-    """The HF Qwen3-MoE config a run trains: `<hf_path>/config.json` if given, else the named preset."""
-    return read_hf_config(hf_path) if hf_path is not None else preset_hf_config(preset)
+def resolve_hf_config(model_cfg):
+    """The HF Qwen3-MoE config a run's `model:` section names (RL, SFT, dry run and conversion alike):
+    `<model.hf_path>/config.json` if set, else `model.preset`."""
+    if model_cfg.hf_path is not None:
+        return read_hf_config(model_cfg.hf_path)
+    if model_cfg.preset is None:
+        raise ValueError("model: set model.preset (e.g. tiny) or model.hf_path")
+    return preset_hf_config(model_cfg.preset)
 
 
 # --------------------------------------------------------------------------------------------------
