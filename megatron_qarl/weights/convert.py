@@ -16,13 +16,13 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megatron_qarl.weights.hf_io import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, CheckpointError, atomic_dir
+from megatron_qarl.fileio import atomic_dir
+from megatron_qarl.weights.hf_io import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, CheckpointError
 
 FORMATS = ("w4a16", "fp8", "bf16")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -44,14 +44,6 @@ def check_output(out: str | os.PathLike, force: bool) -> Path:
     if out.exists() and not force:
         raise ConversionError(f"output {out} exists; pass --force to replace it or choose another --out")
     return out
-
-
-@contextmanager
-def atomic_output_dir(out: Path, force: bool):
-    """Yield a temp dir beside `out`; rename it to `out` on success, remove it on any failure."""
-    check_output(out, force)
-    with atomic_dir(out) as tmp:
-        yield tmp
 
 
 def progress(total_bytes: int, desc: str):
@@ -359,7 +351,7 @@ def mcore_to_hf_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, d
     if not _is_rank0():
         return out
     torch_dtype = DTYPES[dtype]
-    with atomic_output_dir(out, force) as tmp:
+    with atomic_dir(check_output(out, force)) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
         with progress(sum(_nbytes(t) for t in state.values()), "mcore-to-hf") as bar:
             for name in list(state):
@@ -391,7 +383,7 @@ def write_engine_checkpoint(out: Path, hf_config, named: Iterable[tuple[str, tor
     """Stream HF-named tensors through the engine layout into a checkpoint SGLang/vLLM/transformers load."""
     from megatron_qarl.weights.engine_layout import engine_named_tensors, quantization_config_for
 
-    with atomic_output_dir(out, force) as tmp:
+    with atomic_dir(check_output(out, force)) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
         with progress(total_bytes, f"export {quant_cfg.scheme}") as bar:
             for name, tensor in named:
