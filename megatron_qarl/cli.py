@@ -25,7 +25,6 @@ def _user_errors():
     errors = [UserError, ConfigError]
     for module, name in (
         ("megatron_qarl.rl.data", "DatasetError"),
-        ("megatron_qarl.weights.hf_io", "CheckpointError"),
         ("megatron_qarl.checkpointing", "CheckpointError"),
         ("megatron_qarl.quant.config", "QuantConfigError"),
         ("megatron_qarl.weights.convert", "ConversionError"),

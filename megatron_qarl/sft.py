@@ -507,9 +507,9 @@ def _train(cfg, sft: SFTConfig, layout) -> dict[str, Any]:
                              f"{dp_size()}; pick a multiple of it")
     ddp, optimizer = build_sft_model(hf_config, layout, sft)
     if sft.init_checkpoint:
-        from megatron_qarl.weights.dist_ckpt import load_dist_checkpoint
+        from megatron_qarl.checkpointing import load_checkpoint
 
-        load_dist_checkpoint(ddp, sft.init_checkpoint)
+        load_checkpoint(sft.init_checkpoint, ddp)
     eval_set = held_out_problems(sft)
     stream = ProblemStream(sft.task_config(), seed=sft.seed * 1000 + dp_rank(),
                            held_out={p["prompt"] for p in eval_set})
@@ -557,13 +557,13 @@ def _write_metrics(cfg, result: dict[str, Any]) -> None:
 
 
 def _save(ddp, sft: SFTConfig, final: dict[str, Any]) -> str:
-    from megatron_qarl.weights.dist_ckpt import save_dist_checkpoint
+    from megatron_qarl.checkpointing import save_checkpoint
 
     path = Path(sft.out_checkpoint)
     path.parent.mkdir(parents=True, exist_ok=True)
     extra = {"kind": "sft", "sft_config": dataclasses.asdict(sft),
              "metrics": {k: v for k, v in final.items() if isinstance(v, (int, float))}}
-    save_dist_checkpoint(ddp, path, extra_state=extra, force=sft.overwrite)
+    save_checkpoint(path, ddp, extra=extra, force=sft.overwrite)
     if _is_rank0():
         print(f"[sft] saved dist checkpoint to {path}", flush=True)
     return str(path)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_qarl.checkpointing import STATE_FILE, RunCheckpoints
+from megatron_qarl.checkpointing import MARKER_NAME, RunCheckpoints
 
 from conftest import PROCESS_TAG_VAR, REPO, describe_and_kill, new_process_tag, surviving_processes, torchrun_cmd
 
@@ -121,7 +121,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     tag = new_process_tag()
     proc = subprocess.Popen(cmd, env=_env(tag), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 500
-    while not (out / "checkpoints" / "step_00000002" / STATE_FILE).exists():
+    while not (out / "checkpoints" / "step_00000002" / MARKER_NAME).exists():
         assert proc.poll() is None, "run ended before its step-2 checkpoint"
         assert time.time() < deadline
         time.sleep(0.05)
@@ -167,3 +167,4 @@ def test_incomplete_checkpoint_path_is_a_clear_error(tmp_path):
     proc = _run(tmp_path / "run", "train.steps=1", f"checkpoint.resume={partial}")
     assert proc.returncode == 2
     assert "incomplete" in proc.stderr
+

@@ -16,16 +16,13 @@ from typing import Mapping
 
 import torch
 
+from megatron_qarl.checkpointing import CheckpointError
 from megatron_qarl.fileio import atomic_dir
 from megatron_qarl.weights.hf_mapping import WeightMappingError, expected_hf_shapes, validate_state
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
-
-
-class CheckpointError(ValueError):
-    """An HF checkpoint directory is unreadable, incomplete or inconsistent."""
 
 
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
