@@ -148,6 +148,7 @@ def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(tok):
 def test_run_sft_saves_a_checkpoint_that_reloads_with_identical_logits(tmp_path, tok):
     from megatron_qarl.config import RunConfig
     from megatron_qarl.checkpointing import is_complete, load_checkpoint
+    from megatron_qarl.weights.convert import HF_SIDECAR_KEY, hf_config_from_json
 
     cfg = RunConfig()
     cfg.model.tokenizer = "char"
@@ -170,6 +171,8 @@ def test_run_sft_saves_a_checkpoint_that_reloads_with_identical_logits(tmp_path,
     load_checkpoint(out, b)
     assert torch.equal(_logits(a, ids), _logits(b, ids))
     assert extra_a["kind"] == "sft" and extra_a["sft_config"]["steps"] == 4
+    # the architecture travels with the checkpoint (qarl-convert reads it from there)
+    assert hf_config_from_json(extra_a[HF_SIDECAR_KEY]["config.json"]).to_dict() == tiny_hf_config().to_dict()
 
 
 def test_saved_weights_are_the_trained_weights(tmp_path, tok):
