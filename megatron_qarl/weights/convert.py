@@ -508,9 +508,9 @@ def _inspect_mcore(path: Path) -> dict:
         meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as exc:  # noqa: BLE001 - unreadable metadata is the user's checkpoint problem
         raise CheckpointError(f"cannot read the dist checkpoint metadata of {path}: {exc}") from exc
-    prefix = "model." if src.kind == "run" else ""
+    # Model tensors keep their own names; a run checkpoint's optimizer state is stored under "optimizer.".
     weights = {k: m.size for k, m in meta.items()
-               if k.startswith(prefix) and "_extra_state" not in k and hasattr(m, "size")}
+               if not k.startswith("optimizer.") and "_extra_state" not in k and hasattr(m, "size")}
     stored_params = sum(_numel(size) for size in weights.values())
     expected_params = parameter_counts(src.hf_config)["total"]
     missing = [] if stored_params == expected_params else [
