@@ -1,39 +1,70 @@
-"""Run checkpoints: model + optimizer (megatron dist_checkpointing) + step/data position/RNG, atomic.
+"""Megatron checkpoints: one directory format for trainer runs, SFT and qarl-convert, written atomically.
 
-Layout under the checkpoint root:
-    step_00000010/            complete checkpoint (megatron files + qarl_state.pt, written last)
-    .tmp-step_00000012/       a save in progress or interrupted: never picked by resume
-A checkpoint directory is renamed into place only after every rank finished writing and rank 0 wrote
-`qarl_state.pt`, so `resume: auto` can only ever see complete checkpoints.
+Layout of a finished checkpoint `path/`:
+    megatron dist_checkpointing files (metadata.json, common.pt, __*_*.distcp) of
+        {"model": ..., "optimizer": ...}      optimizer only when one was passed (run checkpoints)
+    qarl_extra_state.pt     the caller's state (step, data position, RNG, HF config.json ...), rank 0
+    qarl_checkpoint.json    COMPLETION MARKER, written last; a directory without it is incomplete
+All ranks write into a temp dir beside `path` (fileio.atomic_dir) that rank 0 renames to `path` once
+everything is on disk, so a reader never sees a half-written checkpoint. Loading at a different TP/EP
+works because the sharded state dict names global tensors.
+
+`RunCheckpoints` keeps a trainer run's `step_XXXXXXXX/` checkpoints under one root on top of this.
+Module-level imports stay light (no megatron): hf_io imports CheckpointError from here.
 """
 from __future__ import annotations
 
+import json
 import os
-import random
 import re
 import shutil
+import time
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from megatron_qarl.errors import CheckpointError
+from megatron_qarl.fileio import atomic_dir
 from megatron_qarl.lifecycle import install_checkpoint_writer_queue
 
-STATE_FILE = "qarl_state.pt"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
+MARKER_NAME = "qarl_checkpoint.json"
+EXTRA_STATE_NAME = "qarl_extra_state.pt"
+# Run checkpoints written before the formats merged: extra state and completion marker in one file.
+# Still resumed (a run in progress survives the upgrade), never written.
+LEGACY_RUN_STATE = "qarl_state.pt"
+FORMAT_VERSION = 1
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used (incomplete, corrupted, or of another model)."""
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint directory lacks its completion marker (a crashed or in-progress save)."""
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    dist = _dist()
+    return dist.get_rank() if dist else 0
 
 
 def _barrier() -> None:
-    if dist.is_initialized():
+    dist = _dist()
+    if dist:
         dist.barrier()
+
+
+def _broadcast_str(value: str) -> str:
+    dist = _dist()
+    if not dist:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _last_line(err: BaseException) -> str:
@@ -42,11 +73,114 @@ def _last_line(err: BaseException) -> str:
     return lines[-1] if lines else type(err).__name__
 
 
-def _is_complete(path: Path) -> bool:
-    return (path / STATE_FILE).is_file() and (path / "metadata.json").is_file()
+def _state_file(path: Path) -> Path | None:
+    """Where a complete checkpoint keeps its extra state (the file may be absent); None if incomplete."""
+    if (path / MARKER_NAME).is_file():
+        return path / EXTRA_STATE_NAME
+    if (path / LEGACY_RUN_STATE).is_file() and (path / "metadata.json").is_file():
+        return path / LEGACY_RUN_STATE
+    return None
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    return _state_file(Path(path)) is not None
+
+
+def read_marker(path: str | os.PathLike) -> dict[str, Any]:
+    """The completion marker's fields ({} for a legacy run checkpoint or an incomplete one)."""
+    marker = Path(path) / MARKER_NAME
+    return json.loads(marker.read_text()) if marker.is_file() else {}
+
+
+def read_extra_state(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The extra state of a complete checkpoint without loading any weights (None when it has none)."""
+    path = Path(path)
+    state_file = _state_file(path)
+    if state_file is None:
+        raise IncompleteCheckpointError(
+            f"checkpoint {path} is incomplete (no {MARKER_NAME}): it was interrupted while being written")
+    return torch.load(state_file, weights_only=False) if state_file.is_file() else None
+
+
+def _sharded_state(model, optimizer, is_loading: bool) -> dict[str, Any]:
+    from megatron_qarl.weights.sharding import unwrap_model
+
+    model_sd = unwrap_model(model).sharded_state_dict()
+    state = {"model": model_sd}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    return state
+
+
+def save_checkpoint(path: str | os.PathLike, model, optimizer=None, extra: dict[str, Any] | None = None, *,
+                    force: bool = False) -> Path:
+    """Save the model (and optimizer, and rank 0's `extra`) to `path`, atomically. Collective: every
+    rank writes its shards. An existing `path` is replaced only with force=True."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    error = f"{path} exists; pass force=True to replace it" if _rank() == 0 and path.exists() and not force else ""
+    error = _broadcast_str(error)
+    if error:
+        raise FileExistsError(error)
+    rank0 = _rank() == 0
+    with (atomic_dir(path) if rank0 else nullcontext()) as tmp:
+        tmp = Path(_broadcast_str(str(tmp) if rank0 else ""))
+        install_checkpoint_writer_queue()
+        dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp))
+        _barrier()
+        if rank0:
+            if extra is not None:
+                torch.save(extra, tmp / EXTRA_STATE_NAME)
+            dist = _dist()
+            marker = {"format_version": FORMAT_VERSION, "backend": "torch_dist", "saved_at": time.time(),
+                      "world_size": dist.get_world_size() if dist else 1,
+                      "has_optimizer": optimizer is not None, "has_extra_state": extra is not None}
+            (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2))
+    _barrier()  # no rank returns before rank 0 renamed the checkpoint into place
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, model, optimizer=None, *,
+                    fix: str = "use an earlier checkpoint") -> dict[str, Any] | None:
+    """Load a checkpoint written by save_checkpoint into `model` (and `optimizer`) at any TP/EP; returns its
+    extra state (None when it has none). Every failure is a CheckpointError that ends with `fix`."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not Exception
+
+    from megatron_qarl.weights.sharding import unwrap_model
+
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist; {fix}")
+    if not is_complete(path):
+        raise IncompleteCheckpointError(
+            f"checkpoint {path} is incomplete (no {MARKER_NAME}): it was interrupted while being written; {fix}")
+    try:
+        extra = read_extra_state(path)
+        loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path))
+        unwrap_model(model).load_state_dict(loaded["model"], strict=True)
+        if optimizer is not None:
+            optimizer.load_state_dict(loaded["optimizer"])
+    except (Exception, CheckpointException) as err:  # many types for unreadable or mismatched files
+        raise CheckpointError(
+            f"checkpoint {path} is corrupted or does not match this model/layout ({_last_line(err)}); {fix}"
+        ) from err
+    return extra
+
+
+# ------------------------------------------------------------------ a trainer run's checkpoints
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+# What atomic_dir leaves behind when a save is killed (temp dir, or the replaced one not yet removed).
+_STALE_DIR = re.compile(r"^\.step_\d{8}\.(tmp|old)-")
+_RESUME_FIX = "resume from an earlier step_* directory, or set checkpoint.resume=auto|none|<dir>"
 
 
 class RunCheckpoints:
+    """`root/step_XXXXXXXX/` checkpoints of one run: model + optimizer + the caller's extra state, whose
+    "step" key this class owns. The caller decides what else the extra state holds and restores it."""
+
     def __init__(self, root: str | os.PathLike, keep_last: int = 2):
         self.root = Path(root)
         self.keep_last = keep_last
@@ -55,7 +189,7 @@ class RunCheckpoints:
     def complete(self) -> list[Path]:
         if not self.root.is_dir():
             return []
-        found = [p for p in self.root.iterdir() if _STEP_DIR.match(p.name) and _is_complete(p)]
+        found = [p for p in self.root.iterdir() if _STEP_DIR.match(p.name) and is_complete(p)]
         return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
 
     def latest(self) -> Path | None:
@@ -63,86 +197,37 @@ class RunCheckpoints:
         return done[-1] if done else None
 
     # -- save ---------------------------------------------------------------------------------------
-    def save(self, step: int, ctx) -> Path:
-        """Collective: every rank writes its shards; rank 0 finalises and renames into place."""
-        from megatron.core import dist_checkpointing
-
-        final = self.root / f"step_{step:08d}"
-        tmp = self.root / f".tmp-step_{step:08d}"
+    def save(self, step: int, model, optimizer, extra: dict[str, Any] | None = None) -> Path:
+        """Collective: every rank writes its shards; rank 0 renames the checkpoint into place and prunes."""
+        if _rank() == 0 and self.root.is_dir():
+            for stale in self.root.iterdir():
+                if _STALE_DIR.match(stale.name):
+                    shutil.rmtree(stale, ignore_errors=True)
+        final = save_checkpoint(self.root / f"step_{step:08d}", model, optimizer, {**(extra or {}), "step": step},
+                                force=True)  # a step re-run after a resume replaces its checkpoint
         if _rank() == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # a stale attempt at this step
-            tmp.mkdir()
-        _barrier()
-        model_sd = ctx.model.module.sharded_state_dict()
-        install_checkpoint_writer_queue()
-        dist_checkpointing.save(
-            {"model": model_sd, "optimizer": ctx.optimizer.sharded_state_dict(model_sd)}, str(tmp)
-        )
-        _barrier()
-        if _rank() == 0:
-            state = {
-                "step": step,
-                "data": ctx.data.state_dict() if ctx.data is not None else None,
-                "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
-                "config_name": ctx.cfg.name,
-            }
-            torch.save(state, tmp / STATE_FILE)  # last file: marks the checkpoint complete
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            self._prune()
+            for old in self.complete()[: -self.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
         _barrier()
         return final
 
-    def _prune(self) -> None:
-        for old in self.complete()[: -self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-
     # -- load ---------------------------------------------------------------------------------------
-    def resume(self, mode: str, ctx) -> int:
-        """Load per `checkpoint.resume` (auto | none | <path>) and return the step to start from."""
+    def resume(self, mode: str, model, optimizer) -> dict[str, Any] | None:
+        """Load per `checkpoint.resume` (auto | none | <path>); the loaded extra state, None when starting fresh."""
         if mode == "none":
-            return 0
+            return None
         path = self.latest() if mode == "auto" else Path(mode)
         if path is None:
-            return 0
-        return self.load(path, ctx)
+            return None
+        return self.load(path, model, optimizer)
 
-    def load(self, path: Path, ctx) -> int:
-        from megatron.core import dist_checkpointing
-        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not Exception
-
+    def load(self, path: str | os.PathLike, model, optimizer) -> dict[str, Any]:
+        """Model and optimizer loaded; returns the extra state (its "step": the step to start from)."""
         path = Path(path)
-        if not path.is_dir():
-            raise CheckpointError(f"checkpoint {path} does not exist; set checkpoint.resume=auto|none|<dir>")
-        if not _is_complete(path):
-            raise CheckpointError(
-                f"checkpoint {path} is incomplete (no {STATE_FILE} or metadata.json): it was interrupted while "
-                "being written; resume from an earlier step_* directory or checkpoint.resume=none"
-            )
-        try:
-            state = torch.load(path / STATE_FILE, weights_only=False)
-            model_sd = ctx.model.module.sharded_state_dict()
-            loaded = dist_checkpointing.load(
-                {"model": model_sd, "optimizer": ctx.optimizer.sharded_state_dict(model_sd, is_loading=True)},
-                str(path),
-            )
-        except CheckpointError:
-            raise
-        except (Exception, CheckpointException) as err:  # many types for unreadable files
-            raise CheckpointError(
-                f"checkpoint {path} is corrupted or does not match this model/layout ({_last_line(err)}). "
-                "Remove it to resume from an earlier one, or set checkpoint.resume=none"
-            ) from err
-        ctx.model.module.load_state_dict(loaded["model"])
-        ctx.optimizer.load_state_dict(loaded["optimizer"])
-        if ctx.quant is not None:
-            ctx.quant.invalidate()
-        if ctx.data is not None and state.get("data") is not None:
-            ctx.data.load_state_dict(state["data"])
-        random.setstate(state["rng"]["python"])
-        torch.set_rng_state(state["rng"]["torch"])
+        state = load_checkpoint(path, model, optimizer, fix=_RESUME_FIX)
+        if not state or "step" not in state:
+            raise CheckpointError(f"checkpoint {path} has no step in its {EXTRA_STATE_NAME}: it is not a run "
+                                  f"checkpoint; pass it as model.init_checkpoint instead")
         if _rank() == 0:
             print(f"[qarl] resumed from {path} (step {state['step']})", flush=True)
-        return int(state["step"])
+        return state

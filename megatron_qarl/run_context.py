@@ -138,7 +138,7 @@ def build_run_context(cfg: RunConfig) -> RunContext:
         start_step=0,
         route_geometry=RouteGeometry.from_hf_config(hf_config),
     )
-    ctx.start_step = ctx.checkpoints.resume(cfg.checkpoint.resume, ctx)
+    ctx.start_step = resume_run(ctx)
     if is_logging_rank():
         save_yaml(cfg, Path(cfg.logging.out_dir) / "config.yaml")
         ctx.tracker = build_tracker(cfg, resume=ctx.start_step > 0)
@@ -147,9 +147,9 @@ def build_run_context(cfg: RunConfig) -> RunContext:
 
 def _load_initial_weights(cfg: RunConfig, model, hf_config) -> None:
     if cfg.model.init_checkpoint:
-        from megatron_qarl.weights.dist_ckpt import load_dist_checkpoint
+        from megatron_qarl.checkpointing import load_checkpoint
 
-        load_dist_checkpoint(model, cfg.model.init_checkpoint)
+        load_checkpoint(cfg.model.init_checkpoint, model, fix="check model.init_checkpoint")
     elif cfg.model.hf_path:
         from megatron_qarl.weights.hf_io import read_hf_state
         from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
@@ -157,6 +157,37 @@ def _load_initial_weights(cfg: RunConfig, model, hf_config) -> None:
 
         load_full_state_into_model(model, hf_to_mcore(hf_config, read_hf_state(cfg.model.hf_path)))
     # else: megatron's seeded random init (tests, smoke runs)
+
+
+def checkpoint_state(ctx: RunContext) -> dict:
+    """What a run checkpoint holds beside model and optimizer: the data position and RNG (an exact resume),
+    and the HF config.json, so qarl-convert reads the checkpoint without the run's config.yaml."""
+    import random
+
+    from megatron_qarl.weights.convert import HF_SIDECAR_KEY, hf_checkpoint_files
+
+    return {
+        "data": ctx.data.state_dict() if ctx.data is not None else None,
+        "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
+        "config_name": ctx.cfg.name,
+        HF_SIDECAR_KEY: hf_checkpoint_files(ctx.publisher.hf_config, ctx.cfg.model.hf_path),
+    }
+
+
+def resume_run(ctx: RunContext) -> int:
+    """Load the checkpoint `checkpoint.resume` names, restore the state checkpoint_state saved; the start step."""
+    import random
+
+    state = ctx.checkpoints.resume(ctx.cfg.checkpoint.resume, ctx.model, ctx.optimizer)
+    if state is None:
+        return 0
+    if ctx.quant is not None:
+        ctx.quant.invalidate()  # masters replaced: the next forward re-quantizes
+    if ctx.data is not None and state.get("data") is not None:
+        ctx.data.load_state_dict(state["data"])
+    random.setstate(state["rng"]["python"])
+    torch.set_rng_state(state["rng"]["torch"])
+    return int(state["step"])
 
 
 def _build_engine(cfg: RunConfig, hf_config):

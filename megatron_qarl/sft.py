@@ -396,9 +396,9 @@ def _train(cfg, sft: SFTConfig, layout) -> dict[str, Any]:
                              f"{dp_size()}; pick a multiple of it")
     ddp, optimizer = build_sft_model(hf_config, layout, sft)
     if sft.init_checkpoint:
-        from megatron_qarl.weights.dist_ckpt import load_dist_checkpoint
+        from megatron_qarl.checkpointing import load_checkpoint
 
-        load_dist_checkpoint(ddp, sft.init_checkpoint)
+        load_checkpoint(sft.init_checkpoint, ddp)
     eval_set = held_out_problems(sft)
     stream = ProblemStream(sft.task_config(), seed=sft.seed * 1000 + dp_rank(),
                            held_out={p["prompt"] for p in eval_set})
@@ -427,7 +427,7 @@ def _train(cfg, sft: SFTConfig, layout) -> dict[str, Any]:
                        f"{target} within sft.steps={sft.steps}; RL will see few groups with mixed rewards "
                        "(raise sft.steps, or use the easier sft.digit_order=lsd_first task)")
     final = {**progress.metrics, **history[-1], "step": step, "train_wall_s": time.perf_counter() - t_start}
-    final["checkpoint"] = _save(ddp, sft, final) if sft.out_checkpoint else None
+    final["checkpoint"] = _save(ddp, sft, final, hf_config) if sft.out_checkpoint else None
     final["history"] = history
     final["loss_history"] = progress.loss_history
     return final
@@ -444,14 +444,17 @@ def _write_metrics(cfg, result: dict[str, Any]) -> None:
         atomic_write_text(Path(out_dir) / "sft_metrics.json", json.dumps(result, indent=1, default=str))
 
 
-def _save(ddp, sft: SFTConfig, final: dict[str, Any]) -> str:
-    from megatron_qarl.weights.dist_ckpt import save_dist_checkpoint
+def _save(ddp, sft: SFTConfig, final: dict[str, Any], hf_config=None) -> str:
+    from megatron_qarl.checkpointing import save_checkpoint
+    from megatron_qarl.weights.convert import HF_SIDECAR_KEY, hf_checkpoint_files
 
     path = Path(sft.out_checkpoint)
     path.parent.mkdir(parents=True, exist_ok=True)
     extra = {"kind": "sft", "sft_config": dataclasses.asdict(sft),
              "metrics": {k: v for k, v in final.items() if isinstance(v, (int, float))}}
-    save_dist_checkpoint(ddp, path, extra_state=extra, force=sft.overwrite)
+    if hf_config is not None:  # qarl-convert rebuilds the architecture from it
+        extra[HF_SIDECAR_KEY] = hf_checkpoint_files(hf_config)
+    save_checkpoint(path, ddp, extra=extra, force=sft.overwrite)
     if is_logging_rank():
         print(f"[sft] saved dist checkpoint to {path}", flush=True)
     return str(path)

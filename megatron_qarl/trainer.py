@@ -271,10 +271,12 @@ def log(ctx, step: int, metrics: dict) -> dict:
 
 
 def maybe_checkpoint(ctx, step: int) -> None:
+    from megatron_qarl.run_context import checkpoint_state
+
     every = ctx.cfg.checkpoint.every
     last = step + 1 == ctx.cfg.train.steps
     if (every and (step + 1) % every == 0) or last:
-        ctx.checkpoints.save(step + 1, ctx)
+        ctx.checkpoints.save(step + 1, ctx.model, ctx.optimizer, checkpoint_state(ctx))
 
 
 def close_run(ctx) -> None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_qarl.models.qwen3_moe import tiny_hf_config
-from megatron_qarl.weights.dist_ckpt import IncompleteCheckpointError, MARKER_NAME, load_dist_checkpoint
+from megatron_qarl.checkpointing import IncompleteCheckpointError, MARKER_NAME, load_checkpoint
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_hf_shapes, hf_state_from_model
 from megatron_qarl.weights.hf_io import CheckpointError, INDEX_NAME, read_hf_checkpoint, write_hf_checkpoint
 
@@ -102,7 +102,21 @@ def test_incomplete_dist_checkpoint_is_refused(tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "metadata.json").write_text("{}")
     with pytest.raises(IncompleteCheckpointError, match=MARKER_NAME):
-        load_dist_checkpoint(object(), tmp_path / "ckpt")
+        load_checkpoint(tmp_path / "ckpt", object())
+
+
+def test_one_checkpoint_error_for_hf_and_megatron_checkpoints(tmp_path):
+    from megatron_qarl import checkpointing
+    from megatron_qarl.weights import hf_io
+
+    assert hf_io.CheckpointError is checkpointing.CheckpointError is CheckpointError
+    assert issubclass(CheckpointError, ValueError) and issubclass(IncompleteCheckpointError, CheckpointError)
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        read_hf_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "absent", object())
+    with pytest.raises(CheckpointError, match="incomplete"):
+        load_checkpoint(tmp_path, object())
 
 
 @pytest.mark.dist
@@ -113,6 +127,6 @@ def test_dist_checkpoint_tp2ep2_loads_at_tp1(torchrun, tmp_path):
     assert res["logits_max_abs_diff"] <= 1e-4 and abs(res["loss"] - res["hf_loss"]) <= 1e-4
     assert res["grad_norm_rel_diff"] <= 1e-4 and res["export_bitwise_equal"]
     assert abs(res["shard_grad_norm"] - res["hf_grad_norm"]) / res["hf_grad_norm"] <= 1e-4
-    assert (ckpt / MARKER_NAME).is_file() and not list(tmp_path.glob("ckpt.tmp-*"))
+    assert (ckpt / MARKER_NAME).is_file() and not list(tmp_path.glob(".ckpt.*"))  # no temp / replaced dir left
     reload = torchrun(1, "model_layout.py", "load-ckpt", str(ckpt))
     assert reload["reload_logits_max_abs_diff"] <= 1e-5

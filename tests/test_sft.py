@@ -148,7 +148,8 @@ def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(tok):
 
 def test_run_sft_saves_a_checkpoint_that_reloads_with_identical_logits(tmp_path, tok):
     from megatron_qarl.config import RunConfig
-    from megatron_qarl.weights.dist_ckpt import is_complete_checkpoint, load_dist_checkpoint
+    from megatron_qarl.checkpointing import is_complete, load_checkpoint
+    from megatron_qarl.weights.convert import HF_SIDECAR_KEY, hf_config_from_json
 
     cfg = RunConfig()
     cfg.model.tokenizer = "char"
@@ -157,7 +158,7 @@ def test_run_sft_saves_a_checkpoint_that_reloads_with_identical_logits(tmp_path,
     sft = SFTConfig(steps=4, batch_size=8, eval_every=0, eval_prompts=8, eval_max_new_tokens=4, log_every=2,
                     lr_warmup_steps=0, out_checkpoint=str(out))
     result = run_sft(cfg, sft)
-    assert result["step"] == 4 and result["checkpoint"] == str(out) and is_complete_checkpoint(out)
+    assert result["step"] == 4 and result["checkpoint"] == str(out) and is_complete(out)
     written = json.loads((tmp_path / "log" / "sft_metrics.json").read_text())  # what demo_robustness reads
     assert written["step"] == 4 and written["eval/sampled_accuracy"] == result["eval/sampled_accuracy"]
     assert 0.0 <= result["eval/greedy_accuracy"] <= 1.0 and result["tokens_per_s"] > 0
@@ -167,15 +168,17 @@ def test_run_sft_saves_a_checkpoint_that_reloads_with_identical_logits(tmp_path,
     a, _ = _fresh_model(seed=11)
     b, _ = _fresh_model(seed=12)
     assert not torch.equal(_logits(a, ids), _logits(b, ids))
-    extra_a = load_dist_checkpoint(a, out)
-    load_dist_checkpoint(b, out)
+    extra_a = load_checkpoint(out, a)
+    load_checkpoint(out, b)
     assert torch.equal(_logits(a, ids), _logits(b, ids))
     assert extra_a["kind"] == "sft" and extra_a["sft_config"]["steps"] == 4
+    # the architecture travels with the checkpoint (qarl-convert reads it from there)
+    assert hf_config_from_json(extra_a[HF_SIDECAR_KEY]["config.json"]).to_dict() == tiny_hf_config().to_dict()
 
 
 def test_saved_weights_are_the_trained_weights(tmp_path, tok):
+    from megatron_qarl.checkpointing import load_checkpoint
     from megatron_qarl.sft import _save
-    from megatron_qarl.weights.dist_ckpt import load_dist_checkpoint
 
     trained, opt = _fresh_model(seed=21, lr=1e-3, lr_warmup_steps=0)
     batch = make_batch(tok, [{"prompt": "1+2=", "answer": "3"}, {"prompt": "40+2=", "answer": "42"}])
@@ -186,7 +189,7 @@ def test_saved_weights_are_the_trained_weights(tmp_path, tok):
     _save(trained, SFTConfig(out_checkpoint=str(tmp_path / "ck")), {"loss": 1.0})
     fresh, _ = _fresh_model(seed=22)
     assert not torch.equal(_logits(fresh, ids), expected)
-    load_dist_checkpoint(fresh, tmp_path / "ck")
+    load_checkpoint(tmp_path / "ck", fresh)
     assert torch.equal(_logits(fresh, ids), expected)
 
 
@@ -206,8 +209,8 @@ def test_tp2_sft_matches_world_one_and_its_checkpoint_loads_at_tp1(tmp_path, tor
     """TP=2 (+SP) trains on the same problems as one process (DP=1 in both): same losses, same weights."""
     import sys
 
+    from megatron_qarl.checkpointing import load_checkpoint
     from megatron_qarl.config import RunConfig
-    from megatron_qarl.weights.dist_ckpt import load_dist_checkpoint
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "dist"))
     from sft_layout import short_sft
@@ -222,7 +225,7 @@ def test_tp2_sft_matches_world_one_and_its_checkpoint_loads_at_tp1(tmp_path, tor
         assert b == pytest.approx(a, rel=1e-5)
     ids = torch.tensor([prompt_token_ids(build_char_tokenizer(), "12+34=") + [5, 6]])
     a, _ = _fresh_model(seed=31)
-    load_dist_checkpoint(a, tmp_path / "tp1")
+    load_checkpoint(tmp_path / "tp1", a)
     b, _ = _fresh_model(seed=32)
-    load_dist_checkpoint(b, tmp_path / "tp2")
+    load_checkpoint(tmp_path / "tp2", b)
     torch.testing.assert_close(_logits(b, ids), _logits(a, ids), rtol=1e-4, atol=1e-4)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_qarl.checkpointing import STATE_FILE, RunCheckpoints
+from megatron_qarl.checkpointing import EXTRA_STATE_NAME, LEGACY_RUN_STATE, MARKER_NAME, RunCheckpoints
 
 from conftest import PROCESS_TAG_VAR, REPO, describe_and_kill, new_process_tag, surviving_processes, torchrun_cmd
 
@@ -121,7 +121,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     tag = new_process_tag()
     proc = subprocess.Popen(cmd, env=_env(tag), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 500
-    while not (out / "checkpoints" / "step_00000002" / STATE_FILE).exists():
+    while not (out / "checkpoints" / "step_00000002" / MARKER_NAME).exists():
         assert proc.poll() is None, "run ended before its step-2 checkpoint"
         assert time.time() < deadline
         time.sleep(0.05)
@@ -167,3 +167,79 @@ def test_incomplete_checkpoint_path_is_a_clear_error(tmp_path):
     proc = _run(tmp_path / "run", "train.steps=1", f"checkpoint.resume={partial}")
     assert proc.returncode == 2
     assert "incomplete" in proc.stderr
+
+
+def test_run_checkpoint_converts_to_hf_without_the_run_config(tmp_path, capsys):
+    """A run checkpoint carries its model's config.json: qarl-convert needs neither the run's config.yaml nor
+    the HF dir the run started from. With a vanishing lr the weights stay the HF source's, a reference
+    the converter never sees."""
+    import shutil
+
+    import torch
+
+    from conversion.cli import main as convert_main
+    from megatron_qarl.models.qwen3_moe import tiny_hf_config
+    from megatron_qarl.weights.hf_io import read_hf_checkpoint, write_hf_checkpoint
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
+    from aligned_common import seeded_hf_state
+
+    source = {n: t.to(torch.bfloat16) for n, t in seeded_hf_state(tiny_hf_config(), seed=3).items()}
+    hf_dir = tmp_path / "hf"
+    write_hf_checkpoint(hf_dir, tiny_hf_config(), source)
+    source_config = json.loads((hf_dir / "config.json").read_text())
+    run = tmp_path / "run"
+    _check_ok(_run(run, "model.preset=null", f"model.hf_path={hf_dir}", "train.steps=1", "train.optim.lr=1e-30",
+                   "checkpoint.every=1"))
+    ckpt = tmp_path / "ckpt"
+    shutil.move(run / "checkpoints" / "step_00000001", ckpt)
+    shutil.rmtree(run)
+    shutil.rmtree(hf_dir)
+
+    assert convert_main(["inspect", str(ckpt), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["format"] == "megatron-run" and info["complete"]
+    assert info["parameters"]["total"] == sum(t.numel() for t in source.values())
+    back = tmp_path / "back"
+    proc = subprocess.run([sys.executable, "-m", "conversion.cli", "mcore-to-hf", "--ckpt", str(ckpt),
+                           "--out", str(back)], env=_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, state = read_hf_checkpoint(back)
+    assert sorted(state) == sorted(source)
+    for name in source:  # an Adam step moves a weight by ~lr: only weights near 0 show it
+        assert state[name].dtype == torch.bfloat16, name
+        torch.testing.assert_close(state[name].float(), source[name].float(), rtol=0, atol=1e-20, msg=name)
+    back_config = json.loads((back / "config.json").read_text())
+    dtypes = ("torch_dtype", "dtype")  # the output's own
+    assert {k: v for k, v in back_config.items() if k not in dtypes} == {
+        **{k: v for k, v in source_config.items() if k not in dtypes}, "architectures": ["Qwen3MoeForCausalLM"]}
+
+
+def test_run_checkpoint_of_the_old_format_resumes_and_refuses_conversion_clearly(world1_run, tmp_path, capsys):
+    """Before the formats merged, a run checkpoint kept its state (no HF config) in qarl_state.pt, which was
+    also its completion marker: a run in progress still resumes from it; converting it names the fix."""
+    import shutil
+
+    import torch
+
+    from conversion.cli import main as convert_main
+    from megatron_qarl.weights.convert import HF_SIDECAR_KEY
+
+    legacy = tmp_path / "checkpoints" / "step_00000003"
+    shutil.copytree(world1_run / "checkpoints" / "step_00000003", legacy)
+    state = torch.load(legacy / EXTRA_STATE_NAME, weights_only=False)
+    del state[HF_SIDECAR_KEY]
+    torch.save(state, legacy / LEGACY_RUN_STATE)
+    (legacy / EXTRA_STATE_NAME).unlink()
+    (legacy / MARKER_NAME).unlink()
+    assert RunCheckpoints(tmp_path / "checkpoints").latest() == legacy
+
+    assert convert_main(["mcore-to-hf", "--ckpt", str(legacy), "--out", str(tmp_path / "back")]) == 2
+    err = capsys.readouterr().err
+    assert "carried the model's config.json" in err and "resume the run" in err, err
+    assert not (tmp_path / "back").exists()
+
+    proc = _run(tmp_path / "run", "train.steps=4", f"checkpoint.resume={legacy}")
+    _check_ok(proc)
+    assert f"resumed from {legacy} (step 3)" in proc.stdout
+    assert sorted(_rows(tmp_path / "run")) == [3]

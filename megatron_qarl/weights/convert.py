@@ -16,13 +16,13 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from megatron_qarl.weights.hf_io import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, CheckpointError, atomic_dir
+from megatron_qarl.fileio import atomic_dir
+from megatron_qarl.weights.hf_io import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, CheckpointError
 
 FORMATS = ("w4a16", "fp8", "bf16")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -46,14 +46,6 @@ def check_output(out: str | os.PathLike, force: bool) -> Path:
     return out
 
 
-@contextmanager
-def atomic_output_dir(out: Path, force: bool):
-    """Yield a temp dir beside `out`; rename it to `out` on success, remove it on any failure."""
-    check_output(out, force)
-    with atomic_dir(out) as tmp:
-        yield tmp
-
-
 def progress(total_bytes: int, desc: str):
     from tqdm import tqdm
 
@@ -72,6 +64,14 @@ def hf_side_files(hf_dir: Path) -> dict[str, bytes]:
     """config.json + tokenizer files of an HF dir, as bytes (stored with a dist checkpoint)."""
     return {name: (hf_dir / name).read_bytes() for name in (CONFIG_NAME, *TOKENIZER_FILES)
             if (hf_dir / name).is_file()}
+
+
+def hf_checkpoint_files(hf_config, hf_dir: str | os.PathLike | None = None) -> dict[str, bytes]:
+    """The `extra[HF_SIDECAR_KEY]` of a megatron checkpoint (hf-to-mcore, sft, run checkpoints): the HF dir's
+    own config.json + tokenizer files when the model came from one, else the config's config.json."""
+    if hf_dir is not None:
+        return hf_side_files(Path(hf_dir))
+    return {CONFIG_NAME: hf_config.to_json_string().encode()}
 
 
 def copy_tokenizer_files(files: dict[str, bytes], out: Path) -> None:
@@ -256,7 +256,7 @@ def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *,
                            force: bool = False) -> Path:
     """HF dir -> megatron dist checkpoint at TP x EP (collective: run with tp*ep*dp ranks or one process
     with tp=ep=1). fp32 masters; the source dtype is recorded so mcore-to-hf writes it back bit-exactly."""
-    from megatron_qarl.weights.dist_ckpt import save_dist_checkpoint
+    from megatron_qarl.checkpointing import save_checkpoint
     from megatron_qarl.weights.hf_io import read_hf_checkpoint
     from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
     from megatron_qarl.weights.sharding import load_full_state_into_model
@@ -268,54 +268,47 @@ def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *,
     model = _build_model(hf_config, layout)
     load_full_state_into_model(model, hf_to_mcore(hf_config, state))
     del state
-    extra = {HF_SIDECAR_KEY: hf_side_files(Path(hf_dir)),
+    extra = {HF_SIDECAR_KEY: hf_checkpoint_files(hf_config, hf_dir),
              "source_dtype": "fp32" if source_dtype == torch.float32 else "bf16",
              "layout": {"tp": layout.tp, "ep": layout.ep}}
-    return save_dist_checkpoint(model, out, extra_state=extra, force=force)
+    return save_checkpoint(out, model, extra=extra, force=force)
 
 
 @dataclass
 class McoreSource:
-    """A megatron checkpoint to read: our dist checkpoint, or a trainer run checkpoint step_XXXXXXXX/."""
+    """A megatron checkpoint to read (checkpointing.py's format): model-only (hf-to-mcore, sft) or a trainer
+    run checkpoint step_XXXXXXXX/ (with optimizer state); either carries its HF config.json."""
 
     path: Path
-    kind: str  # "dist" | "run"
+    kind: str  # "dist" (model only) | "run" (model + optimizer)
     hf_config: object
     side_files: dict[str, bytes]
     source_dtype: str
 
 
 def open_mcore_checkpoint(path: str | os.PathLike) -> McoreSource:
-    from megatron_qarl.checkpointing import STATE_FILE
-    from megatron_qarl.weights.dist_ckpt import EXTRA_STATE_NAME, MARKER_NAME
+    from megatron_qarl.checkpointing import (
+        EXTRA_STATE_NAME, LEGACY_RUN_STATE, MARKER_NAME, is_complete, read_extra_state, read_marker)
 
     path = Path(path)
     if not path.is_dir():
         raise ConversionError(f"checkpoint directory {path} does not exist")
-    if (path / MARKER_NAME).is_file():
-        extra = torch.load(path / EXTRA_STATE_NAME, weights_only=False) if (path / EXTRA_STATE_NAME).is_file() else {}
-        files = (extra or {}).get(HF_SIDECAR_KEY, {})
-        if CONFIG_NAME not in files:
-            raise ConversionError(f"{path} carries no HF config.json in {EXTRA_STATE_NAME}; it was not written by "
-                                  "qarl-convert hf-to-mcore (or sft); convert from the HF model instead")
-        return McoreSource(path, "dist", hf_config_from_json(files[CONFIG_NAME]), files,
-                           extra.get("source_dtype", "bf16"))
-    if (path / STATE_FILE).is_file() and (path / "metadata.json").is_file():
-        return McoreSource(path, "run", _run_hf_config(path), {}, "bf16")
-    raise ConversionError(f"{path} is not a complete megatron checkpoint (no {MARKER_NAME}, no {STATE_FILE}); "
-                          "a save was interrupted or the path is wrong")
-
-
-def _run_hf_config(step_dir: Path):
-    """The architecture of a trainer checkpoint, from the run's config.yaml (<out_dir>/config.yaml)."""
-    from megatron_qarl.config import load_config
-    from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
-
-    for candidate in (step_dir.parent.parent / "config.yaml", step_dir.parent / "config.yaml"):
-        if candidate.is_file():
-            return resolve_hf_config(load_config(str(candidate)).model)
-    raise ConversionError(f"cannot find the run's config.yaml for {step_dir} (looked in "
-                          f"{step_dir.parent.parent} and {step_dir.parent}); it names the model architecture")
+    if not is_complete(path):
+        raise ConversionError(f"{path} is not a complete megatron checkpoint (no {MARKER_NAME}); "
+                              "a save was interrupted or the path is wrong")
+    extra = read_extra_state(path) or {}
+    files = extra.get(HF_SIDECAR_KEY, {})
+    if CONFIG_NAME not in files:
+        if (path / LEGACY_RUN_STATE).is_file():
+            raise ConversionError(
+                f"{path} is a run checkpoint from before run checkpoints carried the model's config.json, so "
+                "it does not say which architecture it holds; resume the run with the current qarl-train "
+                f"(checkpoint.resume={path}): its next checkpoint carries config.json and converts")
+        raise ConversionError(f"{path} carries no HF config.json in {EXTRA_STATE_NAME}; it was not written by "
+                              "qarl-convert hf-to-mcore, sft or qarl-train; convert from the HF model instead")
+    kind = "run" if read_marker(path).get("has_optimizer") else "dist"
+    return McoreSource(path, kind, hf_config_from_json(files[CONFIG_NAME]), files,
+                       extra.get("source_dtype", "bf16"))
 
 
 def load_mcore_full_hf_state(src: McoreSource) -> dict[str, torch.Tensor]:
@@ -330,22 +323,9 @@ def load_mcore_full_hf_state(src: McoreSource) -> dict[str, torch.Tensor]:
 
 
 def _load_model_weights(model, src: McoreSource) -> None:
-    from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import CheckpointException
+    from megatron_qarl.checkpointing import load_checkpoint
 
-    from megatron_qarl.weights.dist_ckpt import load_dist_checkpoint
-    from megatron_qarl.weights.sharding import unwrap_model
-
-    try:
-        if src.kind == "dist":
-            load_dist_checkpoint(model, src.path)
-            return
-        module = unwrap_model(model)
-        loaded = dist_checkpointing.load({"model": module.sharded_state_dict()}, str(src.path))
-        module.load_state_dict(loaded["model"], strict=True)
-    except (Exception, CheckpointException) as err:  # torch raises many types for unreadable shards
-        lines = [ln for ln in str(err).splitlines() if ln.strip()]
-        raise CheckpointError(f"cannot load {src.path}: {lines[-1] if lines else type(err).__name__}") from err
+    load_checkpoint(src.path, model, fix="re-copy or re-create the checkpoint")
 
 
 def mcore_to_hf_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str | None = None,
@@ -360,7 +340,7 @@ def mcore_to_hf_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, d
     if not _is_rank0():
         return out
     torch_dtype = DTYPES[dtype]
-    with atomic_output_dir(out, force) as tmp:
+    with atomic_dir(check_output(out, force)) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
         with progress(sum(_nbytes(t) for t in state.values()), "mcore-to-hf") as bar:
             for name in list(state):
@@ -392,7 +372,7 @@ def write_engine_checkpoint(out: Path, hf_config, named: Iterable[tuple[str, tor
     """Stream HF-named tensors through the engine layout into a checkpoint SGLang/vLLM/transformers load."""
     from megatron_qarl.quant.engine_layout import engine_named_tensors, quantization_config_for
 
-    with atomic_output_dir(out, force) as tmp:
+    with atomic_dir(check_output(out, force)) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
         with progress(total_bytes, f"export {quant_cfg.scheme}") as bar:
             for name, tensor in named:
@@ -510,6 +490,7 @@ def _inspect_hf(path: Path) -> dict:
 def _inspect_mcore(path: Path) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
 
+    from megatron_qarl.checkpointing import read_marker
     from megatron_qarl.models.qwen3_moe import parameter_counts
 
     src = open_mcore_checkpoint(path)
@@ -517,20 +498,17 @@ def _inspect_mcore(path: Path) -> dict:
         meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as exc:  # noqa: BLE001 - unreadable metadata is the user's checkpoint problem
         raise CheckpointError(f"cannot read the dist checkpoint metadata of {path}: {exc}") from exc
-    prefix = "model." if src.kind == "run" else ""
+    # Model tensors keep their own names; a run checkpoint's optimizer state is stored under "optimizer.".
     weights = {k: m.size for k, m in meta.items()
-               if k.startswith(prefix) and "_extra_state" not in k and hasattr(m, "size")}
+               if not k.startswith("optimizer.") and "_extra_state" not in k and hasattr(m, "size")}
     stored_params = sum(_numel(size) for size in weights.values())
     expected_params = parameter_counts(src.hf_config)["total"]
     missing = [] if stored_params == expected_params else [
         f"stored tensors hold {stored_params:,} parameters, the config needs {expected_params:,}"]
     stored = weights
-    extra = {}
-    marker = path / "qarl_checkpoint.json"
-    if marker.is_file():
-        extra = json.loads(marker.read_text())
+    marker = read_marker(path)
     return {"path": str(path), "format": f"megatron-{src.kind}", "layout": f"torch_dist, saved by "
-            f"{extra.get('world_size', '?')} rank(s); loads at any TP/EP",
+            f"{marker.get('world_size', '?')} rank(s); loads at any TP/EP",
             "bytes": sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
             "tensors": len(stored), "parameters": parameter_counts(src.hf_config), "quantization_config": None,
             "complete": not missing, "missing": missing[:16], "unexpected": []}

@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
-import shutil
 import struct
-import tempfile
 from pathlib import Path
 from typing import Mapping
 
 import torch
 
 from megatron_qarl.errors import CheckpointError
+from megatron_qarl.fileio import atomic_dir
 from megatron_qarl.models.qwen3_moe.args import read_hf_config
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import WeightMappingError, expected_hf_shapes, validate_state
 
@@ -109,26 +107,6 @@ def _plan_shards(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> lis
     if current:
         shards.append(current)
     return shards
-
-
-@contextmanager
-def atomic_dir(path: Path):
-    """Yield a temp dir beside `path`; on success it replaces `path` (the old one is removed only after
-    the new one is in place), on any failure it is removed and `path` is left as it was."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        yield tmp
-        if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            os.rename(path, old / path.name)
-            os.rename(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def write_hf_checkpoint(path: str | os.PathLike, hf_config, state: Mapping[str, torch.Tensor], *,

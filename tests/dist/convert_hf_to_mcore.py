@@ -9,6 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from conversion.cli import main
+from megatron_qarl.checkpointing import MARKER_NAME
 from _common import write_result
 
 
@@ -16,6 +17,6 @@ if __name__ == "__main__":  # megatron's checkpoint writer starts processes that
     hf_dir, out, tp, ep = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
     rc = main(["hf-to-mcore", "--hf", hf_dir, "--out", out, "--tp", tp, "--ep", ep])
     assert rc == 0, rc
-    marker = json.loads((Path(out) / "qarl_checkpoint.json").read_text())
+    marker = json.loads((Path(out) / MARKER_NAME).read_text())
     write_result({"world_size": dist.get_world_size(), "marker_world_size": marker["world_size"],
                   "distcp_files": len(list(Path(out).glob("*.distcp")))})

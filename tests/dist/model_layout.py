@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from _common import write_result
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
-from megatron_qarl.weights.dist_ckpt import load_dist_checkpoint, save_dist_checkpoint
+from megatron_qarl.checkpointing import load_checkpoint, save_checkpoint
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_state_from_model, load_hf_state_into_model
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore, mcore_to_hf
 from megatron_qarl.weights.sharding import RankCoords, _value, gather_full_state, load_full_state_into_model, shard_rule, unwrap_model
@@ -155,7 +155,7 @@ def run_layout(tp, ep, etp=None, save_dir=None):
     assert not not_equal, f"export differs for {not_equal[:5]}"
 
     if save_dir:
-        save_dist_checkpoint(model, save_dir, extra_state={"step": 7})
+        save_checkpoint(save_dir, model, extra={"step": 7})
         import torch.distributed as dist
 
         if dist.get_rank() == 0:
@@ -172,7 +172,7 @@ def run_load(ckpt_dir):
     layout = init_distributed(ParallelLayout(), seed=2)
     cfg = tiny_hf_config()
     model = build_qwen3_moe_model(cfg, layout, config_overrides=dict(moe_aux_loss_coeff=0.0))
-    extra = load_dist_checkpoint(model, ckpt_dir)
+    extra = load_checkpoint(ckpt_dir, model)
     assert extra == {"step": 7}, extra
     tokens, labels = batch(cfg.vocab_size)
     logits, _ = mcore_forward(model, tokens, labels)
