@@ -72,24 +72,10 @@ def expected_hf_shapes(hf_config) -> dict[str, tuple[int, ...]]:
 
 
 def expected_mcore_shapes(hf_config) -> dict[str, tuple[int, ...]]:
-    """Every full (unsharded, global expert id) mcore parameter name with its shape."""
-    s = _dims(hf_config)
-    h, d, nq, nkv, E, I = s["h"], s["d"], s["nq"], s["nkv"], s["E"], s["I"]
-    shapes = {"embedding.word_embeddings.weight": (s["V"], h), "decoder.final_layernorm.weight": (h,),
-              "output_layer.weight": (s["V"], h)}
-    for i in range(s["L"]):
-        p = f"decoder.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "pre_mlp_layernorm.weight": (h,),
-            p + "self_attention.linear_qkv.weight": ((nq + 2 * nkv) * d, h),
-            p + "self_attention.linear_proj.weight": (h, nq * d),
-            p + "self_attention.q_layernorm.weight": (d,), p + "self_attention.k_layernorm.weight": (d,),
-            p + "mlp.router.weight": (E, h),
-        })
-        for e in range(E):
-            q = f"{p}mlp.experts.local_experts.{e}."
-            shapes.update({q + "linear_fc1.weight": (2 * I, h), q + "linear_fc2.weight": (h, I)})
-    return shapes
+    """Every full (unsharded, global expert id) mcore parameter name with its shape: the HF shapes through
+    `hf_to_mcore` on meta tensors, so the naming table stays the only one."""
+    meta = {name: torch.empty(shape, device="meta") for name, shape in expected_hf_shapes(hf_config).items()}
+    return {name: tuple(t.shape) for name, t in hf_to_mcore(hf_config, meta, validate=False).items()}
 
 
 def validate_state(state: Mapping[str, torch.Tensor], expected: Mapping[str, tuple[int, ...]],
