@@ -40,13 +40,11 @@ from typing import Any
 import torch
 
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_mcore_shapes, to_hf
-from megatron_qarl.parallel import collective_device
+from megatron_qarl.parallel import ROLLOUT_RANK, collective_device, is_rollout_rank
 from megatron_qarl.quant.engine_layout import (
     as_quant_config, engine_tensors, kind_of, linear_parts, meta_linear_parts, quantize_weight,
 )
 from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, TensorMeta, iter_buckets, plan_buckets, tensor_sha256
-
-ENGINE_RANK = 0
 
 
 class PublishError(RuntimeError):
@@ -325,7 +323,7 @@ class WeightPublisher:
         start = time.perf_counter()
         topo = _Topology.current(self.model)
         flips = [0, 0]  # changed codes, codes compared with a previous publish
-        is_engine_rank = dist.get_rank() == ENGINE_RANK
+        is_engine_rank = is_rollout_rank()
         stream = self._stream(topo, flips)
         error = None
         stats = PushStats()
@@ -344,7 +342,7 @@ class WeightPublisher:
         if error is not None:
             raise error
         if int(counts[2]):
-            raise PublishError(f"weight publish failed on the engine rank {ENGINE_RANK} (see its error)")
+            raise PublishError(f"weight publish failed on the engine rank {ROLLOUT_RANK} (see its error)")
         self.publishes += 1
         changed, compared = int(counts[0]), int(counts[1])
         return {
