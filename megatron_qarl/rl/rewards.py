@@ -49,7 +49,7 @@ class RewardConfig:
 
 @dataclass
 class RewardStats:
-    """Cumulative counters (the trainer logs them; ``delta`` gives one step's share)."""
+    """Cumulative counters; the trainer logs each step's share (the difference from the last logged counts)."""
 
     total: int = 0
     correct: int = 0
