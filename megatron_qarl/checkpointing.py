@@ -10,7 +10,7 @@ everything is on disk, so a reader never sees a half-written checkpoint. Loading
 works because the sharded state dict names global tensors.
 
 `RunCheckpoints` keeps a trainer run's `step_XXXXXXXX/` checkpoints under one root on top of this.
-Module-level imports stay light (no megatron): hf_io imports CheckpointError from here.
+Module-level imports stay light (no megatron); CheckpointError is errors.py's, the one hf_io raises too.
 """
 from __future__ import annotations
 

@@ -14,19 +14,18 @@ fp32 BEFORE top-k/top-p truncation — the definition vLLM and SGLang use for th
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_state_from_model
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_state_from_model, transformers_tensor
+from megatron_qarl.quant.config import is_routed_expert
 from megatron_qarl.quant.engine_layout import PARTS, EngineLayoutError, dequantize_linear, engine_part
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.payload import tensor_sha256
 
-_EXPERT_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -165,22 +164,15 @@ class EmbeddedEngine:
 
     def _target(self, hf_name: str) -> torch.Tensor:
         """The model tensor (or fused-expert slice) that checkpoint name ``hf_name`` lives in."""
-        m = _EXPERT_RE.match(hf_name)
-        if m:
-            base, expert, proj = m.group(1), int(m.group(2)), m.group(3)
-            fused = self._params.get(f"{base}.{'down_proj' if proj == 'down' else 'gate_up_proj'}")
-            if fused is None or expert >= fused.shape[0]:
-                raise EngineWeightError(f"unknown expert tensor {hf_name!r} (model has no such expert)")
-            if proj == "down":
-                return fused.data[expert]
-            inter = fused.shape[1] // 2
-            return fused.data[expert, :inter] if proj == "gate" else fused.data[expert, inter:]
-        if hf_name not in self._params:
-            raise EngineWeightError(
-                f"unknown tensor name {hf_name!r}: not a parameter of this Qwen3-MoE model "
-                "(expected HF checkpoint names such as model.layers.0.self_attn.q_proj.weight)"
-            )
-        return self._params[hf_name].data
+        target = transformers_tensor(self._params, hf_name)
+        if target is not None:
+            return target.data
+        if is_routed_expert(hf_name):
+            raise EngineWeightError(f"unknown expert tensor {hf_name!r} (model has no such expert)")
+        raise EngineWeightError(
+            f"unknown tensor name {hf_name!r}: not a parameter of this Qwen3-MoE model "
+            "(expected HF checkpoint names such as model.layers.0.self_attn.q_proj.weight)"
+        )
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The held weights under per-expert HF checkpoint names (copies)."""

@@ -246,6 +246,7 @@ def mcore_to_hf(hf_config, mcore_state: Mapping[str, torch.Tensor], *, validate:
 
 # ---------------------------------------------------------------- transformers' in-memory layout
 
+_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
@@ -268,19 +269,26 @@ def hf_state_from_model(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def transformers_tensor(state: Mapping[str, torch.Tensor], hf_name: str) -> torch.Tensor | None:
+    """The tensor of a transformers Qwen3-MoE state (`state_dict()` / `named_parameters()`) that checkpoint
+    name `hf_name` lives in: a view of the fused expert tensor for a per-expert name. None when it has none."""
+    per_expert = _PER_EXPERT.match(hf_name)
+    if per_expert is None:
+        return state.get(hf_name)
+    base, expert, proj = per_expert.group(1), int(per_expert.group(2)), per_expert.group(3)
+    fused = state.get(f"{base}.{'down_proj' if proj == 'down' else 'gate_up_proj'}")
+    if fused is None or expert >= fused.shape[0]:
+        return None
+    if proj == "down":
+        return fused[expert]
+    inter = fused.shape[1] // 2
+    return fused[expert, :inter] if proj == "gate" else fused[expert, inter:]
+
+
 @torch.no_grad()
 def load_hf_state_into_model(model, hf_state: Mapping[str, torch.Tensor]) -> None:
     """Copy checkpoint-named tensors into a transformers Qwen3-MoE model (fused or per-expert layout)."""
     validate_state(hf_state, expected_hf_shapes(model.config), "HF state")
-    for name, param in model.state_dict().items():
-        match = _FUSED.match(name)
-        if not match:
-            param.copy_(hf_state[name])
-            continue
-        prefix, kind = match.groups()
-        for e in range(param.shape[0]):
-            if kind == "down_proj":
-                param[e].copy_(hf_state[f"{prefix}.{e}.down_proj.weight"])
-            else:
-                param[e].copy_(torch.cat([hf_state[f"{prefix}.{e}.gate_proj.weight"],
-                                          hf_state[f"{prefix}.{e}.up_proj.weight"]], dim=0))
+    state = model.state_dict()
+    for name, tensor in hf_state.items():
+        transformers_tensor(state, name).copy_(tensor)
