@@ -62,6 +62,7 @@ class RunContext:
     data-parallel coordinates are not copied here: `megatron_qarl.parallel` reads them from megatron."""
 
     cfg: RunConfig
+    hf_config: Any  # the transformers Qwen3MoeConfig the run trains
     model: Any  # megatron DDP-wrapped GPTModel
     optimizer: Any
     quant: Any  # AlignedQuantization or None (unaligned learner)
@@ -123,7 +124,7 @@ def build_run_context(cfg: RunConfig) -> RunContext:
         bucket_bytes=cfg.publish.bucket_mb * 1024 * 1024, verify=cfg.publish.verify,
     )
     ctx = RunContext(
-        cfg=cfg, model=ddp, optimizer=optimizer, quant=quant, publisher=publisher, engine=engine,
+        cfg=cfg, hf_config=hf_config, model=ddp, optimizer=optimizer, quant=quant, publisher=publisher, engine=engine,
         tokenizer=tokenizer,
         data=build_prompt_dataset(cfg, tokenizer) if is_rollout else None,
         reward_fn=build_reward_fn(cfg) if is_rollout else None,
@@ -170,7 +171,7 @@ def checkpoint_state(ctx: RunContext) -> dict:
         "data": ctx.data.state_dict() if ctx.data is not None else None,
         "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
         "config_name": ctx.cfg.name,
-        HF_SIDECAR_KEY: hf_checkpoint_files(ctx.publisher.hf_config, ctx.cfg.model.hf_path),
+        HF_SIDECAR_KEY: hf_checkpoint_files(ctx.hf_config, ctx.cfg.model.hf_path),
     }
 
 
