@@ -52,7 +52,7 @@ def _human(n_bytes: float) -> str:
 
 def format_dry_run(cfg, world_size: int) -> str:
     """Resolved config + parallel layout + memory estimate, as `qarl-train --dry-run` prints it."""
-    from megatron_qarl.config import to_yaml, validate_config
+    from megatron_qarl.config import rollout_topology, to_yaml, validate_config
     from megatron_qarl.memory import estimate_memory
 
     validate_config(cfg, world_size=world_size)
@@ -63,6 +63,9 @@ def format_dry_run(cfg, world_size: int) -> str:
              f"world {lay['world_size']} = TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']}; experts: "
              f"EP {lay['ep']} x ETP {lay['etp']} x expert-DP {lay['expert_dp']}; sequence parallel "
              f"{'on' if cfg.parallel.sequence_parallel else 'off'}",
+             "",
+             "# rollout",
+             f"{cfg.rollout.engine}: {rollout_topology(cfg, world_size).describe()}",
              "",
              "# parameters (B = billions)",
              f"total {_count(p['total'])}, active per token {_count(p['active'])}, "

@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megatron_qarl.models.qwen3_moe import PRESETS as MODEL_PRESETS
 from megatron_qarl.optim import OptimConfig
-from megatron_qarl.parallel import ParallelLayout
+from megatron_qarl.parallel import ParallelLayout, RolloutTopology
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.rl.losses import LossConfig
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig
@@ -90,8 +90,7 @@ class SGLangConfig:
     # Checkpoint the engine starts from (HF / exported compressed-tensors / FP8 dir); None: the trainer
     # exports its initial weights for it.
     model_path: str | None = None
-    tp_size: int = 1
-    ep_size: int = 1
+    ep_size: int = 1  # expert parallel inside each engine's rollout.engine_tp GPUs
     # W4A16 refit needs the Marlin WNA16 MoE path, which "auto" selects; "triton" breaks refit.
     moe_runner_backend: str = "auto"
     mem_fraction_static: float = 0.5
@@ -105,6 +104,20 @@ class SGLangConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "embedded"
+    # Topology: `engines` engine instances of `engine_tp` GPUs each; the world is cut into `engines` rollout
+    # groups and each group's first rank drives one (parallel.RolloutTopology). 0: one colocated engine per
+    # engine_tp GPUs, so every GPU generates (under torchrun on CPU: one embedded engine per rank).
+    engines: int = 0
+    engine_tp: int = 1  # GPUs per engine (SGLang --tp-size); the embedded engine is one process: 1
+    allow_idle_gpus: bool = False  # accept colocated layouts where some GPUs do not generate
+    # Requests: the step's prompts go to the engines in requests of `request_prompts` prompts (with their n
+    # samples each), round-robin, each bounded by `request_timeout_s` and retried `request_retries` times
+    # with the same per-sample seeds; an engine that fails for good is restarted and re-published at most
+    # `engine_restarts` times per step before the step fails.
+    request_prompts: int = 8
+    request_timeout_s: float = 1800.0
+    request_retries: int = 2
+    engine_restarts: int = 1
     n: int = 4  # responses per prompt (group size)
     temperature: float = 1.0
     top_p: float = 1.0
@@ -453,7 +466,8 @@ def _check_positive(cfg: RunConfig) -> list[str]:
         "train.micro_batch_size": t.micro_batch_size, "data.max_prompt_len": d.max_prompt_len,
         "data.reward_timeout_s": d.reward_timeout_s, "publish.bucket_mb": cfg.publish.bucket_mb,
         "checkpoint.keep_last": cfg.checkpoint.keep_last, "logging.log_every": cfg.logging.log_every,
-        "rollout.sglang.tp_size": r.sglang.tp_size, "rollout.sglang.ep_size": r.sglang.ep_size,
+        "rollout.engine_tp": r.engine_tp, "rollout.request_prompts": r.request_prompts,
+        "rollout.request_timeout_s": r.request_timeout_s, "rollout.sglang.ep_size": r.sglang.ep_size,
         "rollout.sglang.health_timeout_s": r.sglang.health_timeout_s,
     }
     out = [f"{k}={v} must be > 0" for k, v in must_be_positive.items() if not v > 0]
@@ -611,15 +625,24 @@ def _check_world(cfg: RunConfig, world_size: int) -> list[str]:
     elif (seqs_mini // dp) % t.micro_batch_size:
         out.append(f"each DP rank gets {seqs_mini // dp} sequences per mini-batch, not divisible by "
                    f"train.micro_batch_size={t.micro_batch_size}; choose a divisor of {seqs_mini // dp}")
-    if r.engine == "sglang" and r.sglang.mode == "colocated":
-        engine_gpus = r.sglang.tp_size
-        if world_size % engine_gpus:
-            out.append(f"rollout.sglang.tp_size={engine_gpus} must divide the world size {world_size} "
-                       "in colocated mode (one engine per tp_size GPUs)")
-    if r.sglang.ep_size > r.sglang.tp_size or r.sglang.tp_size % r.sglang.ep_size:
-        out.append(f"rollout.sglang.ep_size={r.sglang.ep_size} must divide rollout.sglang.tp_size="
-                   f"{r.sglang.tp_size} (SGLang partitions experts inside its TP group)")
+    out += rollout_topology(cfg, world_size).problems(r.allow_idle_gpus)
+    if r.engine == "embedded" and r.engine_tp != 1:
+        out.append(f"rollout.engine_tp={r.engine_tp} with rollout.engine=embedded: the embedded engine runs in "
+                   "one process; use rollout.engine_tp=1")
+    if r.request_retries < 0 or r.engine_restarts < 0:
+        out.append(f"rollout.request_retries={r.request_retries} and rollout.engine_restarts={r.engine_restarts} "
+                   "must be >= 0")
+    if r.sglang.ep_size > r.engine_tp or r.engine_tp % r.sglang.ep_size:
+        out.append(f"rollout.sglang.ep_size={r.sglang.ep_size} must divide rollout.engine_tp="
+                   f"{r.engine_tp} (SGLang partitions experts inside its TP group)")
     return out
+
+
+def rollout_topology(cfg: RunConfig, world_size: int) -> RolloutTopology:
+    """The engines this run builds on `world_size` trainer ranks (see parallel.RolloutTopology)."""
+    r = cfg.rollout
+    colocated = r.engine == "embedded" or r.sglang.mode == "colocated"
+    return RolloutTopology.resolve(world_size, r.engines, r.engine_tp, colocated)
 
 
 def _nearest_divisor(n: int, near: int) -> int:

@@ -144,6 +144,6 @@ def engine_weight_bytes(cfg, groups: ParamGroups) -> dict[str, float]:
     published = 2.0 * (groups.total - low_bit_numel)
     if low_bit_numel:
         published += _low_bit_bytes(low_bit_numel, quant, packed=True)
-    engine_gpus = cfg.rollout.sglang.tp_size if cfg.rollout.engine == "sglang" else 1
+    engine_gpus = cfg.rollout.engine_tp
     return {"published_total": published, "bf16_total": bf16_all, "engine_gpus": engine_gpus,
             "per_engine_gpu": published / engine_gpus}

@@ -175,13 +175,73 @@ def dp_group():
     return parallel_state.get_data_parallel_group()
 
 
-# The one global rank that drives the rollout engine, reads the prompts and scores the rewards; the batch
-# it builds is broadcast from it. It happens to be the logging rank too, but the two are separate roles.
-ROLLOUT_RANK = 0
+@dataclass(frozen=True)
+class RolloutTopology:
+    """Which ranks drive which rollout engine: the world is cut into ``engines`` rollout groups of
+    ``world_size / engines`` consecutive ranks; each group's first rank (its leader) owns one engine of
+    ``engine_tp`` GPUs, reads the prompts, sends that engine its requests, scores the answers and receives
+    the published weights for it. ``colocated``: the engines run on the trainer's own GPUs (colocated SGLang,
+    and the in-process embedded engine on CPU); otherwise they have GPUs of their own.
+    """
 
+    world_size: int = 1
+    engines: int = 1
+    engine_tp: int = 1
+    colocated: bool = True
 
-def is_rollout_rank() -> bool:
-    return dist.get_rank() == ROLLOUT_RANK
+    @classmethod
+    def resolve(cls, world_size: int, engines: int, engine_tp: int, colocated: bool) -> "RolloutTopology":
+        """``engines=0``: colocated, one engine per ``engine_tp`` GPUs (every GPU generates)."""
+        if engines == 0 and colocated and engine_tp > 0 and world_size % engine_tp == 0:
+            engines = world_size // engine_tp
+        return cls(world_size, engines, engine_tp, colocated)
+
+    def problems(self, allow_idle_gpus: bool = False) -> list[str]:
+        """What is wrong with this placement (empty: it can run), each naming the fix."""
+        w, e, t = self.world_size, self.engines, self.engine_tp
+        if e < 1 or t < 1:
+            return [f"rollout.engines={e} and rollout.engine_tp={t} must be >= 1 (engines=0 means one colocated "
+                    f"engine per engine_tp GPUs, which needs engine_tp to divide the world size {w})"]
+        if w % e:
+            return [f"rollout.engines={e} does not divide the world size {w}: every engine is driven by the first "
+                    f"rank of a rollout group of world/engines ranks; choose a divisor of {w}"]
+        out = []
+        if self.colocated and t > self.group_size:
+            out.append(f"rollout.engine_tp={t} GPUs per engine but each rollout group has only {self.group_size} "
+                       f"GPUs (world {w} / {e} engines): colocated engines use their group's GPUs; lower "
+                       "rollout.engine_tp or rollout.engines")
+        elif self.colocated and t < self.group_size and not allow_idle_gpus:
+            out.append(f"rollout: {e} engines x engine_tp {t} = {e * t} of {w} GPUs generate, the other "
+                       f"{w - e * t} idle during every rollout; set rollout.engines={w // t} (or 0: one engine per "
+                       "engine_tp GPUs), or rollout.allow_idle_gpus=true to keep this layout")
+        return out
+
+    @property
+    def group_size(self) -> int:
+        return self.world_size // self.engines
+
+    @property
+    def leaders(self) -> list[int]:
+        return [g * self.group_size for g in range(self.engines)]
+
+    def group_of(self, rank: int) -> int:
+        return rank // self.group_size
+
+    def is_leader(self, rank: int | None = None) -> bool:
+        rank = dist.get_rank() if rank is None else rank
+        return rank % self.group_size == 0
+
+    @property
+    def generating_gpus(self) -> int:
+        return self.engines * self.engine_tp
+
+    def describe(self) -> str:
+        """One line for --dry-run: engines x GPUs each, and how many GPUs generate."""
+        where = "colocated on the trainer GPUs" if self.colocated else "on their own GPUs"
+        line = f"{self.engines} engine(s) x {self.engine_tp} GPU(s) each, {where}; "
+        if self.colocated:
+            return line + f"GPUs generating: {self.generating_gpus}/{self.world_size}"
+        return line + f"GPUs generating: {self.generating_gpus} dedicated (+ {self.world_size} training)"
 
 
 def is_logging_rank() -> bool:

@@ -170,7 +170,7 @@ def test_engine_weight_bytes_tiny():
 
 def test_qwen3_30b_a3b_w4a16_engine_weights():
     cfg = load_config(None, ["model.preset=qwen3-30b-a3b", "quant.scheme=w4a16", "rollout.engine=sglang",
-                             "rollout.sglang.tp_size=2"])
+                             "rollout.engine_tp=2"])
     eng = estimate_memory(cfg)["engine"]
     experts = 48 * 128 * 3 * 2048 * 768
     expected = experts // 2 + 2 * experts // 128 + 2 * (Q30_TOTAL - experts)

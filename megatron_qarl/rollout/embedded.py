@@ -204,8 +204,8 @@ class EmbeddedEngine:
         if not prompt_token_ids or any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("every prompt needs at least one token")
         rows = [(i, p) for i, p in enumerate(prompt_token_ids) for _ in range(sampling.n)]
-        gen = torch.Generator().manual_seed(sampling.seed if sampling.seed is not None else 0)
-        return _SamplingLoop(self, rows, sampling, gen).run()
+        gens = [torch.Generator().manual_seed(s) for s in sampling.row_seeds(len(rows))]
+        return _SamplingLoop(self, rows, sampling, gens).run()
 
 
 def _filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -224,10 +224,11 @@ def _filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 
 
 class _SamplingLoop:
-    """Batched, left-padded autoregressive sampling with a KV cache."""
+    """Batched, left-padded autoregressive sampling with a KV cache; each row samples from its own seeded
+    generator (SamplingParams.row_seeds)."""
 
-    def __init__(self, engine: EmbeddedEngine, rows, sampling: SamplingParams, gen: torch.Generator):
-        self.engine, self.rows, self.sp, self.gen = engine, rows, sampling, gen
+    def __init__(self, engine: EmbeddedEngine, rows, sampling: SamplingParams, gens: list[torch.Generator]):
+        self.engine, self.rows, self.sp, self.gens = engine, rows, sampling, gens
         self.collect = engine.collect_routed_experts
 
     def _forward(self, ids, mask, past):
@@ -272,9 +273,11 @@ class _SamplingLoop:
             scaled = out.logits[:, -1].float() / sp.temperature
             logp = torch.log_softmax(scaled, dim=-1)
             probs = torch.softmax(_filter_logits(scaled, sp.top_k, sp.top_p), dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=self.gen)
+            # one generator per row: a row's samples do not depend on the other rows of the batch
+            nxt = torch.full((batch, 1), self.engine.pad_token_id, dtype=torch.long)
             for r in range(batch):
                 if finish[r] is None:
+                    nxt[r] = torch.multinomial(probs[r], 1, generator=self.gens[r])
                     t = int(nxt[r])
                     tokens[r].append(t)
                     logps[r].append(float(logp[r, t]))

@@ -32,6 +32,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     n: int = 1
+    # One seed per result row (prompt-major, n per prompt): row i samples from its own generator, so a
+    # sample does not depend on which engine, request or batch it ran in. None: derived from `seed`.
+    seeds: list[int] | None = None
 
     def __post_init__(self):
         if self.temperature <= 0:
@@ -42,6 +45,19 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+
+    def row_seeds(self, num_rows: int) -> list[int]:
+        """The seed of each of `num_rows` result rows: `seeds` as given, else derived from `seed` by row."""
+        if self.seeds is not None:
+            if len(self.seeds) != num_rows:
+                raise ValueError(f"{len(self.seeds)} per-row seeds for {num_rows} result rows")
+            return list(self.seeds)
+        return [row_seed(self.seed or 0, i) for i in range(num_rows)]
+
+
+def row_seed(step_seed: int, row: int) -> int:
+    """The sampling seed of result row `row` of a step seeded `step_seed` (a fixed mix, < 2**63)."""
+    return (step_seed * 1_000_003 + row * 7_919 + 1) % (1 << 63)
 
 
 @dataclass

@@ -119,7 +119,7 @@ class SGLangEngineConfig:
             host=s.host,
             port=s.port,
             api_key=environ.get(s.api_key_env) or None,
-            tp_size=s.tp_size,
+            tp_size=cfg.rollout.engine_tp,
             mem_fraction_static=s.mem_fraction_static,
             moe_runner_backend=s.moe_runner_backend,
             quant_scheme=cfg.quant.scheme,
