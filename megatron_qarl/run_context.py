@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from megatron_qarl.config import RunConfig, save_yaml, to_dict
+from megatron_qarl.config import RunConfig, rollout_topology, save_yaml, to_dict
 from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
-from megatron_qarl.parallel import init_distributed, is_logging_rank, is_rollout_rank
+from megatron_qarl.parallel import RolloutTopology, init_distributed, is_logging_rank
 from megatron_qarl.rl.tokenizer import load_tokenizer
 
 
@@ -67,15 +67,16 @@ class RunContext:
     optimizer: Any
     quant: Any  # AlignedQuantization or None (unaligned learner)
     publisher: Any
-    engine: Any  # only on the rollout rank (parallel.is_rollout_rank)
+    engine: Any  # only on rollout-group leaders (topology.is_leader): each drives its own engine
     tokenizer: Any
-    data: Any  # only on the rollout rank
-    reward_fn: Any  # only on the rollout rank
+    data: Any  # only on rollout-group leaders (each reads the same prompts, serves its share)
+    reward_fn: Any  # only on rollout-group leaders
     tracker: Any  # only on the logging rank (parallel.is_logging_rank)
     checkpoints: Any
     sampling: Any  # step 0's SamplingParams; each step offsets the seed
     start_step: int
     route_geometry: Any = None  # RouteGeometry: what the engine's routed experts must fit
+    topology: RolloutTopology = field(default_factory=RolloutTopology)  # engines and the ranks driving them
     # The reward pool's cumulative counters when last logged: each step logs its own share.
     reward_counts: dict = field(default_factory=dict)
 
@@ -117,17 +118,18 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     )
     optimizer = build_optimizer(cfg.train.optim, [ddp])
 
-    is_rollout = is_rollout_rank()
-    engine = _build_engine(cfg, hf_config) if is_rollout else None
+    topology = rollout_topology(cfg, torch.distributed.get_world_size())
+    is_leader = topology.is_leader()
+    engine = _build_engine(cfg, hf_config, topology) if is_leader else None
     publisher = WeightPublisher(
-        model, hf_config, cfg.quant, quant=quant, engine=engine,
+        model, hf_config, cfg.quant, quant=quant, engine=engine, leaders=topology.leaders,
         bucket_bytes=cfg.publish.bucket_mb * 1024 * 1024, verify=cfg.publish.verify,
     )
     ctx = RunContext(
         cfg=cfg, hf_config=hf_config, model=ddp, optimizer=optimizer, quant=quant, publisher=publisher, engine=engine,
         tokenizer=tokenizer,
-        data=build_prompt_dataset(cfg, tokenizer) if is_rollout else None,
-        reward_fn=build_reward_fn(cfg) if is_rollout else None,
+        data=build_prompt_dataset(cfg, tokenizer) if is_leader else None,
+        reward_fn=build_reward_fn(cfg) if is_leader else None,
         tracker=None,
         checkpoints=RunCheckpoints(cfg.checkpoint.dir or str(Path(cfg.logging.out_dir) / "checkpoints"),
                                    keep_last=cfg.checkpoint.keep_last),
@@ -138,6 +140,7 @@ def build_run_context(cfg: RunConfig) -> RunContext:
         ),
         start_step=0,
         route_geometry=RouteGeometry.from_hf_config(hf_config),
+        topology=topology,
     )
     ctx.start_step = resume_run(ctx)
     if is_logging_rank():
@@ -191,7 +194,8 @@ def resume_run(ctx: RunContext) -> int:
     return int(state["step"])
 
 
-def _build_engine(cfg: RunConfig, hf_config):
+def _build_engine(cfg: RunConfig, hf_config, topology: RolloutTopology):
+    """This leader's engine: its rollout group's GPUs (from the leader's local GPU) or its URL."""
     from megatron_qarl.rollout.factory import make_engine
 
     if cfg.rollout.engine == "embedded":
@@ -200,5 +204,10 @@ def _build_engine(cfg: RunConfig, hf_config):
     if cfg.rollout.engine == "sglang":
         from megatron_qarl.rollout.sglang_engine import SGLangEngineConfig
 
-        return make_engine({"name": "sglang", **dataclasses.asdict(SGLangEngineConfig.from_run(cfg))})
+        import os
+
+        group = topology.group_of(torch.distributed.get_rank())
+        base_gpu = int(os.environ.get("LOCAL_RANK", "0"))  # a colocated engine starts on its leader's GPU
+        engine_cfg = SGLangEngineConfig.from_run(cfg, group=group, base_gpu_id=base_gpu)
+        return make_engine({"name": "sglang", **dataclasses.asdict(engine_cfg)})
     return make_engine({"name": cfg.rollout.engine})

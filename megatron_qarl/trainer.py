@@ -2,8 +2,9 @@
 the order it runs them, each taking the run's built state (`run_context.RunContext`).
 
 One RL step:
-  1. rollout   the rollout rank asks the engine (holding the last published weights) for n responses per prompt;
-               rewards -> group-normalised advantages; the batch is broadcast and split over DP ranks.
+  1. rollout   each rollout group's leader sends its engine (holding the last published weights) its share of
+               the step's requests (n responses per prompt, per-row seeds); rewards -> group-normalised
+               advantages next to the engine; each DP rank receives only its shard (rollout.dispatch).
   2. old       the learner recomputes log-probs with its (aligned, low-bit) forward: l_old; with
                train.routing_replay=replay every learner forward dispatches to the sampler's experts (R3).
                Routing telemetry: per-layer sampler<->learner router mismatch, k3 with/without replay.
@@ -23,11 +24,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_qarl.config import RunConfig
-from megatron_qarl.parallel import ROLLOUT_RANK, dp_group, dp_rank, dp_size, is_rollout_rank, tp_size
+from megatron_qarl.parallel import dp_group, dp_rank, dp_size, tp_size
 from megatron_qarl.rl.advantages import group_normalized_advantages
 from megatron_qarl.rl.batch import RolloutBatch, build_rollout_batch
 from megatron_qarl.rl.losses import compute_loss, compute_loss_normalizer
 from megatron_qarl.rl.metrics import reduce_metrics
+from megatron_qarl.rollout.protocol import RolloutEngineError
 
 
 @dataclass
@@ -54,10 +56,9 @@ def train(cfg: RunConfig) -> dict:
         ctx.publisher.publish()  # the engine must hold the (possibly resumed) weights before the first rollout
         for step in range(ctx.start_step, cfg.train.steps):
             timer = StepTimer()
-            batch, metrics = collect_rollouts(ctx, step)
+            local, metrics = collect_rollouts(ctx, step)  # this rank's DP shard of the step's samples
             engine_sleep(ctx)  # colocated engine: its GPU memory goes to training until the publish
             timer.lap("rollout")
-            local = batch.shard(dp_rank(), dp_size())
             local.old_logp = compute_logprobs(ctx, local)
             timer.lap("old_logp")
             metrics.update(routing_telemetry(ctx, local))  # sampler<->learner router mismatch, replay gap
@@ -79,41 +80,138 @@ def train(cfg: RunConfig) -> dict:
 # -- 1. rollout ----------------------------------------------------------------------------------------
 
 def collect_rollouts(ctx, step: int) -> tuple[RolloutBatch, dict]:
-    """The rollout rank samples prompts, generates n responses each, scores them; every rank gets the batch."""
+    """COLLECTIVE. Every rollout-group leader reads the step's prompts, its engine serves its share of the
+    requests (rollout.dispatch), it scores them; then each rank receives only its DP shard's samples.
+    An engine that fails for good is restarted, every engine re-published, and the failed requests rerun
+    with the same seeds (rollout.engine_restarts times); returns (this rank's shard, step metrics)."""
+    from megatron_qarl.rollout.dispatch import deliver_samples, plan_requests
+
+    cfg, topo = ctx.cfg, ctx.topology
+    num_rows = cfg.train.prompts_per_step * cfg.rollout.n
+    requests = plan_requests(num_rows, cfg.rollout.n, cfg.rollout.request_prompts, topo.engines)
+    group_size = topo.group_size
+    owned, partial = {}, {}
+    prompts = ctx.data.next_batch(cfg.train.prompts_per_step) if ctx.engine is not None else None
+    pending = [r for r in requests if r.engine == topo.group_of(dist.get_rank())] if ctx.engine is not None else []
+    restarts = 0
+    while True:
+        error = None
+        try:
+            serve_requests(ctx, step, prompts, pending, owned, partial)
+        except Exception as exc:  # every rank must learn of it below, or the others would hang
+            error = exc
+        # 0: fine; 1: an engine failed (restart + re-publish + rerun its requests); 2: anything else
+        status = _max_over_ranks(0 if error is None else 1 if isinstance(error, RolloutEngineError) else 2)
+        if status == 0:
+            break
+        if status == 2 or restarts == cfg.rollout.engine_restarts:
+            if error is not None:
+                raise error
+            raise RolloutEngineError("the rollout failed on another rollout group's leader (see its error)")
+        restarts += 1
+        restart_failed_engine(ctx, error)
+        ctx.publisher.publish()  # collective: the restarted engine gets the current weights back
+    # Row r was served by the engine of request r // rows_per_request: its leader holds the sample.
+    rows_per_request = cfg.rollout.request_prompts * cfg.rollout.n
+    per = num_rows // dp_size()
+    mine = deliver_samples(owned, range(dp_rank() * per, (dp_rank() + 1) * per),
+                           lambda row: requests[row // rows_per_request].engine * group_size)
+    batch = build_rollout_batch(
+        [s.prompt_ids for s in mine], [s.token_ids for s in mine], [s.logprobs for s in mine],
+        torch.tensor([s.advantage for s in mine]), torch.tensor([s.reward for s in mine]), [s.group for s in mine],
+        pad_token_id=ctx.tokenizer.pad_token_id, pad_multiple=cfg.parallel.pad_multiple,
+        routed_experts=[s.routed_experts for s in mine] if mine and mine[0].routed_experts is not None else None,
+        route_geometry=ctx.route_geometry,
+    )
+    totals = _sum_over_ranks(partial)
+    totals["rollout/engine_restarts"] = float(restarts)
+    return batch, rollout_metrics(totals)
+
+
+def serve_requests(ctx, step: int, prompts, pending: list, owned: dict, partial: dict) -> None:
+    """This leader's `pending` requests through its engine, scored: each served request leaves `pending`
+    and lands in `owned` (row -> Sample) and the metric sums `partial`, so after an engine error a rerun
+    serves only the rest."""
+    from megatron_qarl.rollout.dispatch import Sample, generate_request
+
     cfg = ctx.cfg
-    payload = None
-    if is_rollout_rank():
-        prompts = ctx.data.next_batch(cfg.train.prompts_per_step)
-        prompt_ids = [p.prompt_ids for p in prompts for _ in range(cfg.rollout.n)]
-        # A per-step seed makes a resumed run sample exactly what the uninterrupted run sampled.
-        sampling = dataclasses.replace(ctx.sampling, seed=ctx.sampling.seed + step)
-        results = ctx.engine.generate(prompt_ids, sampling)
-        routes = [r.routed_experts for r in results] if results[0].routed_experts is not None else None
+    n = cfg.rollout.n
+    rows_prompt_ids = [p.prompt_ids for p in prompts for _ in range(n)] if prompts is not None else []
+    # The step seed: a resumed run samples exactly what the uninterrupted run sampled.
+    sampling = dataclasses.replace(ctx.sampling, seed=ctx.sampling.seed + step)
+    while pending:
+        request = pending[0]
+        results, retries = generate_request(ctx.engine, rows_prompt_ids, sampling, request,
+                                            retries=cfg.rollout.request_retries)
         texts = ctx.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
-        answers = [p.answer for p in prompts for _ in range(cfg.rollout.n)]
-        rewards = torch.tensor(ctx.reward_fn(texts, answers), dtype=torch.float32)
-        group_ids = [i // cfg.rollout.n for i in range(len(results))]
-        adv = group_normalized_advantages(rewards, group_ids)
-        batch = build_rollout_batch(
-            prompt_ids, [r.token_ids for r in results], [r.logprobs for r in results],
-            adv.advantages, rewards, group_ids,
-            pad_token_id=ctx.tokenizer.pad_token_id, pad_multiple=cfg.parallel.pad_multiple,
-            routed_experts=routes, route_geometry=ctx.route_geometry,
-        )
-        lengths = torch.tensor([len(r.token_ids) for r in results], dtype=torch.float32)
-        metrics = {
-            "reward/mean": rewards.mean().item(),
-            "response/length_mean": lengths.mean().item(),
-            "response/truncated_frac": sum(r.finish_reason == "length" for r in results) / len(results),
-            **adv.metrics(),
-            **reward_step_metrics(ctx),
-        }
-        payload = [batch, metrics]
-    if dist.get_world_size() > 1:
-        holder = [payload]
-        dist.broadcast_object_list(holder, src=ROLLOUT_RANK)
-        payload = holder[0]
-    return payload[0], payload[1]
+        groups = [row // n for row in request.rows]
+        rewards = torch.tensor(ctx.reward_fn(texts, [prompts[g].answer for g in groups]), dtype=torch.float32)
+        adv = group_normalized_advantages(rewards, groups)
+        for k, (row, res) in enumerate(zip(request.rows, results)):
+            owned[row] = Sample(row, list(rows_prompt_ids[row]), res.token_ids, res.logprobs, res.finish_reason,
+                                float(rewards[k]), float(adv.advantages[k]), groups[k], res.routed_experts)
+        _add(partial, {
+            "rows": len(results), "reward_sum": float(rewards.sum()),
+            "length_sum": float(sum(len(r.token_ids) for r in results)),
+            "truncated": float(sum(r.finish_reason == "length" for r in results)),
+            "groups": float(adv.num_groups), "degenerate_groups": float(adv.num_degenerate_groups),
+            "requests": 1.0, "request_retries": float(retries),
+        })
+        pending.pop(0)
+    _add(partial, reward_step_metrics(ctx) if ctx.reward_fn is not None else {})
+
+
+def restart_failed_engine(ctx, error) -> None:
+    """On the leader whose engine failed: restart it (the caller re-publishes the weights to it)."""
+    if error is None:
+        return
+    print(f"[qarl] rank {dist.get_rank()}: rollout engine failed ({error}); restarting it", flush=True)
+    try:
+        ctx.engine.restart()
+    except Exception as exc:  # the publish that follows fails on this rank and tells every rank
+        print(f"[qarl] rank {dist.get_rank()}: engine restart failed: {exc}", flush=True)
+
+
+def rollout_metrics(t: dict) -> dict:
+    rows = max(t.get("rows", 0.0), 1.0)
+    groups = t.get("groups", 0.0)
+    out = {
+        "reward/mean": t.get("reward_sum", 0.0) / rows,
+        "response/length_mean": t.get("length_sum", 0.0) / rows,
+        "response/truncated_frac": t.get("truncated", 0.0) / rows,
+        "adv/groups": groups, "adv/degenerate_groups": t.get("degenerate_groups", 0.0),
+        "adv/degenerate_frac": t.get("degenerate_groups", 0.0) / max(groups, 1.0),
+        "rollout/requests": t.get("requests", 0.0), "rollout/request_retries": t.get("request_retries", 0.0),
+        "rollout/engine_restarts": t.get("rollout/engine_restarts", 0.0),
+    }
+    out.update({k: v for k, v in t.items() if k.startswith("reward/")})  # the reward pool's step counters
+    return out
+
+
+def _add(acc: dict, values: dict) -> None:
+    for k, v in values.items():
+        acc[k] = acc.get(k, 0.0) + float(v)
+
+
+def _sum_over_ranks(partial: dict) -> dict:
+    if dist.get_world_size() == 1:
+        return dict(partial)
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, partial)
+    total: dict = {}
+    for part in parts:  # rank order: the same float sums on every rank
+        _add(total, part)
+    return total
+
+
+def _max_over_ranks(value: int) -> int:
+    from megatron_qarl.parallel import collective_device
+
+    if dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def reward_step_metrics(ctx) -> dict:

@@ -59,6 +59,7 @@ class EmbeddedEngine:
 
     def __init__(self, model, dtype: torch.dtype = torch.bfloat16, collect_routed_experts: bool = False,
                  pad_token_id: int = 0, record_checksums: bool = True):
+        self.hf_config = model.config  # what restart() rebuilds from
         self.model = model.to(dtype).eval()
         self.dtype = dtype
         self.collect_routed_experts = collect_routed_experts
@@ -194,6 +195,17 @@ class EmbeddedEngine:
     def shutdown(self) -> None:
         self.model = None
         self._params = {}
+
+    def restart(self) -> None:
+        """A fresh model of the same architecture (random weights, as a restarted server holds its start-up
+        checkpoint, not the trained weights): the trainer re-publishes everything next."""
+        from transformers import Qwen3MoeForCausalLM
+
+        self.model = Qwen3MoeForCausalLM(self.hf_config).to(self.dtype).eval()
+        self._params = dict(self.model.named_parameters())
+        self._in_update = False
+        self._pending.clear()
+        self._received_digests.clear()
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:

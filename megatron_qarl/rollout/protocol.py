@@ -98,4 +98,7 @@ class RolloutEngine(Protocol):
 
     def health(self) -> bool: ...
 
+    def restart(self) -> None:
+        """Bring a failed engine back up, empty of trained weights: the trainer re-publishes right after."""
+
     def shutdown(self) -> None: ...

@@ -6,14 +6,18 @@ Called after every optimizer step on EVERY rank (collective). Per parameter, in 
    ``AlignedQuantization.cache``, never re-quantized; int4 codes are packed to int32 locally so 4x fewer
    bytes travel) or, for the unaligned "BF16 learner" arm, the spec applied to the local master shard
    at publish (same sites and whole-group/block checks as the aligned model); everything else in bf16;
-2. the shards are GATHERED to global rank 0 only (``dist.gather``, not all-gather): over the TP group for
-   dense params, over expert-TP then EP for experts; DP replicas do not send. Tensors travel as their
-   bytes (uint8 views: gloo has no bf16 / fp8 / int16 gather);
-3. rank 0 joins them with the sharding rules, renames to HF, splits qkv / gate-up, and streams the engine
-   named tensors into flattened buckets (experts and the rest apart) that go to the engine one by one.
-   At most one full parameter (ep_size of them for an expert) plus the open buckets are alive on rank 0
-   at a time: the model is never held twice. An error on rank 0 (engine, verification) is raised there
-   and, after the remaining gathers, as a PublishError on every other rank (no hang).
+2. the shards are GATHERED to the engine leaders (one rank per rollout group, `leaders`), from the ranks
+   that own them: a dense parameter over each TP group that holds a leader (``dist.gather`` to it, or an
+   all-gather when the group holds several); an expert over its expert-TP group (all-gather) and then
+   over each EP group that holds a leader. Replicas without a leader send nothing. Tensors travel as
+   their bytes (uint8 views: gloo has no bf16 / fp8 / int16 gather);
+3. each leader joins them with the sharding rules, renames to HF, splits qkv / gate-up, and streams the
+   engine named tensors into flattened buckets (experts and the rest apart) that go to ITS engine one by
+   one. Peak extra memory on any rank: one gathered parameter (ep_size of them for an expert), the engine
+   tensors waiting in the open buckets (at most one per expert/dense x dtype group, each under
+   ``bucket_bytes`` plus one tensor) and the bucket being sent, never the model (`LiveBytes` measures it: ``WeightPublisher.peak_bytes``). An error on a
+   leader (engine, verification) is raised there and, after the remaining gathers, as a PublishError on
+   every other rank (no hang).
 
 Codes equal the offline conversion (gather masters -> ``mcore_to_hf`` -> ``engine_named_tensors``) because
   * a column-parallel shard's codes/scales are rows of the full ones; a row-parallel shard holds whole
@@ -40,7 +44,7 @@ from typing import Any
 import torch
 
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_mcore_shapes, to_hf
-from megatron_qarl.parallel import ROLLOUT_RANK, collective_device, is_rollout_rank
+from megatron_qarl.parallel import collective_device
 from megatron_qarl.quant.engine_layout import (
     as_quant_config, engine_tensors, kind_of, linear_parts, meta_linear_parts, quantize_weight,
 )
@@ -78,6 +82,27 @@ def full_param_engine_tensors(hf_config, param: FullParam) -> Iterator[tuple[str
 # ----------------------------------------------------------------------------- pushing
 
 
+class LiveBytes:
+    """Bytes of the publish payload this rank holds right now, and the most it held at once: each held
+    object (a gathered FullParam, a flattened bucket) is counted until Python frees it (weakref.finalize),
+    so a reference kept too long shows up in `peak`."""
+
+    def __init__(self):
+        self.now = 0
+        self.peak = 0
+
+    def hold(self, obj, nbytes: int):
+        import weakref
+
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(obj, self._release, nbytes)
+        return obj
+
+    def _release(self, nbytes: int) -> None:
+        self.now -= nbytes
+
+
 @dataclass
 class PushStats:
     bytes: int = 0
@@ -86,7 +111,8 @@ class PushStats:
 
 
 def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = False) -> PushStats:
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = False,
+                       live: LiveBytes | None = None) -> PushStats:
     """Stream engine-layout tensors into flattened buckets and send each to `engine` (None: count only).
 
     One begin/end update around all buckets; with `verify` the engine's per-tensor checksums are compared
@@ -97,6 +123,8 @@ def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]
         engine.begin_weight_update()
     try:
         for bucket in iter_buckets(named_tensors, bucket_bytes):
+            if live is not None:
+                live.hold(bucket, bucket.nbytes)
             stats.bytes += bucket.nbytes
             stats.num_buckets += 1
             stats.num_tensors += len(bucket.metadata)
@@ -159,45 +187,82 @@ def _gather_to(tensor: torch.Tensor, group, dst: int, size: int) -> list[torch.T
     return [t.view(tensor.dtype) for t in out] if is_dst else None
 
 
+def _all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    """dist.all_gather of one tensor (any dtype): every rank of `group` gets all shards."""
+    import torch.distributed as dist
+
+    wire = _to_wire(tensor)
+    out = [torch.empty_like(wire) for _ in range(size)]
+    dist.all_gather(out, wire, group=group)
+    return [t.view(tensor.dtype) for t in out]
+
+
+def _gather_to_leaders(tensor: torch.Tensor, group, size: int, leaders: list[int]) -> list[torch.Tensor] | None:
+    """The shards of `tensor` over `group` on the engine leaders in it (None on its other ranks): a gather
+    when one leader is in the group, an all-gather when several are."""
+    import torch.distributed as dist
+
+    if len(leaders) == 1:
+        return _gather_to(tensor, group, leaders[0], size)
+    shards = _all_gather(tensor, group, size)
+    return shards if dist.get_rank() in leaders else None
+
+
 @dataclass
 class _Topology:
+    """Who sends what to which engine leader. A dense parameter is gathered over every TP group that
+    holds a leader; an expert over the expert-TP group (all-gather) and then over every EP group that holds
+    a leader. Groups without a leader (DP replicas of a group that has one) send nothing."""
+
     coords: Any
     n_local: int
-    dense_sender: bool   # this rank's TP group is the engine rank's
-    expert_sender: bool  # this rank's expert-TP x EP slice is the engine rank's
+    tp_leaders: list[int]  # the engine leaders in this rank's TP group
+    ep_leaders: list[int]  # ... in this rank's EP group
+    expert_replica_has_leader: bool  # this rank's expert-TP x EP replica holds a leader
+    counts_dense: bool  # code flips are counted on one replica only (DP rank 0 / expert-DP rank 0)
+    counts_experts: bool
     tp_group: Any = None
     etp_group: Any = None
     ep_group: Any = None
 
     @classmethod
-    def current(cls, model) -> "_Topology":
+    def current(cls, model, leaders: list[int]) -> "_Topology":
+        import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         from megatron_qarl.weights.sharding import RankCoords, num_local_experts
 
-        coords = RankCoords.from_parallel_state()
-        return cls(coords=coords, n_local=num_local_experts(model),
-                   dense_sender=ps.get_data_parallel_rank(with_context_parallel=True) == 0,
-                   expert_sender=ps.get_expert_data_parallel_rank() == 0,
-                   tp_group=ps.get_tensor_model_parallel_group(),
-                   etp_group=ps.get_expert_tensor_parallel_group(), ep_group=ps.get_expert_model_parallel_group())
+        def leaders_in(group) -> list[int]:
+            return [r for r in dist.get_process_group_ranks(group) if r in leaders]
+
+        tp, etp, ep = (ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
+                       ps.get_expert_model_parallel_group())
+        replica = ps.get_expert_tensor_and_model_parallel_group()  # etp x ep: one copy of the experts (pp=1)
+        return cls(coords=RankCoords.from_parallel_state(), n_local=num_local_experts(model),
+                   tp_leaders=leaders_in(tp), ep_leaders=leaders_in(ep),
+                   expert_replica_has_leader=bool(leaders_in(replica)),
+                   counts_dense=ps.get_data_parallel_rank(with_context_parallel=True) == 0,
+                   counts_experts=ps.get_expert_data_parallel_rank() == 0,
+                   tp_group=tp, etp_group=etp, ep_group=ep)
 
 
-def _group_root(group) -> int:
-    import torch.distributed as dist
-
-    return dist.get_process_group_ranks(group)[0]
-
-
-def _gather_parts(parts: dict[str, torch.Tensor], rule, group, size: int) -> dict[str, torch.Tensor] | None:
-    """Every part gathered to the group's first rank and joined there; None on the other ranks."""
+def _gather_parts(parts: dict[str, torch.Tensor], rule, group, size: int,
+                  leaders: list[int] | None) -> dict[str, torch.Tensor] | None:
+    """Every part gathered and joined on the `leaders` of `group` (None: on every rank of it); None on
+    the ranks that do not receive it."""
     from megatron_qarl.weights.sharding import join_shards
 
-    dst = _group_root(group)
-    gathered = {key: _gather_to(part, group, dst, size) for key, part in parts.items()}
-    if any(shards is None for shards in gathered.values()):
-        return None
-    return {key: join_shards(shards, rule) for key, shards in gathered.items()}
+    out = {}
+    for key, part in parts.items():  # every part's collective runs on every rank, receiver or not
+        shards = _all_gather(part, group, size) if leaders is None else _gather_to_leaders(part, group, size, leaders)
+        out[key] = None if shards is None else join_shards(shards, rule)
+    return None if any(v is None for v in out.values()) else out
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
 
 
 def _full_shape(local_shape, rule, size: int) -> tuple[int, ...]:
@@ -215,11 +280,12 @@ class WeightPublisher:
 
     `model`: the unwrapped megatron GPTModel (local shards). `quant`: the AlignedQuantization whose cached
     codes are shipped, or None (unaligned learner: the spec is applied to the master shards here, or bf16
-    is sent when ``quant_cfg.scheme == "none"``). `engine`: the rollout engine on global rank 0, None
-    elsewhere (None on rank 0 too: plan and count only).
+    is sent when ``quant_cfg.scheme == "none"``). `leaders`: the global ranks that drive an engine (one per
+    rollout group, `parallel.RolloutTopology.leaders`; default [0]). `engine`: this rank's engine on a
+    leader, None elsewhere (None on a leader too: plan and count only).
     """
 
-    def __init__(self, model, hf_config, quant_cfg, *, quant=None, engine=None,
+    def __init__(self, model, hf_config, quant_cfg, *, quant=None, engine=None, leaders: list[int] | None = None,
                  bucket_bytes: int = 512 << 20, verify: bool = False):
         from megatron_qarl.weights.sharding import unwrap_model
 
@@ -230,6 +296,8 @@ class WeightPublisher:
         self.quant_cfg = as_quant_config(quant_cfg)
         self.quant = quant
         self.engine = engine
+        self.leaders = sorted(leaders) if leaders else [0]
+        self.peak_bytes = 0  # most publish payload bytes alive at once on this rank (LiveBytes), last publish
         self.bucket_bytes = bucket_bytes
         self.verify = verify
         if quant is not None and quant.quant_cfg != self.quant_cfg:
@@ -272,26 +340,33 @@ class WeightPublisher:
         from megatron_qarl.weights.sharding import local_to_global_name, shard_rule
 
         rule = shard_rule(name, param, gated_linear_unit=bool(self.model.config.gated_linear_unit))
-        if not (topo.expert_sender if rule.expert else topo.dense_sender):
-            return []
+        if not (topo.expert_replica_has_leader if rule.expert else topo.tp_leaders):
+            return []  # a replica no engine leader takes its weights from
         kind, parts = self._local(name, param)
-        if kind != "bf16":
+        if kind != "bf16" and (topo.counts_experts if rule.expert else topo.counts_dense):
             self._count_flips(name, kind, parts, flips)
         c = topo.coords
-        group, size = (topo.etp_group, c.etp_size) if rule.expert else (topo.tp_group, c.tp_size)
         shape = tuple(param.shape)
-        if rule.partition_dim is not None and size > 1:
-            parts = _gather_parts(parts, rule, group, size)
-            shape = _full_shape(shape, rule, size)
+        if rule.partition_dim is not None and (c.etp_size if rule.expert else c.tp_size) > 1:
+            if rule.expert:  # every expert-TP rank needs the whole local expert for the EP step
+                parts = _gather_parts(parts, rule, topo.etp_group, c.etp_size, None)
+            else:
+                parts = _gather_parts(parts, rule, topo.tp_group, c.tp_size, topo.tp_leaders)
+            shape = _full_shape(shape, rule, c.etp_size if rule.expert else c.tp_size)
             if parts is None:
                 return []
-        if not rule.expert:
-            return [FullParam(name, kind, parts, shape)]
+        me = _rank()
+        if not rule.expert:  # gathered (or replicated) on this TP group's leaders
+            return [FullParam(name, kind, parts, shape)] if me in topo.tp_leaders else []
+        if not topo.ep_leaders:
+            return []
         if c.ep_size == 1:
+            if me not in topo.ep_leaders:
+                return []
             return [FullParam(local_to_global_name(name, c.ep_rank, topo.n_local), kind, parts, shape)]
         per_rank: dict[str, list[torch.Tensor]] = {}
         for key, part in parts.items():
-            shards = _gather_to(part, topo.ep_group, _group_root(topo.ep_group), c.ep_size)
+            shards = _gather_to_leaders(part, topo.ep_group, c.ep_size, topo.ep_leaders)
             if shards is not None:
                 per_rank[key] = shards
         if not per_rank:
@@ -308,11 +383,16 @@ class WeightPublisher:
             flips[1] += total
         self._previous_codes[name] = current.clone()
 
-    def _stream(self, topo: _Topology, flips: list) -> Iterator[tuple[str, torch.Tensor]]:
-        """Engine-layout named tensors on the engine rank (the other ranks only take part in gathers)."""
+    def _stream(self, topo: _Topology, flips: list, live: LiveBytes) -> Iterator[tuple[str, torch.Tensor]]:
+        """Engine-layout named tensors on the engine leaders (the other ranks only take part in gathers)."""
         for name, param in self.params.items():
-            for full in self._collect(topo, name, param, flips):
-                yield from full_param_engine_tensors(self.hf_config, full)
+            fulls = [live.hold(f, sum(t.nbytes for t in f.parts.values()))
+                     for f in self._collect(topo, name, param, flips)]
+            for full in fulls:
+                for engine_name, tensor in full_param_engine_tensors(self.hf_config, full):
+                    # counted again while it waits in an open bucket (it may be a view: conservative)
+                    yield engine_name, live.hold(tensor, tensor.nbytes)
+            del fulls
 
     # -- public ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -321,15 +401,17 @@ class WeightPublisher:
         import torch.distributed as dist
 
         start = time.perf_counter()
-        topo = _Topology.current(self.model)
+        topo = _Topology.current(self.model, self.leaders)
         flips = [0, 0]  # changed codes, codes compared with a previous publish
-        is_engine_rank = is_rollout_rank()
-        stream = self._stream(topo, flips)
+        is_engine_rank = dist.get_rank() in self.leaders
+        live = LiveBytes()
+        stream = self._stream(topo, flips, live)
         error = None
         stats = PushStats()
         if is_engine_rank:
             try:
-                stats = push_named_tensors(self.engine, stream, bucket_bytes=self.bucket_bytes, verify=self.verify)
+                stats = push_named_tensors(self.engine, stream, bucket_bytes=self.bucket_bytes, verify=self.verify,
+                                           live=live)
             except Exception as exc:  # other ranks must learn about it instead of hanging
                 error = exc
                 for _ in stream:  # finish the collectives the other ranks are in
@@ -342,8 +424,10 @@ class WeightPublisher:
         if error is not None:
             raise error
         if int(counts[2]):
-            raise PublishError(f"weight publish failed on the engine rank {ROLLOUT_RANK} (see its error)")
+            raise PublishError(f"weight publish failed on {int(counts[2])} engine leader(s) of {self.leaders} "
+                               "(see their error)")
         self.publishes += 1
+        self.peak_bytes = live.peak
         changed, compared = int(counts[0]), int(counts[1])
         return {
             "publish/bytes": stats.bytes,
