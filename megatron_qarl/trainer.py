@@ -125,7 +125,7 @@ def collect_rollouts(ctx, step: int) -> tuple[RolloutBatch, dict]:
     )
     totals = _sum_over_ranks(partial)
     totals["rollout/engine_restarts"] = float(restarts)
-    return batch, rollout_metrics(totals)
+    return batch, {**rollout_metrics(totals), "rollout/engines": float(topo.engines)}
 
 
 def serve_requests(ctx, step: int, prompts, pending: list, owned: dict, partial: dict) -> None:

@@ -107,6 +107,25 @@ def test_torchrun_two_processes(tmp_path, layout):
     _assert_healthy_run(tmp_path, 2)
 
 
+@pytest.mark.dist
+def test_two_embedded_engines_train_exactly_like_one(tmp_path):
+    """World 2 (EP 2): one embedded engine per rank vs one engine on rank 0 (rank 1 idle during rollout).
+    Per-row seeds and fixed request compositions make the batches identical, so every metric but the
+    timings and this rank's publish peak matches."""
+    runs = {}
+    for engines in (1, 2):
+        out = tmp_path / f"engines{engines}"
+        _check_ok(_run(out, "train.steps=3", "checkpoint.every=0", "parallel.ep=2", f"rollout.engines={engines}",
+                       "rollout.allow_idle_gpus=true", "rollout.request_prompts=1", nproc=2))
+        rows = _rows(out)
+        assert [r["rollout/engines"] for r in rows.values()] == [engines] * 3
+        runs[engines] = {s: {k: v for k, v in _fingerprint(r).items() if k not in ("publish/peak_bytes",
+                                                                                 "rollout/engines")}
+                         for s, r in rows.items()}
+    assert sorted(runs[1]) == [0, 1, 2] and runs[1][0]["rollout/requests"] == 4
+    assert runs[2] == runs[1]
+
+
 def _fingerprint(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith("time/") and not k.startswith("publish/time")}
 

@@ -435,6 +435,7 @@ class WeightPublisher:
             "publish/num_tensors": stats.num_tensors,
             "publish/num_buckets": stats.num_buckets,
             "publish/code_flip_frac": changed / compared if compared else math.nan,
+            "publish/peak_bytes": self.peak_bytes,  # this rank's most payload held at once
         }
 
 
