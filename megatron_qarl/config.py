@@ -67,6 +67,9 @@ class ModelConfig:
     # Dtype of the learner's compute (GEMM inputs); masters are always fp32.
     dtype: str = "float32"  # bfloat16 needs train.optim.bf16=true (megatron mixed precision, GPU)
     tokenizer: str | None = None  # None: from hf_path; "char": the synthetic task's char tokenizer
+    # A preset without hf_path / init_checkpoint trains megatron's random init with the demo tokenizer; a run
+    # on a GPU engine (rollout.engine=sglang) refuses that unless it is asked for here (smoke tests).
+    random_init: bool = False
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch
 
 from megatron_qarl.config import RunConfig, rollout_topology, save_yaml, to_dict
 from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
-from megatron_qarl.parallel import RolloutTopology, init_distributed, is_logging_rank
+from megatron_qarl.parallel import RolloutTopology, collective_device, init_distributed, is_logging_rank
 from megatron_qarl.rl.tokenizer import load_tokenizer
 
 
@@ -92,6 +92,7 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     from megatron_qarl.rollout.protocol import SamplingParams
     from megatron_qarl.weights.publish import WeightPublisher
 
+    check_initial_weights(cfg)
     layout = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf_config = resolve_hf_config(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
@@ -120,7 +121,8 @@ def build_run_context(cfg: RunConfig) -> RunContext:
 
     topology = rollout_topology(cfg, torch.distributed.get_world_size())
     is_leader = topology.is_leader()
-    engine = _build_engine(cfg, hf_config, topology) if is_leader else None
+    start_checkpoint = engine_start_checkpoint(cfg, model, hf_config, quant)
+    engine = _build_engine(cfg, hf_config, topology, start_checkpoint) if is_leader else None
     publisher = WeightPublisher(
         model, hf_config, cfg.quant, quant=quant, engine=engine, leaders=topology.leaders,
         bucket_bytes=cfg.publish.bucket_mb * 1024 * 1024, verify=cfg.publish.verify,
@@ -147,6 +149,46 @@ def build_run_context(cfg: RunConfig) -> RunContext:
         save_yaml(cfg, Path(cfg.logging.out_dir) / "config.yaml")
         ctx.tracker = build_tracker(cfg, resume=ctx.start_step > 0)
     return ctx
+
+
+def check_initial_weights(cfg: RunConfig) -> None:
+    """A GPU-engine run must start from real weights unless random init is asked for explicitly."""
+    from megatron_qarl.config import ConfigError
+
+    m = cfg.model
+    if cfg.rollout.engine == "sglang" and not (m.hf_path or m.init_checkpoint or m.random_init):
+        raise ConfigError(
+            f"model.preset={m.preset!r} without model.hf_path or model.init_checkpoint would train megatron's "
+            "random init with the 128-symbol demo tokenizer; set model.preset=null model.hf_path=/path/to/"
+            "Qwen3-30B-A3B-Base (or model.init_checkpoint=<an SFT checkpoint>), or model.random_init=true for "
+            "a smoke test")
+
+
+def engine_start_checkpoint(cfg: RunConfig, model, hf_config, quant) -> str | None:
+    """COLLECTIVE. The checkpoint a launched SGLang engine starts from: `rollout.sglang.model_path` when
+    given, else the trainer's own initial weights written to <logging.out_dir>/engine_start by the publisher
+    (the bytes every later publish sends) through qarl-convert export's writer; reused when present (resume).
+    None for engines that need no start-up checkpoint (embedded, attach)."""
+    import torch.distributed as dist
+
+    from megatron_qarl.weights.convert import EngineCheckpointSink, hf_checkpoint_files
+    from megatron_qarl.weights.publish import WeightPublisher
+
+    s = cfg.rollout.sglang
+    if cfg.rollout.engine != "sglang" or s.model_path or s.url or s.launch == "attach":
+        return s.model_path
+    out = Path(cfg.logging.out_dir) / "engine_start"
+    exists = torch.tensor([1 if (out / "config.json").is_file() else 0], device=collective_device())
+    dist.broadcast(exists, src=0)  # rank 0's view decides for every rank
+    if int(exists.item()):
+        return str(out)
+    sink = None
+    if dist.get_rank() == 0:
+        sink = EngineCheckpointSink(out, hf_config, cfg.quant, hf_checkpoint_files(hf_config, cfg.model.hf_path),
+                                    force=True)
+    WeightPublisher(model, hf_config, cfg.quant, quant=quant, engine=sink, leaders=[0],
+                    bucket_bytes=cfg.publish.bucket_mb << 20).publish()
+    return str(out)
 
 
 def _load_initial_weights(cfg: RunConfig, model, hf_config) -> None:
@@ -194,7 +236,7 @@ def resume_run(ctx: RunContext) -> int:
     return int(state["step"])
 
 
-def _build_engine(cfg: RunConfig, hf_config, topology: RolloutTopology):
+def _build_engine(cfg: RunConfig, hf_config, topology: RolloutTopology, start_checkpoint: str | None):
     """This leader's engine: its rollout group's GPUs (from the leader's local GPU) or its URL."""
     from megatron_qarl.rollout.factory import make_engine
 
@@ -208,6 +250,8 @@ def _build_engine(cfg: RunConfig, hf_config, topology: RolloutTopology):
 
         group = topology.group_of(torch.distributed.get_rank())
         base_gpu = int(os.environ.get("LOCAL_RANK", "0"))  # a colocated engine starts on its leader's GPU
-        engine_cfg = SGLangEngineConfig.from_run(cfg, group=group, base_gpu_id=base_gpu)
+        run = dataclasses.replace(cfg, rollout=dataclasses.replace(
+            cfg.rollout, sglang=dataclasses.replace(cfg.rollout.sglang, model_path=start_checkpoint)))
+        engine_cfg = SGLangEngineConfig.from_run(run, group=group, base_gpu_id=base_gpu)
         return make_engine({"name": "sglang", **dataclasses.asdict(engine_cfg)})
     return make_engine({"name": cfg.rollout.engine})

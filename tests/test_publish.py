@@ -271,3 +271,49 @@ def test_changed_codes_on_random_words_equals_an_elementwise_count():
     cur = torch.where(torch.rand(prev.shape, generator=gen) < 0.3, torch.randint(-8, 8, prev.shape, generator=gen,
                                                                                   dtype=torch.int8), prev)
     assert _changed_codes(pack_int4_groupwise(prev), pack_int4_groupwise(cur), "int4") == int((prev != cur).sum())
+
+
+# ------------------------------------------------------------------------------- the engine's start checkpoint
+
+def test_trainer_writes_the_engines_start_checkpoint_as_qarl_convert_export_does(cfg, tmp_path):
+    """No rollout.sglang.model_path: the trainer's initial weights go through the publisher into
+    <out_dir>/engine_start; the same weights written as an HF checkpoint and run through `qarl-convert
+    export` give the same tensors bitwise and the same quantization_config; a second call reuses the dir."""
+    from safetensors.torch import load_file
+
+    from megatron_qarl.config import load_config
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import mcore_to_hf
+    from megatron_qarl.run_context import engine_start_checkpoint
+    from megatron_qarl.weights.convert import export_checkpoint
+    from megatron_qarl.weights.hf_io import write_hf_checkpoint
+    from megatron_qarl.weights.sharding import gather_full_state
+
+    run = load_config(None, ["rollout.engine=sglang", "quant.scheme=w4a16", "model.random_init=true",
+                             f"logging.out_dir={tmp_path / 'run'}"], world_size=1)
+    model = build_model(ParallelLayout(), cfg)
+    aligned = apply_aligned_quantization(model, run.quant)
+    path = Path(engine_start_checkpoint(run, model, cfg, aligned))
+    assert path == tmp_path / "run" / "engine_start"
+    hf_dir = write_hf_checkpoint(tmp_path / "hf", cfg, mcore_to_hf(cfg, gather_full_state(model)))
+    ref = export_checkpoint(tmp_path / "ref", hf=hf_dir, fmt="w4a16", group_size=run.quant.group_size)
+
+    def tensors(d):
+        return {k: v for f in sorted(Path(d).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+    got, want = tensors(path), tensors(ref)
+    assert mismatches(got, want) == [] and len(got) > 100
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert qc == json.loads((Path(ref) / "config.json").read_text())["quantization_config"]
+    stamp = (path / "config.json").stat().st_mtime_ns
+    assert engine_start_checkpoint(run, model, cfg, aligned) == str(path)
+    assert (path / "config.json").stat().st_mtime_ns == stamp  # reused, not rewritten
+
+
+def test_a_gpu_engine_run_refuses_a_silent_random_init():
+    from megatron_qarl.config import ConfigError, load_config
+    from megatron_qarl.run_context import check_initial_weights
+
+    run = load_config(None, ["rollout.engine=sglang"], world_size=1)
+    with pytest.raises(ConfigError, match="random init with the 128-symbol demo tokenizer.*model.random_init=true"):
+        check_initial_weights(run)
+    check_initial_weights(load_config(None, ["rollout.engine=sglang", "model.random_init=true"], world_size=1))

@@ -370,20 +370,68 @@ def export_quant_config(fmt: str, scope: str | None, group_size: int = 128, bloc
 def write_engine_checkpoint(out: Path, hf_config, named: Iterable[tuple[str, torch.Tensor]], total_bytes: int,
                             quant_cfg, side_files: dict[str, bytes], *, max_shard_bytes: int, force: bool) -> Path:
     """Stream HF-named tensors through the engine layout into a checkpoint SGLang/vLLM/transformers load."""
-    from megatron_qarl.quant.engine_layout import engine_named_tensors, quantization_config_for
+    from megatron_qarl.quant.engine_layout import engine_named_tensors
 
-    with atomic_dir(check_output(out, force)) as tmp:
-        writer = ShardWriter(tmp, max_shard_bytes)
+    sink = EngineCheckpointSink(out, hf_config, quant_cfg, side_files, max_shard_bytes=max_shard_bytes, force=force)
+    sink.begin_weight_update()
+    try:
         with progress(total_bytes, f"export {quant_cfg.scheme}") as bar:
             for name, tensor in named:
-                for engine_name, engine_tensor in engine_named_tensors([(name, tensor)], quant_cfg):
-                    writer.add(engine_name, engine_tensor)
+                sink.update_weights(engine_named_tensors([(name, tensor)], quant_cfg))
                 bar.update(_nbytes(tensor))
-        writer.finish()
-        (tmp / CONFIG_NAME).write_text(
-            checkpoint_config_json(hf_config, torch.bfloat16, quantization_config_for(quant_cfg), side_files))
-        copy_tokenizer_files(side_files, tmp)
+    except BaseException:
+        sink.abort()
+        raise
+    sink.end_weight_update()
     return out
+
+
+class EngineCheckpointSink:
+    """Writes engine-layout tensors as they arrive into an engine checkpoint dir (safetensors shards,
+    config.json with the quantization_config, tokenizer files), atomically: the dir appears complete at
+    `end_weight_update` or not at all. It takes a weight update like an engine, so the trainer's publisher
+    can write the engine's start-up checkpoint with the very bytes it publishes."""
+
+    def __init__(self, out: str | os.PathLike, hf_config, quant_cfg, side_files: dict[str, bytes], *,
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False):
+        self.out = check_output(out, force)
+        self.hf_config, self.quant_cfg, self.side_files = hf_config, quant_cfg, side_files
+        self.max_shard_bytes = max_shard_bytes
+        self._dir = self._writer = None
+
+    def begin_weight_update(self) -> None:
+        self._dir = atomic_dir(self.out)
+        self._writer = ShardWriter(self._dir.__enter__(), self.max_shard_bytes)
+
+    def update_weights(self, named_tensors) -> None:
+        if hasattr(named_tensors, "flattened_tensor"):
+            from megatron_qarl.rollout.payload import unflatten_bucket
+
+            named_tensors = unflatten_bucket(named_tensors)
+        for name, tensor in named_tensors:
+            self._writer.add(name, tensor.clone())  # a bucket's views would pin the whole bucket
+
+    def end_weight_update(self) -> None:
+        from megatron_qarl.quant.engine_layout import quantization_config_for
+
+        tmp = self._writer.out
+        self._writer.finish()
+        (tmp / CONFIG_NAME).write_text(
+            checkpoint_config_json(self.hf_config, torch.bfloat16, quantization_config_for(self.quant_cfg),
+                                   self.side_files))
+        copy_tokenizer_files(self.side_files, tmp)
+        self._dir.__exit__(None, None, None)
+        self._dir = None
+
+    def abort(self) -> None:
+        """Drop the half-written dir (the previous one, if any, stays)."""
+        if self._dir is not None:
+            err = RuntimeError("engine checkpoint export aborted")
+            try:
+                self._dir.__exit__(RuntimeError, err, None)  # atomic_dir removes its temp dir
+            except RuntimeError:
+                pass
+            self._dir = None
 
 
 def export_checkpoint(out: str | os.PathLike, *, hf: str | os.PathLike | None = None,
