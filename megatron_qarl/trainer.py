@@ -65,8 +65,9 @@ def train(cfg: RunConfig) -> dict:
             timer.lap("routing_telemetry")
             metrics.update(policy_update(ctx, local))
             timer.lap("update")
-            engine_wake(ctx)
+            engine_wake(ctx, ("weights",))  # slime's order: weights back, publish, then the KV cache
             metrics.update(ctx.publisher.publish())
+            engine_wake(ctx, ("kv_cache",))
             timer.lap("publish")
             metrics.update(timer.marks)
             metrics["time/step_s"] = timer.total()
@@ -233,9 +234,11 @@ def engine_sleep(ctx) -> None:
         ctx.engine.release_memory()
 
 
-def engine_wake(ctx) -> None:
+def engine_wake(ctx, tags: tuple[str, ...]) -> None:
+    """Resume the colocated engine's `tags` memory: its weights before the publish writes into them, its
+    KV cache only after, so the publish's buckets never sit next to a full KV cache."""
     if _colocated(ctx):
-        ctx.engine.resume_memory()
+        ctx.engine.resume_memory(tags)
 
 
 # -- 2. old log-probs, routing telemetry ---------------------------------------------------------------
