@@ -481,3 +481,21 @@ def test_server_log_is_a_file_by_default(tmp_path, monkeypatch):
         assert os.path.basename(engine.log_path).startswith("qarl_sglang_")
     finally:
         engine.shutdown()
+
+
+def test_run_config_accepts_marlin_and_refuses_unsafe_sglang_settings():
+    from megatron_qarl.config import ConfigError, load_config
+
+    base = ["rollout.engine=sglang", "quant.scheme=w4a16", "quant.scope=experts"]
+    for backend in ("auto", "marlin"):
+        load_config(None, base + [f"rollout.sglang.moe_runner_backend={backend}"])
+    with pytest.raises(ConfigError, match="moe_runner_backend=triton"):
+        load_config(None, base + ["rollout.sglang.moe_runner_backend=triton"])
+    with pytest.raises(ConfigError, match="'deep_gemm'"):
+        load_config(None, base + ["rollout.sglang.moe_runner_backend=deep_gemm"])
+    with pytest.raises(ConfigError, match="rollout.sglang.cuda_graph"):
+        load_config(None, base + ["rollout.sglang.cuda_graph=maybe"])
+    with pytest.raises(ConfigError, match="one per engine"):
+        load_config(None, ["rollout.engine=sglang", "rollout.engines=2", "rollout.sglang.launch=attach",
+                           "rollout.sglang.urls=[http://a:1]"])
+    load_config(None, ["rollout.engine=sglang", "rollout.sglang.launch=attach", "rollout.sglang.urls=[http://a:1]"])
