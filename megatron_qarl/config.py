@@ -89,17 +89,30 @@ class SGLangConfig:
     # How the engine runs: subprocess (`sglang.launch_server`), inprocess (`sglang.Engine`), or attach to
     # `url` (a server started elsewhere, e.g. by launch/slurm/qarl_multinode.sbatch).
     launch: str = "subprocess"
-    url: str | None = None  # required for launch=attach
+    url: str | None = None  # launch=attach with a single engine
+    urls: list[str] = field(default_factory=list)  # launch=attach: one URL per engine (rollout group order)
     # Checkpoint the engine starts from (HF / exported compressed-tensors / FP8 dir); None: the trainer
     # exports its initial weights for it.
     model_path: str | None = None
     ep_size: int = 1  # expert parallel inside each engine's rollout.engine_tp GPUs
-    # W4A16 refit needs the Marlin WNA16 MoE path, which "auto" selects; "triton" breaks refit.
+    # W4A16 refit needs SGLang's Marlin WNA16 MoE path: "auto" is pinned to "marlin" for W4A16 (SGLang's own
+    # auto picks the Triton WNA16 MoE on SM100, whose second refit fails); "triton" and others are refused.
     moe_runner_backend: str = "auto"
     mem_fraction_static: float = 0.5
+    # CUDA graphs: auto = off for W4A16 (SGLang reallocates the Marlin MoE workspace at every refit while
+    # captured graphs keep the old pointer; eager decode costs throughput, most at small batches), on
+    # otherwise; "on" forces them (at your own risk with W4A16), "off" disables them.
+    cuda_graph: str = "auto"
+    # --enable-deterministic-inference: SGLang honours the per-sample sampling_seed only with it (slower,
+    # batch-invariant kernels). Without it a resumed run does NOT re-sample identically on SGLang.
+    deterministic_inference: bool = False
+    # NCCL weight-sync group (mode=separate): the address the engines reach this trainer rank at (null: this
+    # host's resolved non-loopback address) and the base port (engine g uses port + g; 0: a free port).
+    weight_sync_master_addr: str | None = None
+    weight_sync_master_port: int = 0
     api_key_env: str = "QARL_SGLANG_API_KEY"  # name of the env var holding the key, never the key
     host: str = "127.0.0.1"
-    port: int = 0  # 0: a free port
+    port: int = 0  # 0: a free port (engine g of a fixed base port uses port + g)
     health_timeout_s: float = 900.0
     extra_server_args: list[str] = field(default_factory=list)
 
@@ -516,12 +529,21 @@ def _check_engine_quant(cfg: RunConfig) -> list[str]:
         if backend == "triton":
             out.append("rollout.sglang.moe_runner_backend=triton with quant.scheme=w4a16: SGLang's triton "
                        "WNA16 MoE converts the weights to its own uint8 layout after loading, so in-place "
-                       "refit fails; use moe_runner_backend=auto (the Marlin WNA16 MoE path)")
-        elif backend != "auto":
+                       "refit fails; use moe_runner_backend=marlin (or auto, pinned to marlin for W4A16)")
+        elif backend not in ("auto", "marlin"):
             out.append(f"rollout.sglang.moe_runner_backend={backend!r} with quant.scheme=w4a16: only "
-                       "'auto' (the Marlin WNA16 MoE path) supports compressed-tensors W4A16 refit")
-    if r.engine == "sglang" and r.sglang.launch == "attach" and not r.sglang.url:
-        out.append("rollout.sglang.launch=attach needs rollout.sglang.url (e.g. http://head-node:30000)")
+                       "'marlin' (the Marlin WNA16 MoE path; 'auto' is pinned to it) supports "
+                       "compressed-tensors W4A16 refit")
+    if r.engine == "sglang":
+        out += _choice("rollout.sglang.cuda_graph", r.sglang.cuda_graph, ("auto", "on", "off"))
+        if r.sglang.url and r.sglang.urls:
+            out.append("rollout.sglang: set url (one engine) or urls (one per engine), not both")
+        if r.sglang.urls and r.engines and len(r.sglang.urls) != r.engines:
+            out.append(f"rollout.sglang.urls lists {len(r.sglang.urls)} engine URLs for rollout.engines="
+                       f"{r.engines}; give one per engine")
+    if r.engine == "sglang" and r.sglang.launch == "attach" and not (r.sglang.url or r.sglang.urls):
+        out.append("rollout.sglang.launch=attach needs rollout.sglang.url or rollout.sglang.urls (e.g. "
+                   "http://head-node:30000)")
     if r.engine == "sglang" and r.sglang.launch == "inprocess" and r.sglang.mode == "separate":
         out.append("rollout.sglang.launch=inprocess runs the engine inside the trainer process, which is "
                    "mode=colocated; use launch=subprocess or attach for mode=separate")

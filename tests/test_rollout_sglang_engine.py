@@ -1,35 +1,50 @@
-"""SGLangEngine failure paths without a GPU, against tiny loopback fake servers (bounded in time)."""
+"""SGLangEngine without a GPU: launch flags, environment, timeouts vs crashes, restart, the update
+session, per-rank serialization, NCCL bytes, in-process failures — against tiny loopback fake servers
+(bounded in time). What SGLang itself accepts is pinned by tests/contract/test_sglang_engine_contract.py."""
 
 import base64
 import json
+import os
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
 import torch
 
+from megatron_qarl.rollout.payload import FlattenedBucket
 from megatron_qarl.rollout.protocol import RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.sglang_engine import (
+    EngineCrashedError,
+    EngineTimeoutError,
     SGLangEngine,
     SGLangEngineConfig,
     SGLangUnavailableError,
+    broadcast_bytes,
     check_refit_backend,
+    default_master_address,
+    generate_payload,
     parse_generate_output,
+    scrubbed_environ,
+    sglang_engine_kwargs,
     sglang_server_command,
 )
 
 FAKE_SERVER = textwrap.dedent('''
-    """Fake SGLang: /health, weight-update session routes, /generate. Records calls in a JSONL file.
-    --never-healthy: /health answers 503. --die-after-pushes N: exit on the N-th push unless the
-    marker file exists (it is created on dying, so the restarted server lives)."""
-    import json, os, sys, threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
+    """Fake SGLang: /health, weight-update session routes, /generate. Records calls in a JSONL file and
+    its pid + environment in <record>.<pid>.env. Modes: ok | never-healthy (prints to stderr, /health 503)
+    | die (the first server exits at push number ARG) | slow (sleep ARG s in /generate)."""
+    import json, os, sys, threading, time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    port, api_key, record, mode, arg = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
-    marker = record + ".died"
+    port, api_key, record, mode, arg = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
+    with open(f"{record}.{os.getpid()}.env", "w") as f:
+        json.dump(dict(os.environ), f)
     state = {"pushes": 0}
     threading.Timer(60, lambda: os._exit(3)).start()  # never outlive a test
+    if mode == "never-healthy":
+        print("fake-sglang: CUDA out of memory while loading", file=sys.stderr, flush=True)
 
     class H(BaseHTTPRequestHandler):
         def log_message(self, *a):
@@ -52,39 +67,53 @@ FAKE_SERVER = textwrap.dedent('''
                 return self._send(401, {"error": "bad key"})
             payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
             with open(record, "a") as f:
-                f.write(json.dumps({"path": self.path, "payload": payload}) + "\\n")
+                f.write(json.dumps({"path": self.path, "payload": payload, "pid": os.getpid()}) + "\\n")
             if self.path == "/update_weights_from_tensor":
                 state["pushes"] += 1
-                if mode == "die" and state["pushes"] == arg and not os.path.exists(marker):
-                    open(marker, "w").close()
+                if mode == "die" and state["pushes"] == int(arg) and not os.path.exists(record + ".died"):
+                    open(record + ".died", "w").close()  # only the first server dies
                     os._exit(1)
             if self.path == "/generate":
+                if mode == "slow":
+                    time.sleep(arg)
                 outs = [{"meta_info": {"output_token_logprobs": [[-0.5, 7, None], [-1.5, 2, None]],
                                        "finish_reason": {"type": "stop", "matched": 2}}}
                         for _ in payload["input_ids"]]
                 return self._send(200, outs)
             self._send(200, {"success": True, "message": "ok"})
 
-    HTTPServer(("127.0.0.1", port), H).serve_forever()
+    ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 ''')
 
 
+class CountingSerializer:
+    """Stands in for SGLang's MultiprocessingSerializer: one distinct string per call."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, bucket):
+        self.calls += 1
+        return json.dumps({"call": self.calls, "names": bucket.names})
+
+
 @pytest.fixture
-def fake(tmp_path):
+def fake(tmp_path, monkeypatch):
     script = tmp_path / "fake_sglang.py"
     script.write_text(FAKE_SERVER)
     record = tmp_path / "calls.jsonl"
 
-    def make(mode="ok", arg=0, **cfg_kw):
+    def make(mode="ok", arg=0, serializer=None, **cfg_kw):
         cfg = SGLangEngineConfig(
             mode="subprocess",
             launch_cmd=[sys.executable, str(script), "{port}", "{api_key}", str(record), mode, str(arg)],
             health_timeout_s=cfg_kw.pop("health_timeout_s", 20),
-            request_timeout_s=10,
+            request_timeout_s=cfg_kw.pop("request_timeout_s", 10),
             bucket_bytes=cfg_kw.pop("bucket_bytes", 4096),
+            log_path=str(tmp_path / "server.log"),
             **cfg_kw,
         )
-        return SGLangEngine(cfg, serializer=lambda bucket, tp: [json.dumps(bucket.names)] * tp)
+        return SGLangEngine(cfg, serializer=serializer or CountingSerializer())
 
     def calls():
         return [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
@@ -101,10 +130,15 @@ def weights(n=6):
             for i in range(n)]
 
 
-def pushed_names(calls):
-    return [n for c in calls if c["path"] == "/update_weights_from_tensor"
-            for n in json.loads(c["payload"]["serialized_named_tensors"][0])]
+def pushes(calls):
+    return [c["payload"]["serialized_named_tensors"] for c in calls if c["path"] == "/update_weights_from_tensor"]
 
+
+def pushed_names(calls):
+    return [n for per_rank in pushes(calls) for n in json.loads(per_rank[0])["names"]]
+
+
+# ---------------------------------------------------------------------------------------------- launch
 
 def test_missing_sglang_module_gives_clear_message(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang -> ImportError
@@ -118,15 +152,126 @@ def test_missing_launch_executable_gives_clear_message():
         SGLangEngine(cfg)
 
 
-def test_never_healthy_server_times_out_naming_url_and_seconds(fake):
+def test_never_healthy_server_names_url_seconds_log_and_its_last_lines(fake, tmp_path):
     make, _ = fake
-    with pytest.raises(RolloutEngineError, match=r"http://127\.0\.0\.1:\d+ not healthy after 2 s"):
+    with pytest.raises(RolloutEngineError, match=r"http://127\.0\.0\.1:\d+ not healthy after 2 s") as err:
         make("never-healthy", health_timeout_s=2)
+    assert str(tmp_path / "server.log") in str(err.value)
+    assert "CUDA out of memory while loading" in str(err.value)  # the server's stderr went to the log
 
 
-def test_full_update_session_protocol(fake):
-    make, calls = fake
+def test_server_environment_is_scrubbed_of_torchrun_variables(fake, tmp_path, monkeypatch):
+    for k, v in {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8", "GROUP_RANK": "0",
+                 "ROLE_RANK": "3", "MASTER_ADDR": "head", "MASTER_PORT": "29500",
+                 "TORCHELASTIC_RUN_ID": "x", "TORCHELASTIC_RESTART_COUNT": "0", "QARL_KEEP_ME": "yes"}.items():
+        monkeypatch.setenv(k, v)
+    make, _ = fake
     engine = make()
+    env = json.loads((tmp_path / f"calls.jsonl.{engine._proc.pid}.env").read_text())
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+              "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"):
+        assert k not in env, k
+    assert env["QARL_KEEP_ME"] == "yes" and "PATH" in env
+
+
+def test_scrubbed_environ_keeps_cuda_visible_devices():
+    env = scrubbed_environ({"RANK": "1", "CUDA_VISIBLE_DEVICES": "4,5", "PET_NPROC_PER_NODE": "8", "HOME": "/h"})
+    assert env == {"CUDA_VISIBLE_DEVICES": "4,5", "HOME": "/h"}
+
+
+def test_server_command_flags():
+    cmd = sglang_server_command(SGLangEngineConfig(
+        model_path="/m", tp_size=2, base_gpu_id=4, quant_scheme="w4a16", return_routed_experts=True,
+        route_layers=48, route_topk=8, memory_saver=True, deterministic_inference=True), 30001, "k3y")
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+
+    def arg(flag):
+        return cmd[cmd.index(flag) + 1]
+
+    assert arg("--host") == "127.0.0.1" and arg("--api-key") == "k3y" and arg("--port") == "30001"
+    assert arg("--tp-size") == "2" and arg("--base-gpu-id") == "4"
+    assert arg("--moe-runner-backend") == "marlin"  # W4A16: auto pinned to marlin
+    assert arg("--cuda-graph-backend-decode") == "disabled" and arg("--cuda-graph-backend-prefill") == "disabled"
+    assert {"--enable-return-routed-experts", "--enable-memory-saver", "--enable-deterministic-inference",
+            "--skip-tokenizer-init"} <= set(cmd)
+    assert "--quantization" not in cmd  # SGLang reads it from the checkpoint's quantization_config
+    plain = sglang_server_command(SGLangEngineConfig(model_path="/m", quant_scheme="fp8"), 1, "k")
+    assert "--cuda-graph-backend-decode" not in plain and "--enable-memory-saver" not in plain
+    assert "--enable-deterministic-inference" not in plain and plain[plain.index("--moe-runner-backend") + 1] == "auto"
+    forced = sglang_server_command(SGLangEngineConfig(model_path="/m", quant_scheme="w4a16", cuda_graph="on"), 1, "k")
+    assert "--cuda-graph-backend-decode" not in forced
+    off = sglang_server_command(SGLangEngineConfig(model_path="/m", cuda_graph="off"), 1, "k")
+    assert "--cuda-graph-backend-decode" in off
+
+
+def test_inprocess_kwargs_match_the_server_flags():
+    kw = sglang_engine_kwargs(SGLangEngineConfig(mode="inprocess", model_path="/m", tp_size=2, base_gpu_id=2,
+                                                 quant_scheme="w4a16", memory_saver=True))
+    assert (kw["base_gpu_id"], kw["tp_size"], kw["moe_runner_backend"], kw["enable_memory_saver"]) == (2, 2, "marlin", True)
+    assert kw["cuda_graph_backend_decode"] == kw["cuda_graph_backend_prefill"] == "disabled"
+
+
+def test_launch_cmd_substitutes_base_gpu_id():
+    cfg = SGLangEngineConfig(launch_cmd=["srv", "--gpu={base_gpu_id}", "{port}"], base_gpu_id=6)
+    assert sglang_server_command(cfg, 5, "k") == ["srv", "--gpu=6", "5"]
+
+
+def test_w4a16_moe_backend_is_pinned_to_marlin_and_unsafe_ones_refused():
+    assert SGLangEngineConfig(model_path="/m", quant_scheme="w4a16").moe_runner_backend == "marlin"
+    assert SGLangEngineConfig(model_path="/m", quant_scheme="w4a16", moe_runner_backend="marlin").moe_runner_backend == "marlin"
+    assert SGLangEngineConfig(model_path="/m", quant_scheme="fp8").moe_runner_backend == "auto"
+    with pytest.raises(ValueError, match="moe_runner_backend='marlin'"):
+        check_refit_backend("w4a16", "triton")
+    with pytest.raises(ValueError, match="triton"):
+        SGLangEngineConfig(model_path="/m", quant_scheme="w4a16", moe_runner_backend="triton")
+    with pytest.raises(ValueError, match="deep_gemm"):
+        SGLangEngineConfig(model_path="/m", quant_scheme="w4a16", moe_runner_backend="deep_gemm")
+    check_refit_backend("fp8", "triton")
+
+
+def test_routes_need_their_geometry_at_construction():
+    with pytest.raises(ValueError, match="route_layers and route_topk"):
+        SGLangEngineConfig(model_path="/m", return_routed_experts=True)
+
+
+def test_from_run_places_each_rollout_group(tmp_path):
+    from megatron_qarl.config import load_config
+
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.mode=separate", "rollout.sglang.launch=attach",
+                             "rollout.sglang.urls=[http://n0:30000,http://n1:30000]", "rollout.engines=2",
+                             "rollout.request_timeout_s=77", "rollout.sglang.weight_sync_master_addr=10.0.0.9",
+                             "rollout.sglang.weight_sync_master_port=29600", "rollout.sglang.deterministic_inference=true",
+                             "train.routing_replay=replay"])
+    e1 = SGLangEngineConfig.from_run(cfg, group=1, base_gpu_id=2, run_dir=str(tmp_path), environ={})
+    assert (e1.mode, e1.url, e1.transport) == ("attach", "http://n1:30000", "distributed")
+    assert (e1.base_gpu_id, e1.request_timeout_s, e1.deterministic_inference) == (2, 77, True)
+    assert (e1.master_address, e1.master_port, e1.group_name) == ("10.0.0.9", 29601, "qarl_weights_1")
+    assert e1.log_path == str(tmp_path / "sglang_engine1.log")
+    assert (e1.route_layers, e1.route_topk) == (2, 2)  # the tiny preset's num_hidden_layers / num_experts_per_tok
+    assert e1.memory_saver is False
+    e0 = SGLangEngineConfig.from_run(cfg, group=0, environ={})
+    assert (e0.url, e0.master_port) == ("http://n0:30000", 29600)
+    with pytest.raises(ValueError, match="group 2"):
+        SGLangEngineConfig.from_run(cfg, group=2, environ={})
+    colocated = load_config(None, ["rollout.engine=sglang", "rollout.sglang.model_path=/ckpt"])
+    c = SGLangEngineConfig.from_run(colocated, environ={})
+    assert (c.mode, c.transport, c.memory_saver) == ("subprocess", "tensor", True)
+
+
+def test_default_master_address_prefers_a_routable_address(monkeypatch):
+    import socket
+
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [(0, 0, 0, "", ("127.0.1.1", 0)),
+                                                                (0, 0, 0, "", ("10.1.2.3", 0))])
+    assert default_master_address() == "10.1.2.3"
+
+
+# ---------------------------------------------------------------------------------------------- refit
+
+def test_full_update_session_with_one_serialization_per_tp_rank(fake):
+    make, calls = fake
+    ser = CountingSerializer()
+    engine = make(serializer=ser, tp_size=2)
     engine.begin_weight_update()
     engine.update_weights(weights())
     engine.end_weight_update()
@@ -135,74 +280,36 @@ def test_full_update_session_protocol(fake):
     push = calls()[1]["payload"]
     assert push["load_format"] == "flattened_bucket" and push["flush_cache"] is False
     assert pushed_names(calls()) == [n for n, _ in weights()]
+    assert ser.calls == 3 * 2  # one serialization per bucket per engine TP rank
+    for per_rank in pushes(calls()):
+        assert len(per_rank) == 2 and per_rank[0] != per_rank[1]  # not one payload replicated
 
 
-def test_server_dying_mid_update_is_restarted_and_everything_repushed(fake):
+def test_server_dying_mid_update_raises_crashed_and_nothing_is_repushed(fake):
     make, calls = fake
     engine = make("die", 2)
     engine.begin_weight_update()
-    engine.update_weights(weights())
-    engine.end_weight_update()
-    assert engine.restarts == 1
-    names = pushed_names(calls())
-    all_names = [n for n, _ in weights()]
-    # before the crash: bucket 1 delivered, bucket 2 lost with the server; after the restart: a new
-    # session re-pushes everything held so far (buckets 1+2), retries bucket 2, then bucket 3.
-    assert names[:4] == all_names[:4]
-    assert names[4:8] == all_names[:4]
-    assert names[8:] == all_names[2:4] + all_names[4:6]
-    paths = [c["path"] for c in calls()]
-    assert paths.count("/begin_weight_update") == 2
-    assert paths[-2:] == ["/end_weight_update", "/flush_cache"]
-    assert engine.pushes == 1 + 2 + 1 + 1  # first life: 1 delivered; restart: 2; retry: 1; last: 1
+    with pytest.raises(EngineCrashedError):
+        engine.update_weights(weights())
+    assert engine.restarts == 0 and not engine.health()
+    assert len(pushes(calls())) == 2  # the first bucket, and the one the server died on; no retry
 
 
-def test_restart_repushes_from_weights_provider_when_given(fake, tmp_path):
+def test_restart_relaunches_without_pushing_weights(fake):
     make, calls = fake
-    engine = make("die", 1, keep_cpu_copy=False)
-    engine.weights_provider = lambda: iter(weights(2))
+    engine = make("die", 1)
+    old_pid = engine._proc.pid
     engine.begin_weight_update()
-    engine.update_weights(weights(2))
+    with pytest.raises(EngineCrashedError):
+        engine.update_weights(weights(2))
+    n_before = len(calls())
+    engine.restart()
+    assert engine.health() and engine._proc.pid != old_pid and engine.restarts == 1
+    assert calls()[n_before:] == []  # restart pushed nothing (and opened no session)
+    engine.begin_weight_update()  # the caller re-publishes; the session state was reset by restart
+    engine.update_weights(weights(1))
     engine.end_weight_update()
-    assert engine.restarts == 1
-    assert pushed_names(calls())[-4:] == [n for n, _ in weights(2)] * 2
-
-
-def test_generate_parses_tokens_logprobs_finish(fake):
-    make, calls = fake
-    engine = make()
-    out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, n=2, seed=11, stop_token_ids=[2]))
-    assert [(r.prompt_index, r.token_ids, r.logprobs, r.finish_reason) for r in out] == [(0, [7, 2], [-0.5, -1.5], "stop")] * 2
-    payload = calls()[-1]["payload"]
-    assert payload["return_logprob"] is True and payload["input_ids"] == [[1, 2, 3]] * 2
-    assert [p["sampling_seed"] for p in payload["sampling_params"]] == [11, 12]
-    assert payload["sampling_params"][0]["stop_token_ids"] == [2]
-
-
-def test_routed_experts_are_decoded_from_base64_int32():
-    routes = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2) % 8
-    out = {"meta_info": {"output_token_logprobs": [[-1.0, 5, None], [-2.0, 6, None]],
-                         "finish_reason": {"type": "length"},
-                         "routed_experts": base64.b64encode(routes.tobytes()).decode()}}
-    r = parse_generate_output(out, 0, prompt_len=3, layers=2, topk=2)
-    assert r.routed_experts.dtype == torch.uint8 and torch.equal(r.routed_experts.long(), torch.from_numpy(routes).long())
-    with pytest.raises(RolloutEngineError, match="rows"):
-        parse_generate_output(out, 0, prompt_len=5, layers=2, topk=2)
-
-
-def test_w4a16_refit_with_triton_moe_backend_is_refused():
-    with pytest.raises(ValueError, match="moe_runner_backend='auto'"):
-        check_refit_backend("w4a16", "triton")
-    with pytest.raises(ValueError, match="triton"):
-        SGLangEngineConfig(model_path="/m", quant_scheme="w4a16", moe_runner_backend="triton")
-    check_refit_backend("fp8", "triton")
-
-
-def test_server_command_is_loopback_and_key_protected():
-    cmd = sglang_server_command(SGLangEngineConfig(model_path="/m", return_routed_experts=True), 30001, "k3y")
-    assert cmd[1:3] == ["-m", "sglang.launch_server"]
-    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--api-key") + 1] == "k3y"
-    assert "--enable-return-routed-experts" in cmd
+    assert [c["pid"] for c in calls()[n_before:]] == [engine._proc.pid] * 4
 
 
 def test_update_outside_session_is_rejected(fake):
@@ -212,11 +319,183 @@ def test_update_outside_session_is_rejected(fake):
         engine.update_weights(weights(1))
 
 
-def test_colocated_release_and_resume_memory_routes(fake):
+def test_nccl_broadcast_sends_the_buckets_bytes_as_uint8(monkeypatch):
+    t = torch.arange(6, dtype=torch.int32).reshape(2, 3) * 1_000_003
+    s = torch.tensor([1.5, -2.25], dtype=torch.bfloat16)
+    for bucket in (FlattenedBucket.from_named_tensors([("a.weight_packed", t), ("b.weight_packed", t + 1)]),
+                   FlattenedBucket.from_named_tensors([("c.weight", s)])):
+        out = broadcast_bytes(bucket)
+        assert out.dtype == torch.uint8
+        assert out.numel() == bucket.flattened_tensor.numel() * bucket.flattened_tensor.element_size()
+        assert torch.equal(out.view(bucket.dtype), bucket.flattened_tensor)
+
+    engine = SGLangEngine(SGLangEngineConfig(mode="attach", url="http://x", transport="distributed",
+                                             master_address="10.0.0.1"), start=False)
+    sent, posted = [], []
+    monkeypatch.setattr(engine, "_ensure_group", lambda: None)
+    monkeypatch.setattr(engine, "_broadcast", lambda flat: sent.append(flat))
+    monkeypatch.setattr(engine, "_call", lambda path, payload=None: posted.append((path, payload)))
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    engine._in_update = True
+    engine.update_weights([("a.weight_packed", t)])
+    assert sent[0].dtype == torch.uint8 and sent[0].numel() == t.numel() * 4
+    assert posted[0][0] == "/update_weights_from_distributed"
+    assert posted[0][1]["dtypes"] == ["int32"] and posted[0][1]["shapes"] == [[2, 3]]
+
+
+# ---------------------------------------------------------------------------------------------- in-process
+
+class FakeInproc:
+    def __init__(self, **results):
+        self.results = results
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(*a, **k):
+            self.calls.append((name, k))
+            return self.results.get(name, (True, "Success"))
+        return call
+
+
+def inproc_engine(**results):
+    engine = SGLangEngine(SGLangEngineConfig(mode="inprocess", model_path="/m", tp_size=2),
+                          serializer=CountingSerializer(), start=False)
+    engine._inproc = FakeInproc(**results)
+    return engine
+
+
+def test_inprocess_failures_are_raised_not_swallowed():
+    with pytest.raises(RolloutEngineError, match="begin_weight_update failed: session already open"):
+        inproc_engine(begin_weight_update=(False, "session already open")).begin_weight_update()
+    engine = inproc_engine(update_weights_from_tensor=(False, "Failed to update parameter"))
+    engine.begin_weight_update()
+    with pytest.raises(RolloutEngineError, match="Failed to update parameter"):
+        engine.update_weights(weights(1))
+    engine = inproc_engine(end_weight_update=(False, "no weight-update session is open"))
+    engine.begin_weight_update()
+    with pytest.raises(RolloutEngineError, match="no weight-update session"):
+        engine.end_weight_update()
+
+    class Flush:
+        success, message = False, "requests still running"
+
+    engine = inproc_engine(flush_cache=Flush())
+    engine.begin_weight_update()
+    with pytest.raises(RolloutEngineError, match="requests still running"):
+        engine.end_weight_update()
+
+
+def test_inprocess_success_path_serializes_per_rank():
+    engine = inproc_engine()
+    engine.begin_weight_update()
+    engine.update_weights(weights(2))
+    engine.end_weight_update()
+    names = [c[0] for c in engine._inproc.calls]
+    assert names == ["begin_weight_update", "update_weights_from_tensor", "end_weight_update", "flush_cache"]
+    payloads = engine._inproc.calls[1][1]["named_tensors"]
+    assert len(payloads) == 2 and payloads[0] != payloads[1] and engine._serialize.calls == 2
+
+
+# ---------------------------------------------------------------------------------------------- generation
+
+def test_generate_sends_one_request_with_per_row_seeds(fake):
     make, calls = fake
     engine = make()
+    sp = SamplingParams(max_new_tokens=4, n=2, seed=11, stop_token_ids=[2])
+    out = engine.generate([[1, 2, 3], [4]], sp)
+    assert [(r.prompt_index, r.token_ids, r.logprobs, r.finish_reason) for r in out] == \
+        [(0, [7, 2], [-0.5, -1.5], "stop")] * 2 + [(1, [7, 2], [-0.5, -1.5], "stop")] * 2
+    gen = [c for c in calls() if c["path"] == "/generate"]
+    assert len(gen) == 1
+    payload = gen[0]["payload"]
+    assert payload["return_logprob"] is True and payload["input_ids"] == [[1, 2, 3]] * 2 + [[4]] * 2
+    assert [p["sampling_seed"] for p in payload["sampling_params"]] == sp.row_seeds(4)
+    assert len(set(sp.row_seeds(4))) == 4
+    assert payload["sampling_params"][0]["stop_token_ids"] == [2]
+    explicit = SamplingParams(n=2, seeds=[5, 6, 7, 8])
+    assert [p["sampling_seed"] for p in generate_payload([[1], [2]], explicit, False)[0]["sampling_params"]] == [5, 6, 7, 8]
+
+
+def test_generate_timeout_is_not_a_crash_and_keeps_the_server(fake):
+    make, calls = fake
+    engine = make("slow", 5, request_timeout_s=1)
+    pid = engine._proc.pid
+    t0 = time.monotonic()
+    with pytest.raises(EngineTimeoutError, match="no answer within 1 s"):
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    assert time.monotonic() - t0 < 4
+    assert engine._proc.poll() is None and engine._proc.pid == pid and engine.health()
+    assert engine.restarts == 0
+
+
+def test_generate_on_a_dead_server_is_a_crash(fake):
+    make, _ = fake
+    engine = make()
+    engine._proc.kill()
+    engine._proc.wait()
+    with pytest.raises(EngineCrashedError):
+        engine.generate([[1]], SamplingParams(max_new_tokens=2))
+
+
+def test_routed_experts_are_decoded_from_base64_int32_to_uint8():
+    routes = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2) % 128
+    out = {"meta_info": {"output_token_logprobs": [[-1.0, 5, None], [-2.0, 6, None]],
+                         "finish_reason": {"type": "length"},
+                         "routed_experts": base64.b64encode(routes.tobytes()).decode()}}
+    r = parse_generate_output(out, 0, prompt_len=3, layers=2, topk=2)
+    assert r.routed_experts.dtype == torch.uint8 and r.routed_experts.shape == (4, 2, 2)
+    assert torch.equal(r.routed_experts.long(), torch.from_numpy(routes).long())
+    with pytest.raises(RolloutEngineError, match="rows"):
+        parse_generate_output(out, 0, prompt_len=5, layers=2, topk=2)
+    with pytest.raises(RolloutEngineError, match="multiple of layers x topk"):
+        parse_generate_output(out, 0, prompt_len=3, layers=3, topk=2)
+    big = dict(out, meta_info=dict(out["meta_info"], routed_experts=base64.b64encode((routes + 250).tobytes()).decode()))
+    with pytest.raises(RolloutEngineError, match="uint8"):
+        parse_generate_output(big, 0, prompt_len=3, layers=2, topk=2)
+
+
+def test_colocated_release_and_resume_memory_routes(fake):
+    make, calls = fake
+    engine = make(memory_saver=True)
     engine.release_memory()
     engine.resume_memory(("weights",))
+    engine.resume_memory(("kv_cache",))
     got = [(c["path"], c["payload"]) for c in calls()]
-    assert got[-2:] == [("/release_memory_occupation", {"tags": ["weights", "kv_cache"]}),
-                        ("/resume_memory_occupation", {"tags": ["weights"]})]
+    assert got[-3:] == [("/release_memory_occupation", {"tags": ["weights", "kv_cache"]}),
+                        ("/resume_memory_occupation", {"tags": ["weights"]}),
+                        ("/resume_memory_occupation", {"tags": ["kv_cache"]})]
+
+
+def test_server_log_is_a_file_by_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    script = tmp_path / "fake.py"
+    script.write_text(FAKE_SERVER)
+    engine = SGLangEngine(SGLangEngineConfig(
+        launch_cmd=[sys.executable, str(script), "{port}", "{api_key}", str(tmp_path / "c.jsonl"), "ok", "0"],
+        health_timeout_s=20), serializer=CountingSerializer())
+    try:
+        assert engine.log_path and os.path.dirname(engine.log_path) == str(tmp_path)
+        assert os.path.basename(engine.log_path).startswith("qarl_sglang_")
+    finally:
+        engine.shutdown()
+
+
+def test_run_config_accepts_marlin_and_refuses_unsafe_sglang_settings():
+    from megatron_qarl.config import ConfigError, load_config
+
+    base = ["rollout.engine=sglang", "quant.scheme=w4a16", "quant.scope=experts"]
+    for backend in ("auto", "marlin"):
+        load_config(None, base + [f"rollout.sglang.moe_runner_backend={backend}"])
+    with pytest.raises(ConfigError, match="moe_runner_backend=triton"):
+        load_config(None, base + ["rollout.sglang.moe_runner_backend=triton"])
+    with pytest.raises(ConfigError, match="'deep_gemm'"):
+        load_config(None, base + ["rollout.sglang.moe_runner_backend=deep_gemm"])
+    with pytest.raises(ConfigError, match="rollout.sglang.cuda_graph"):
+        load_config(None, base + ["rollout.sglang.cuda_graph=maybe"])
+    with pytest.raises(ConfigError, match="one per engine"):
+        load_config(None, ["rollout.engine=sglang", "rollout.engines=2", "rollout.sglang.launch=attach",
+                           "rollout.sglang.urls=[http://a:1]"])
+    load_config(None, ["rollout.engine=sglang", "rollout.sglang.launch=attach", "rollout.sglang.urls=[http://a:1]"])

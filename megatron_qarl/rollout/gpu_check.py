@@ -114,6 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--health-timeout", type=float, default=900)
+    ap.add_argument("--cuda-graph", choices=["auto", "on", "off"], default="off",
+                    help="SGLang CUDA graphs (auto: off for W4A16, whose Marlin workspace moves at refit)")
     args = ap.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -131,9 +133,8 @@ def main(argv=None) -> int:
     engine = SGLangEngine(
         SGLangEngineConfig(mode="subprocess", model_path=ckpt, quant_scheme=args.scheme, moe_runner_backend="auto",
                            mem_fraction_static=0.5, return_routed_experts=True, health_timeout_s=args.health_timeout,
-                           log_path=os.path.join(workdir, "sglang_server.log"),
-                           extra_server_args=["--disable-cuda-graph"]),
-        model_layers=cfg.num_hidden_layers, model_topk=cfg.num_experts_per_tok,
+                           route_layers=cfg.num_hidden_layers, route_topk=cfg.num_experts_per_tok,
+                           log_path=os.path.join(workdir, "sglang_server.log"), cuda_graph=args.cuda_graph),
     )
     try:
         t0 = time.time()

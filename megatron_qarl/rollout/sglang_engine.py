@@ -2,43 +2,70 @@
 (stdlib ``urllib``; no extra dependency) or to an in-process ``sglang.Engine``.
 
 Modes
-* ``subprocess``: launch ``python -m sglang.launch_server`` bound to 127.0.0.1 with ``--api-key``.
+* ``subprocess``: launch ``python -m sglang.launch_server`` bound to ``host`` (127.0.0.1) with ``--api-key``,
+  on GPUs ``base_gpu_id .. base_gpu_id + tp_size - 1`` of the visible ones, in a scrubbed environment
+  (no torchrun variables), its output in ``log_path``.
 * ``attach``: use an already running server at ``url``.
 * ``inprocess``: ``sglang.Engine(...)`` in this process (colocated trainer + engine).
 
-Refit (SGLang >= 0.5.23 requires a weight-update session):
-``begin_weight_update`` -> N x ``update_weights_from_tensor(load_format="flattened_bucket")`` (colocated:
-each bucket serialized with SGLang's own ``MultiprocessingSerializer`` — CUDA-IPC handles, one copy per
-engine TP rank, as slime / sglang's weight_sync/utils.py do) or N x
-``update_weights_from_distributed(load_format="flattened_bucket")`` + an NCCL broadcast of the bucket
-(separate GPUs, after ``init_weights_update_group``) -> ``end_weight_update`` (re-runs the quant
+Generation: ``generate`` sends exactly ONE ``/generate`` request for the prompts it is given (the
+dispatcher bounds that request), with one ``sampling_seed`` per result row
+(``SamplingParams.row_seeds``), under the socket timeout ``request_timeout_s``. A timeout raises
+``EngineTimeoutError`` and leaves the server alone; a dead or unreachable server raises
+``EngineCrashedError``. The engine never restarts itself: the caller retries, or calls ``restart()``
+(relaunch from ``model_path``, no weight push) and then publishes all weights again.
+
+SGLang honours ``sampling_seed`` only with ``--enable-deterministic-inference``
+(srt/sampling/sampling_batch_info.py:157-171: the per-request seed tensor is built only when deterministic
+inference is on, :170; otherwise the sampler draws from the global generator). Without
+``deterministic_inference`` a resumed run therefore does NOT re-sample identically on SGLang.
+
+Refit (SGLang 0.5.23 requires a weight-update session, managers/scheduler_components/weight_updater.py:
+190-197, 232-239, 309-335): ``begin_weight_update`` -> N x ``update_weights_from_tensor(load_format=
+"flattened_bucket")`` (colocated: each bucket serialized with SGLang's own ``MultiprocessingSerializer``,
+CUDA-IPC handles, ONE serialization per engine TP rank: each rank deserializes only its own entry,
+managers/tp_worker.py:194-201, entrypoints/engine.py:1743-1759, weight_sync/utils.py:97-103) or N x
+``update_weights_from_distributed(load_format="flattened_bucket")`` + an NCCL broadcast of the bucket's
+bytes (separate GPUs, after ``init_weights_update_group``; the receiver allocates a uint8 buffer of the
+summed byte sizes, weight_sync/tensor_bucket.py:86-112) -> ``end_weight_update`` (re-runs the quant
 post-processing, i.e. the Marlin repack) -> ``flush_cache``.
 
-Crash recovery: when the server process dies (or stops answering) during generate or an update, it is
-restarted and *all* weights are pushed again — from ``weights_provider()`` (the trainer's full current
-engine-layout stream) when given, else from a CPU copy of the latest value of every tensor pushed so
-far (``keep_cpu_copy``; costs host memory the size of the published model).
+W4A16 (compressed-tensors WNA16 routed experts) needs SGLang's Marlin MoE path for refit:
+``CompressedTensorsWNA16MoE.restore_weights_before_loading`` resizes the repacked parameters back
+(layers/quantization/compressed_tensors/schemes/compressed_tensors_wNa16_moe.py:406-418), while the Triton
+variant replaces the parameters without ``weight_loader`` after loading (:507-533), so its second refit
+fails. ``auto`` selects that Triton path on SM100/SM103 (compressed_tensors.py:924-949); so for W4A16 the
+backend is pinned to ``marlin`` (that branch then returns the Marlin method, compressed_tensors.py:949-950)
+and anything else is refused.
 
-W4A16 refit needs SGLang's Marlin MoE path (``CompressedTensorsWNA16MoE`` restores its shapes before
-loading); with ``moe_runner_backend=triton`` a second refit fails inside SGLang, so it is refused here.
+CUDA graphs and W4A16 refit: every Marlin post-process allocates a NEW lock workspace
+(``layer.workspace = marlin_make_workspace(...)``, compressed_tensors_wNa16_moe.py:403) that
+``apply_weights`` hands to ``fused_marlin_moe`` (:494). Graphs captured at start-up keep the old,
+freed pointer, and nothing in the update session re-captures them (the session's end only post-processes,
+model_executor/model_runner_components/weight_updater.py:312-321; only ``update_weights_from_disk`` can
+re-capture, :247-255). So ``cuda_graph="auto"`` turns CUDA graphs OFF for W4A16 (decode then runs eager:
+kernel-launch bound, typically well under half the decode throughput at small batch sizes; large batches
+lose less); ``cuda_graph="on"`` keeps them at the user's risk (hang or corruption after the first refit).
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import logging
 import os
 import secrets
 import shutil
 import socket
-import functools
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,7 +75,7 @@ import torch
 
 from megatron_qarl.lifecycle import die_with_parent
 from megatron_qarl.rollout import sglang_compat
-from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, FlattenedBucket, iter_buckets, unflatten_bucket
+from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, FlattenedBucket, iter_buckets
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.sglang_compat import SGLangUnavailableError, require_sglang
 
@@ -59,10 +86,84 @@ log = logging.getLogger(__name__)
 
 MODES = ("subprocess", "attach", "inprocess")
 TRANSPORTS = ("tensor", "distributed")
+CUDA_GRAPH_CHOICES = ("auto", "on", "off")
+# The only MoE runner whose W4A16 refit works (see the module doc); "auto" is resolved to it for W4A16.
+W4A16_MOE_BACKEND = "marlin"
+
+# torchrun / torchelastic variables a launched server must not inherit: SGLang starts its own
+# torch.distributed world (init_method tcp://...), and an inherited RANK / WORLD_SIZE / MASTER_* makes
+# its ranks join or mis-read the trainer's rendezvous. slime and verl drop the same set.
+SCRUBBED_ENV = frozenset({
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+})
+SCRUBBED_ENV_PREFIXES = ("TORCHELASTIC_", "PET_")
+LOG_TAIL_LINES = 40
 
 
 class EngineCrashedError(RolloutEngineError):
-    """The server process died or stopped answering."""
+    """The server process died or cannot be reached."""
+
+
+class EngineTimeoutError(RolloutEngineError):
+    """A request got no answer within its timeout; the server was left running."""
+
+
+def scrubbed_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default: this process's) without torchrun's rank / rendezvous variables."""
+    environ = os.environ if environ is None else environ
+    return {k: v for k, v in environ.items()
+            if k not in SCRUBBED_ENV and not k.startswith(SCRUBBED_ENV_PREFIXES)}
+
+
+def default_master_address() -> str:
+    """An address of this host the engine's ranks can reach for the weight-sync NCCL group: the
+    hostname's first non-loopback IPv4 address, else the address of the interface of the default route
+    (a UDP ``connect`` sends nothing), else the hostname itself. Never 127.0.0.1 unless that is all
+    there is (then the engine must share this node)."""
+    host = socket.gethostname()
+    try:
+        addrs = sorted({ai[4][0] for ai in socket.getaddrinfo(host, None, socket.AF_INET)})
+    except OSError:
+        addrs = []
+    routable = [a for a in addrs if not a.startswith("127.")]
+    if routable:
+        return routable[0]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.254.254.254", 1))
+            ip = s.getsockname()[0]
+        if ip and not ip.startswith("127.") and ip != "0.0.0.0":
+            return ip
+    except OSError:
+        pass
+    return host
+
+
+def resolve_moe_runner_backend(quant_scheme: str, moe_runner_backend: str) -> str:
+    """The ``--moe-runner-backend`` to launch with; refuses configurations whose in-place refit SGLang
+    cannot do. W4A16: ``auto`` -> ``marlin`` (``auto`` is Triton on SM100, whose refit breaks);
+    ``marlin`` as given; anything else refused."""
+    if quant_scheme != "w4a16":
+        return moe_runner_backend
+    if moe_runner_backend in ("auto", W4A16_MOE_BACKEND):
+        return W4A16_MOE_BACKEND
+    if moe_runner_backend == "triton":
+        raise ValueError(
+            "W4A16 refit with moe_runner_backend='triton' is not supported: SGLang's "
+            "CompressedTensorsWNA16TritonMoE repacks expert weights into new Parameters without "
+            "weight_loader, so the second update fails. Use moe_runner_backend='marlin' (or 'auto', "
+            "which is pinned to marlin for W4A16)."
+        )
+    raise ValueError(
+        f"W4A16 refit with moe_runner_backend={moe_runner_backend!r} is not supported: only the Marlin "
+        "WNA16 MoE path restores its packed weights before a reload. Use 'marlin' (or 'auto')."
+    )
+
+
+def check_refit_backend(quant_scheme: str, moe_runner_backend: str) -> None:
+    """Raise ValueError for a configuration whose in-place refit SGLang cannot do."""
+    resolve_moe_runner_backend(quant_scheme, moe_runner_backend)
 
 
 @dataclass
@@ -74,22 +175,29 @@ class SGLangEngineConfig:
     port: int = 0  # 0: pick a free port
     api_key: str | None = None  # None: a random key for a launched server
     tp_size: int = 1
+    base_gpu_id: int = 0  # first GPU (of the visible ones) the launched server uses: --base-gpu-id
     mem_fraction_static: float = 0.7
-    moe_runner_backend: str = "auto"
+    moe_runner_backend: str = "auto"  # W4A16: resolved to "marlin" (see resolve_moe_runner_backend)
     quant_scheme: str = "none"  # what refits push: none | w4a16 | fp8
     return_routed_experts: bool = False
+    route_layers: int | None = None  # routed-experts geometry: MoE layers (num_hidden_layers)
+    route_topk: int | None = None  # and experts per token (num_experts_per_tok)
     transport: str = "tensor"  # tensor (colocated, CUDA IPC) | distributed (NCCL broadcast)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     health_timeout_s: float = 900.0
-    request_timeout_s: float = 1800.0
-    max_restarts: int = 3
-    keep_cpu_copy: bool = True
+    request_timeout_s: float = 1800.0  # one /generate request (rollout.request_timeout_s)
+    update_timeout_s: float = 1800.0  # one weight-update / memory call
+    # Colocated: --enable-memory-saver, so release/resume_memory_occupation free and retake the GPU memory
+    # (without it they are no-ops, utils/torch_memory_saver_adapter.py:156-160).
+    memory_saver: bool = False
+    cuda_graph: str = "auto"  # auto: off for W4A16 (Marlin workspace, module doc) | on | off
+    deterministic_inference: bool = False  # --enable-deterministic-inference: sampling_seed honoured
     extra_server_args: list[str] = field(default_factory=list)
-    launch_cmd: list[str] | None = None  # full server command override; {port} {api_key} {host} substituted
-    log_path: str | None = None
+    launch_cmd: list[str] | None = None  # full command override; {port} {api_key} {host} {base_gpu_id}
+    log_path: str | None = None  # server stdout+stderr; None: a new file in the temp dir
     # distributed transport
-    master_address: str = "127.0.0.1"
-    master_port: int = 0
+    master_address: str | None = None  # None: default_master_address()
+    master_port: int = 0  # 0: a free port
     group_name: str = "qarl_weights"
 
     def __post_init__(self):
@@ -97,47 +205,82 @@ class SGLangEngineConfig:
             raise ValueError(f"SGLang engine mode {self.mode!r} unknown; expected one of {MODES}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"weight transport {self.transport!r} unknown; expected one of {TRANSPORTS}")
+        if self.cuda_graph not in CUDA_GRAPH_CHOICES:
+            raise ValueError(f"cuda_graph {self.cuda_graph!r} unknown; expected one of {CUDA_GRAPH_CHOICES}")
         if self.mode == "attach" and not self.url:
             raise ValueError("mode='attach' needs url (e.g. http://127.0.0.1:30000)")
         if self.mode != "attach" and not self.model_path and not self.launch_cmd:
             raise ValueError(f"mode={self.mode!r} needs model_path (an HF/exported checkpoint directory)")
-        check_refit_backend(self.quant_scheme, self.moe_runner_backend)
+        if self.base_gpu_id < 0:
+            raise ValueError(f"base_gpu_id must be >= 0, got {self.base_gpu_id}")
+        if self.return_routed_experts and not (self.route_layers and self.route_topk):
+            raise ValueError("return_routed_experts needs route_layers and route_topk (the model's "
+                             "num_hidden_layers and num_experts_per_tok) to decode the routes")
+        self.moe_runner_backend = resolve_moe_runner_backend(self.quant_scheme, self.moe_runner_backend)
+
+    @property
+    def cuda_graphs_enabled(self) -> bool:
+        if self.cuda_graph == "auto":
+            return self.quant_scheme != "w4a16"
+        return self.cuda_graph == "on"
 
     @classmethod
-    def from_run(cls, cfg: RunConfig, *, environ: Mapping[str, str] | None = None) -> SGLangEngineConfig:
-        """The engine config a run asks for (``rollout.sglang``, ``quant``, ``train`` routing, ``publish``);
-        the API key is read from the environment variable ``rollout.sglang.api_key_env`` names."""
+    def from_run(cls, cfg: RunConfig, *, group: int = 0, base_gpu_id: int = 0, model_path: str | None = None,
+                 run_dir: str | None = None, route_layers: int | None = None, route_topk: int | None = None,
+                 environ: Mapping[str, str] | None = None) -> SGLangEngineConfig:
+        """The engine config of rollout group ``group`` (``rollout.sglang``, ``rollout.engine_tp``,
+        ``rollout.request_timeout_s``, ``quant``, ``train`` routing, ``publish``).
+
+        ``base_gpu_id``: the group leader's first GPU; ``model_path`` overrides ``rollout.sglang.model_path``
+        (e.g. a checkpoint the trainer exported); ``run_dir``: where the server log goes
+        (``<run_dir>/sglang_engine<group>.log``); the route geometry defaults to the run's HF config. The
+        API key is read from the environment variable ``rollout.sglang.api_key_env`` names. In attach mode
+        the URL is ``rollout.sglang.urls[group]`` (one per engine), else ``rollout.sglang.url``."""
         s = cfg.rollout.sglang
         environ = os.environ if environ is None else environ
         extra = list(s.extra_server_args)
         if s.ep_size > 1:
             extra += ["--ep-size", str(s.ep_size)]
+        urls = list(getattr(s, "urls", None) or [])
+        if urls and not 0 <= group < len(urls):
+            raise ValueError(f"rollout group {group} has no engine URL: rollout.sglang.urls lists {len(urls)}")
+        url = urls[group] if urls else s.url
+        attach = s.launch == "attach" or url is not None
+        routes = cfg.train.routing_replay == "replay" or cfg.train.routing_telemetry
+        if routes and (route_layers is None or route_topk is None):
+            from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
+
+            hf = resolve_hf_config(cfg.model)
+            route_layers = hf.num_hidden_layers if route_layers is None else route_layers
+            route_topk = hf.num_experts_per_tok if route_topk is None else route_topk
+        master_port = getattr(s, "weight_sync_master_port", 0)
         return cls(
-            mode="attach" if s.url else s.launch,
-            url=s.url,
-            model_path=s.model_path,
+            mode="attach" if attach else s.launch,
+            url=url,
+            model_path=model_path or s.model_path,
             host=s.host,
-            port=s.port,
+            port=s.port + group if s.port else 0,
             api_key=environ.get(s.api_key_env) or None,
             tp_size=cfg.rollout.engine_tp,
+            base_gpu_id=base_gpu_id,
             mem_fraction_static=s.mem_fraction_static,
             moe_runner_backend=s.moe_runner_backend,
             quant_scheme=cfg.quant.scheme,
-            return_routed_experts=cfg.train.routing_replay == "replay" or cfg.train.routing_telemetry,
+            return_routed_experts=routes,
+            route_layers=route_layers if routes else None,
+            route_topk=route_topk if routes else None,
             transport="tensor" if s.mode == "colocated" else "distributed",
             bucket_bytes=cfg.publish.bucket_mb * 1024 * 1024,
             health_timeout_s=s.health_timeout_s,
+            request_timeout_s=cfg.rollout.request_timeout_s,
+            memory_saver=s.mode == "colocated",
+            cuda_graph=getattr(s, "cuda_graph", "auto"),
+            deterministic_inference=getattr(s, "deterministic_inference", False),
             extra_server_args=extra,
-        )
-
-
-def check_refit_backend(quant_scheme: str, moe_runner_backend: str) -> None:
-    """Refuse configurations whose in-place refit SGLang cannot do."""
-    if quant_scheme == "w4a16" and moe_runner_backend == "triton":
-        raise ValueError(
-            "W4A16 refit with moe_runner_backend='triton' is not supported: SGLang's "
-            "CompressedTensorsWNA16TritonMoE repacks expert weights into new Parameters without "
-            "weight_loader, so the second update fails. Use moe_runner_backend='auto' (Marlin) for W4A16."
+            log_path=os.path.join(run_dir, f"sglang_engine{group}.log") if run_dir else None,
+            master_address=getattr(s, "weight_sync_master_addr", None),
+            master_port=master_port + group if master_port else 0,
+            group_name=f"qarl_weights_{group}",
         )
 
 
@@ -147,22 +290,61 @@ def _free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def sglang_server_command(cfg: SGLangEngineConfig, port: int, api_key: str) -> list[str]:
-    """``python -m sglang.launch_server ...`` for a config (loopback-bound, key-protected)."""
-    if cfg.launch_cmd:
-        return [a.format(port=port, api_key=api_key, host=cfg.host) for a in cfg.launch_cmd]
-    cmd = [
-        sys.executable, "-m", sglang_compat.LAUNCH_SERVER_MODULE,
-        "--model-path", cfg.model_path,
-        "--host", cfg.host, "--port", str(port), "--api-key", api_key,
+def _server_flags(cfg: SGLangEngineConfig) -> list[str]:
+    """The launch flags beyond address / key (each exists in 0.5.23's arg_groups/fields/*.py)."""
+    flags = [
         "--tp-size", str(cfg.tp_size),
+        "--base-gpu-id", str(cfg.base_gpu_id),  # fields/device.py:28
         "--mem-fraction-static", str(cfg.mem_fraction_static),
-        "--moe-runner-backend", cfg.moe_runner_backend,
+        "--moe-runner-backend", cfg.moe_runner_backend,  # fields/exec_.py:884, choices.py:136-159
         "--skip-tokenizer-init",
     ]
     if cfg.return_routed_experts:
-        cmd.append("--enable-return-routed-experts")
-    return cmd + list(cfg.extra_server_args)
+        flags.append("--enable-return-routed-experts")  # fields/exec_.py:158
+    if cfg.memory_saver:
+        flags.append("--enable-memory-saver")  # fields/exec_.py:58
+    if not cfg.cuda_graphs_enabled:
+        # fields/exec_.py:613-628; the old --disable-cuda-graph is deprecated (server_args.py:408-415)
+        flags += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+    if cfg.deterministic_inference:
+        flags.append("--enable-deterministic-inference")  # fields/exec_.py:1153
+    return flags
+
+
+def sglang_server_command(cfg: SGLangEngineConfig, port: int | None = None, api_key: str | None = None) -> list[str]:
+    """``python -m sglang.launch_server ...`` for a config (``host``-bound, key-protected)."""
+    port = cfg.port if port is None else port
+    api_key = cfg.api_key if api_key is None else api_key
+    if cfg.launch_cmd:
+        return [a.format(port=port, api_key=api_key, host=cfg.host, base_gpu_id=cfg.base_gpu_id)
+                for a in cfg.launch_cmd]
+    cmd = [
+        sys.executable, "-m", sglang_compat.LAUNCH_SERVER_MODULE,
+        "--model-path", cfg.model_path,
+        "--host", cfg.host, "--port", str(port),
+    ]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    return cmd + _server_flags(cfg) + list(cfg.extra_server_args)
+
+
+def sglang_engine_kwargs(cfg: SGLangEngineConfig) -> dict[str, Any]:
+    """``sglang.Engine(**kwargs)`` (= ``ServerArgs`` fields) for the in-process mode; same settings as
+    ``sglang_server_command``."""
+    kw: dict[str, Any] = dict(
+        model_path=cfg.model_path, tp_size=cfg.tp_size, base_gpu_id=cfg.base_gpu_id,
+        mem_fraction_static=cfg.mem_fraction_static, moe_runner_backend=cfg.moe_runner_backend,
+        skip_tokenizer_init=True, enable_return_routed_experts=cfg.return_routed_experts,
+        enable_memory_saver=cfg.memory_saver, enable_deterministic_inference=cfg.deterministic_inference,
+    )
+    if not cfg.cuda_graphs_enabled:
+        kw.update(cuda_graph_backend_decode="disabled", cuda_graph_backend_prefill="disabled")
+    return kw
+
+
+def _is_timeout(e: BaseException) -> bool:
+    return isinstance(e, TimeoutError) or (
+        isinstance(e, urllib.error.URLError) and isinstance(getattr(e, "reason", None), TimeoutError))
 
 
 class _Http:
@@ -177,13 +359,16 @@ class _Http:
         req.add_header("Content-Type", "application/json")
         if self.api_key:
             req.add_header("Authorization", f"Bearer {self.api_key}")
+        timeout = timeout or self.timeout
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
                 body = resp.read()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:2000]
             raise RolloutEngineError(f"{self.base_url}{path} answered HTTP {e.code}: {detail}") from e
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+            if _is_timeout(e):
+                raise EngineTimeoutError(f"{self.base_url}{path}: no answer within {timeout:.0f} s") from e
             raise EngineCrashedError(f"{self.base_url}{path} unreachable: {e}") from e
         if not body:
             return None
@@ -201,15 +386,24 @@ class _Http:
 
 
 def _check_success(result: Any, what: str) -> None:
-    """SGLang update endpoints answer {"success": bool, "message": str} (or a list of them)."""
+    """Raise when SGLang reports a failure. HTTP update routes answer ``{"success", "message"}`` (with
+    HTTP 400 on failure, entrypoints/http_server.py:1436-1505); the in-process ``Engine`` returns
+    ``(success, message)`` tuples (managers/tokenizer_control_mixin.py:445-456, 484-507, 563-598) or, for
+    flush_cache, a ``FlushCacheReqOutput`` with ``.success`` (io_struct.py:1859-1861)."""
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], bool):
+        if not result[0]:
+            raise RolloutEngineError(f"SGLang {what} failed: {result[1]}")
+        return
     results = result if isinstance(result, list) else [result]
     for r in results:
-        if isinstance(r, dict) and r.get("success") is False:
-            raise RolloutEngineError(f"SGLang {what} failed: {r.get('message')}")
+        ok = r.get("success") if isinstance(r, dict) else getattr(r, "success", None)
+        if ok is False:
+            msg = r.get("message") if isinstance(r, dict) else getattr(r, "message", "")
+            raise RolloutEngineError(f"SGLang {what} failed: {msg}")
 
 
 def _sampling_payload(sp: SamplingParams) -> dict:
-    out = {
+    return {
         "temperature": sp.temperature,
         "top_p": sp.top_p,
         "top_k": sp.top_k if sp.top_k > 0 else -1,
@@ -217,14 +411,53 @@ def _sampling_payload(sp: SamplingParams) -> dict:
         "stop_token_ids": list(sp.stop_token_ids),
         "no_stop_trim": True,
     }
-    return out
+
+
+def generate_payload(prompt_token_ids: list[list[int]], sampling: SamplingParams,
+                     return_routed_experts: bool) -> tuple[dict, list[tuple[int, list[int]]]]:
+    """The ``/generate`` body for ``n`` samples of each prompt (prompt-major rows, as the protocol orders
+    results) and the rows ``(prompt_index, prompt)``. Row ``i`` carries ``sampling_seed =
+    sampling.row_seeds(rows)[i]`` (the ``GenerateReqInput`` / ``SamplingParams`` field,
+    srt/sampling/sampling_params.py:179); ``logprob_start_len=-1``: logprobs of the output tokens only."""
+    rows = [(i, list(p)) for i, p in enumerate(prompt_token_ids) for _ in range(sampling.n)]
+    seeds = sampling.row_seeds(len(rows))
+    params = []
+    for seed in seeds:
+        sp = _sampling_payload(sampling)
+        sp["sampling_seed"] = int(seed)
+        params.append(sp)
+    payload = {
+        "input_ids": [p for _, p in rows],
+        "sampling_params": params,
+        "return_logprob": True,
+        "logprob_start_len": -1,
+    }
+    if return_routed_experts:
+        payload["return_routed_experts"] = True
+    return payload, rows
+
+
+def decode_routed_experts(encoded: str, layers: int, topk: int) -> torch.Tensor:
+    """SGLang's routed experts -> uint8 ``[positions, layers, topk]``. On the wire: base64 of the int32
+    capture buffer rows (state_capturer/routed_experts.py:105, 166-173; encoded at
+    managers/tokenizer_manager.py:2602-2609 with skip_tokenizer_init, else detokenizer_manager.py:432-448)."""
+    raw = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    if raw.size % (layers * topk):
+        raise RolloutEngineError(f"routed_experts holds {raw.size} ids, not a multiple of layers x topk = "
+                                 f"{layers} x {topk}; wrong route geometry?")
+    if raw.size and (raw.min() < 0 or raw.max() > 255):
+        raise RolloutEngineError(f"routed_experts ids outside [0, 255] ({raw.min()}..{raw.max()}); "
+                                 "uint8 cannot hold them")
+    return torch.from_numpy(raw.reshape(-1, layers, topk).astype(np.uint8))
 
 
 def parse_generate_output(out: dict, prompt_index: int, prompt_len: int, layers: int | None, topk: int | None) -> GenerationResult:
     """One SGLang /generate answer -> GenerationResult.
 
     ``meta_info.output_token_logprobs``: [[logprob, token_id, text|None], ...]; ``finish_reason.type``:
-    stop | length | abort; ``routed_experts``: base64 int32 [prompt+response-1, layers, topk].
+    stop | length | abort; ``routed_experts``: base64 int32 [prompt+response-1, layers, topk] (rows
+    ``[routed_experts_start_len=0, seqlen - 1)``, managers/scheduler_components/batch_result_processor.py:
+    140-178).
     """
     meta = out["meta_info"]
     pairs = meta.get("output_token_logprobs")
@@ -236,16 +469,50 @@ def parse_generate_output(out: dict, prompt_index: int, prompt_len: int, layers:
     if reason == "abort":
         raise RolloutEngineError(f"SGLang aborted a request: {meta.get('finish_reason')}")
     routed = None
-    if "routed_experts" in meta and meta["routed_experts"] is not None:
+    if meta.get("routed_experts") is not None:
         if not layers or not topk:
             raise ValueError("decoding routed_experts needs num_layers and topk")
-        raw = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
-        routed = torch.from_numpy(raw.reshape(-1, layers, topk).astype(np.uint8))
+        routed = decode_routed_experts(meta["routed_experts"], layers, topk)
         if routed.shape[0] != prompt_len + len(token_ids) - 1:
             raise RolloutEngineError(
                 f"routed_experts has {routed.shape[0]} rows, expected prompt+response-1 = {prompt_len + len(token_ids) - 1}"
             )
     return GenerationResult(prompt_index, token_ids, logprobs, "stop" if reason == "stop" else "length", routed)
+
+
+def distributed_update_payload(bucket: FlattenedBucket, group_name: str) -> dict:
+    """``/update_weights_from_distributed`` body for one bucket (io_struct UpdateWeightsFromDistributedReqInput)."""
+    return {
+        "names": bucket.names,
+        "dtypes": [str(m.dtype).replace("torch.", "") for m in bucket.metadata],
+        "shapes": [list(m.shape) for m in bucket.metadata],
+        "group_name": group_name,
+        "flush_cache": False,
+        "load_format": "flattened_bucket",
+    }
+
+
+def broadcast_bytes(bucket: FlattenedBucket) -> torch.Tensor:
+    """What the trainer broadcasts for a bucket: its bytes as uint8, exactly the buffer the receiver
+    allocates (``FlattenedTensorBucket.empty``: uint8, sum of numel x itemsize in name order,
+    weight_sync/tensor_bucket.py:86-112; received at model_runner_components/weight_updater.py:300-310)."""
+    flat = bucket.flattened_tensor.contiguous()
+    out = flat.view(torch.uint8)
+    expected = sum(int(np.prod(m.shape, dtype=np.int64)) * m.dtype.itemsize for m in bucket.metadata)
+    if out.numel() != expected:
+        raise RolloutEngineError(f"bucket holds {out.numel()} bytes but its metadata describe {expected}")
+    return out
+
+
+def _tail(path: str | None, lines: int = LOG_TAIL_LINES) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            last = deque(f, maxlen=lines)
+    except OSError:
+        return ""
+    return "".join(b.decode(errors="replace") for b in last)
 
 
 class SGLangEngine:
@@ -254,25 +521,25 @@ class SGLangEngine:
     def __init__(
         self,
         cfg: SGLangEngineConfig,
-        weights_provider: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
-        serializer: Callable[[FlattenedBucket, int], list] | None = None,
-        model_layers: int | None = None,
-        model_topk: int | None = None,
+        serializer: Callable[[FlattenedBucket], Any] | None = None,
         start: bool = True,
     ):
         self.cfg = cfg
-        self.weights_provider = weights_provider
         self._serialize = serializer or _sglang_serialize_bucket
-        self.model_layers, self.model_topk = model_layers, model_topk
         self.api_key = cfg.api_key or (secrets.token_hex(16) if cfg.mode == "subprocess" else None)
         self._proc: subprocess.Popen | None = None
+        self._log_file = None
+        self.log_path: str | None = cfg.log_path
         self._inproc = None
         self._http: _Http | None = None
-        self._cpu_copy: dict[str, torch.Tensor] = {}
         self._in_update = False
         self._group_ready = False
+        self._group = None
         self.restarts = 0
         self.pushes = 0  # buckets sent, for monitoring and tests
+        if cfg.quant_scheme == "w4a16" and cfg.cuda_graphs_enabled:
+            log.warning("SGLang W4A16 refit with CUDA graphs on (cuda_graph=on): the Marlin MoE workspace is "
+                        "reallocated at every refit while captured graphs keep the old pointer")
         if start:
             self.start()
 
@@ -284,15 +551,11 @@ class SGLangEngine:
     def start(self) -> None:
         cfg = self.cfg
         if cfg.mode == "attach":
-            self._http = _Http(cfg.url, self.api_key, cfg.request_timeout_s)
+            self._http = _Http(cfg.url, self.api_key, cfg.update_timeout_s)
             self.wait_healthy()
             return
         if cfg.mode == "inprocess":
-            self._inproc = sglang_compat.engine_class()(
-                model_path=cfg.model_path, tp_size=cfg.tp_size, mem_fraction_static=cfg.mem_fraction_static,
-                moe_runner_backend=cfg.moe_runner_backend, skip_tokenizer_init=True,
-                enable_return_routed_experts=cfg.return_routed_experts,
-            )
+            self._inproc = sglang_compat.engine_class()(**sglang_engine_kwargs(cfg))
             return
         if not cfg.launch_cmd:
             require_sglang()
@@ -300,11 +563,24 @@ class SGLangEngine:
         cmd = sglang_server_command(cfg, port, self.api_key)
         if shutil.which(cmd[0]) is None and not os.path.exists(cmd[0]):
             raise SGLangUnavailableError(f"cannot launch SGLang: executable {cmd[0]!r} not found")
-        stdout = open(cfg.log_path, "ab") if cfg.log_path else subprocess.DEVNULL
-        self._proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True,
+        if self.log_path is None:
+            fd, self.log_path = tempfile.mkstemp(prefix="qarl_sglang_", suffix=".log")
+            os.close(fd)
+        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
+        self._log_file = open(self.log_path, "ab")
+        self._proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env=scrubbed_environ(), start_new_session=True,
                                       preexec_fn=functools.partial(die_with_parent, os.getpid()))
-        self._http = _Http(f"http://{cfg.host}:{port}", self.api_key, cfg.request_timeout_s)
+        log.info("SGLang server pid %d on GPUs %d..%d, log %s", self._proc.pid, cfg.base_gpu_id,
+                 cfg.base_gpu_id + cfg.tp_size - 1, self.log_path)
+        self._http = _Http(f"http://{cfg.host}:{port}", self.api_key, cfg.update_timeout_s)
         self.wait_healthy()
+
+    def _log_hint(self) -> str:
+        if not self.log_path:
+            return ""
+        tail = _tail(self.log_path)
+        return f"; server log {self.log_path}" + (f", last lines:\n{tail}" if tail else " (empty)")
 
     def wait_healthy(self, timeout_s: float | None = None) -> None:
         timeout_s = self.cfg.health_timeout_s if timeout_s is None else timeout_s
@@ -312,14 +588,14 @@ class SGLangEngine:
         while time.monotonic() < deadline:
             if self._proc is not None and self._proc.poll() is not None:
                 raise EngineCrashedError(
-                    f"SGLang server at {self.url} exited with code {self._proc.returncode} before becoming healthy"
-                    + (f"; see {self.cfg.log_path}" if self.cfg.log_path else "")
-                )
+                    f"SGLang server at {self.url} exited with code {self._proc.returncode} before becoming "
+                    f"healthy{self._log_hint()}")
             if self._http.healthy():
                 return
             time.sleep(0.5)
         self._kill()
-        raise RolloutEngineError(f"SGLang server at {self.url} not healthy after {timeout_s:.0f} s (GET /health)")
+        raise RolloutEngineError(
+            f"SGLang server at {self.url} not healthy after {timeout_s:.0f} s (GET /health){self._log_hint()}")
 
     def health(self) -> bool:
         if self._inproc is not None:
@@ -336,6 +612,9 @@ class SGLangEngine:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(timeout=30)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
 
     def shutdown(self) -> None:
         self._kill()
@@ -344,60 +623,60 @@ class SGLangEngine:
             self._inproc.shutdown()
             self._inproc = None
 
-    def restart(self, finish_session: bool) -> None:
-        """Restart a crashed server and push every weight again inside a new session; close that session
-        only when ``finish_session`` (no caller-side session to continue)."""
-        if self.cfg.mode != "subprocess":
-            raise EngineCrashedError(f"SGLang engine ({self.cfg.mode}) crashed and cannot be restarted from here")
-        if self.restarts >= self.cfg.max_restarts:
-            raise EngineCrashedError(f"SGLang server crashed again after {self.restarts} restarts; giving up")
+    def restart(self) -> None:
+        """Bring the engine back with the weights of ``model_path``: kill our server (if we launched it)
+        and launch it again, then wait until healthy; attach mode only waits for the server to become
+        healthy (or raises). No weights are pushed: the caller publishes all weights again after this.
+        Any open weight-update session and the NCCL weight group are forgotten."""
         self.restarts += 1
-        log.warning("SGLang server unhealthy; restart %d/%d and full weight re-push", self.restarts, self.cfg.max_restarts)
-        self._kill()
-        self._group_ready = False
+        log.warning("SGLang engine restart %d (%s mode)", self.restarts, self.cfg.mode)
+        self._in_update = False
+        self._group_ready, self._group = False, None
+        if self.cfg.mode == "attach":
+            self.wait_healthy()
+            return
+        self.shutdown()
         self.start()
-        self._call("/begin_weight_update", {"selector": "all"})
-        for bucket in iter_buckets(self._full_weights(), self.cfg.bucket_bytes):
-            self._push_bucket(bucket)
-        if finish_session:
-            self._finish_update()
-
-    def _full_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        if self.weights_provider is not None:
-            return self.weights_provider()
-        if not self.cfg.keep_cpu_copy:
-            raise EngineCrashedError("cannot re-push weights after a restart: no weights_provider and keep_cpu_copy=False")
-        return list(self._cpu_copy.items())
-
-    def _with_recovery(self, fn, finish_session: bool):
-        """Run ``fn``; if the server crashed, restart + re-push and run it once more. ``finish_session``:
-        whether the restart closes its re-push session (True unless the caller's session is open and
-        continues, i.e. during update_weights / end_weight_update)."""
-        try:
-            return fn()
-        except EngineCrashedError:
-            if self.cfg.mode != "subprocess":
-                raise
-            self.restart(finish_session)
-            return fn()
 
     def _call(self, path: str, payload: dict | None = None):
         if self._inproc is not None:
             raise AssertionError("HTTP call in inprocess mode")
-        result = self._http.request(path, payload if payload is not None else {})
+        try:
+            result = self._http.request(path, payload if payload is not None else {}, timeout=self.cfg.update_timeout_s)
+        except RolloutEngineError as e:
+            raise self._crashed_or(e) from e
         _check_success(result, path)
         return result
 
+    def _crashed_or(self, e: RolloutEngineError) -> RolloutEngineError:
+        """A launched server that has exited turns any failure into EngineCrashedError (with its log)."""
+        if self._proc is not None and self._proc.poll() is not None and not isinstance(e, EngineCrashedError):
+            return EngineCrashedError(f"{e} (the SGLang server exited with code {self._proc.returncode}"
+                                      f"{self._log_hint()})")
+        return e
+
     # ------------------------------------------------------------------ colocated memory
     def release_memory(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
-        """Colocated mode: hand the engine's GPU memory to the trainer while it trains."""
+        """Colocated mode: hand the engine's GPU memory to the trainer while it trains (needs
+        ``memory_saver``, i.e. ``--enable-memory-saver``; without it SGLang's release is a no-op).
+
+        Releasing ``weights`` drops the parameter contents (no ``--enable-weights-cpu-backup``: the
+        publisher re-sends every tensor anyway, and a backup would copy the model to host memory at
+        every release). Module buffers (e.g. the rotary ``cos_sin_cache``) are stashed and restored by
+        SGLang itself (managers/scheduler_components/weight_updater.py:368-374, 397-403, 478-490), and
+        the Marlin workspace is re-made by the refit's post-process. So after ``resume_memory(("weights",))``
+        a FULL publish must follow before the next generate. ``cuda_graph`` memory is not released."""
+        if not self.cfg.memory_saver and self.cfg.mode != "attach":
+            log.warning("release_memory without memory_saver (--enable-memory-saver): SGLang keeps its memory")
         if self._inproc is not None:
             self._inproc.release_memory_occupation(tags=list(tags))
         else:
             self._call("/release_memory_occupation", {"tags": list(tags)})
 
     def resume_memory(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
-        """Take the memory back before the weight update and the next rollout."""
+        """Take memory back. Intended order per step (slime's): ``resume_memory(("weights",))`` ->
+        begin / update / end weight update (full publish) -> free the trainer's publish buffers ->
+        ``resume_memory(("kv_cache",))`` -> generate -> ``release_memory()`` before training."""
         if self._inproc is not None:
             self._inproc.resume_memory_occupation(tags=list(tags))
         else:
@@ -408,9 +687,9 @@ class SGLangEngine:
         if self._in_update:
             raise RolloutEngineError("begin_weight_update called while an update is already open")
         if self._inproc is not None:
-            self._inproc.begin_weight_update()
+            _check_success(self._inproc.begin_weight_update(), "begin_weight_update")
         else:
-            self._with_recovery(lambda: self._call("/begin_weight_update", {"selector": "all"}), finish_session=True)
+            self._call("/begin_weight_update", {"selector": "all"})
         self._in_update = True
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | FlattenedBucket) -> None:
@@ -418,41 +697,38 @@ class SGLangEngine:
             raise RolloutEngineError("update_weights outside begin_weight_update()/end_weight_update()")
         buckets = [named_tensors] if isinstance(named_tensors, FlattenedBucket) else iter_buckets(named_tensors, self.cfg.bucket_bytes)
         for bucket in buckets:
-            if self.cfg.keep_cpu_copy and self.weights_provider is None:
-                for name, t in unflatten_bucket(bucket):
-                    self._cpu_copy[name] = t.detach().to("cpu", copy=True)
-            self._with_recovery(lambda b=bucket: self._push_bucket(b), finish_session=False)
+            if self.cfg.transport == "distributed":
+                self._push_distributed(bucket)
+            else:
+                self._push_tensor(bucket)
+            self.pushes += 1
 
     def end_weight_update(self) -> None:
         if not self._in_update:
             raise RolloutEngineError("end_weight_update without begin_weight_update")
         self._in_update = False
-        self._with_recovery(self._finish_update, finish_session=False)
-
-    def _finish_update(self) -> None:
         if self._inproc is not None:
-            self._inproc.end_weight_update()
-            self._inproc.flush_cache()
+            _check_success(self._inproc.end_weight_update(), "end_weight_update")
+            _check_success(self._inproc.flush_cache(), "flush_cache")
             return
         self._call("/end_weight_update", {})
         self._call("/flush_cache", {})
 
-    def _push_bucket(self, bucket: FlattenedBucket) -> None:
-        if self.cfg.transport == "distributed":
-            self._push_distributed(bucket)
-        else:
-            self._push_tensor(bucket)
-        self.pushes += 1
+    def _serialize_per_rank(self, bucket: FlattenedBucket) -> list:
+        """One serialization per engine TP rank (each rank deserializes only its own entry and drops its
+        own CUDA-IPC reference: managers/tp_worker.py:194-201, entrypoints/engine.py:1743-1759)."""
+        if self._serialize is _sglang_serialize_bucket and not bucket.flattened_tensor.is_cuda:
+            bucket = FlattenedBucket(bucket.flattened_tensor.cuda(), bucket.metadata)  # one H2D copy, not tp
+        return [self._serialize(bucket) for _ in range(self.cfg.tp_size)]
 
     def _push_tensor(self, bucket: FlattenedBucket) -> None:
         if self._inproc is not None:
             result = self._inproc.update_weights_from_tensor(
-                named_tensors=self._serialize(bucket, self.cfg.tp_size), load_format="flattened_bucket", flush_cache=False
-            )
+                named_tensors=self._serialize_per_rank(bucket), load_format="flattened_bucket", flush_cache=False)
             _check_success(result, "update_weights_from_tensor")
             return
         self._call("/update_weights_from_tensor", {
-            "serialized_named_tensors": self._serialize(bucket, self.cfg.tp_size),
+            "serialized_named_tensors": self._serialize_per_rank(bucket),
             "load_format": "flattened_bucket",
             "flush_cache": False,
         })
@@ -460,34 +736,33 @@ class SGLangEngine:
     def _push_distributed(self, bucket: FlattenedBucket) -> None:
         """Engine receives via NCCL broadcast from rank 0 (us) while the HTTP request is pending."""
         self._ensure_group()
-        payload = {
-            "names": bucket.names,
-            "dtypes": [str(m.dtype).replace("torch.", "") for m in bucket.metadata],
-            "shapes": [list(m.shape) for m in bucket.metadata],
-            "group_name": self.cfg.group_name,
-            "flush_cache": False,
-            "load_format": "flattened_bucket",
-        }
-        flat = bucket.flattened_tensor.cuda(non_blocking=True)
+        payload = distributed_update_payload(bucket, self.cfg.group_name)
+        flat = broadcast_bytes(bucket)
+        if not flat.is_cuda:
+            flat = flat.cuda(non_blocking=True)
         self._run_alongside(lambda: self._call("/update_weights_from_distributed", payload),
-                            lambda: torch.distributed.broadcast(flat, src=0, group=self._group))
+                            lambda: self._broadcast(flat))
+
+    def _broadcast(self, flat: torch.Tensor) -> None:
+        torch.distributed.broadcast(flat, src=0, group=self._group)
 
     def _ensure_group(self) -> None:
         if self._group_ready:
             return
         # resolved first: a missing SGLang fails before the engine is asked to join the group
         init_custom_process_group = sglang_compat.custom_process_group_init()
-        port = self.cfg.master_port or _free_port()
+        address = self.cfg.master_address or default_master_address()
+        port = self.cfg.master_port or _free_port("")
         world = 1 + self.cfg.tp_size
         payload = {
-            "master_address": self.cfg.master_address, "master_port": port, "rank_offset": 1,
+            "master_address": address, "master_port": port, "rank_offset": 1,
             "world_size": world, "group_name": self.cfg.group_name, "backend": "nccl",
         }
         holder = {}
         self._run_alongside(
             lambda: self._call("/init_weights_update_group", payload),
             lambda: holder.setdefault("group", init_custom_process_group(
-                backend="nccl", init_method=f"tcp://{self.cfg.master_address}:{port}", world_size=world,
+                backend="nccl", init_method=f"tcp://{address}:{port}", world_size=world,
                 rank=0, group_name=self.cfg.group_name)),
         )
         self._group = holder["group"]
@@ -512,42 +787,33 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:
+        """One request: ``n`` samples of each prompt, bounded by ``request_timeout_s``. Raises
+        EngineTimeoutError (server left running) or EngineCrashedError (server dead / unreachable)."""
         if self._in_update:
             raise RolloutEngineError("generate called during an open weight update")
-        rows = [(i, p) for i, p in enumerate(prompt_token_ids) for _ in range(sampling.n)]
-        params = []
-        for k, _ in enumerate(rows):
-            sp = _sampling_payload(sampling)
-            if sampling.seed is not None:
-                sp["sampling_seed"] = sampling.seed + k  # distinct, reproducible stream per sample
-            params.append(sp)
-        payload = {
-            "input_ids": [p for _, p in rows],
-            "sampling_params": params,
-            "return_logprob": True,
-            "logprob_start_len": -1,
-        }
-        if self.cfg.return_routed_experts:
-            payload["return_routed_experts"] = True
+        payload, rows = generate_payload(prompt_token_ids, sampling, self.cfg.return_routed_experts)
         if self._inproc is not None:
             outs = self._inproc.generate(**payload)
         else:
-            outs = self._with_recovery(lambda: self._http.request("/generate", payload), finish_session=True)
+            try:
+                outs = self._http.request("/generate", payload, timeout=self.cfg.request_timeout_s)
+            except RolloutEngineError as e:
+                raise self._crashed_or(e) from e
         if isinstance(outs, dict):
             outs = [outs]
-        if len(outs) != len(rows):
-            raise RolloutEngineError(f"SGLang returned {len(outs)} results for {len(rows)} requests")
+        if not isinstance(outs, list) or len(outs) != len(rows):
+            got = len(outs) if isinstance(outs, list) else type(outs).__name__
+            raise RolloutEngineError(f"SGLang returned {got} results for {len(rows)} requests")
         return [
-            parse_generate_output(o, idx, len(p), self.model_layers, self.model_topk)
+            parse_generate_output(o, idx, len(p), self.cfg.route_layers, self.cfg.route_topk)
             for o, (idx, p) in zip(outs, rows)
         ]
 
 
-def _sglang_serialize_bucket(bucket: FlattenedBucket, tp_size: int) -> list:
-    """One serialized copy of the bucket per engine TP rank, SGLang's own way (CUDA IPC handles); base64
-    strings, which the HTTP route requires and the in-process Engine also accepts."""
+def _sglang_serialize_bucket(bucket: FlattenedBucket) -> str:
+    """One serialization of the bucket, SGLang's own way (CUDA IPC handles); a base64 string, which the
+    HTTP route requires and the in-process Engine also accepts (utils/common.py:3102, 3129-3132)."""
     serialize = sglang_compat.ipc_serializer()
     if not bucket.flattened_tensor.is_cuda:
         bucket = FlattenedBucket(bucket.flattened_tensor.cuda(), bucket.metadata)
-    payload = serialize(bucket.to_sglang_dict())
-    return [payload] * tp_size
+    return serialize(bucket.to_sglang_dict())

@@ -1,0 +1,260 @@
+"""Contract: what megatron_qarl.rollout.sglang_engine sends SGLang 0.5.23 is accepted and read back by
+SGLang's OWN Python code (CPU; the engine itself cannot start without a GPU):
+
+* the 30B configs' server argv -> ``ServerArgs.add_cli_args`` / ``from_cli_args`` (server_args.py:351, 446);
+  the in-process kwargs -> ``ServerArgs(**kwargs)``;
+* our /generate body -> ``GenerateReqInput.normalize_batch_and_arguments`` (managers/io_struct.py) and
+  ``SamplingParams`` (sampling/sampling_params.py: ``sampling_seed``);
+* routed experts encoded by SGLang (detokenizer_manager.py:432-448; decoder state_capturer/routed_experts.py:
+  166-173) -> our uint8 parser;
+* our flattened buckets -> ``FlattenedTensorBucket.reconstruct_tensors`` (IPC path) and, for the NCCL
+  path, ``FlattenedTensorBucket.empty`` from our request: same byte count as the uint8 we broadcast
+  (weight_sync/tensor_bucket.py:86-134);
+* the W4A16 MoE scheme SGLang selects for our compressed-tensors config with ``marlin`` vs ``auto`` on
+  SM100 (compressed_tensors.py:911-950).
+
+Run with launch/run_contract_tests.sh.
+"""
+
+import argparse
+import base64
+import enum
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.contract
+
+sglang = pytest.importorskip("sglang", reason="contract tests need sglang (launch/run_contract_tests.sh)")
+
+from megatron_qarl.config import load_config  # noqa: E402
+from megatron_qarl.rollout.payload import FlattenedBucket, iter_buckets  # noqa: E402
+from megatron_qarl.rollout.protocol import SamplingParams  # noqa: E402
+from megatron_qarl.rollout.sglang_engine import (  # noqa: E402
+    SGLangEngineConfig,
+    broadcast_bytes,
+    distributed_update_payload,
+    generate_payload,
+    parse_generate_output,
+    sglang_engine_kwargs,
+    sglang_server_command,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS_30B = sorted(p.name for p in (ROOT / "configs").glob("qwen3_30b_a3b_*.yaml"))
+
+
+def _stub_torchvision():
+    """sglang.srt.configs imports multimodal helpers that import torchvision; PyPI's torchvision is a CUDA
+    build that fails beside CPU torch. Nothing here calls it: stub the three names it needs."""
+    import transformers.utils.import_utils as iu
+
+    iu.is_torchvision_available()  # cache "unavailable" for transformers before the stub exists
+    if "torchvision" in sys.modules:
+        return
+    tv, tr, fn = (types.ModuleType(n) for n in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"))
+
+    class InterpolationMode(enum.Enum):
+        NEAREST = "nearest"
+        BILINEAR = "bilinear"
+        BICUBIC = "bicubic"
+
+    fn.InterpolationMode = tr.InterpolationMode = InterpolationMode
+    tr.functional, tv.transforms = fn, tr
+    sys.modules.update({"torchvision": tv, "torchvision.transforms": tr, "torchvision.transforms.functional": fn})
+
+
+@pytest.fixture(scope="module")
+def srt():
+    _stub_torchvision()
+    from sglang.srt.managers import io_struct
+    from sglang.srt.server_args import ServerArgs
+
+    return types.SimpleNamespace(ServerArgs=ServerArgs, io_struct=io_struct)
+
+
+def engine_cfg_for(config_name: str, group: int = 1, base_gpu_id: int = 2) -> SGLangEngineConfig:
+    cfg = load_config(ROOT / "configs" / config_name, [], world_size=8)
+    return SGLangEngineConfig.from_run(cfg, group=group, base_gpu_id=base_gpu_id, model_path="/ckpt/engine",
+                                       environ={cfg.rollout.sglang.api_key_env: "secret-key"})
+
+
+# ---------------------------------------------------------------------------------------------- launch
+
+@pytest.mark.parametrize("config_name", CONFIGS_30B)
+def test_30b_server_argv_parsed_by_sglang_server_args(srt, config_name):
+    cfg = load_config(ROOT / "configs" / config_name, [], world_size=8)
+    ecfg = engine_cfg_for(config_name)
+    argv = sglang_server_command(ecfg, port=31001)
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    parser = argparse.ArgumentParser()
+    srt.ServerArgs.add_cli_args(parser)
+    args = srt.ServerArgs.from_cli_args(parser.parse_args(argv[3:]))
+
+    w4a16 = cfg.quant.scheme == "w4a16"
+    assert args.model_path == "/ckpt/engine" and args.host == "127.0.0.1" and args.port == 31001
+    assert args.api_key == "secret-key"
+    assert args.tp_size == cfg.rollout.engine_tp and args.base_gpu_id == 2
+    assert args.enable_memory_saver is (cfg.rollout.sglang.mode == "colocated") is True
+    assert args.moe_runner_backend == ("marlin" if w4a16 else "auto")
+    graphs_off = (args.cuda_graph_backend_decode, args.cuda_graph_backend_prefill) == ("disabled", "disabled")
+    assert graphs_off is w4a16 and args.disable_cuda_graph is False  # the non-deprecated spelling
+    if not w4a16:
+        assert (args.cuda_graph_backend_decode, args.cuda_graph_backend_prefill) == (None, None)
+    assert args.enable_deterministic_inference is False  # the configs' default; the key turns it on
+    assert args.quantization is None  # read from the checkpoint's quantization_config
+    assert args.skip_tokenizer_init is True
+    assert args.enable_return_routed_experts is (cfg.train.routing_replay == "replay" or cfg.train.routing_telemetry)
+    assert args.mem_fraction_static == cfg.rollout.sglang.mem_fraction_static
+
+    det = SGLangEngineConfig(**{**ecfg.__dict__, "deterministic_inference": True})
+    args = srt.ServerArgs.from_cli_args(parser.parse_args(sglang_server_command(det, port=1)[3:]))
+    assert args.enable_deterministic_inference is True
+
+
+def test_inprocess_kwargs_are_server_args_fields(srt):
+    kw = sglang_engine_kwargs(engine_cfg_for("qwen3_30b_a3b_qarl_w4a16_tbpo.yaml"))
+    args = srt.ServerArgs(**kw)  # an unknown field raises TypeError
+    assert (args.base_gpu_id, args.enable_memory_saver, args.moe_runner_backend) == (2, True, "marlin")
+    assert args.cuda_graph_backend_decode == args.cuda_graph_backend_prefill == "disabled"
+
+
+# ---------------------------------------------------------------------------------------------- generate
+
+def test_generate_payload_normalized_by_generate_req_input(srt):
+    from sglang.srt.sampling.sampling_params import SamplingParams as SglSamplingParams
+
+    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16, n=3, seed=1234, stop_token_ids=[2])
+    prompts = [[5, 6, 7], [8, 9]]
+    payload, rows = generate_payload(prompts, sp, return_routed_experts=True)
+    req = srt.io_struct.GenerateReqInput(**payload)
+    req.normalize_batch_and_arguments()
+    assert req.batch_size == 6 and req.is_single is False
+    assert req.return_logprob == [True] * 6 and req.return_routed_experts is True
+    seeds = sp.row_seeds(6)
+    for i in range(6):
+        one = req[i]
+        assert one.input_ids == prompts[rows[i][0]]
+        assert one.sampling_params["sampling_seed"] == seeds[i]
+        assert one.logprob_start_len == -1 and one.return_logprob is True
+        p = SglSamplingParams(**one.sampling_params)
+        p.verify(vocab_size=1000)
+        assert (p.sampling_seed, p.temperature, p.top_p, p.top_k, p.max_new_tokens) == (seeds[i], 0.7, 0.9, 20, 16)
+        assert p.stop_token_ids == {2} and p.no_stop_trim is True
+    assert len({req[i].sampling_params["sampling_seed"] for i in range(6)}) == 6
+
+
+# ---------------------------------------------------------------------------------------------- routes
+
+def _sglang_route_encoder():
+    """``DetokenizerManager._b64_encode_per_request`` (detokenizer_manager.py:432-448), SGLang's own code,
+    compiled from the installed module's source: importing that module pulls the server stack (fastapi,
+    uvloop, zmq) this CPU venv does not carry."""
+    import ast
+    import importlib.util
+
+    import pybase64
+
+    path = importlib.util.find_spec("sglang.srt.managers.detokenizer_manager").origin
+    tree = ast.parse(Path(path).read_text())
+    (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_b64_encode_per_request"]
+    fn.decorator_list = []  # @staticmethod
+    ns = {"pybase64": pybase64, "Optional": __import__("typing").Optional, "List": list, "torch": torch}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), path, "exec"), ns)
+    return ns["_b64_encode_per_request"]
+
+
+def test_routes_encoded_by_sglang_decode_to_uint8(srt):
+    from sglang.srt.state_capturer.routed_experts import extract_routed_experts_from_meta_info
+
+    layers, topk, prompt_len, response = 48, 8, 5, 3
+    g = torch.Generator().manual_seed(0)
+    captured = torch.randint(0, 128, (prompt_len + response - 1, layers, topk), generator=g, dtype=torch.int32)
+    (encoded,) = _sglang_route_encoder()([captured])  # SGLang's own encoder
+    out = {"meta_info": {"output_token_logprobs": [[-0.1, 11, None], [-0.2, 12, None], [-0.3, 2, None]],
+                         "finish_reason": {"type": "stop"}, "routed_experts": encoded}}
+    r = parse_generate_output(out, 0, prompt_len, layers, topk)
+    assert r.routed_experts.dtype == torch.uint8 and r.routed_experts.shape == (7, layers, topk)
+    assert torch.equal(r.routed_experts.to(torch.int32), captured)
+    assert np.array_equal(extract_routed_experts_from_meta_info(out), captured.numpy().reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------- refit
+
+def _named_tensors():
+    g = torch.Generator().manual_seed(1)
+    return [
+        ("model.layers.0.mlp.experts.w13_weight_packed", torch.randint(-2**31, 2**31 - 1, (4, 32, 64), generator=g, dtype=torch.int32)),
+        ("model.layers.0.mlp.experts.w13_weight_scale", torch.randn(4, 2, 64, generator=g).to(torch.bfloat16)),
+        ("model.layers.0.self_attn.qkv_proj.weight", torch.randn(96, 64, generator=g).to(torch.float8_e4m3fn)),
+        ("model.layers.0.input_layernorm.weight", torch.randn(64, generator=g).to(torch.bfloat16)),
+        ("model.norm.weight", torch.randn(64, generator=g, dtype=torch.float32)),
+    ]
+
+
+def _eq(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_ipc_bucket_reconstructed_by_sglang_flattened_tensor_bucket(srt):
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
+
+    expected = dict(_named_tensors())
+    seen = {}
+    for bucket in iter_buckets(_named_tensors(), bucket_bytes=1 << 20):
+        d = bucket.to_sglang_dict()
+        assert all(isinstance(m, FlattenedTensorMetadata) for m in d["metadata"])  # SafeUnpickler allow-listed
+        # what model_runner_components/weight_updater.py:_update_weights_from_flattened_bucket does
+        meta = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
+                                        end_idx=m.end_idx, numel=m.numel) for m in d["metadata"]]
+        for name, t in FlattenedTensorBucket(flattened_tensor=d["flattened_tensor"], metadata=meta).reconstruct_tensors():
+            seen[name] = t
+    assert seen.keys() == expected.keys()
+    for name, t in expected.items():
+        assert _eq(seen[name], t), name
+
+
+def test_nccl_bucket_is_the_uint8_buffer_sglang_allocates(srt):
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    expected = dict(_named_tensors())
+    for bucket in iter_buckets(_named_tensors(), bucket_bytes=1 << 20):
+        payload = distributed_update_payload(bucket, "qarl_weights_0")
+        req = srt.io_struct.UpdateWeightsFromDistributedReqInput(**payload)  # our body is a valid request
+        recv = FlattenedTensorBucket.empty(req.names, req.dtypes, req.shapes, "cpu")  # the receiver's buffer
+        sent = broadcast_bytes(bucket)
+        buf = recv.get_flattened_tensor()
+        assert sent.dtype == buf.dtype == torch.uint8 and sent.numel() == buf.numel()
+        buf.copy_(sent)  # what the NCCL broadcast does, byte for byte
+        for name, t in recv.reconstruct_tensors():
+            assert _eq(t, expected[name]), name
+
+
+# ---------------------------------------------------------------------------------------------- MoE backend
+
+@pytest.mark.parametrize("backend,sm100,method", [
+    ("marlin", True, "CompressedTensorsWNA16MoE"),   # our W4A16 pin: Marlin on Blackwell too
+    ("marlin", False, "CompressedTensorsWNA16MoE"),
+    ("auto", True, "CompressedTensorsWNA16TritonMoE"),  # why "auto" is not passed through for W4A16
+    ("auto", False, "CompressedTensorsWNA16MoE"),
+])
+def test_w4a16_moe_scheme_sglang_selects(srt, monkeypatch, backend, sm100, method):
+    import sglang.srt.layers.quantization.compressed_tensors.compressed_tensors as ct
+    from sglang.srt.layers.moe.utils import MoeRunnerBackend
+    from sglang.srt.layers.quantization import get_quantization_config
+    from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    from megatron_qarl.quant.engine_layout import w4a16_quantization_config
+
+    assert SGLangEngineConfig(model_path="/m", quant_scheme="w4a16", moe_runner_backend="auto").moe_runner_backend == "marlin"
+    qc = get_quantization_config("compressed-tensors").from_config(
+        {**w4a16_quantization_config("experts"), "packed_modules_mapping": Qwen3MoeForCausalLM.packed_modules_mapping})
+    monkeypatch.setattr(ct, "get_moe_runner_backend", lambda: MoeRunnerBackend(backend))
+    monkeypatch.setattr(ct, "get_platform", lambda: types.SimpleNamespace(is_sm100=sm100))
+    fused_moe = type("FusedMoE", (torch.nn.Module,), {})()  # the scheme map targets FusedMoE by class name
+    scheme = qc.get_moe_scheme(fused_moe, "model.layers.0.mlp.experts")
+    assert type(scheme).__name__ == method
