@@ -122,7 +122,8 @@ class RolloutConfig:
     engine: str = "embedded"
     # Topology: `engines` engine instances of `engine_tp` GPUs each; the world is cut into `engines` rollout
     # groups and each group's first rank drives one (parallel.RolloutTopology). 0: one colocated engine per
-    # engine_tp GPUs, so every GPU generates (under torchrun on CPU: one embedded engine per rank).
+    # engine_tp GPUs, so every GPU generates (under torchrun on CPU: one embedded engine per rank); separate
+    # SGLang engines: one per rollout.sglang.urls entry.
     engines: int = 0
     engine_tp: int = 1  # GPUs per engine (SGLang --tp-size); the embedded engine is one process: 1
     allow_idle_gpus: bool = False  # accept colocated layouts where some GPUs do not generate
@@ -667,7 +668,10 @@ def rollout_topology(cfg: RunConfig, world_size: int) -> RolloutTopology:
     """The engines this run builds on `world_size` trainer ranks (see parallel.RolloutTopology)."""
     r = cfg.rollout
     colocated = r.engine == "embedded" or r.sglang.mode == "colocated"
-    return RolloutTopology.resolve(world_size, r.engines, r.engine_tp, colocated)
+    if not r.engines and not colocated:  # separate engines: one per URL (one URL or a launched server: 1)
+        return RolloutTopology.resolve(world_size, len(r.sglang.urls) or 1, r.engine_tp, colocated)
+    engines = r.engines
+    return RolloutTopology.resolve(world_size, engines, r.engine_tp, colocated)
 
 
 def _nearest_divisor(n: int, near: int) -> int:

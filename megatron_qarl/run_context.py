@@ -175,7 +175,7 @@ def engine_start_checkpoint(cfg: RunConfig, model, hf_config, quant) -> str | No
     from megatron_qarl.weights.publish import WeightPublisher
 
     s = cfg.rollout.sglang
-    if cfg.rollout.engine != "sglang" or s.model_path or s.url or s.launch == "attach":
+    if cfg.rollout.engine != "sglang" or s.model_path or s.url or s.urls or s.launch == "attach":
         return s.model_path
     out = Path(cfg.logging.out_dir) / "engine_start"
     exists = torch.tensor([1 if (out / "config.json").is_file() else 0], device=collective_device())
@@ -250,8 +250,7 @@ def _build_engine(cfg: RunConfig, hf_config, topology: RolloutTopology, start_ch
 
         group = topology.group_of(torch.distributed.get_rank())
         base_gpu = int(os.environ.get("LOCAL_RANK", "0"))  # a colocated engine starts on its leader's GPU
-        run = dataclasses.replace(cfg, rollout=dataclasses.replace(
-            cfg.rollout, sglang=dataclasses.replace(cfg.rollout.sglang, model_path=start_checkpoint)))
-        engine_cfg = SGLangEngineConfig.from_run(run, group=group, base_gpu_id=base_gpu)
+        engine_cfg = SGLangEngineConfig.from_run(cfg, group=group, base_gpu_id=base_gpu, model_path=start_checkpoint,
+                                                 run_dir=cfg.logging.out_dir)
         return make_engine({"name": "sglang", **dataclasses.asdict(engine_cfg)})
     return make_engine({"name": cfg.rollout.engine})

@@ -2,10 +2,10 @@
 
 A bucket is one contiguous 1-D tensor plus per-tensor metadata ``(name, shape, dtype, start_idx,
 end_idx, numel)`` — the format of SGLang's ``FlattenedTensorBucket`` (srt/weight_sync/tensor_bucket.py).
-SGLang reconstructs with ``flattened[start:end].reshape(shape)`` followed by ``.to(dtype)`` — a value
-*cast*, not a bit view — so a bucket holds tensors of ONE dtype, indices count elements, and the
-flattened tensor has that dtype (slime and SGLang's own callers group by dtype the same way). A uint8
-byte buffer would be mis-read by SGLang (packed int32 weights would be cast from single bytes).
+SGLang 0.5.23 reconstructs with a bit ``view(dtype)`` of the slice (weight_sync/tensor_bucket.py:118-134;
+its NCCL receiver allocates a uint8 byte buffer, :86-112). Buckets here hold tensors of ONE dtype and
+indices count elements (as slime and SGLang's own callers group by dtype), so the view is the identity on
+the IPC path; the NCCL path broadcasts the bucket's bytes (``flattened_tensor.view(torch.uint8)``).
 
 Routed experts and the rest never share a bucket (experts are refit on a different path in the engine
 and are the bulk of the bytes). A tensor larger than the bucket size gets a bucket of its own.

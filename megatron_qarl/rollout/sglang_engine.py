@@ -241,7 +241,7 @@ class SGLangEngineConfig:
         extra = list(s.extra_server_args)
         if s.ep_size > 1:
             extra += ["--ep-size", str(s.ep_size)]
-        urls = list(getattr(s, "urls", None) or [])
+        urls = list(s.urls)
         if urls and not 0 <= group < len(urls):
             raise ValueError(f"rollout group {group} has no engine URL: rollout.sglang.urls lists {len(urls)}")
         url = urls[group] if urls else s.url
@@ -253,7 +253,7 @@ class SGLangEngineConfig:
             hf = resolve_hf_config(cfg.model)
             route_layers = hf.num_hidden_layers if route_layers is None else route_layers
             route_topk = hf.num_experts_per_tok if route_topk is None else route_topk
-        master_port = getattr(s, "weight_sync_master_port", 0)
+        master_port = s.weight_sync_master_port
         return cls(
             mode="attach" if attach else s.launch,
             url=url,
