@@ -13,8 +13,9 @@ Route layout through the stack
     fed, so it has no row.
   * `RolloutBatch.routed_experts`: [N, S, layers, topk] uint8, row t = position t of `input_ids`
     (`pack_routes`). `layers * topk` bytes per token: Qwen3-30B-A3B (48 layers, top-8, 128 experts <= 256
-    ids) stores 384 B/token (`route_bytes_per_token`): a step of 512 sequences x 8192 tokens is 1.5 GiB on
-    the rollout rank before the DP split (int32, SGLang's wire type, would be 6 GiB).
+    ids) stores 384 B/token (`route_bytes_per_token`): a step of 512 sequences x 8192 tokens is 1.5 GiB in
+    all, of which each DP rank receives only its shard (`rollout.dispatch.deliver_samples`; int32, SGLang's
+    wire type, would be 6 GiB).
   * megatron's router (per MoE layer) sees its rank's tokens as [s, b] flattened, s-major; under
     sequence parallelism that is the rank's contiguous S/TP slice of the sequence (`router_token_routes`).
     EP does not change what a router sees (EP ranks are data-parallel for attention and routing).
