@@ -394,7 +394,13 @@ def _check_keys(schema_node, layer_node, prefix: str) -> None:
             _check_keys(child, layer_node._get_node(key), f"{full}.")
 
 
+# Keys that moved: the message names the new key instead of guessing a near spelling.
+MOVED_KEYS = {"rollout.sglang.tp_size": "rollout.engine_tp"}
+
+
 def _unknown_key_message(full: str, key: str, known: list, prefix: str) -> str:
+    if full in MOVED_KEYS:
+        return f"config key `{full}` is now `{MOVED_KEYS[full]}`; rename it"
     close = difflib.get_close_matches(key, [str(k) for k in known], n=1, cutoff=0.5)
     hint = f" Did you mean `{prefix}{close[0]}`?" if close else ""
     section = prefix.rstrip(".") or "the top level"

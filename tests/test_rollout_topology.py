@@ -41,6 +41,11 @@ def test_impossible_engine_layouts_name_the_fix(overrides, match):
         load_config(Q30, overrides, world_size=8)
 
 
+def test_the_moved_engine_tp_key_names_its_new_place():
+    with pytest.raises(ConfigError, match="`rollout.sglang.tp_size` is now `rollout.engine_tp`"):
+        load_config(None, ["rollout.sglang.tp_size=2"], world_size=1)
+
+
 def test_embedded_engine_is_one_process():
     with pytest.raises(ConfigError, match="engine_tp=2 with rollout.engine=embedded"):
         load_config(None, ["rollout.engine_tp=2", "rollout.allow_idle_gpus=true"], world_size=2)
