@@ -1,13 +1,18 @@
 """megatron-qarl: rollout-aligned quantization-aware RL (QaRL + TBPO) on megatron-core."""
 from setuptools import find_packages, setup
 
-# Versions pinned to what was tested together on the CPU/CI stack (Python 3.11, torch 2.13.0 CPU).
-# transformers 5.19.0 / compressed-tensors 0.18.0 are also what SGLang 0.5.23 accepts.
+# Two tested stacks share these requirements; each installs with its own exact pins:
+#   CPU/CI (Python 3.11, torch 2.13.0 CPU wheel): requirements/cpu.txt, a constraints file for launch/env.sh;
+#   GPU (Python 3.12, torch 2.14.1 CUDA 13, SGLang 0.5.23): requirements/gpu.txt = this + the `gpu` extra,
+#   then TransformerEngine's PyTorch extension from source (requirements/gpu-te.txt, README "GPU install").
+# torch and numpy are ranges because the two stacks differ there (tests/test_requirements.py checks that
+# both files satisfy every line below and that the `gpu` extra matches requirements/gpu.txt).
 INSTALL_REQUIRES = [
-    "torch==2.13.0",
+    "torch>=2.13,<2.15",  # CPU 2.13.0; GPU 2.14.1 (sglang 0.5.23 pins it)
     "megatron-core==0.16.1",
     "psutil==7.2.2",  # undeclared by megatron-core; dist_checkpointing saves hang without it
-    "numpy==2.4.6",
+    "numpy>=2.3,<2.5",  # CPU 2.4.6; GPU 2.3.5 (sglang's mistral_common needs numpy<2.4 on Python <= 3.12)
+    # transformers 5.19.0 / compressed-tensors 0.18.0 are also what SGLang 0.5.23 pins.
     "transformers==5.19.0",
     "compressed-tensors==0.18.0",
     "safetensors==0.8.0",
@@ -24,8 +29,17 @@ INSTALL_REQUIRES = [
 EXTRAS = {
     # modelopt runs its quantizer plumbing on CPU: the test of the `modelopt` backend uses it.
     "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "nvidia-modelopt==0.47.0"],
-    # GPU-only pieces: never installed on CPU machines (TransformerEngine does not even install there).
-    "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23", "nvidia-modelopt==0.47.0"],
+    # GPU-only pieces, never installed on CPU machines: the pins of requirements/gpu.txt beyond the shared
+    # ones. TransformerEngine's PyTorch extension is not here: it is an sdist that must be compiled against
+    # the installed torch, a second step (pip install --no-build-isolation -r requirements/gpu-te.txt).
+    "gpu": [
+        "torch==2.14.1",
+        "numpy==2.3.5",
+        "sglang==0.5.23",
+        "transformer-engine[core_cu13]==2.11.0",
+        "nvidia-modelopt==0.47.0",
+        "wheel==0.48.0",  # imported by transformer-engine-torch's setup.py in the second step
+    ],
 }
 
 setup(

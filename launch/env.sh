@@ -11,12 +11,16 @@ if [ ! -x "$QARL_VENV/bin/python" ]; then
 fi
 # shellcheck disable=SC1091
 . "$QARL_VENV/bin/activate"
-stamp="$QARL_VENV/.qarl-installed-$(sha1sum "$QARL_ROOT/setup.py" | cut -c1-12)"
+# The tested CPU versions are requirements/cpu.txt (setup.py holds ranges shared with the GPU stack).
+CPU_PINS="$QARL_ROOT/requirements/cpu.txt"
+stamp="$QARL_VENV/.qarl-installed-$(cat "$QARL_ROOT/setup.py" "$CPU_PINS" | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
+  torch_pin="$(grep -E '^torch==' "$CPU_PINS" | cut -d' ' -f1 || true)"
+  [ -n "$torch_pin" ] || { echo "env.sh: no torch==VERSION line in $CPU_PINS" >&2; exit 1; }
   python -m pip install -q --disable-pip-version-check --upgrade pip wheel
   # torch first, pinned: the CPU wheel. A bare `torch` requirement would pull a multi-GB CUDA build.
-  python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-  python -m pip install -q --disable-pip-version-check -e "$QARL_ROOT[test]"
+  python -m pip install -q --disable-pip-version-check "$torch_pin"
+  python -m pip install -q --disable-pip-version-check -c "$CPU_PINS" -e "$QARL_ROOT[test]"
   touch "$stamp"
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

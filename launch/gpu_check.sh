@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-command SGLang check for GPU users. Needs a CUDA GPU and sglang==0.5.23 in the active Python env
-# (e.g. pip install -e '.[gpu]'). Exports a tiny Qwen3-MoE checkpoint with our code, starts SGLang on it,
+# (pip install -e '.[gpu]', then pip install --no-build-isolation -r requirements/gpu-te.txt: README.md,
+# "GPU install"). Exports a tiny Qwen3-MoE checkpoint with our code, starts SGLang on it,
 # refits it with different weights through the real update path, generates, and compares the sampler's
 # logprobs with a transformers recompute on the same dequantized weights. Exit 0 = OK, 1 = mismatch,
 # 2 = no GPU. First runs the GPU-marked tests (marlin / TE backends against the reference numerics).
