@@ -250,6 +250,13 @@ def _build_engine(cfg: RunConfig, hf_config, topology: RolloutTopology, start_ch
 
         group = topology.group_of(torch.distributed.get_rank())
         base_gpu = int(os.environ.get("LOCAL_RANK", "0"))  # a colocated engine starts on its leader's GPU
+        node_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", base_gpu + cfg.rollout.engine_tp))
+        if cfg.rollout.sglang.mode == "colocated" and base_gpu + cfg.rollout.engine_tp > node_gpus:
+            from megatron_qarl.config import ConfigError
+
+            raise ConfigError(f"rollout group {group} would span two nodes (local GPUs {base_gpu}.."
+                              f"{base_gpu + cfg.rollout.engine_tp - 1} of {node_gpus}): rollout.engine_tp must "
+                              "divide the GPUs per node")
         engine_cfg = SGLangEngineConfig.from_run(cfg, group=group, base_gpu_id=base_gpu, model_path=start_checkpoint,
                                                  run_dir=cfg.logging.out_dir)
         return make_engine({"name": "sglang", **dataclasses.asdict(engine_cfg)})

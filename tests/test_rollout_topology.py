@@ -136,3 +136,14 @@ def test_two_engines_equal_one_hold_the_exporters_payload_and_survive_a_killed_e
     assert res["clean_requests"] == 4 and res["clean_restarts"] == 0
     assert res["restarts"] == 1 and res["recovered_equal"] == {"0": True, "1": True}
     assert "shut down" in res["failures"]["1"] and "another rollout group" in res["failures"]["0"]
+
+
+def test_a_colocated_engine_never_spans_two_nodes(monkeypatch):
+    from megatron_qarl.run_context import _build_engine
+
+    cfg = load_config(Q30, [], world_size=8)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # e.g. 4 GPUs per node: the group's second GPU is elsewhere
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 3)
+    with pytest.raises(ConfigError, match="rollout group 1 would span two nodes"):
+        _build_engine(cfg, None, rollout_topology(cfg, 8), None)
