@@ -21,12 +21,13 @@ class UserError(Exception):
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from megatron_qarl.config import ConfigError, SFTConfigError
-    from megatron_qarl.errors import CheckpointError
+    from megatron_qarl.errors import CheckpointError, DivergenceError
     from megatron_qarl.quant.config import QuantConfigError
     from megatron_qarl.rl.data import DatasetError
     from megatron_qarl.weights.convert import ConversionError
 
-    return (UserError, ConfigError, SFTConfigError, DatasetError, CheckpointError, QuantConfigError, ConversionError)
+    return (UserError, ConfigError, SFTConfigError, DatasetError, CheckpointError, QuantConfigError, ConversionError,
+            DivergenceError)
 
 
 def _quiet_library_warnings() -> None:

@@ -170,6 +170,9 @@ class TrainConfig:
     # Per-step router-mismatch / replay-gap telemetry: one extra no-grad forward per micro-batch
     # (two when replay is off); needs the engine's routed experts.
     routing_telemetry: bool = True
+    # An optimizer step whose loss or gradients are not finite is skipped (optimizer state untouched) and
+    # counted (optim/nonfinite); this many skipped in a row stop the run with a DivergenceError.
+    max_nonfinite_steps: int = 3
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -486,7 +489,7 @@ def _check_positive(cfg: RunConfig) -> list[str]:
     must_be_positive = {
         "rollout.n": r.n, "rollout.max_new_tokens": r.max_new_tokens, "train.steps": t.steps,
         "train.prompts_per_step": t.prompts_per_step, "train.mini_batch_prompts": t.mini_batch_prompts,
-        "train.micro_batch_size": t.micro_batch_size, "data.max_prompt_len": d.max_prompt_len,
+        "train.micro_batch_size": t.micro_batch_size, "train.max_nonfinite_steps": t.max_nonfinite_steps, "data.max_prompt_len": d.max_prompt_len,
         "data.reward_timeout_s": d.reward_timeout_s, "publish.bucket_mb": cfg.publish.bucket_mb,
         "checkpoint.keep_last": cfg.checkpoint.keep_last, "logging.log_every": cfg.logging.log_every,
         "rollout.engine_tp": r.engine_tp, "rollout.request_prompts": r.request_prompts,

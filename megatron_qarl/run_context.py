@@ -79,6 +79,7 @@ class RunContext:
     topology: RolloutTopology = field(default_factory=RolloutTopology)  # engines and the ranks driving them
     # The reward pool's cumulative counters when last logged: each step logs its own share.
     reward_counts: dict = field(default_factory=dict)
+    nonfinite_streak: int = 0  # optimizer steps skipped in a row for a non-finite loss or gradient
 
 
 def build_run_context(cfg: RunConfig) -> RunContext:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_qarl.config import RunConfig
+from megatron_qarl.errors import DivergenceError
 from megatron_qarl.parallel import dp_group, dp_rank, dp_size, tp_size
 from megatron_qarl.rl.advantages import group_normalized_advantages
 from megatron_qarl.rl.batch import RolloutBatch, build_rollout_batch
@@ -312,6 +314,7 @@ def policy_update(ctx, batch: RolloutBatch) -> dict:
     per_rank_mini = cfg.train.mini_batch_prompts * cfg.rollout.n // dp
     call_metrics, step_metrics = [], []
     for mini in batch.chunks(per_rank_mini):
+        mini_loss = 0.0
         micros = list(mini.chunks(cfg.train.micro_batch_size))
         norm = compute_loss_normalizer([m.response_mask for m in micros], all_reduce=dp > 1,
                                        process_group=dp_group())
@@ -327,8 +330,9 @@ def policy_update(ctx, batch: RolloutBatch) -> dict:
                 )
                 loss.backward()
             metrics["loss/value"] = loss.item()
+            mini_loss += metrics["loss/value"]
             call_metrics.append(metrics)
-        step_metrics.append(optimizer_step(ctx))
+        step_metrics.append(optimizer_step(ctx, mini_loss))
     # Each rank's loss terms are already divided by the global count: summing over DP gives the loss.
     # The loss metrics include the sampler<->learner mismatch (mismatch/k1, k3): old vs sampler log-probs.
     out = reduce_metrics(gather_dp(call_metrics))
@@ -339,18 +343,53 @@ def policy_update(ctx, batch: RolloutBatch) -> dict:
     return out
 
 
-def optimizer_step(ctx) -> dict:
+def optimizer_step(ctx, loss: float = 0.0) -> dict:
+    """One optimizer step on the reduced gradients, unless the mini-batch's loss or any gradient is not
+    finite on some rank: then the step is skipped (masters and optimizer state untouched) and counted;
+    `train.max_nonfinite_steps` skipped in a row stop the run (DivergenceError)."""
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads([ctx.model])
+    if _max_over_ranks(0 if math.isfinite(loss) and grads_finite(ctx.model) else 1):
+        ctx.model.zero_grad_buffer()
+        ctx.optimizer.zero_grad()
+        ctx.nonfinite_streak += 1
+        limit = ctx.cfg.train.max_nonfinite_steps
+        print(f"[qarl] non-finite loss or gradients: optimizer step skipped ({ctx.nonfinite_streak} in a row, "
+              f"stop at {limit})", flush=True)
+        if ctx.nonfinite_streak >= limit:
+            raise DivergenceError(
+                f"training diverged: {limit} optimizer steps in a row had a non-finite loss or gradients and were "
+                "skipped (nothing non-finite was applied or checkpointed); lower train.optim.lr, set "
+                "train.optim.clip_grad, or resume from an earlier checkpoint")
+        return {"optim/grad_norm": float("nan"), "optim/skipped": 1.0, "optim/nonfinite": 1.0,
+                "optim/lr": ctx.optimizer.current_lr()}
+    ctx.nonfinite_streak = 0
     success, grad_norm, _ = ctx.optimizer.step()
     if ctx.quant is not None:
         ctx.quant.invalidate()  # masters changed: the next forward re-quantizes once
     return {
         "optim/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         "optim/skipped": 0.0 if success else 1.0,
+        "optim/nonfinite": 0.0,
         "optim/lr": ctx.optimizer.current_lr(),
     }
+
+
+def grads_finite(model) -> bool:
+    """Whether every gradient this rank holds (megatron DDP's main_grad buffers) is finite."""
+    for p in model.parameters():
+        grad = getattr(p, "main_grad", None)
+        grad = p.grad if grad is None else grad
+        if grad is not None and not bool(torch.isfinite(grad).all()):
+            return False
+    return True
+
+
+def weights_finite(model) -> bool:
+    """Whether every parameter on every rank is finite (COLLECTIVE)."""
+    bad = any(not bool(torch.isfinite(p.detach()).all()) for p in model.parameters())
+    return _max_over_ranks(1 if bad else 0) == 0
 
 
 def gather_dp(items: list) -> list:
@@ -377,6 +416,9 @@ def maybe_checkpoint(ctx, step: int) -> None:
     every = ctx.cfg.checkpoint.every
     last = step + 1 == ctx.cfg.train.steps
     if (every and (step + 1) % every == 0) or last:
+        if not weights_finite(ctx.model):  # never a complete-looking checkpoint of diverged weights
+            raise DivergenceError(f"the weights are not finite after step {step + 1}: not checkpointing them; "
+                                  "resume from an earlier checkpoint with a lower train.optim.lr")
         ctx.checkpoints.save(step + 1, ctx.model, ctx.optimizer, checkpoint_state(ctx))
 
 

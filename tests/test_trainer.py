@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_qarl.checkpointing import EXTRA_STATE_NAME, LEGACY_RUN_STATE, MARKER_NAME, RunCheckpoints
 
@@ -262,3 +263,21 @@ def test_run_checkpoint_of_the_old_format_resumes_and_refuses_conversion_clearly
     _check_ok(proc)
     assert f"resumed from {legacy} (step 3)" in proc.stdout
     assert sorted(_rows(tmp_path / "run")) == [3]
+
+
+def test_a_diverging_run_skips_non_finite_steps_stops_clearly_and_never_checkpoints_nan(tmp_path):
+    """lr=1e6 without clipping (the issue's recipe): the loss goes non-finite; those optimizer steps are
+    skipped and counted, the run stops with one clear error (exit 2), and every checkpoint it left holds
+    finite weights (read back with the converter's own loader)."""
+    from megatron_qarl.weights.convert import load_mcore_full_hf_state, open_mcore_checkpoint
+
+    proc = _run(tmp_path, "train.steps=8", "checkpoint.every=1", "train.optim.lr=1e6", "train.optim.clip_grad=0",
+                "checkpoint.keep_last=10")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "qarl-train: error: training diverged" in proc.stderr and "Traceback" not in proc.stderr
+    assert "optimizer step skipped" in proc.stdout
+    checkpoints = RunCheckpoints(tmp_path / "checkpoints").complete()
+    for ckpt in checkpoints:
+        state = load_mcore_full_hf_state(open_mcore_checkpoint(ckpt))
+        bad = [n for n, t in state.items() if not bool(torch.isfinite(t).all())]
+        assert bad == [], (ckpt.name, bad[:3])

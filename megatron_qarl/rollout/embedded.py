@@ -283,6 +283,9 @@ class _SamplingLoop:
         prompt_routes = self._routes(batch, max_len) if self.collect else None
         for step in range(sp.max_new_tokens):
             scaled = out.logits[:, -1].float() / sp.temperature
+            if not bool(torch.isfinite(scaled).all()):
+                raise RolloutEngineError("the engine's logits are not finite: the published weights have diverged "
+                                         "(resume from an earlier checkpoint with a lower train.optim.lr)")
             logp = torch.log_softmax(scaled, dim=-1)
             probs = torch.softmax(_filter_logits(scaled, sp.top_k, sp.top_p), dim=-1)
             # one generator per row: a row's samples do not depend on the other rows of the batch
