@@ -26,7 +26,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 VerifyFn = Callable[[str, str, int], float]
 
 REWARD_KINDS = ("math_verify", "exact_match")
-_REWARD_ALIASES = {"math": "math_verify"}
+_REWARD_ALIASES = {"math": "math_verify"}  # the run configs' short spelling
+REWARD_NAMES = REWARD_KINDS + tuple(_REWARD_ALIASES)  # every accepted `data.reward` / RewardConfig.kind
 
 
 @dataclass
@@ -42,7 +43,7 @@ class RewardConfig:
     def __post_init__(self) -> None:
         self.kind = _REWARD_ALIASES.get(self.kind, self.kind)
         if self.kind not in REWARD_KINDS:
-            raise ValueError(f"unknown reward kind {self.kind!r}; use one of {', '.join(REWARD_KINDS)}")
+            raise ValueError(f"unknown reward kind {self.kind!r}; use one of {', '.join(REWARD_NAMES)}")
         if self.timeout_s <= 0 or self.num_workers < 1:
             raise ValueError("reward timeout_s must be > 0 and num_workers >= 1")
 
