@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -140,6 +141,8 @@ def _messages(value: Any, cfg: PromptDataConfig) -> Tuple[Optional[List[Dict[str
 def _answer(value: Any, cfg: PromptDataConfig) -> Tuple[Optional[str], Optional[str]]:
     if isinstance(value, bool) or value is None:
         return None, f"missing or invalid {cfg.answer_key!r}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, f"{cfg.answer_key!r} is {value} (not a finite number)"
     if isinstance(value, (int, float)):
         return str(value), None
     if isinstance(value, str) and value.strip():
