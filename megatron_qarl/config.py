@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import json
 import math
 import os
@@ -27,6 +28,7 @@ from megatron_qarl.optim import OptimConfig
 from megatron_qarl.parallel import ParallelLayout, RolloutTopology
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.rl.losses import LossConfig
+from megatron_qarl.rl.rewards import REWARD_NAMES
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig
 
 
@@ -48,7 +50,7 @@ ENGINES = ("embedded", "sglang")
 UNBUILT_ENGINES = ("vllm",)
 SGLANG_MODES = ("colocated", "separate")
 SGLANG_LAUNCH = ("subprocess", "inprocess", "attach")
-REWARDS = ("exact_match", "math")
+REWARDS = REWARD_NAMES  # the reward module's names: math_verify (alias math), exact_match
 DATA_SOURCES = ("file", "synthetic")
 ROUTING_REPLAY = ("off", "replay")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -110,8 +112,13 @@ class SGLangConfig:
     # host's resolved non-loopback address) and the base port (engine g uses port + g; 0: a free port).
     weight_sync_master_addr: str | None = None
     weight_sync_master_port: int = 0
-    api_key_env: str = "QARL_SGLANG_API_KEY"  # name of the env var holding the key, never the key
+    # Name of the env var holding the key, never the key. A launched server gets it through a private file,
+    # never its command line; launch=attach requires it (the attached server must be protected by a key).
+    api_key_env: str = "QARL_SGLANG_API_KEY"
     host: str = "127.0.0.1"
+    # A non-loopback host exposes the engine (generate + weight-update endpoints) to the network: refused
+    # unless this is true, and the engine warns when it binds there.
+    allow_remote_host: bool = False
     port: int = 0  # 0: a free port (engine g of a fixed base port uses port + g)
     health_timeout_s: float = 900.0
     extra_server_args: list[str] = field(default_factory=list)
@@ -514,9 +521,17 @@ def _check_positive(cfg: RunConfig) -> list[str]:
         out.append(f"checkpoint.resume={resume!r} is neither 'auto', 'none' nor an existing checkpoint path")
     if cfg.checkpoint.every < 0:
         out.append(f"checkpoint.every={cfg.checkpoint.every} must be >= 0 (0 = only at the end)")
+    for key, ckpt in (("model.init_checkpoint", cfg.model.init_checkpoint),
+                      ("sft.init_checkpoint", cfg.sft.init_checkpoint)):
+        if ckpt and not Path(ckpt).exists():
+            out.append(f"{key}={ckpt!r} does not exist; point it at a checkpoint directory (e.g. the SFT "
+                       "warm-up's sft.out_checkpoint) or set it to null")
+        elif ckpt and not Path(ckpt).is_dir():
+            out.append(f"{key}={ckpt!r} is not a directory; a megatron checkpoint is a directory (as "
+                       "`qarl-train sft` or `qarl-convert hf-to-mcore` writes it)")
     if d.source == "file" and not d.path:
         out.append("data.path is empty; set it to a JSONL/Parquet file or use data.source=synthetic")
-    if t.prompts_per_step % t.mini_batch_prompts:
+    if t.mini_batch_prompts > 0 and t.prompts_per_step % t.mini_batch_prompts:
         out.append(f"train.prompts_per_step={t.prompts_per_step} is not divisible by "
                    f"train.mini_batch_prompts={t.mini_batch_prompts}; choose a divisor, e.g. "
                    f"{_nearest_divisor(t.prompts_per_step, t.mini_batch_prompts)}")
@@ -554,9 +569,35 @@ def _check_engine_quant(cfg: RunConfig) -> list[str]:
     if r.engine == "sglang" and r.sglang.launch == "attach" and not (r.sglang.url or r.sglang.urls):
         out.append("rollout.sglang.launch=attach needs rollout.sglang.url or rollout.sglang.urls (e.g. "
                    "http://head-node:30000)")
+    if r.engine == "sglang":
+        out += _check_sglang_access(r.sglang)
     if r.engine == "sglang" and r.sglang.launch == "inprocess" and r.sglang.mode == "separate":
         out.append("rollout.sglang.launch=inprocess runs the engine inside the trainer process, which is "
                    "mode=colocated; use launch=subprocess or attach for mode=separate")
+    return out
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1); 0.0.0.0, :: and names are not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_sglang_access(s: SGLangConfig) -> list[str]:
+    out = []
+    attach = s.launch == "attach" or bool(s.url or s.urls)
+    if attach and not os.environ.get(s.api_key_env):
+        out.append(f"rollout.sglang.launch=attach needs the server's API key in the environment variable "
+                   f"{s.api_key_env} (named by rollout.sglang.api_key_env); start the server with that key "
+                   f"and `export {s.api_key_env}=<key>` before qarl-train, so requests are authenticated")
+    if not attach and not is_loopback_host(s.host) and not s.allow_remote_host:
+        out.append(f"rollout.sglang.host={s.host!r} is not a loopback address: the engine's generate and "
+                   "weight-update endpoints would be reachable from the network; keep host=127.0.0.1, or set "
+                   "rollout.sglang.allow_remote_host=true to accept that")
     return out
 
 
@@ -657,7 +698,7 @@ def _check_world(cfg: RunConfig, world_size: int) -> list[str]:
     if seqs_mini % dp:
         out.append(f"train.mini_batch_prompts x rollout.n = {seqs_mini} sequences is not divisible by DP "
                    f"{dp}; make the mini-batch a multiple of {dp // math.gcd(dp, r.n)} prompts")
-    elif (seqs_mini // dp) % t.micro_batch_size:
+    elif t.micro_batch_size > 0 and (seqs_mini // dp) % t.micro_batch_size:
         out.append(f"each DP rank gets {seqs_mini // dp} sequences per mini-batch, not divisible by "
                    f"train.micro_batch_size={t.micro_batch_size}; choose a divisor of {seqs_mini // dp}")
     out += rollout_topology(cfg, world_size).problems(r.allow_idle_gpus)

@@ -220,7 +220,7 @@ def test_synthetic_task_options_compose_the_generator_config():
     assert (cfg.data.synthetic.num_rows, cfg.data.synthetic.operations) == (12, ("+", "-"))
 
 
-def test_sglang_engine_config_from_run():
+def test_sglang_engine_config_from_run(monkeypatch):
     from megatron_qarl.rollout.sglang_engine import SGLangEngineConfig
 
     cfg = load_config(ROOT / "configs" / "qwen3_30b_a3b_qarl_w4a16_tbpo.yaml",
@@ -230,7 +230,104 @@ def test_sglang_engine_config_from_run():
     assert (engine_cfg.mode, engine_cfg.transport, engine_cfg.quant_scheme) == ("subprocess", "tensor", "w4a16")
     assert engine_cfg.api_key == "k" and engine_cfg.return_routed_experts is True
     assert engine_cfg.bucket_bytes == 512 * 2 ** 20 and engine_cfg.extra_server_args[-2:] == ["--ep-size", "2"]
+    monkeypatch.setenv("QARL_SGLANG_API_KEY", "k")  # attach needs the key (issue 19)
     attach = load_config(None, ["rollout.engine=sglang", "rollout.sglang.mode=separate",
                                 "rollout.sglang.launch=attach", "rollout.sglang.url=http://n1:30000"])
-    engine_cfg = SGLangEngineConfig.from_run(attach, environ={})
+    engine_cfg = SGLangEngineConfig.from_run(attach, environ={"QARL_SGLANG_API_KEY": "k"})
     assert (engine_cfg.mode, engine_cfg.url, engine_cfg.transport) == ("attach", "http://n1:30000", "distributed")
+    assert engine_cfg.api_key == "k"
+    with pytest.raises(ValueError, match="QARL_SGLANG_API_KEY.*rollout.sglang.api_key_env"):
+        SGLangEngineConfig.from_run(attach, environ={})
+
+
+# ---------------------------------------------------------------- issue 19: clear errors, not tracebacks
+
+@pytest.mark.parametrize("overrides,world_size,message", [
+    pytest.param(["train.micro_batch_size=0"], 1, "train.micro_batch_size=0 must be > 0", id="micro-batch-0"),
+    pytest.param(["train.mini_batch_prompts=0"], None, "train.mini_batch_prompts=0 must be > 0", id="mini-batch-0"),
+    pytest.param(["train.mini_batch_prompts=0"], 2, "train.mini_batch_prompts=0 must be > 0",
+                 id="mini-batch-0-with-world"),
+    pytest.param(["rollout.n=0"], 2, "rollout.n=0 must be > 0", id="n-0-with-world"),
+    pytest.param(["model.init_checkpoint=/no/such/sft_ckpt"], None,
+                 "model.init_checkpoint='/no/such/sft_ckpt' does not exist", id="init-checkpoint-missing"),
+    pytest.param(["sft.init_checkpoint=/no/such/ckpt"], None,
+                 "sft.init_checkpoint='/no/such/ckpt' does not exist", id="sft-init-checkpoint-missing"),
+])
+def test_zero_sizes_and_missing_paths_are_config_errors(overrides, world_size, message):
+    with pytest.raises(ConfigError) as err:  # not ZeroDivisionError / FileNotFoundError
+        load_config(None, overrides, world_size=world_size)
+    assert message in str(err.value)
+
+
+def test_init_checkpoint_that_is_a_file_is_refused(tmp_path):
+    f = tmp_path / "model.pt"
+    f.write_bytes(b"x")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        load_config(None, [f"model.init_checkpoint={f}"])
+    (tmp_path / "ckpt").mkdir()
+    assert load_config(None, [f"model.init_checkpoint={tmp_path / 'ckpt'}"]).model.init_checkpoint
+
+
+def write_dense_qwen3(path):
+    import json
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 128, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rope_theta": 1e6, "tie_word_embeddings": False}))
+    return path
+
+
+def test_dense_qwen3_model_is_refused_as_not_moe(tmp_path):
+    from megatron_qarl.models.qwen3_moe.args import UnsupportedModelError, read_hf_config
+
+    model = write_dense_qwen3(tmp_path / "Qwen3-0.6B")
+    with pytest.raises(UnsupportedModelError, match="only Qwen3-MoE .* is supported"):
+        read_hf_config(model)
+    with pytest.raises(ConfigError, match="model_type 'qwen3'.*only Qwen3-MoE"):
+        load_config(None, ["model.preset=null", f"model.hf_path={model}"])
+
+
+@pytest.mark.parametrize("name", ["math", "math_verify", "exact_match"])
+def test_reward_names_of_the_reward_module_are_accepted(name):
+    from megatron_qarl.rl.rewards import RewardConfig
+
+    cfg = load_config(None, [f"data.reward={name}"])
+    assert RewardConfig(kind=cfg.data.reward).kind in ("math_verify", "exact_match")
+
+
+def test_unknown_reward_lists_every_accepted_name():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.reward=maths"])
+    assert "math_verify" in str(err.value) and "exact_match" in str(err.value)
+
+
+def test_attach_needs_the_api_key_in_its_env_var(monkeypatch):
+    attach = ["rollout.engine=sglang", "rollout.sglang.mode=separate", "rollout.sglang.launch=attach",
+              "rollout.sglang.url=http://n1:30000", "rollout.sglang.api_key_env=QARL_TEST_KEY"]
+    monkeypatch.delenv("QARL_TEST_KEY", raising=False)
+    with pytest.raises(ConfigError, match="QARL_TEST_KEY.*rollout.sglang.api_key_env"):
+        load_config(None, attach)
+    monkeypatch.setenv("QARL_TEST_KEY", "k")
+    assert load_config(None, attach).rollout.sglang.launch == "attach"
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "node7"])
+def test_non_loopback_engine_host_needs_an_explicit_opt_in(host):
+    base = ["rollout.engine=sglang", f"rollout.sglang.host={host}"]
+    with pytest.raises(ConfigError, match="rollout.sglang.allow_remote_host=true"):
+        load_config(None, base)
+    assert load_config(None, base + ["rollout.sglang.allow_remote_host=true"]).rollout.sglang.host == host
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
+def test_loopback_engine_hosts_need_no_opt_in(host):
+    assert load_config(None, ["rollout.engine=sglang", f"rollout.sglang.host={host}"]).rollout.sglang.host == host
+
+
+def test_loopback_host_classification():
+    from megatron_qarl.config import is_loopback_host
+
+    assert [is_loopback_host(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "::", "example.org")] == \
+        [True, True, True, False, False, False]

@@ -190,3 +190,37 @@ def test_shipped_demo_data_matches_generator():
 def test_shipped_sample_matches_generator():
     rows = [json.loads(line) for line in (REPO / "data" / "arith_sample.jsonl").read_text().splitlines()]
     assert rows == generate_arithmetic_rows(ArithmeticTaskConfig(num_rows=200, seed=0))
+
+
+# ---------------------------------------------------------------- issue 19: no silent data changes
+
+def test_dropped_long_prompts_are_logged_with_the_count_and_file(tmp_path, tok, caplog):
+    path = tmp_path / "p.jsonl"
+    _write_jsonl(path, ['{"prompt": "1+1=", "answer": "2"}', '{"prompt": "123456789+1=", "answer": "123456790"}',
+                        '{"prompt": "99999999+99999999=", "answer": "199999998"}'])
+    with caplog.at_level("WARNING", logger="megatron_qarl.rl.data"):
+        ds = PromptDataset(PromptDataConfig(path=str(path), max_prompt_length=8), tok)
+    assert ds.stats["too_long_rows"] == 2 and ds.stats["usable_rows"] == 1 and ds.stats["total_rows"] == 3
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(str(path) in m and "2 prompts longer than max_prompt_length=8" in m for m in lines), lines
+
+
+def test_non_utf8_bytes_are_replaced_counted_and_logged(tmp_path, caplog):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": "caf\xe9 1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n'
+                     b'{"prompt": "\xff\xfe3+3=", "answer": "6"}\n')
+    with caplog.at_level("WARNING", logger="megatron_qarl.rl.data"):
+        ds = PromptDataset(PromptDataConfig(path=str(path)))
+    assert len(ds) == 3 and ds.stats["replaced_rows"] == 2  # kept, with U+FFFD where the bytes were
+    assert "\ufffd" in ds.examples[0].prompt_text and ds.examples[1].prompt_text == "2+2="
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(str(path) in m and "2 rows with non-UTF-8 bytes" in m and "rows 0, 2" in m for m in lines), lines
+
+
+def test_a_clean_file_logs_nothing_and_counts_zero(tmp_path, caplog):
+    path = tmp_path / "p.jsonl"
+    _write_jsonl(path, ['{"prompt": "1+1=", "answer": "2"}'])
+    with caplog.at_level("WARNING", logger="megatron_qarl.rl.data"):
+        ds = PromptDataset(PromptDataConfig(path=str(path)))
+    assert (ds.stats["replaced_rows"], ds.stats["too_long_rows"], ds.stats["malformed_rows"]) == (0, 0, 0)
+    assert not caplog.records

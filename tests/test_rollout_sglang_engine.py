@@ -38,7 +38,13 @@ FAKE_SERVER = textwrap.dedent('''
     import json, os, sys, threading, time
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    port, api_key, record, mode, arg = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
+    port, key_file, record, mode, arg = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5])
+    with open(key_file) as f:  # the YAML SGLang's --config reads: one line `api-key: "<key>"`
+        line = f.read().strip()
+    assert line.startswith("api-key: "), line
+    api_key = json.loads(line[len("api-key: "):])
+    with open(f"{record}.{os.getpid()}.keyfile", "w") as f:
+        json.dump({"path": key_file, "mode": os.stat(key_file).st_mode & 0o777}, f)
     with open(f"{record}.{os.getpid()}.env", "w") as f:
         json.dump(dict(os.environ), f)
     state = {"pushes": 0}
@@ -106,7 +112,7 @@ def fake(tmp_path, monkeypatch):
     def make(mode="ok", arg=0, serializer=None, **cfg_kw):
         cfg = SGLangEngineConfig(
             mode="subprocess",
-            launch_cmd=[sys.executable, str(script), "{port}", "{api_key}", str(record), mode, str(arg)],
+            launch_cmd=[sys.executable, str(script), "{port}", "{key_file}", str(record), mode, str(arg)],
             health_timeout_s=cfg_kw.pop("health_timeout_s", 20),
             request_timeout_s=cfg_kw.pop("request_timeout_s", 10),
             bucket_bytes=cfg_kw.pop("bucket_bytes", 4096),
@@ -182,13 +188,14 @@ def test_scrubbed_environ_keeps_cuda_visible_devices():
 def test_server_command_flags():
     cmd = sglang_server_command(SGLangEngineConfig(
         model_path="/m", tp_size=2, base_gpu_id=4, quant_scheme="w4a16", return_routed_experts=True,
-        route_layers=48, route_topk=8, memory_saver=True, deterministic_inference=True), 30001, "k3y")
+        route_layers=48, route_topk=8, memory_saver=True, deterministic_inference=True), 30001, "/run/key.yaml")
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
 
     def arg(flag):
         return cmd[cmd.index(flag) + 1]
 
-    assert arg("--host") == "127.0.0.1" and arg("--api-key") == "k3y" and arg("--port") == "30001"
+    assert arg("--host") == "127.0.0.1" and arg("--config") == "/run/key.yaml" and arg("--port") == "30001"
+    assert "--api-key" not in cmd
     assert arg("--tp-size") == "2" and arg("--base-gpu-id") == "4"
     assert arg("--moe-runner-backend") == "marlin"  # W4A16: auto pinned to marlin
     assert arg("--cuda-graph-backend-decode") == "disabled" and arg("--cuda-graph-backend-prefill") == "disabled"
@@ -213,7 +220,7 @@ def test_inprocess_kwargs_match_the_server_flags():
 
 def test_launch_cmd_substitutes_base_gpu_id():
     cfg = SGLangEngineConfig(launch_cmd=["srv", "--gpu={base_gpu_id}", "{port}"], base_gpu_id=6)
-    assert sglang_server_command(cfg, 5, "k") == ["srv", "--gpu=6", "5"]
+    assert sglang_server_command(cfg, 5, "/k.yaml") == ["srv", "--gpu=6", "5"]
 
 
 def test_w4a16_moe_backend_is_pinned_to_marlin_and_unsafe_ones_refused():
@@ -234,25 +241,28 @@ def test_routes_need_their_geometry_at_construction():
         SGLangEngineConfig(model_path="/m", return_routed_experts=True)
 
 
-def test_from_run_places_each_rollout_group(tmp_path):
+def test_from_run_places_each_rollout_group(tmp_path, monkeypatch):
     from megatron_qarl.config import load_config
+
+    monkeypatch.setenv("QARL_SGLANG_API_KEY", "k")
 
     cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.mode=separate", "rollout.sglang.launch=attach",
                              "rollout.sglang.urls=[http://n0:30000,http://n1:30000]", "rollout.engines=2",
                              "rollout.request_timeout_s=77", "rollout.sglang.weight_sync_master_addr=10.0.0.9",
                              "rollout.sglang.weight_sync_master_port=29600", "rollout.sglang.deterministic_inference=true",
                              "train.routing_replay=replay"])
-    e1 = SGLangEngineConfig.from_run(cfg, group=1, base_gpu_id=2, run_dir=str(tmp_path), environ={})
+    key = {"QARL_SGLANG_API_KEY": "k"}
+    e1 = SGLangEngineConfig.from_run(cfg, group=1, base_gpu_id=2, run_dir=str(tmp_path), environ=key)
     assert (e1.mode, e1.url, e1.transport) == ("attach", "http://n1:30000", "distributed")
     assert (e1.base_gpu_id, e1.request_timeout_s, e1.deterministic_inference) == (2, 77, True)
     assert (e1.master_address, e1.master_port, e1.group_name) == ("10.0.0.9", 29601, "qarl_weights_1")
     assert e1.log_path == str(tmp_path / "sglang_engine1.log")
     assert (e1.route_layers, e1.route_topk) == (2, 2)  # the tiny preset's num_hidden_layers / num_experts_per_tok
     assert e1.memory_saver is False
-    e0 = SGLangEngineConfig.from_run(cfg, group=0, environ={})
+    e0 = SGLangEngineConfig.from_run(cfg, group=0, environ=key)
     assert (e0.url, e0.master_port) == ("http://n0:30000", 29600)
     with pytest.raises(ValueError, match="group 2"):
-        SGLangEngineConfig.from_run(cfg, group=2, environ={})
+        SGLangEngineConfig.from_run(cfg, group=2, environ=key)
     colocated = load_config(None, ["rollout.engine=sglang", "rollout.sglang.model_path=/ckpt"])
     c = SGLangEngineConfig.from_run(colocated, environ={})
     assert (c.mode, c.transport, c.memory_saver) == ("subprocess", "tensor", True)
@@ -329,7 +339,7 @@ def test_nccl_broadcast_sends_the_buckets_bytes_as_uint8(monkeypatch):
         assert out.numel() == bucket.flattened_tensor.numel() * bucket.flattened_tensor.element_size()
         assert torch.equal(out.view(bucket.dtype), bucket.flattened_tensor)
 
-    engine = SGLangEngine(SGLangEngineConfig(mode="attach", url="http://x", transport="distributed",
+    engine = SGLangEngine(SGLangEngineConfig(mode="attach", url="http://x", api_key="k", transport="distributed",
                                              master_address="10.0.0.1"), start=False)
     sent, posted = [], []
     monkeypatch.setattr(engine, "_ensure_group", lambda: None)
@@ -474,7 +484,7 @@ def test_server_log_is_a_file_by_default(tmp_path, monkeypatch):
     script = tmp_path / "fake.py"
     script.write_text(FAKE_SERVER)
     engine = SGLangEngine(SGLangEngineConfig(
-        launch_cmd=[sys.executable, str(script), "{port}", "{api_key}", str(tmp_path / "c.jsonl"), "ok", "0"],
+        launch_cmd=[sys.executable, str(script), "{port}", "{key_file}", str(tmp_path / "c.jsonl"), "ok", "0"],
         health_timeout_s=20), serializer=CountingSerializer())
     try:
         assert engine.log_path and os.path.dirname(engine.log_path) == str(tmp_path)
@@ -483,8 +493,10 @@ def test_server_log_is_a_file_by_default(tmp_path, monkeypatch):
         engine.shutdown()
 
 
-def test_run_config_accepts_marlin_and_refuses_unsafe_sglang_settings():
+def test_run_config_accepts_marlin_and_refuses_unsafe_sglang_settings(monkeypatch):
     from megatron_qarl.config import ConfigError, load_config
+
+    monkeypatch.setenv("QARL_SGLANG_API_KEY", "k")  # attach needs its key
 
     base = ["rollout.engine=sglang", "quant.scheme=w4a16", "quant.scope=experts"]
     for backend in ("auto", "marlin"):
@@ -499,3 +511,45 @@ def test_run_config_accepts_marlin_and_refuses_unsafe_sglang_settings():
         load_config(None, ["rollout.engine=sglang", "rollout.engines=2", "rollout.sglang.launch=attach",
                            "rollout.sglang.urls=[http://a:1]"])
     load_config(None, ["rollout.engine=sglang", "rollout.sglang.launch=attach", "rollout.sglang.urls=[http://a:1]"])
+
+
+# ---------------------------------------------------------------------------------------------- issue 19: the key
+
+def test_launched_server_gets_its_key_from_a_private_file_not_argv(fake, tmp_path):
+    make, calls = fake
+    engine = make()
+    engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))  # authenticated: the fake answers 401 otherwise
+    assert calls()[-1]["path"] == "/generate"
+    cmdline = open(f"/proc/{engine._proc.pid}/cmdline", "rb").read().decode()
+    assert engine.api_key and engine.api_key not in cmdline  # what `ps` shows any local user
+    seen = json.loads((tmp_path / f"calls.jsonl.{engine._proc.pid}.keyfile").read_text())
+    assert seen["mode"] == 0o600
+    assert not os.path.exists(seen["path"])  # removed once the server has read it
+
+
+def test_restart_writes_a_fresh_key_file_and_removes_it(fake, tmp_path):
+    make, _ = fake
+    engine = make()
+    engine.restart()
+    files = [json.loads(p.read_text())["path"] for p in tmp_path.glob("calls.jsonl.*.keyfile")]
+    assert len(files) == 2 and not any(os.path.exists(f) for f in files)
+
+
+def test_launch_cmd_with_the_key_on_its_command_line_is_refused():
+    with pytest.raises(ValueError, match=r"\{api_key\}.*command line.*\{key_file\}"):
+        SGLangEngineConfig(launch_cmd=["srv", "--api-key", "{api_key}"])
+
+
+def test_attach_without_a_key_is_refused():
+    with pytest.raises(ValueError, match="attach.*needs api_key"):
+        SGLangEngineConfig(mode="attach", url="http://127.0.0.1:30000")
+    assert SGLangEngineConfig(mode="attach", url="http://127.0.0.1:30000", api_key="k").api_key == "k"
+
+
+def test_non_loopback_host_needs_the_opt_in_and_warns(fake, caplog):
+    with pytest.raises(ValueError, match="allow_remote_host"):
+        SGLangEngineConfig(model_path="/m", host="0.0.0.0")
+    make, _ = fake
+    with caplog.at_level("WARNING", logger="megatron_qarl.rollout.sglang_engine"):
+        make(host="0.0.0.0", allow_remote_host=True)
+    assert any("0.0.0.0" in r.getMessage() and "network" in r.getMessage() for r in caplog.records)

@@ -7,14 +7,19 @@ Row format: ``prompt_key`` (default ``prompt``) holds either a string or a list 
 
 Malformed rows (invalid JSON, missing/empty prompt or answer, wrong types) are skipped, counted, and the
 first few are reported; a file without a single usable row raises ``DatasetError`` naming the problem.
+Nothing changes silently: prompts over ``max_prompt_length`` tokens are dropped and JSONL lines with bytes that
+are not UTF-8 are kept with U+FFFD in their place; both are counted in ``PromptDataset.stats`` (and ``report``)
+and one warning names the counts and the file.
 Sampling: a fresh permutation per epoch from ``seed + epoch``; ``state_dict()`` / ``load_state_dict()``
 hold (epoch, position) so a resumed run continues with exactly the prompts it would have seen.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -56,8 +61,10 @@ class LoadReport:
     total_rows: int = 0
     usable_rows: int = 0
     malformed_rows: int = 0
-    too_long_rows: int = 0
+    too_long_rows: int = 0  # dropped: longer than max_prompt_length tokens
+    replaced_rows: int = 0  # kept: non-UTF-8 bytes replaced by U+FFFD
     first_errors: List[str] = field(default_factory=list)
+    first_replaced: List[int] = field(default_factory=list)  # row numbers of the first replaced rows
 
     def note(self, row: int, problem: str, limit: int) -> None:
         self.malformed_rows += 1
@@ -68,9 +75,15 @@ class LoadReport:
 # ---------------------------------------------------------------------------------------------- reading
 
 
-def _read_jsonl(path: Path) -> Iterable[Tuple[int, Any, Optional[str]]]:
-    with path.open("r", encoding="utf-8", errors="replace") as f:
-        for i, line in enumerate(f):
+def _read_jsonl(path: Path, replaced: Optional[List[int]] = None) -> Iterable[Tuple[int, Any, Optional[str]]]:
+    with path.open("rb") as f:
+        for i, raw in enumerate(f):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                line = raw.decode("utf-8", errors="replace")
+                if replaced is not None:
+                    replaced.append(i)
             if not line.strip():
                 continue
             try:
@@ -86,13 +99,15 @@ def _read_parquet(path: Path) -> Iterable[Tuple[int, Any, Optional[str]]]:
         yield i, row, None
 
 
-def read_rows(path) -> Iterable[Tuple[int, Any, Optional[str]]]:
-    """(row number, parsed row or None, parse error or None) for a ``.jsonl``/``.json`` or ``.parquet`` file."""
+def read_rows(path, replaced: Optional[List[int]] = None) -> Iterable[Tuple[int, Any, Optional[str]]]:
+    """(row number, parsed row or None, parse error or None) for a ``.jsonl``/``.json`` or ``.parquet`` file.
+    JSONL rows whose bytes are not UTF-8 are decoded with U+FFFD replacements and their numbers appended to
+    ``replaced``."""
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"prompt dataset {path} does not exist")
     if path.suffix in (".jsonl", ".json"):
-        return _read_jsonl(path)
+        return _read_jsonl(path, replaced)
     if path.suffix == ".parquet":
         return _read_parquet(path)
     raise DatasetError(f"unsupported prompt dataset type {path.suffix!r} ({path}); use .jsonl or .parquet")
@@ -126,6 +141,8 @@ def _messages(value: Any, cfg: PromptDataConfig) -> Tuple[Optional[List[Dict[str
 def _answer(value: Any, cfg: PromptDataConfig) -> Tuple[Optional[str], Optional[str]]:
     if isinstance(value, bool) or value is None:
         return None, f"missing or invalid {cfg.answer_key!r}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, f"{cfg.answer_key!r} is {value} (not a finite number)"
     if isinstance(value, (int, float)):
         return str(value), None
     if isinstance(value, str) and value.strip():
@@ -150,7 +167,8 @@ def load_prompt_examples(cfg: PromptDataConfig, tokenizer=None) -> Tuple[List[Pr
         raise DatasetError("max_prompt_length filtering needs a tokenizer; pass one or set max_prompt_length=None")
     report = LoadReport()
     examples: List[PromptExample] = []
-    for i, row, err in read_rows(cfg.path):
+    replaced: List[int] = []
+    for i, row, err in read_rows(cfg.path, replaced):
         report.total_rows += 1
         if err is None and not isinstance(row, dict):
             err = f"row is a {type(row).__name__}, expected an object"
@@ -168,8 +186,18 @@ def load_prompt_examples(cfg: PromptDataConfig, tokenizer=None) -> Tuple[List[Pr
             continue
         examples.append(PromptExample(index=i, messages=messages, prompt_text=text, prompt_ids=ids, answer=answer))
     report.usable_rows = len(examples)
+    report.replaced_rows, report.first_replaced = len(replaced), replaced[: cfg.max_reported_errors]
     if report.malformed_rows:
         logger.warning("%s: skipped %d malformed rows; first: %s", cfg.path, report.malformed_rows, report.first_errors)
+    if report.too_long_rows:
+        logger.warning("%s: dropped %d prompts longer than max_prompt_length=%d tokens (%d of %d rows usable); "
+                       "raise data.max_prompt_len to keep them", cfg.path, report.too_long_rows,
+                       cfg.max_prompt_length, report.usable_rows, report.total_rows)
+    if replaced:
+        logger.warning("%s: %d rows with non-UTF-8 bytes (rows %s%s) were kept with U+FFFD in place of those "
+                       "bytes; re-encode the file as UTF-8 to train on the original text", cfg.path, len(replaced),
+                       ", ".join(map(str, report.first_replaced)), ", ..." if len(replaced) > len(report.first_replaced)
+                       else "")
     if not examples:
         raise DatasetError(_empty_message(cfg, report))
     return examples, report
@@ -236,6 +264,8 @@ class PromptDataset:
     def __init__(self, config: PromptDataConfig, tokenizer=None):
         self.config = config
         self.examples, self.report = load_prompt_examples(config, tokenizer)
+        # What loading dropped or changed (rows read / usable / malformed / too long / non-UTF-8 replaced).
+        self.stats: Dict[str, int] = {k: v for k, v in dataclasses.asdict(self.report).items() if isinstance(v, int)}
         self.sampler = PromptSampler(len(self.examples), seed=config.seed, shuffle=config.shuffle)
 
     def __len__(self) -> int:

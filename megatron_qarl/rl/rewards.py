@@ -16,6 +16,7 @@ gold answer's first ``max_answer_chars``.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import time
 from collections import deque
@@ -26,7 +27,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 VerifyFn = Callable[[str, str, int], float]
 
 REWARD_KINDS = ("math_verify", "exact_match")
-_REWARD_ALIASES = {"math": "math_verify"}
+_REWARD_ALIASES = {"math": "math_verify"}  # the run configs' short spelling
+REWARD_NAMES = REWARD_KINDS + tuple(_REWARD_ALIASES)  # every accepted `data.reward` / RewardConfig.kind
 
 
 @dataclass
@@ -42,8 +44,8 @@ class RewardConfig:
     def __post_init__(self) -> None:
         self.kind = _REWARD_ALIASES.get(self.kind, self.kind)
         if self.kind not in REWARD_KINDS:
-            raise ValueError(f"unknown reward kind {self.kind!r}; use one of {', '.join(REWARD_KINDS)}")
-        if self.timeout_s <= 0 or self.num_workers < 1:
+            raise ValueError(f"unknown reward kind {self.kind!r}; use one of {', '.join(REWARD_NAMES)}")
+        if not self.timeout_s > 0 or self.num_workers < 1:  # `not >` also refuses NaN
             raise ValueError("reward timeout_s must be > 0 and num_workers >= 1")
 
 
@@ -99,6 +101,10 @@ def exact_match_reward(response: str, answer: str, *, special_tokens: Sequence[s
 
 
 def _worker_main(conn: Connection, verify_fn: VerifyFn) -> None:  # runs in the child process
+    if verify_fn is math_verify_score:
+        # Import (seconds, with sympy) before "ready": under the start-up timeout, not inside the first
+        # answer's deadline, which a restarted worker would otherwise miss and score a correct answer 0.
+        import math_verify  # noqa: F401
     conn.send(("ready", None, None))
     while True:
         try:
@@ -256,6 +262,21 @@ class RewardFunction:
     def __call__(self, responses: Sequence[str], answers: Sequence[str]) -> List[float]:
         if len(responses) != len(answers):
             raise ValueError(f"got {len(responses)} responses but {len(answers)} answers")
+        for i, r in enumerate(responses):
+            if not isinstance(r, str):
+                raise TypeError(f"responses[{i}] is {type(r).__name__}, expected the decoded response text (str)")
+        # A non-finite numeric gold answer (NaN / inf) can match nothing: reward 0, counted as an error,
+        # never sent to the verifier (math-verify would call \boxed{nan} equal to itself).
+        invalid = [isinstance(a, float) and not math.isfinite(a) for a in answers]
+        if any(invalid):
+            keep = [i for i, bad in enumerate(invalid) if not bad]
+            scored = self([responses[i] for i in keep], [answers[i] for i in keep]) if keep else []
+            out = [0.0] * len(answers)
+            for i, v in zip(keep, scored):
+                out[i] = v
+            self.stats.total += sum(invalid)
+            self.stats.errors += sum(invalid)
+            return out
         cfg = self.config
         if cfg.kind == "exact_match":
             rewards = [exact_match_reward(r, a) for r, a in zip(responses, answers)]

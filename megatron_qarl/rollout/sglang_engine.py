@@ -2,10 +2,13 @@
 (stdlib ``urllib``; no extra dependency) or to an in-process ``sglang.Engine``.
 
 Modes
-* ``subprocess``: launch ``python -m sglang.launch_server`` bound to ``host`` (127.0.0.1) with ``--api-key``,
-  on GPUs ``base_gpu_id .. base_gpu_id + tp_size - 1`` of the visible ones, in a scrubbed environment
+* ``subprocess``: launch ``python -m sglang.launch_server`` bound to ``host`` (127.0.0.1; any other address
+  needs ``allow_remote_host`` and logs a warning) with its API key in a private (0600) YAML file passed as
+  ``--config`` (SGLang 0.5.23 has no env var for ``--api-key``; ``--config`` YAML keys become flags inside
+  the server process, server_args.py:682-689, utils/server_args_config_parser.py, so the key never appears
+  on the command line ``ps`` shows; the file is removed once the server is healthy), on GPUs ``base_gpu_id .. base_gpu_id + tp_size - 1`` of the visible ones, in a scrubbed environment
   (no torchrun variables), its output in ``log_path``.
-* ``attach``: use an already running server at ``url``.
+* ``attach``: use an already running server at ``url``; its key (``api_key``) is required.
 * ``inprocess``: ``sglang.Engine(...)`` in this process (colocated trainer + engine).
 
 Generation: ``generate`` sends exactly ONE ``/generate`` request for the prompts it is given (the
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import ipaddress
 import json
 import logging
 import os
@@ -173,7 +177,8 @@ class SGLangEngineConfig:
     url: str | None = None  # attach mode
     host: str = "127.0.0.1"
     port: int = 0  # 0: pick a free port
-    api_key: str | None = None  # None: a random key for a launched server
+    api_key: str | None = None  # None: a random key for a launched server; attach mode requires one
+    allow_remote_host: bool = False  # a non-loopback ``host`` exposes the server: refused unless True
     tp_size: int = 1
     base_gpu_id: int = 0  # first GPU (of the visible ones) the launched server uses: --base-gpu-id
     mem_fraction_static: float = 0.7
@@ -193,7 +198,9 @@ class SGLangEngineConfig:
     cuda_graph: str = "auto"  # auto: off for W4A16 (Marlin workspace, module doc) | on | off
     deterministic_inference: bool = False  # --enable-deterministic-inference: sampling_seed honoured
     extra_server_args: list[str] = field(default_factory=list)
-    launch_cmd: list[str] | None = None  # full command override; {port} {api_key} {host} {base_gpu_id}
+    # Full command override; placeholders {port} {host} {base_gpu_id} {key_file} (the 0600 YAML holding
+    # `api-key: "<key>"`, as SGLang's --config reads it). {api_key} is refused: argv is public (`ps`).
+    launch_cmd: list[str] | None = None
     log_path: str | None = None  # server stdout+stderr; None: a new file in the temp dir
     # distributed transport
     master_address: str | None = None  # None: default_master_address()
@@ -209,6 +216,17 @@ class SGLangEngineConfig:
             raise ValueError(f"cuda_graph {self.cuda_graph!r} unknown; expected one of {CUDA_GRAPH_CHOICES}")
         if self.mode == "attach" and not self.url:
             raise ValueError("mode='attach' needs url (e.g. http://127.0.0.1:30000)")
+        if self.mode == "attach" and not self.api_key:
+            raise ValueError(f"mode='attach' needs api_key: the server at {self.url} must be started with a key "
+                             "(--api-key) and requests must carry it")
+        if self.launch_cmd and any("{api_key}" in a for a in self.launch_cmd):
+            raise ValueError("launch_cmd uses {api_key}, which would put the key on the server's command line "
+                             "(visible to every local user in `ps`); use {key_file}, a 0600 YAML file holding "
+                             "`api-key: <key>` (SGLang reads it with --config {key_file})")
+        if self.mode == "subprocess" and not is_loopback_host(self.host) and not self.allow_remote_host:
+            raise ValueError(f"host={self.host!r} is not a loopback address: the server's generate and "
+                             "weight-update endpoints would be reachable from the network; use 127.0.0.1 or set "
+                             "allow_remote_host (rollout.sglang.allow_remote_host=true)")
         if self.mode != "attach" and not self.model_path and not self.launch_cmd:
             raise ValueError(f"mode={self.mode!r} needs model_path (an HF/exported checkpoint directory)")
         if self.base_gpu_id < 0:
@@ -246,6 +264,10 @@ class SGLangEngineConfig:
             raise ValueError(f"rollout group {group} has no engine URL: rollout.sglang.urls lists {len(urls)}")
         url = urls[group] if urls else s.url
         attach = s.launch == "attach" or url is not None
+        api_key = environ.get(s.api_key_env) or None
+        if attach and not api_key:
+            raise ValueError(f"attach mode needs the SGLang server's API key in the environment variable "
+                             f"{s.api_key_env} (named by rollout.sglang.api_key_env); export it before the run")
         routes = cfg.train.routing_replay == "replay" or cfg.train.routing_telemetry
         if routes and (route_layers is None or route_topk is None):
             from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
@@ -260,7 +282,8 @@ class SGLangEngineConfig:
             model_path=model_path or s.model_path,
             host=s.host,
             port=s.port + group if s.port else 0,
-            api_key=environ.get(s.api_key_env) or None,
+            api_key=api_key,
+            allow_remote_host=getattr(s, "allow_remote_host", False),
             tp_size=cfg.rollout.engine_tp,
             base_gpu_id=base_gpu_id,
             mem_fraction_static=s.mem_fraction_static,
@@ -282,6 +305,25 @@ class SGLangEngineConfig:
             master_port=master_port + group if master_port else 0,
             group_name=f"qarl_weights_{group}",
         )
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (the same rule as config.is_loopback_host, which the
+    run config applies up front; rollout may not import config)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def write_key_file(api_key: str) -> str:
+    """A new 0600 YAML file ``api-key: "<key>"`` (read by SGLang's ``--config``); the caller removes it."""
+    fd, path = tempfile.mkstemp(prefix="qarl_sglang_key_", suffix=".yaml")  # mkstemp: mode 0600
+    with os.fdopen(fd, "w") as f:
+        f.write(f"api-key: {json.dumps(api_key)}\n")  # a JSON string is a YAML double-quoted scalar
+    return path
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
@@ -311,20 +353,20 @@ def _server_flags(cfg: SGLangEngineConfig) -> list[str]:
     return flags
 
 
-def sglang_server_command(cfg: SGLangEngineConfig, port: int | None = None, api_key: str | None = None) -> list[str]:
-    """``python -m sglang.launch_server ...`` for a config (``host``-bound, key-protected)."""
+def sglang_server_command(cfg: SGLangEngineConfig, port: int | None = None, key_file: str | None = None) -> list[str]:
+    """``python -m sglang.launch_server ...`` for a config (``host``-bound); the key is in ``key_file``
+    (``write_key_file``), passed as ``--config``, never on the command line."""
     port = cfg.port if port is None else port
-    api_key = cfg.api_key if api_key is None else api_key
     if cfg.launch_cmd:
-        return [a.format(port=port, api_key=api_key, host=cfg.host, base_gpu_id=cfg.base_gpu_id)
+        return [a.format(port=port, key_file=key_file or "", host=cfg.host, base_gpu_id=cfg.base_gpu_id)
                 for a in cfg.launch_cmd]
     cmd = [
         sys.executable, "-m", sglang_compat.LAUNCH_SERVER_MODULE,
         "--model-path", cfg.model_path,
         "--host", cfg.host, "--port", str(port),
     ]
-    if api_key:
-        cmd += ["--api-key", api_key]
+    if key_file:
+        cmd += ["--config", key_file]
     return cmd + _server_flags(cfg) + list(cfg.extra_server_args)
 
 
@@ -529,6 +571,7 @@ class SGLangEngine:
         self.api_key = cfg.api_key or (secrets.token_hex(16) if cfg.mode == "subprocess" else None)
         self._proc: subprocess.Popen | None = None
         self._log_file = None
+        self._key_file: str | None = None
         self.log_path: str | None = cfg.log_path
         self._inproc = None
         self._http: _Http | None = None
@@ -560,21 +603,37 @@ class SGLangEngine:
         if not cfg.launch_cmd:
             require_sglang()
         port = cfg.port or _free_port(cfg.host)
-        cmd = sglang_server_command(cfg, port, self.api_key)
+        cmd = sglang_server_command(cfg, port, "<key file>")
         if shutil.which(cmd[0]) is None and not os.path.exists(cmd[0]):
             raise SGLangUnavailableError(f"cannot launch SGLang: executable {cmd[0]!r} not found")
+        if not is_loopback_host(cfg.host):
+            log.warning("SGLang server binds to %s (allow_remote_host): its generate and weight-update endpoints "
+                        "are reachable from the network, protected only by the API key", cfg.host)
         if self.log_path is None:
             fd, self.log_path = tempfile.mkstemp(prefix="qarl_sglang_", suffix=".log")
             os.close(fd)
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         self._log_file = open(self.log_path, "ab")
-        self._proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=scrubbed_environ(), start_new_session=True,
-                                      preexec_fn=functools.partial(die_with_parent, os.getpid()))
-        log.info("SGLang server pid %d on GPUs %d..%d, log %s", self._proc.pid, cfg.base_gpu_id,
-                 cfg.base_gpu_id + cfg.tp_size - 1, self.log_path)
-        self._http = _Http(f"http://{cfg.host}:{port}", self.api_key, cfg.update_timeout_s)
-        self.wait_healthy()
+        self._key_file = write_key_file(self.api_key)
+        try:
+            cmd = sglang_server_command(cfg, port, self._key_file)
+            self._proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, env=scrubbed_environ(), start_new_session=True,
+                                          preexec_fn=functools.partial(die_with_parent, os.getpid()))
+            log.info("SGLang server pid %d on GPUs %d..%d, log %s", self._proc.pid, cfg.base_gpu_id,
+                     cfg.base_gpu_id + cfg.tp_size - 1, self.log_path)
+            self._http = _Http(f"http://{cfg.host}:{port}", self.api_key, cfg.update_timeout_s)
+            self.wait_healthy()  # healthy: the server has parsed its arguments, the key file is no longer needed
+        finally:
+            self._remove_key_file()
+
+    def _remove_key_file(self) -> None:
+        if self._key_file is not None:
+            try:
+                os.unlink(self._key_file)
+            except FileNotFoundError:
+                pass
+            self._key_file = None
 
     def _log_hint(self) -> str:
         if not self.log_path:
@@ -615,6 +674,7 @@ class SGLangEngine:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        self._remove_key_file()
 
     def shutdown(self) -> None:
         self._kill()

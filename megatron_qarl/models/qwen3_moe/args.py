@@ -4,6 +4,7 @@ parameter counter (by sharding/quantization group) that the memory estimate, the
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,30 @@ class ModelShape:
         return self.num_hidden_layers - len(self.dense_layers)
 
 
+SUPPORTED_MODEL_TYPE = "qwen3_moe"
+SUPPORTED_ARCHITECTURE = "Qwen3MoeForCausalLM"
+
+
+def check_model_type(cfg_file) -> None:
+    """Refuse a config.json of another architecture (a dense Qwen3, Llama, ...) up front: transformers would
+    read it as a Qwen3-MoE config with default expert settings and the weights would not map."""
+    try:
+        raw = json.loads(Path(cfg_file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot parse {cfg_file}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"cannot parse {cfg_file}: the top level is a {type(raw).__name__}, not an object")
+    model_type, archs = raw.get("model_type"), raw.get("architectures")
+    wrong_type = model_type is not None and model_type != SUPPORTED_MODEL_TYPE
+    wrong_arch = isinstance(archs, list) and archs and SUPPORTED_ARCHITECTURE not in archs
+    if wrong_type or wrong_arch:
+        dense = " (a dense model: it has no experts to map)" if model_type == "qwen3" else ""
+        raise UnsupportedModelError(
+            f"{cfg_file}: model_type {model_type!r}, architectures {archs}{dense}; only Qwen3-MoE "
+            f"(model_type '{SUPPORTED_MODEL_TYPE}', {SUPPORTED_ARCHITECTURE}) is supported, e.g. "
+            "Qwen/Qwen3-30B-A3B-Base")
+
+
 def read_hf_config(path):
     """The `Qwen3MoeConfig` of an HF model directory (`<path>/config.json`)."""
     from transformers import Qwen3MoeConfig
@@ -163,6 +188,7 @@ def read_hf_config(path):
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file} is missing; an HF checkpoint directory needs config.json")
+    check_model_type(cfg_file)
     try:
         return Qwen3MoeConfig.from_pretrained(str(path))
     except Exception as exc:  # noqa: BLE001 - re-raised with the file named
