@@ -42,6 +42,7 @@ from megatron_qarl.rollout.sglang_engine import (  # noqa: E402
     parse_generate_output,
     sglang_engine_kwargs,
     sglang_server_command,
+    write_key_file,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,11 +90,19 @@ def engine_cfg_for(config_name: str, group: int = 1, base_gpu_id: int = 2) -> SG
 def test_30b_server_argv_parsed_by_sglang_server_args(srt, config_name):
     cfg = load_config(ROOT / "configs" / config_name, [], world_size=8)
     ecfg = engine_cfg_for(config_name)
-    argv = sglang_server_command(ecfg, port=31001)
-    assert argv[1:3] == ["-m", "sglang.launch_server"]
-    parser = argparse.ArgumentParser()
-    srt.ServerArgs.add_cli_args(parser)
-    args = srt.ServerArgs.from_cli_args(parser.parse_args(argv[3:]))
+    key_file = write_key_file("secret-key")
+    try:
+        argv = sglang_server_command(ecfg, port=31001, key_file=key_file)
+        assert argv[1:3] == ["-m", "sglang.launch_server"] and "secret-key" not in " ".join(argv)
+        parser = argparse.ArgumentParser()
+        srt.ServerArgs.add_cli_args(parser)
+        # what sglang's prepare_server_args does with --config (server_args.py:682-689): the key comes from the file
+        from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+        merged = ConfigArgumentMerger(parser).merge_config_with_args(argv[3:])
+        args = srt.ServerArgs.from_cli_args(parser.parse_args(merged))
+    finally:
+        Path(key_file).unlink(missing_ok=True)
 
     w4a16 = cfg.quant.scheme == "w4a16"
     assert args.model_path == "/ckpt/engine" and args.host == "127.0.0.1" and args.port == 31001
