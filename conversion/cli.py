@@ -9,6 +9,7 @@ Every writing command refuses an existing --out unless --force.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 
@@ -85,12 +86,29 @@ def _user_errors() -> tuple[type[BaseException], ...]:
             QuantizationError, ParallelLayoutError, UnsupportedModelError, FileExistsError, FileNotFoundError)
 
 
+# A write the file system refuses (full disk, quota, read-only mount, permissions): the user's to fix.
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+
+
+def _write_error(args, err: OSError) -> str:
+    where = f" ({err.filename})" if err.filename else ""
+    if err.errno in (errno.EACCES, errno.EPERM):
+        return f"{err.strerror or err}{where}; check the permissions of the inputs and of --out {args.out}"
+    return (f"writing --out {args.out} failed: {err.strerror or err}{where}; nothing was written there (its temp "
+            "files were removed); free space or choose a writable --out and rerun")
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _run(args)
     except _user_errors() as err:
         print(f"qarl-convert: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if err.errno not in _WRITE_ERRNOS or getattr(args, "out", None) is None:
+            raise
+        print(f"qarl-convert: error: {_write_error(args, err)}", file=sys.stderr)
         return 2
 
 

@@ -1,18 +1,47 @@
-"""Atomic file and directory writes: a reader sees the old file/dir or the new one, never a torn one."""
+"""Atomic file and directory writes: a reader sees the old file/dir or the new one, never a torn one.
+
+Outputs get the permissions a plain `open`/`mkdir` would give under the user's umask (mkstemp/mkdtemp
+create 0600/0700, which another user's engine could not read). Temp names are `.<name>.tmp-*` beside the
+target, so `remove_stale_temps` can find what a killed writer left behind.
+"""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 
-def atomic_write_bytes(path: str | os.PathLike, payload: bytes, mode: int = 0o644) -> Path:
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux allows (os.umask can only set it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def default_file_mode() -> int:
+    return 0o666 & ~current_umask()
+
+
+def default_dir_mode() -> int:
+    return 0o777 & ~current_umask()
+
+
+def atomic_write_bytes(path: str | os.PathLike, payload: bytes, mode: int | None = None) -> Path:
     """Write `payload` to a temp file beside `path`, fsync, then rename over `path`.
 
-    `mode` is applied before the rename (mkstemp creates 0600; outputs are meant to be shared).
+    `mode` (default: 0o666 under the umask, as `open` would) is applied before the rename; on any
+    failure (a full disk included) the temp file is removed and `path` is left as it was.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -22,7 +51,7 @@ def atomic_write_bytes(path: str | os.PathLike, payload: bytes, mode: int = 0o64
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, mode)
+        os.chmod(tmp, default_file_mode() if mode is None else mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -30,25 +59,31 @@ def atomic_write_bytes(path: str | os.PathLike, payload: bytes, mode: int = 0o64
     return path
 
 
-def atomic_write_text(path: str | os.PathLike, text: str, mode: int = 0o644) -> Path:
+def atomic_write_text(path: str | os.PathLike, text: str, mode: int | None = None) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"), mode)
 
 
+def _temp_prefix(path: Path, kind: str) -> str:
+    return f".{path.name}.{kind}-{os.getpid()}-"
+
+
 @contextmanager
-def atomic_dir(path: str | os.PathLike, mode: int = 0o755) -> Iterator[Path]:
-    """Yield a temp dir beside `path` (`.<name>.tmp-*`); on success it replaces `path` (the old one is
+def atomic_dir(path: str | os.PathLike, mode: int | None = None) -> Iterator[Path]:
+    """Yield a temp dir beside `path` (`.<name>.tmp-<pid>-*`); on success it replaces `path` (the old one is
     removed only after the new one is in place), on any failure it is removed and `path` is left as it was.
 
-    `mode` is applied before the rename (mkdtemp creates 0700; outputs are meant to be shared).
+    `mode` (default: 0o777 under the umask, as `mkdir` would) is applied before the rename; what was
+    written inside gets the umask's modes too (safetensors writes 0600 files, mkdtemp makes 0700 dirs).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(path, "tmp"), dir=path.parent))
     try:
         yield tmp
-        os.chmod(tmp, mode)
+        _share_tree(tmp)
+        os.chmod(tmp, default_dir_mode() if mode is None else mode)
         if path.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            old = Path(tempfile.mkdtemp(prefix=_temp_prefix(path, "old"), dir=path.parent))
             os.rename(path, old / path.name)
             os.rename(tmp, path)
             shutil.rmtree(old)
@@ -57,3 +92,67 @@ def atomic_dir(path: str | os.PathLike, mode: int = 0o755) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _share_tree(root: Path) -> None:
+    """Give every file and directory under `root` the mode a plain open/mkdir would under the umask."""
+    file_mode, dir_mode = default_file_mode(), default_dir_mode()
+    for dirpath, dirnames, filenames in os.walk(root, topdown=False):  # children before their dir
+        for name in dirnames:
+            os.chmod(os.path.join(dirpath, name), dir_mode)
+        for name in filenames:
+            full = os.path.join(dirpath, name)
+            if not os.path.islink(full):
+                os.chmod(full, file_mode)
+
+
+def process_start_time() -> float:
+    """Wall-clock time this process started (the import time of this module where /proc is unavailable)."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED_AT
+
+
+_IMPORTED_AT = time.time()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
+    """Remove what atomic_dir left beside `path` when its writer was killed: `.<name>.tmp-*` / `.<name>.old-*`
+    siblings last modified before this process started (so not another live writer's) and, where the name
+    carries a pid, whose process is gone. Returns the removed paths (the caller reports them)."""
+    path = Path(path)
+    parent = path.parent
+    if not parent.is_dir():
+        return []
+    pattern = re.compile(r"^\." + re.escape(path.name) + r"\.(tmp|old)-(?:(\d+)-)?")
+    started, removed = process_start_time(), []
+    for entry in parent.iterdir():
+        match = pattern.match(entry.name)
+        if not match or entry.is_symlink() or not entry.is_dir():
+            continue
+        pid = match.group(2)
+        if pid is not None and int(pid) != os.getpid() and _pid_alive(int(pid)):
+            continue
+        try:
+            if entry.stat().st_mtime >= started:
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        if not entry.exists():
+            removed.append(entry)
+    return removed

@@ -86,13 +86,23 @@ class MetricsTracker:
         k, first, last = first_last_means(values, window)
         return f"{key}: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({last - first:+.3f})"
 
-    def finish(self) -> list[Path]:
-        """Close the sinks; returns the files the run's metrics are in (metrics.jsonl, plots)."""
+    def finish(self, *, failed: bool = False) -> list[Path]:
+        """Close the sinks; returns the files the run's metrics are in (metrics.jsonl, plots).
+
+        Plots are best effort: one that cannot be written (a full disk) prints one warning line and leaves
+        no temp file, it never becomes the run's error. A failed run (`failed`) draws none: the error that
+        stopped it is the one to report, and the disk may be the reason."""
         written = [self.jsonl_path] if self.cfg.jsonl and self.jsonl_path.exists() else []
-        if self.cfg.plots:
-            written += plot_metrics(self.rows(), self.out_dir)
+        if self.cfg.plots and not failed:
+            try:
+                written += plot_metrics(self.rows(), self.out_dir)
+            except Exception as exc:  # noqa: BLE001 - plots are a convenience; the metrics are in the jsonl
+                print(f"[qarl] plots not written to {self.out_dir}: {exc}", flush=True)
         if self._wandb is not None:
-            self._wandb.finish()
+            try:
+                self._wandb.finish(exit_code=1 if failed else 0)
+            except Exception as exc:  # noqa: BLE001 - same: never the run's error
+                print(f"[qarl] wandb not closed cleanly: {exc}", flush=True)
         return written
 
 
@@ -149,13 +159,15 @@ def plot_metrics(rows: list[dict], out_dir: Path) -> list[Path]:
         if not points:
             continue
         fig, ax = plt.subplots(figsize=(5, 3.2))
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3)
-        ax.set_xlabel("step")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        png = io.BytesIO()
-        fig.savefig(png, format="png", dpi=100)
-        plt.close(fig)
+        try:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3)
+            ax.set_xlabel("step")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+            fig.tight_layout()
+            png = io.BytesIO()
+            fig.savefig(png, format="png", dpi=100)  # in memory: only the atomic write below touches disk
+        finally:
+            plt.close(fig)
         written.append(atomic_write_bytes(out_dir / f"{key.replace('/', '_')}.png", png.getvalue()))
     return written

@@ -423,15 +423,31 @@ def maybe_checkpoint(ctx, step: int) -> None:
 
 
 def close_run(ctx) -> None:
-    """Summary line and plots (logging rank), then stop the engine and the reward workers."""
-    if ctx.tracker is not None:
-        summary = ctx.tracker.summary()
-        if summary:
-            print(f"[qarl] {summary}", flush=True)
-        written = ctx.tracker.finish()
-        if written:
-            print(f"[qarl] metrics: {', '.join(str(p) for p in written)}", flush=True)
-    if ctx.engine is not None:
-        ctx.engine.shutdown()
-    if ctx.reward_fn is not None:
-        ctx.reward_fn.close()
+    """Summary line and plots (logging rank), then stop the engine and the reward workers.
+
+    Called from `train`'s `finally`: when the run is failing (an exception is propagating, e.g. a
+    checkpoint write that hit a full disk) that error stays the one reported: no "first -> last" summary as
+    if the run had finished, no plots (a second disk-full error would replace the first), and a problem
+    while closing is printed on one line instead of raised. The engine and reward workers always stop."""
+    import sys  # here, not at the top: only close_run asks for the exception in flight
+
+    failing = sys.exc_info()[1] is not None
+    try:
+        if ctx.tracker is not None:
+            summary = None if failing else ctx.tracker.summary()
+            if summary:
+                print(f"[qarl] {summary}", flush=True)
+            written = ctx.tracker.finish(failed=failing)
+            if written:
+                print(f"[qarl] metrics: {', '.join(str(p) for p in written)}", flush=True)
+    except Exception as exc:  # noqa: BLE001 - only while failing; otherwise re-raised below
+        if not failing:
+            raise
+        print(f"[qarl] closing the metrics sinks also failed: {exc}", flush=True)
+    finally:
+        try:
+            if ctx.engine is not None:
+                ctx.engine.shutdown()
+        finally:
+            if ctx.reward_fn is not None:
+                ctx.reward_fn.close()

@@ -39,11 +39,82 @@ class ConversionError(ValueError):
 # ------------------------------------------------------------------ output directories
 
 
-def check_output(out: str | os.PathLike, force: bool) -> Path:
+def check_output(out: str | os.PathLike, force: bool, inputs: Iterable[str | os.PathLike | None] = ()) -> Path:
+    """The --out to write: refused when it exists (without --force), overlaps an input (same dir, inside it
+    or containing it, symlinks resolved: --force would delete the source) or cannot be written."""
     out = Path(out)
+    check_no_overlap(out, inputs)
     if out.exists() and not force:
         raise ConversionError(f"output {out} exists; pass --force to replace it or choose another --out")
+    check_writable(out)
     return out
+
+
+def check_no_overlap(out: Path, inputs: Iterable[str | os.PathLike | None]) -> None:
+    real_out = Path(os.path.realpath(out))
+    for given in inputs:
+        if given is None:
+            continue
+        real_in = Path(os.path.realpath(given))
+        if real_out == real_in:
+            how = "is"
+        elif real_in in real_out.parents:
+            how = "is inside"
+        elif real_out in real_in.parents:
+            how = "contains"
+        else:
+            continue
+        raise ConversionError(f"--out {out} ({real_out}) {how} the input {given} ({real_in}); writing it would "
+                              "replace or delete the source; choose an --out outside every input")
+
+
+def check_writable(out: Path) -> None:
+    """The nearest existing ancestor of --out must take a new entry (a read-only mount or a directory
+    without write permission is named here, not as an OSError halfway through the conversion)."""
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConversionError(f"cannot write --out {out}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConversionError(f"cannot write --out {out}: {parent} is not writable by this user (or is on a "
+                              "read-only file system); choose another --out or fix its permissions")
+
+
+def remove_stale_outputs(out: Path) -> None:
+    """Temp dirs beside --out left by a killed conversion of the same --out: report and remove them."""
+    from megatron_qarl.fileio import remove_stale_temps
+
+    if not _is_rank0():
+        return
+    for stale in remove_stale_temps(out):
+        print(f"qarl-convert: removed {stale}, left by an interrupted conversion to {out}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------ weights the outputs may hold
+
+
+def check_weight(name: str, tensor: torch.Tensor) -> None:
+    """A checkpoint weight must be floating point and finite: an int tensor would be cast to garbage and a
+    NaN/Inf would quantize to NaN scales (W4A16) or inf scale_inv (FP8), loading fine and generating nonsense."""
+    if not tensor.is_floating_point():
+        raise ConversionError(f"tensor {name} has dtype {str(tensor.dtype).replace('torch.', '')}, not a floating "
+                              "point type: every weight of a Qwen3-MoE checkpoint is bf16/fp16/fp32; the file is "
+                              "corrupt or not a model checkpoint; re-download or re-export it")
+    finite = torch.isfinite(tensor)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        kinds = [k for k, hit in (("NaN", bool(torch.isnan(tensor).any())), ("Inf", bool(torch.isinf(tensor).any())))
+                 if hit]
+        raise ConversionError(f"tensor {name} is not finite: {bad} of {tensor.numel()} values are "
+                              f"{'/'.join(kinds)}; the checkpoint comes from a diverged or corrupt run; convert "
+                              "an earlier checkpoint (or the source model) instead")
+
+
+def checked(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in named:
+        check_weight(name, tensor)
+        yield name, tensor
 
 
 def progress(total_bytes: int, desc: str):
@@ -261,9 +332,12 @@ def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *,
     from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
     from megatron_qarl.weights.sharding import load_full_state_into_model
 
-    out = check_output(out, force)
-    layout = _init_world(tp, ep)
+    out = check_output(out, force, [hf_dir])
     hf_config, state = read_hf_checkpoint(hf_dir)
+    for name, tensor in state.items():
+        check_weight(name, tensor)
+    layout = _init_world(tp, ep)
+    remove_stale_outputs(out)
     source_dtype = next(iter(state.values())).dtype
     model = _build_model(hf_config, layout)
     load_full_state_into_model(model, hf_to_mcore(hf_config, state))
@@ -331,7 +405,7 @@ def _load_model_weights(model, src: McoreSource) -> None:
 def mcore_to_hf_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str | None = None,
                            max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> Path:
     """Dist/run checkpoint (any layout) -> HF safetensors (sharded + index), config and tokenizer files."""
-    out = check_output(out, force)
+    out = check_output(out, force, [ckpt])
     src = open_mcore_checkpoint(ckpt)
     dtype = dtype or src.source_dtype
     if dtype not in DTYPES:
@@ -340,7 +414,10 @@ def mcore_to_hf_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, d
     if not _is_rank0():
         return out
     torch_dtype = DTYPES[dtype]
-    with atomic_dir(check_output(out, force)) as tmp:
+    for name, tensor in state.items():  # before any output exists
+        check_weight(name, tensor)
+    remove_stale_outputs(out)
+    with atomic_dir(check_output(out, force, [ckpt])) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
         with progress(sum(_nbytes(t) for t in state.values()), "mcore-to-hf") as bar:
             for name in list(state):
@@ -442,18 +519,23 @@ def export_checkpoint(out: str | os.PathLike, *, hf: str | os.PathLike | None = 
     if (hf is None) == (ckpt is None):
         raise ConversionError("export needs exactly one source: --hf DIR or --ckpt DIR")
     quant_cfg = export_quant_config(fmt, scope, group_size, block_size)
-    out = check_output(out, force)
+    out = check_output(out, force, [hf, ckpt])
     if hf is not None:
         src = HfSource.open(hf)
         src.validate()
         _check_quantizable(src.config, quant_cfg)
-        return write_engine_checkpoint(out, src.config, src.iter_tensors(), src.total_bytes, quant_cfg,
+        remove_stale_outputs(out)
+        # streamed: a bad tensor is found mid-write; the sink then drops its temp dir
+        return write_engine_checkpoint(out, src.config, checked(src.iter_tensors()), src.total_bytes, quant_cfg,
                                        hf_side_files(src.path), max_shard_bytes=max_shard_bytes, force=force)
     msrc = open_mcore_checkpoint(ckpt)
     _check_quantizable(msrc.hf_config, quant_cfg)
     state = load_mcore_full_hf_state(msrc)
     if not _is_rank0():
         return out
+    for name, tensor in state.items():  # before any output exists
+        check_weight(name, tensor)
+    remove_stale_outputs(out)
     total = sum(_nbytes(t) for t in state.values())
     return write_engine_checkpoint(out, msrc.hf_config, _drain(state), total, quant_cfg, msrc.side_files,
                                    max_shard_bytes=max_shard_bytes, force=force)
