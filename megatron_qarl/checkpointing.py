@@ -32,7 +32,7 @@ import torch
 
 from megatron_qarl.errors import CheckpointError
 from megatron_qarl.fileio import atomic_dir
-from megatron_qarl.lifecycle import install_checkpoint_writer_queue
+from megatron_qarl.lifecycle import install_checkpoint_writer_queue, reap_children_on_parent_death
 
 MARKER_NAME = "qarl_checkpoint.json"
 EXTRA_STATE_NAME = "qarl_extra_state.pt"
@@ -216,6 +216,9 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, extra: dict[
     rank0 = _rank() == 0
     with (atomic_dir(path) if rank0 else nullcontext()) as tmp:
         tmp = Path(_broadcast_str(str(tmp) if rank0 else ""))
+        # megatron forks writer processes per save and keeps a results-queue Manager: both die with this
+        # process whoever calls (qarl-train, sft, qarl-convert), so a SIGKILL mid-save leaves no orphan.
+        reap_children_on_parent_death()
         install_checkpoint_writer_queue()
         dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp))
         _barrier()
