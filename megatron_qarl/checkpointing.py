@@ -3,8 +3,11 @@
 Layout of a finished checkpoint `path/`:
     megatron dist_checkpointing files (metadata.json, common.pt, __*_*.distcp) of
         {"model": ..., "optimizer": ...}      optimizer only when one was passed (run checkpoints)
-    qarl_extra_state.pt     the caller's state (step, data position, RNG, HF config.json ...), rank 0
-    qarl_checkpoint.json    COMPLETION MARKER, written last; a directory without it is incomplete
+    qarl_extra_state.pt     the caller's state (step, data position, RNG, HF config.json ...), rank 0; plain
+                            values and tensors only, read back with torch's weights-only loader (never
+                            unpickled: a checkpoint is a file someone else may have written)
+    qarl_checkpoint.json    COMPLETION MARKER, written last; a directory without it is incomplete. It records
+                            every other file's size and sha256, which verify_checkpoint checks
 All ranks write into a temp dir beside `path` (fileio.atomic_dir) that rank 0 renames to `path` once
 everything is on disk, so a reader never sees a half-written checkpoint. Loading at a different TP/EP
 works because the sharded state dict names global tensors.
@@ -14,11 +17,13 @@ Module-level imports stay light (no megatron); CheckpointError is errors.py's, t
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -27,7 +32,7 @@ import torch
 
 from megatron_qarl.errors import CheckpointError
 from megatron_qarl.fileio import atomic_dir
-from megatron_qarl.lifecycle import install_checkpoint_writer_queue
+from megatron_qarl.lifecycle import install_checkpoint_writer_queue, reap_children_on_parent_death
 
 MARKER_NAME = "qarl_checkpoint.json"
 EXTRA_STATE_NAME = "qarl_extra_state.pt"
@@ -35,6 +40,10 @@ EXTRA_STATE_NAME = "qarl_extra_state.pt"
 # Still resumed (a run in progress survives the upgrade), never written.
 LEGACY_RUN_STATE = "qarl_state.pt"
 FORMAT_VERSION = 1
+# The digest recorded per file. sha256 (OpenSSL, ~1-2 GB/s per thread; files are hashed on rank 0 by a thread
+# pool, hashlib releases the GIL) rather than a cheaper CRC: it also catches a crafted replacement.
+DIGEST = "sha256"
+_HASH_THREADS = 8
 
 
 class IncompleteCheckpointError(CheckpointError):
@@ -93,13 +102,92 @@ def read_marker(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_extra_state(path: str | os.PathLike) -> dict[str, Any] | None:
-    """The extra state of a complete checkpoint without loading any weights (None when it has none)."""
+    """The extra state of a complete checkpoint without loading any weights (None when it has none).
+
+    Read with torch's weights-only unpickler: tensors and plain values load, anything that would import or
+    call code (a crafted file) is refused with a CheckpointError before any of it runs."""
+    import pickle
+
     path = Path(path)
     state_file = _state_file(path)
     if state_file is None:
         raise IncompleteCheckpointError(
             f"checkpoint {path} is incomplete (no {MARKER_NAME}): it was interrupted while being written")
-    return torch.load(state_file, weights_only=False) if state_file.is_file() else None
+    if not state_file.is_file():
+        return None
+    try:
+        return torch.load(state_file, weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError) as err:
+        raise CheckpointError(
+            f"{state_file} is refused: it holds objects other than tensors and plain values "
+            f"({_last_line(err)[:200]}), so it was not written by qarl (or was altered or damaged), and loading "
+            "it could run code; re-create the checkpoint, or resume from another one") from err
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes)
+
+
+def check_plain_state(value: Any, where: str = "extra") -> None:
+    """Raise TypeError (naming the key) unless `value` is what read_extra_state's weights-only loader reads
+    back: None/bool/int/float/str/bytes, CPU tensors, and lists/tuples/dicts of them."""
+    if isinstance(value, _PLAIN):
+        return
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise TypeError(f"{where} is a {value.device.type} tensor; checkpoint side state must be on the CPU")
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_plain_state(item, f"{where}[{i}]")
+        return
+    if type(value) is dict:
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"{where} has a key of type {type(key).__name__}; only str/int keys are stored")
+            check_plain_state(item, f"{where}.{key}")
+        return
+    raise TypeError(f"{where} is a {type(value).__name__}: checkpoint side state holds only tensors and plain "
+                    "values (None, bool, int, float, str, bytes, list, tuple, dict)")
+
+
+# ------------------------------------------------------------------ integrity: sizes and digests
+
+def _file_digest(path: Path) -> dict[str, Any]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, DIGEST: h.hexdigest()}
+
+
+def _digests(root: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    with ThreadPoolExecutor(max_workers=max(1, min(_HASH_THREADS, len(names)))) as pool:
+        return dict(zip(names, pool.map(lambda n: _file_digest(root / n), names)))
+
+
+def verify_checkpoint(path: str | os.PathLike, *, digests: bool = True) -> list[str]:
+    """What is wrong with a complete checkpoint's files against the sizes and digests its marker recorded
+    ([] when every file matches, or when the marker predates recording them). digests=False: sizes only
+    (a stat per file, what every load checks; the digests re-read every byte)."""
+    path = Path(path)
+    recorded = read_marker(path).get("files")
+    if not recorded:
+        return []
+    problems, to_hash = [], []
+    for name, rec in sorted(recorded.items()):
+        f = path / name
+        if not f.is_file():
+            problems.append(f"{name} is missing")
+        elif f.stat().st_size != rec["size"]:
+            problems.append(f"{name} has {f.stat().st_size:,} bytes, {rec['size']:,} were written (size differs)")
+        elif digests:
+            to_hash.append(name)
+    for name, got in _digests(path, to_hash).items():
+        if got[DIGEST] != recorded[name][DIGEST]:
+            problems.append(f"{name}: its {DIGEST} differs from the one recorded when it was written")
+    return problems
 
 
 def _sharded_state(model, optimizer, is_loading: bool) -> dict[str, Any]:
@@ -119,6 +207,8 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, extra: dict[
     from megatron.core import dist_checkpointing
 
     path = Path(path)
+    if extra is not None:
+        check_plain_state(extra)  # what read_extra_state's weights-only loader reads back; before any writing
     error = f"{path} exists; pass force=True to replace it" if _rank() == 0 and path.exists() and not force else ""
     error = _broadcast_str(error)
     if error:
@@ -126,6 +216,9 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, extra: dict[
     rank0 = _rank() == 0
     with (atomic_dir(path) if rank0 else nullcontext()) as tmp:
         tmp = Path(_broadcast_str(str(tmp) if rank0 else ""))
+        # megatron forks writer processes per save and keeps a results-queue Manager: both die with this
+        # process whoever calls (qarl-train, sft, qarl-convert), so a SIGKILL mid-save leaves no orphan.
+        reap_children_on_parent_death()
         install_checkpoint_writer_queue()
         dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp))
         _barrier()
@@ -133,9 +226,11 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, extra: dict[
             if extra is not None:
                 torch.save(extra, tmp / EXTRA_STATE_NAME)
             dist = _dist()
+            files = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != MARKER_NAME)
             marker = {"format_version": FORMAT_VERSION, "backend": "torch_dist", "saved_at": time.time(),
                       "world_size": dist.get_world_size() if dist else 1,
-                      "has_optimizer": optimizer is not None, "has_extra_state": extra is not None}
+                      "has_optimizer": optimizer is not None, "has_extra_state": extra is not None,
+                      "files": _digests(tmp, files)}
             (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2))
     _barrier()  # no rank returns before rank 0 renamed the checkpoint into place
     return path
@@ -156,8 +251,11 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None, *,
     if not is_complete(path):
         raise IncompleteCheckpointError(
             f"checkpoint {path} is incomplete (no {MARKER_NAME}): it was interrupted while being written; {fix}")
+    problems = verify_checkpoint(path, digests=False)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is corrupted: {'; '.join(problems[:4])}; {fix}")
+    extra = read_extra_state(path)  # its own clear CheckpointError
     try:
-        extra = read_extra_state(path)
         loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path))
         unwrap_model(model).load_state_dict(loaded["model"], strict=True)
         if optimizer is not None:
@@ -196,13 +294,25 @@ class RunCheckpoints:
         done = self.complete()
         return done[-1] if done else None
 
+    def clean_stale(self) -> list[str]:
+        """Remove what killed saves left in the root (atomic_dir's `.step_*.tmp-*` / `.old-*` dirs); rank 0
+        reports each one. Returns the names removed (on rank 0)."""
+        removed = []
+        if _rank() == 0 and self.root.is_dir():
+            for stale in sorted(self.root.iterdir()):
+                if _STALE_DIR.match(stale.name):
+                    shutil.rmtree(stale, ignore_errors=True)
+                    removed.append(stale.name)
+            if removed:
+                print(f"[qarl] removed {len(removed)} leftover(s) of an interrupted checkpoint save in {self.root}: "
+                      f"{', '.join(removed)}", flush=True)
+        _barrier()
+        return removed
+
     # -- save ---------------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, extra: dict[str, Any] | None = None) -> Path:
         """Collective: every rank writes its shards; rank 0 renames the checkpoint into place and prunes."""
-        if _rank() == 0 and self.root.is_dir():
-            for stale in self.root.iterdir():
-                if _STALE_DIR.match(stale.name):
-                    shutil.rmtree(stale, ignore_errors=True)
+        self.clean_stale()
         final = save_checkpoint(self.root / f"step_{step:08d}", model, optimizer, {**(extra or {}), "step": step},
                                 force=True)  # a step re-run after a resume replaces its checkpoint
         if _rank() == 0:
@@ -212,14 +322,54 @@ class RunCheckpoints:
         return final
 
     # -- load ---------------------------------------------------------------------------------------
-    def resume(self, mode: str, model, optimizer) -> dict[str, Any] | None:
-        """Load per `checkpoint.resume` (auto | none | <path>); the loaded extra state, None when starting fresh."""
+    def resume_path(self, mode: str) -> Path | None:
+        """COLLECTIVE. The checkpoint `checkpoint.resume` names (auto | force | none | <path>), verified
+        against the sizes and digests recorded at save time (rank 0 reads, every rank gets its answer).
+        auto/force: the newest complete checkpoint that verifies; newer ones that fail are named in a warning.
+        A named path that fails verification is a CheckpointError. None: start fresh."""
         if mode == "none":
             return None
-        path = self.latest() if mode == "auto" else Path(mode)
-        if path is None:
-            return None
-        return self.load(path, model, optimizer)
+        answer = ""
+        if _rank() == 0:
+            try:
+                path = self._newest_verified() if mode in ("auto", "force") else self._verified(Path(mode))
+                answer = json.dumps({"path": str(path) if path else None})
+            except CheckpointError as err:
+                answer = json.dumps({"error": str(err)})
+        answer = json.loads(_broadcast_str(answer))
+        if "error" in answer:
+            raise CheckpointError(answer["error"])
+        return Path(answer["path"]) if answer["path"] else None
+
+    def _verified(self, path: Path) -> Path:
+        if path.is_dir() and is_complete(path):  # otherwise load() names what is wrong
+            problems = verify_checkpoint(path)
+            if problems:
+                raise CheckpointError(f"checkpoint {path} is corrupted: {'; '.join(problems[:4])}; {_RESUME_FIX}")
+        return path
+
+    def _newest_verified(self) -> Path | None:
+        failed: list[tuple[Path, list[str]]] = []
+        for path in reversed(self.complete()):
+            problems = verify_checkpoint(path)
+            if not problems:
+                for bad, why in failed:
+                    print(f"[qarl] WARNING: checkpoint {bad} fails verification ({'; '.join(why[:3])}); resuming "
+                          f"from the previous complete checkpoint {path} instead", flush=True)
+                return path
+            failed.append((path, problems))
+        if failed:
+            listing = "; ".join(f"{p.name}: {why[0]}" for p, why in failed)
+            raise CheckpointError(f"no checkpoint in {self.root} passes verification ({listing}); set "
+                                  "checkpoint.resume=none to start over (its checkpoints are replaced), or "
+                                  "checkpoint.resume=<dir> with a good copy")
+        return None
+
+    def resume(self, mode: str, model, optimizer) -> dict[str, Any] | None:
+        """Load per `checkpoint.resume` (auto | force | none | <path>); the loaded extra state, None when starting
+        fresh. (A run compares its config with the checkpoint's in between: run_context.resume_run.)"""
+        path = self.resume_path(mode)
+        return None if path is None else self.load(path, model, optimizer)
 
     def load(self, path: str | os.PathLike, model, optimizer) -> dict[str, Any]:
         """Model and optimizer loaded; returns the extra state (its "step": the step to start from)."""

@@ -54,7 +54,9 @@ REWARDS = REWARD_NAMES  # the reward module's names: math_verify (alias math), e
 DATA_SOURCES = ("file", "synthetic")
 ROUTING_REPLAY = ("off", "replay")
 WANDB_MODES = ("offline", "online", "disabled")
-RESUME_KEYWORDS = ("auto", "none")
+# auto: the newest verified checkpoint of this run's dir; force: the same, even when the checkpoint was written
+# by another config (run_context.check_run_identity); none: start fresh; anything else: a checkpoint path.
+RESUME_KEYWORDS = ("auto", "force", "none")
 SFT_DTYPES = ("float32",)
 
 

@@ -5,6 +5,7 @@ checkpoints. The loop and its phases are `trainer.py`'s; this module only builds
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,9 @@ def build_reward_fn(cfg: RunConfig):
     return build(RewardConfig(kind=cfg.data.reward, timeout_s=cfg.data.reward_timeout_s))
 
 
-def build_tracker(cfg: RunConfig, *, resume: bool = False):
-    """The metrics sinks of the logging rank, as `cfg.logging` asks for them."""
+def build_tracker(cfg: RunConfig, *, resume: bool = False, start_step: int | None = None):
+    """The metrics sinks of the logging rank, as `cfg.logging` asks for them (a resumed run's metrics.jsonl
+    keeps only the rows before `start_step`)."""
     from megatron_qarl.tracking import MetricsTracker, TrackerConfig
 
     log = cfg.logging
@@ -52,7 +54,7 @@ def build_tracker(cfg: RunConfig, *, resume: bool = False):
         TrackerConfig(out_dir=log.out_dir, project=log.wandb.project, run_name=cfg.name, wandb_mode=log.wandb.mode,
                       config=to_dict(cfg), jsonl=log.jsonl, plots=log.plots, log_every=log.log_every,
                       total_steps=cfg.train.steps),
-        resume=resume,
+        resume=resume, start_step=start_step,
     )
 
 
@@ -145,10 +147,10 @@ def build_run_context(cfg: RunConfig) -> RunContext:
         route_geometry=RouteGeometry.from_hf_config(hf_config),
         topology=topology,
     )
-    ctx.start_step = resume_run(ctx)
+    ctx.start_step = resume_run(ctx)  # refuses another experiment's checkpoint before anything below writes
     if is_logging_rank():
         save_yaml(cfg, Path(cfg.logging.out_dir) / "config.yaml")
-        ctx.tracker = build_tracker(cfg, resume=ctx.start_step > 0)
+        ctx.tracker = build_tracker(cfg, resume=ctx.start_step > 0, start_step=ctx.start_step)
     return ctx
 
 
@@ -206,9 +208,64 @@ def _load_initial_weights(cfg: RunConfig, model, hf_config) -> None:
     # else: megatron's seeded random init (tests, smoke runs)
 
 
+# What defines an experiment: a checkpoint of one is not resumed by another without checkpoint.resume=force.
+IDENTITY_SECTIONS = ("name", "model", "quant", "train.loss", "data")
+
+
+def config_identity(cfg: RunConfig) -> str:
+    """The experiment-defining sections of `cfg` (IDENTITY_SECTIONS) as canonical JSON."""
+    full = to_dict(cfg)
+    picked = {}
+    for section in IDENTITY_SECTIONS:
+        value = full
+        for part in section.split("."):
+            value = value[part]
+        picked[section] = value
+    return json.dumps(picked, sort_keys=True, default=str)
+
+
+def _flatten(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: value}
+
+
+def check_run_identity(cfg: RunConfig, path, state: dict | None) -> None:
+    """Refuse (ConfigError) to resume a checkpoint another experiment wrote, naming the keys that differ,
+    unless checkpoint.resume=force. Checkpoints from before identities were recorded compare the name only."""
+    from megatron_qarl.config import ConfigError
+
+    state = state or {}
+    if "config_identity" in state:
+        theirs = _flatten(json.loads(state["config_identity"]))
+    elif "config_name" in state:
+        theirs = {"name": state["config_name"]}
+    else:
+        return
+    ours = _flatten(json.loads(config_identity(cfg)))
+    differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k, "<absent>") != ours.get(k, "<absent>")
+                    and (k in theirs))
+    if not differ:
+        return
+    listing = "; ".join(f"{k}: checkpoint {theirs.get(k, '<absent>')!r}, this run {ours.get(k, '<absent>')!r}"
+                        for k in differ[:8])
+    if cfg.checkpoint.resume == "force":
+        print(f"[qarl] WARNING: resuming {path}, written by a different config ({listing}), as "
+              "checkpoint.resume=force asks", flush=True)
+        return
+    raise ConfigError(
+        f"checkpoint {path} belongs to a different experiment ({listing}{'; ...' if len(differ) > 8 else ''}); "
+        f"resuming it would continue that run's checkpoints and metrics in {cfg.logging.out_dir}. Use another "
+        "logging.out_dir (or checkpoint.dir) for this config, or set checkpoint.resume=force to continue it anyway")
+
+
 def checkpoint_state(ctx: RunContext) -> dict:
     """What a run checkpoint holds beside model and optimizer: the data position and RNG (an exact resume),
-    and the HF config.json, so qarl-convert reads the checkpoint without the run's config.yaml."""
+    the config identity (which experiment may resume it), and the HF config.json, so qarl-convert reads the
+    checkpoint without the run's config.yaml. Plain values and tensors only (checkpointing.check_plain_state)."""
     import random
 
     from megatron_qarl.weights.convert import HF_SIDECAR_KEY, hf_checkpoint_files
@@ -217,17 +274,31 @@ def checkpoint_state(ctx: RunContext) -> dict:
         "data": ctx.data.state_dict() if ctx.data is not None else None,
         "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
         "config_name": ctx.cfg.name,
+        "config_identity": config_identity(ctx.cfg),
         HF_SIDECAR_KEY: hf_checkpoint_files(ctx.hf_config, ctx.cfg.model.hf_path),
     }
 
 
 def resume_run(ctx: RunContext) -> int:
-    """Load the checkpoint `checkpoint.resume` names, restore the state checkpoint_state saved; the start step."""
+    """COLLECTIVE. Pick the checkpoint `checkpoint.resume` names (verified; auto falls back past a damaged
+    newest one), refuse one another experiment wrote, clean a killed save's leftovers, then load it and
+    restore the state checkpoint_state saved; the start step. Nothing in the run dir is written before
+    the identity check."""
     import random
 
-    state = ctx.checkpoints.resume(ctx.cfg.checkpoint.resume, ctx.model, ctx.optimizer)
-    if state is None:
+    from megatron_qarl.checkpointing import read_extra_state
+
+    path = ctx.checkpoints.resume_path(ctx.cfg.checkpoint.resume)
+    if path is not None and path.is_dir():
+        try:
+            side = read_extra_state(path)
+        except Exception:  # noqa: BLE001 - incomplete/refused: load() below raises the clear error
+            side = None
+        check_run_identity(ctx.cfg, path, side)
+    ctx.checkpoints.clean_stale()
+    if path is None:
         return 0
+    state = ctx.checkpoints.load(path, ctx.model, ctx.optimizer)
     if ctx.quant is not None:
         ctx.quant.invalidate()  # masters replaced: the next forward re-quantizes
     if ctx.data is not None and state.get("data") is not None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_qarl.fileio import atomic_write_bytes
+from megatron_qarl.fileio import atomic_write_bytes, atomic_write_text
 
 # The curves a reader of a QaRL run looks at first: learning progress, response length, the
 # sampler<->learner mismatch, how much the trust band masks, and cost.
@@ -47,15 +47,37 @@ class TrackerConfig:
 
 
 class MetricsTracker:
-    def __init__(self, cfg: TrackerConfig, *, resume: bool = False):
+    def __init__(self, cfg: TrackerConfig, *, resume: bool = False, start_step: int | None = None):
+        """resume: keep metrics.jsonl, minus its rows of steps >= `start_step` (the steps this run re-runs),
+        so every step has one row; otherwise an existing metrics.jsonl is removed."""
         self.cfg = cfg
         self.out_dir = Path(cfg.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.out_dir / "metrics.jsonl"
         if not resume and self.jsonl_path.exists():
             self.jsonl_path.unlink()  # another run's rows, whether or not this run writes its own
+        elif resume and start_step is not None and self.jsonl_path.exists():
+            self._truncate_jsonl(start_step)
         self._rows: list[dict] = []  # what summary() and the plots read when there is no metrics.jsonl
         self._wandb = _init_wandb(cfg, self.out_dir)
+
+    def _truncate_jsonl(self, start_step: int) -> None:
+        """Rewrite metrics.jsonl (atomically) without the rows of steps >= start_step."""
+        lines = self.jsonl_path.read_text().splitlines()
+        kept = []
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                step = json.loads(line).get("step")
+            except (json.JSONDecodeError, AttributeError):
+                continue  # a row torn by a kill mid-write
+            if isinstance(step, int) and step < start_step:
+                kept.append(line)
+        if len(kept) != len(lines):
+            atomic_write_text(self.jsonl_path, "".join(line + "\n" for line in kept))
+            print(f"[qarl] metrics.jsonl: dropped {len(lines) - len(kept)} row(s) of step {start_step} and later "
+                  "(re-run after the resume)", flush=True)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}

@@ -281,3 +281,92 @@ def test_a_diverging_run_skips_non_finite_steps_stops_clearly_and_never_checkpoi
         state = load_mcore_full_hf_state(open_mcore_checkpoint(ckpt))
         bad = [n for n, t in state.items() if not bool(torch.isfinite(t).all())]
         assert bad == [], (ckpt.name, bad[:3])
+
+
+# ---------------------------------------------------------------- fault injection (issue 19): kill mid-save, mid-publish
+
+FAULT_STEPS = ["train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=4"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_4_steps(tmp_path_factory):
+    ref = tmp_path_factory.mktemp("fault_ref")
+    _check_ok(_run(ref, *FAULT_STEPS))
+    return _rows(ref)
+
+
+def _raw_steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _resume_matches(out: Path, want: dict, resumed_from: int):
+    proc = _run(out, *FAULT_STEPS)  # resume: auto
+    _check_ok(proc)
+    assert f"step_{resumed_from:08d} (step {resumed_from})" in proc.stdout, proc.stdout[-2000:]
+    assert _raw_steps(out) == [0, 1, 2, 3]  # one row per step: the re-run steps replaced, not duplicated
+    got = _rows(out)
+    for step in range(resumed_from, 4):
+        assert _fingerprint(got[step]) == _fingerprint(want[step]), f"step {step} differs after the resume"
+    return proc
+
+
+def _forked_children(proc) -> list:
+    """Children of `proc` forked from it (megatron's checkpoint writers): same command line as the parent.
+    The reward workers and megatron's results-queue manager are spawned (another command line)."""
+    import psutil
+
+    try:
+        parent = psutil.Process(proc.pid)
+        mine = parent.cmdline()
+        return [c for c in parent.children() if c.cmdline() == mine]
+    except psutil.Error:
+        return []
+
+
+def test_sigkill_during_checkpoint_write_leaves_no_orphan_and_resumes(tmp_path, uninterrupted_4_steps):
+    """SIGKILL while megatron's forked writer processes write a checkpoint's shards into its temp dir: every
+    writer dies with the trainer, the next run reports and removes the temp dir, resumes from the last
+    complete checkpoint, and its next steps equal the uninterrupted run's."""
+    out = tmp_path / "killed"
+    cmd = _train_cmd() + ["--config", CONFIG, f"logging.out_dir={out}", *SMALL, *FAULT_STEPS]
+    tag = new_process_tag()
+    proc = subprocess.Popen(cmd, env=_env(tag), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpts = out / "checkpoints"
+    writers, deadline = [], time.time() + 500
+    while not writers:
+        assert proc.poll() is None, "the run ended before a checkpoint write could be caught"
+        assert time.time() < deadline
+        started = (ckpts / "step_00000001" / MARKER_NAME).exists()  # catch a later save: a real resume follows
+        temps = list(ckpts.glob(".step_*.tmp-*")) if started else []
+        if temps and (writers := _forked_children(proc)):
+            proc.send_signal(signal.SIGKILL)  # a writer is alive, the checkpoint is still a temp dir
+        else:
+            time.sleep(0.002)
+    proc.wait()
+    _assert_no_survivors(tag, "a qarl-train run SIGKILLed during a checkpoint write")
+    killed_in = temps[0].name.split(".")[1]  # step_XXXXXXXX whose save was interrupted
+    complete = [p.name for p in RunCheckpoints(ckpts).complete()]
+    assert killed_in not in complete
+    left = [p.name for p in ckpts.iterdir() if p.name.startswith(".")]
+    last = int(complete[-1].split("_")[1])
+    assert 1 <= last <= 3 and killed_in == f"step_{last + 1:08d}", (killed_in, complete)
+    proc2 = _resume_matches(out, uninterrupted_4_steps, resumed_from=last)
+    assert not [p for p in ckpts.iterdir() if p.name.startswith(".")]
+    for name in left:  # reported by name, then removed
+        assert name in proc2.stdout
+
+
+def test_sigkill_during_publish_resumes_from_last_complete_checkpoint(tmp_path, uninterrupted_4_steps):
+    """SIGKILL in the middle of step 2's publish (after the first bucket reached the engine): the next run
+    resumes from step_00000002, re-publishes, and steps 2 and 3 equal the uninterrupted run's."""
+    out = tmp_path / "killed"
+    tag = new_process_tag()
+    cmd = [sys.executable, str(REPO / "tests" / "dist" / "kill_in_publish.py"), "3", "--config", CONFIG,
+           f"logging.out_dir={out}", *SMALL, *FAULT_STEPS]
+    proc = subprocess.run(cmd, env=_env(tag), cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert "SIGKILL in publish 3" in proc.stdout
+    _assert_no_survivors(tag, "a qarl-train run SIGKILLed during a publish")
+    assert [p.name for p in RunCheckpoints(out / "checkpoints").complete()] == ["step_00000001", "step_00000002"]
+    assert _raw_steps(out) == [0, 1]  # killed before step 2 logged
+    _resume_matches(out, uninterrupted_4_steps, resumed_from=2)

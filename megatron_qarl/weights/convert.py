@@ -618,12 +618,26 @@ def _inspect_hf(path: Path) -> dict:
 
 
 def _inspect_mcore(path: Path) -> dict:
+    """A megatron checkpoint (qarl-convert hf-to-mcore, sft, or a trainer step_* dir): every file checked against
+    the size and sha256 its completion marker recorded, then the stored parameters against the config's."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from megatron_qarl.checkpointing import read_marker
+    from megatron_qarl.checkpointing import is_complete, read_marker, verify_checkpoint
     from megatron_qarl.models.qwen3_moe import parameter_counts
 
-    src = open_mcore_checkpoint(path)
+    recorded = read_marker(path).get("files") or {}
+    problems = verify_checkpoint(path) if is_complete(path) else []
+    files_info = {"files": len(recorded), "verified": len(recorded) - len(problems) if recorded else 0}
+    nbytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    try:
+        src = open_mcore_checkpoint(path)
+    except (ConversionError, CheckpointError) as exc:
+        if not problems:
+            raise
+        # a damaged side-state file: report what verification found rather than the read error alone
+        return {"path": str(path), "format": "megatron", "layout": "torch_dist", "bytes": nbytes, "tensors": 0,
+                "parameters": None, "quantization_config": None, "complete": False,
+                "missing": [*problems[:15], str(exc)], "unexpected": [], **files_info}
     try:
         meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as exc:  # noqa: BLE001 - unreadable metadata is the user's checkpoint problem
@@ -633,24 +647,27 @@ def _inspect_mcore(path: Path) -> dict:
                if not k.startswith("optimizer.") and "_extra_state" not in k and hasattr(m, "size")}
     stored_params = sum(_numel(size) for size in weights.values())
     expected_params = parameter_counts(src.hf_config)["total"]
-    missing = [] if stored_params == expected_params else [
-        f"stored tensors hold {stored_params:,} parameters, the config needs {expected_params:,}"]
-    stored = weights
+    missing = list(problems) + ([] if stored_params == expected_params else [
+        f"stored tensors hold {stored_params:,} parameters, the config needs {expected_params:,}"])
     marker = read_marker(path)
     return {"path": str(path), "format": f"megatron-{src.kind}", "layout": f"torch_dist, saved by "
             f"{marker.get('world_size', '?')} rank(s); loads at any TP/EP",
-            "bytes": sum(f.stat().st_size for f in path.iterdir() if f.is_file()),
-            "tensors": len(stored), "parameters": parameter_counts(src.hf_config), "quantization_config": None,
-            "complete": not missing, "missing": missing[:16], "unexpected": []}
+            "bytes": nbytes, "tensors": len(weights), "parameters": parameter_counts(src.hf_config),
+            "quantization_config": None, "complete": not missing, "missing": missing[:16], "unexpected": [],
+            **files_info}
 
 
 def format_inspection(info: dict) -> str:
     p = info["parameters"]
     lines = [f"path:        {info['path']}", f"format:      {info['format']}", f"layout:      {info['layout']}",
              f"size:        {info['bytes'] / 1e6:.1f} MB in {info['tensors']} tensors",
-             f"parameters:  total {p['total']:,}  active {p['active']:,}  experts {p['expert']:,}",
-             f"quantization: {json.dumps(info['quantization_config']) if info['quantization_config'] else 'none'}",
-             f"complete:    {'yes' if info['complete'] else 'NO'}"]
+             f"parameters:  total {p['total']:,}  active {p['active']:,}  experts {p['expert']:,}" if p else
+             "parameters:  unknown (the checkpoint's side state could not be read)",
+             f"quantization: {json.dumps(info['quantization_config']) if info['quantization_config'] else 'none'}"]
+    if "files" in info:
+        lines.append(f"files:       {info['verified']} of {info['files']} match the size and sha256 recorded at save"
+                     if info["files"] else "files:       no sizes/digests recorded (written before qarl recorded them)")
+    lines.append(f"complete:    {'yes' if info['complete'] else 'NO'}")
     if info["missing"]:
         lines.append(f"missing:     {info['missing']}")
     if info["unexpected"]:
