@@ -356,6 +356,7 @@ def test_sigkill_during_checkpoint_write_leaves_no_orphan_and_resumes(tmp_path, 
         assert name in proc2.stdout
 
 
+@pytest.mark.slow  # ~1 min; the checkpoint-write kill above stays in the default suite
 def test_sigkill_during_publish_resumes_from_last_complete_checkpoint(tmp_path, uninterrupted_4_steps):
     """SIGKILL in the middle of step 2's publish (after the first bucket reached the engine): the next run
     resumes from step_00000002, re-publishes, and steps 2 and 3 equal the uninterrupted run's."""
