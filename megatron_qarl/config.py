@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import ipaddress
 import json
 import math
 import os
@@ -25,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megatron_qarl.models.qwen3_moe import PRESETS as MODEL_PRESETS
 from megatron_qarl.optim import OptimConfig
-from megatron_qarl.parallel import ParallelLayout, RolloutTopology
+from megatron_qarl.parallel import ParallelLayout, RolloutTopology, is_loopback_host
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.rl.losses import LossConfig
 from megatron_qarl.rl.rewards import REWARD_NAMES
@@ -577,16 +576,6 @@ def _check_engine_quant(cfg: RunConfig) -> list[str]:
         out.append("rollout.sglang.launch=inprocess runs the engine inside the trainer process, which is "
                    "mode=colocated; use launch=subprocess or attach for mode=separate")
     return out
-
-
-def is_loopback_host(host: str) -> bool:
-    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1); 0.0.0.0, :: and names are not."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _check_sglang_access(s: SGLangConfig) -> list[str]:

@@ -6,6 +6,7 @@ workarounds from ``compat_cpu``) and on nccl with it.
 from __future__ import annotations
 
 import atexit
+import ipaddress
 import os
 import shutil
 import tempfile
@@ -256,3 +257,13 @@ def collective_device(group=None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for `localhost` and loopback addresses (127.0.0.0/8, ::1); 0.0.0.0, :: and names are not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -22,7 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "megatron_qarl.moe": {"megatron_qarl.models", "megatron_qarl.parallel", "megatron_qarl.rl.metrics"},
     "megatron_qarl.optim": {"megatron_qarl.parallel", "megatron_qarl.models"},
     "megatron_qarl.rollout": {"megatron_qarl.errors", "megatron_qarl.lifecycle", "megatron_qarl.quant",
-                              "megatron_qarl.models"},
+                              "megatron_qarl.models", "megatron_qarl.parallel"},
     "megatron_qarl.weights": {"megatron_qarl.errors", "megatron_qarl.fileio", "megatron_qarl.lifecycle",
                               "megatron_qarl.quant", "megatron_qarl.models", "megatron_qarl.parallel",
                               "megatron_qarl.rollout", "megatron_qarl.checkpointing"},

@@ -327,7 +327,7 @@ def test_loopback_engine_hosts_need_no_opt_in(host):
 
 
 def test_loopback_host_classification():
-    from megatron_qarl.config import is_loopback_host
+    from megatron_qarl.parallel import is_loopback_host
 
     assert [is_loopback_host(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "::", "example.org")] == \
         [True, True, True, False, False, False]

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import base64
 import functools
-import ipaddress
 import json
 import logging
 import os
@@ -78,6 +77,7 @@ import numpy as np
 import torch
 
 from megatron_qarl.lifecycle import die_with_parent
+from megatron_qarl.parallel import is_loopback_host
 from megatron_qarl.rollout import sglang_compat
 from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, FlattenedBucket, iter_buckets
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
@@ -283,7 +283,7 @@ class SGLangEngineConfig:
             host=s.host,
             port=s.port + group if s.port else 0,
             api_key=api_key,
-            allow_remote_host=getattr(s, "allow_remote_host", False),
+            allow_remote_host=s.allow_remote_host,
             tp_size=cfg.rollout.engine_tp,
             base_gpu_id=base_gpu_id,
             mem_fraction_static=s.mem_fraction_static,
@@ -297,25 +297,14 @@ class SGLangEngineConfig:
             health_timeout_s=s.health_timeout_s,
             request_timeout_s=cfg.rollout.request_timeout_s,
             memory_saver=s.mode == "colocated",
-            cuda_graph=getattr(s, "cuda_graph", "auto"),
-            deterministic_inference=getattr(s, "deterministic_inference", False),
+            cuda_graph=s.cuda_graph,
+            deterministic_inference=s.deterministic_inference,
             extra_server_args=extra,
             log_path=os.path.join(run_dir, f"sglang_engine{group}.log") if run_dir else None,
-            master_address=getattr(s, "weight_sync_master_addr", None),
+            master_address=s.weight_sync_master_addr,
             master_port=master_port + group if master_port else 0,
             group_name=f"qarl_weights_{group}",
         )
-
-
-def is_loopback_host(host: str) -> bool:
-    """True for ``localhost`` and loopback addresses (the same rule as config.is_loopback_host, which the
-    run config applies up front; rollout may not import config)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def write_key_file(api_key: str) -> str:
