@@ -18,8 +18,6 @@ Run with launch/run_contract_tests.sh.
 
 import argparse
 import base64
-import enum
-import sys
 import types
 from pathlib import Path
 
@@ -30,6 +28,8 @@ import torch
 pytestmark = pytest.mark.contract
 
 sglang = pytest.importorskip("sglang", reason="contract tests need sglang (launch/run_contract_tests.sh)")
+
+from sglang_stubs import stub_torchvision  # noqa: E402
 
 from megatron_qarl.config import load_config  # noqa: E402
 from megatron_qarl.rollout.payload import FlattenedBucket, iter_buckets  # noqa: E402
@@ -49,29 +49,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS_30B = sorted(p.name for p in (ROOT / "configs").glob("qwen3_30b_a3b_*.yaml"))
 
 
-def _stub_torchvision():
-    """sglang.srt.configs imports multimodal helpers that import torchvision; PyPI's torchvision is a CUDA
-    build that fails beside CPU torch. Nothing here calls it: stub the three names it needs."""
-    import transformers.utils.import_utils as iu
-
-    iu.is_torchvision_available()  # cache "unavailable" for transformers before the stub exists
-    if "torchvision" in sys.modules:
-        return
-    tv, tr, fn = (types.ModuleType(n) for n in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"))
-
-    class InterpolationMode(enum.Enum):
-        NEAREST = "nearest"
-        BILINEAR = "bilinear"
-        BICUBIC = "bicubic"
-
-    fn.InterpolationMode = tr.InterpolationMode = InterpolationMode
-    tr.functional, tv.transforms = fn, tr
-    sys.modules.update({"torchvision": tv, "torchvision.transforms": tr, "torchvision.transforms.functional": fn})
-
-
 @pytest.fixture(scope="module")
 def srt():
-    _stub_torchvision()
+    stub_torchvision()
     from sglang.srt.managers import io_struct
     from sglang.srt.server_args import ServerArgs
 

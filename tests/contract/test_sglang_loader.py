@@ -12,9 +12,6 @@ Run with launch/run_contract_tests.sh (installs sglang --no-deps in a side venv)
 /work/shared/notes/sglang-loader-on-cpu.md.
 """
 
-import enum
-import sys
-import types
 
 import pytest
 import torch
@@ -22,6 +19,8 @@ import torch
 pytestmark = pytest.mark.contract
 
 sglang = pytest.importorskip("sglang", reason="contract tests need sglang (launch/run_contract_tests.sh)")
+
+from sglang_stubs import stub_torchvision  # noqa: E402
 
 from megatron_qarl.quant import QuantConfig  # noqa: E402
 from megatron_qarl.rollout.payload import iter_buckets  # noqa: E402
@@ -34,29 +33,9 @@ from megatron_qarl.quant.engine_layout import (  # noqa: E402
 LAYERS, EXPERTS, HIDDEN, INTER = 2, 4, 256, 256
 
 
-def _stub_torchvision():
-    """sglang.srt.configs imports multimodal helpers that import torchvision; PyPI's torchvision is a
-    CUDA build that fails beside CPU torch. The loader path never calls it: stub the three names."""
-    import transformers.utils.import_utils as iu
-
-    iu.is_torchvision_available()  # cache "unavailable" for transformers before the stub exists
-    if "torchvision" in sys.modules:
-        return
-    tv, tr, fn = (types.ModuleType(n) for n in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"))
-
-    class InterpolationMode(enum.Enum):
-        NEAREST = "nearest"
-        BILINEAR = "bilinear"
-        BICUBIC = "bicubic"
-
-    fn.InterpolationMode = tr.InterpolationMode = InterpolationMode
-    tr.functional, tv.transforms = fn, tr
-    sys.modules.update({"torchvision": tv, "torchvision.transforms": tr, "torchvision.transforms.functional": fn})
-
-
 @pytest.fixture(scope="module")
 def sglang_runtime():
-    _stub_torchvision()
+    stub_torchvision()
     import socket
 
     import sglang.srt.layers.rotary_embedding.base as rope_base
