@@ -311,8 +311,8 @@ class RunCheckpoints:
 
     # -- save ---------------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, extra: dict[str, Any] | None = None) -> Path:
-        """Collective: every rank writes its shards; rank 0 renames the checkpoint into place and prunes."""
-        self.clean_stale()
+        """Collective: every rank writes its shards; rank 0 renames the checkpoint into place and prunes.
+        (A killed earlier run's temp dirs are removed once, at the run's start: `clean_stale`.)"""
         final = save_checkpoint(self.root / f"step_{step:08d}", model, optimizer, {**(extra or {}), "step": step},
                                 force=True)  # a step re-run after a resume replaces its checkpoint
         if _rank() == 0:
