@@ -378,18 +378,21 @@ def optimizer_step(ctx, loss: float = 0.0) -> dict:
 
 def grads_finite(model) -> bool:
     """Whether every gradient this rank holds (megatron DDP's main_grad buffers) is finite."""
-    for p in model.parameters():
-        grad = getattr(p, "main_grad", None)
-        grad = p.grad if grad is None else grad
-        if grad is not None and not bool(torch.isfinite(grad).all()):
-            return False
-    return True
+    grads = [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad for p in model.parameters()]
+    return _all_finite([g for g in grads if g is not None])
 
 
 def weights_finite(model) -> bool:
     """Whether every parameter on every rank is finite (COLLECTIVE)."""
-    bad = any(not bool(torch.isfinite(p.detach()).all()) for p in model.parameters())
-    return _max_over_ranks(1 if bad else 0) == 0
+    return _max_over_ranks(0 if _all_finite([p.detach() for p in model.parameters()]) else 1) == 0
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """One device-side reduction and one host sync for the lot (not one sync per tensor: a GPU step has
+    thousands of parameters)."""
+    if not tensors:
+        return True
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
 def gather_dp(items: list) -> list:
