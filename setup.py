@@ -24,6 +24,9 @@ INSTALL_REQUIRES = [
     "tqdm==4.70.1",
     "rich==15.0.0",
     "accelerate==1.15.0",  # transformers needs it to load FP8 (fine-grained) checkpoints
+    "pebble==5.2.3",  # reward workers: a process pool that kills and replaces a worker past its deadline
+    "datasets==5.2.0",  # data.path may be a local HF `datasets` directory (save_to_disk)
+    "tensorboard==2.21.0",  # logging.tensorboard: torch.utils.tensorboard's writer needs it
 ]
 
 EXTRAS = {
