@@ -24,10 +24,11 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from megatron_qarl.errors import CheckpointError, DivergenceError
     from megatron_qarl.quant.config import QuantConfigError
     from megatron_qarl.rl.data import DatasetError
+    from megatron_qarl.rl.tokenizer import TokenizerError
     from megatron_qarl.weights.convert import ConversionError
 
     return (UserError, ConfigError, SFTConfigError, DatasetError, CheckpointError, QuantConfigError, ConversionError,
-            DivergenceError)
+            DivergenceError, TokenizerError)
 
 
 def _quiet_library_warnings() -> None:
@@ -38,6 +39,16 @@ def _quiet_library_warnings() -> None:
 
 def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def dry_run_world_size(cfg, requested: int | None) -> int:
+    """The world a dry run checks: --world-size, else the launcher's WORLD_SIZE, else the config's own
+    parallel.world_size, else the smallest world its layout fits (so a login node needs no WORLD_SIZE)."""
+    if requested is not None:
+        return requested
+    if "WORLD_SIZE" in os.environ:
+        return _world_size()
+    return cfg.parallel.world_size or cfg.parallel.smallest_world()
 
 
 def _count(n: float) -> str:
@@ -89,6 +100,9 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", "-c", help="YAML run config (see configs/)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config, parallel layout and memory estimate; start nothing")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="--dry-run only: check the layout for this many ranks (default: WORLD_SIZE if set, "
+                        "else parallel.world_size, else the smallest world the layout fits)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20")
     return p
 
@@ -113,10 +127,14 @@ def train_main(argv=None) -> int:
     try:
         from megatron_qarl.config import load_config
 
-        cfg = load_config(args.config, args.overrides, world_size=_world_size())
         if args.dry_run:
-            print(format_dry_run(cfg, _world_size()))
+            cfg = load_config(args.config, args.overrides)
+            print(format_dry_run(cfg, dry_run_world_size(cfg, args.world_size)))
             return 0
+        if args.world_size is not None:
+            raise UserError("--world-size is a --dry-run option; a run's world size is the launcher's "
+                            "(torchrun --nproc_per_node / WORLD_SIZE)")
+        cfg = load_config(args.config, args.overrides, world_size=_world_size())
         if mode == "sft":
             from megatron_qarl.sft import run_sft
 

@@ -51,6 +51,7 @@ SGLANG_MODES = ("colocated", "separate")
 SGLANG_LAUNCH = ("subprocess", "inprocess", "attach")
 REWARDS = REWARD_NAMES  # the reward module's names: math_verify (alias math), exact_match
 DATA_SOURCES = ("file", "synthetic")
+BAD_ROWS = ("error", "skip")
 ROUTING_REPLAY = ("off", "replay")
 WANDB_MODES = ("offline", "online", "disabled")
 # auto: the newest verified checkpoint of this run's dir; force: the same, even when the checkpoint was written
@@ -148,22 +149,70 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = disabled
     max_new_tokens: int = 8
+    # Generation also ends at any of these strings (kept in the response, as SGLang and vLLM keep the tokens)
+    # or token ids, besides the tokenizer's EOS (e.g. "<|im_end|>" for a Qwen3-Base chat template).
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
     embedded_dtype: str = "float32"
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
 @dataclass
+class PromptConfig:
+    """How a row's prompt becomes the text the engine continues (string prompts; a row that already holds a
+    list of chat messages is used as is, with `system` prepended only if it has no system message)."""
+
+    system: str | None = None  # system message before the user turn (null: none)
+    # The user turn: `{problem}` is replaced by the row's prompt field (plain text replacement, so LaTeX such
+    # as \\boxed{} may appear in the template), e.g. "{problem}\nPut the final answer in \\boxed{}."
+    template: str = "{problem}"
+    apply_chat_template: bool = True  # false: the messages are joined as plain text (base models)
+    # Extra arguments of the tokenizer's chat template, e.g. {enable_thinking: false} for Qwen3.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class DataConfig:
     source: str = "file"
-    path: str | None = "data/arith_sample.jsonl"
-    prompt_key: str = "prompt"
+    # A .jsonl/.json/.parquet file, a glob (data/*.parquet), a list of files/globs, or a local Hugging Face
+    # `datasets` directory (save_to_disk); docs/data-formats.md.
+    path: Any = "data/arith_sample.jsonl"
+    split: str = "train"  # the split of a `datasets` DatasetDict directory
+    prompt_key: str = "prompt"  # dotted paths into nested rows work, e.g. reward_model.ground_truth
     answer_key: str = "answer"
+    # error: a malformed row (missing answer, empty prompt, bad JSON) stops the run before any model is built,
+    # naming the file and row; skip: such rows are dropped and counted.
+    bad_rows: str = "error"
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    # A built-in (exact_match | math_verify, alias math) or your own `package.module:function` called as
+    # fn(responses, answers, rows) -> list[float] (docs/rewards.md).
     reward: str = "exact_match"
-    reward_timeout_s: float = 5.0
-    max_prompt_len: int = 32
+    reward_timeout_s: float = 5.0  # per answer (math_verify): a worker past it is killed, the answer scores 0
+    reward_workers: int = 2  # math_verify worker processes per rollout-group leader
+    max_prompt_len: int = 32  # tokens; longer prompts are dropped (counted, one warning)
     shuffle_seed: int = 0
     # used when source=synthetic: written to <logging.out_dir>/data.jsonl at start
     synthetic: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation through the rollout engines (no learner cost): pass@1, pass@k and the mean reward
+    of `n` samples per prompt, logged as eval/* in the step's metrics row and plotted. The prompts are
+    built and scored as data.prompt / data.reward say."""
+
+    path: Any = None  # held-out prompts, same forms as data.path; null: no evaluation
+    split: str = "test"  # the split of a `datasets` DatasetDict directory
+    prompt_key: str | None = None  # null: data.prompt_key
+    answer_key: str | None = None  # null: data.answer_key
+    every: int = 0  # steps between evaluations; 0: only before the first step and after the last
+    at_start: bool = True  # evaluate the starting weights (logged in the first step's row)
+    n: int = 4  # samples per prompt
+    k: int = 4  # pass@k is reported beside pass@1 (unbiased estimator, k <= n)
+    max_prompts: int = 0  # 0: every prompt of the file; else the first max_prompts
+    temperature: float | None = None  # null: rollout.temperature
+    max_new_tokens: int | None = None  # null: rollout.max_new_tokens
+    seed: int = 0  # the same prompts get the same seeds at every evaluation
 
 
 @dataclass
@@ -202,17 +251,21 @@ class CheckpointConfig:
 @dataclass
 class WandbConfig:
     project: str = "megatron-qarl"
+    # offline | online | disabled; WANDB_MODE in the environment wins, and WANDB_API_KEY makes offline online.
     mode: str = "offline"
-    entity: str | None = None
+    entity: str | None = None  # team or user (null: the key's default entity)
 
 
 @dataclass
 class LoggingConfig:
     out_dir: str = "runs/default"
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    jsonl: bool = True
-    plots: bool = True
-    log_every: int = 1
+    jsonl: bool = True  # <out_dir>/metrics.jsonl, one row per step
+    plots: bool = True  # PNG curves in <out_dir>
+    plot_every: int = 10  # steps between plot refreshes; 0: only at the end
+    log_every: int = 1  # steps between console progress lines
+    tensorboard: bool = False  # event files in <out_dir>/tensorboard
+    samples_per_step: int = 4  # prompts/responses/rewards per step written to <out_dir>/samples.jsonl; 0: none
 
 
 @dataclass
@@ -290,6 +343,7 @@ class RunConfig:
     quant: QuantSection = field(default_factory=QuantSection)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -377,8 +431,10 @@ def _parse_overrides(overrides: list[str]):
                               f"(e.g. train.steps=20)")
     try:
         return OmegaConf.from_dotlist(list(overrides))
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"cannot parse overrides {overrides}: {err}") from err
+    except Exception as err:  # OmegaConf's own errors, and YAML parse errors of a value such as {x} y
+        raise ConfigError(f"cannot parse overrides {overrides}: {str(err).splitlines()[0]}; a value with "
+                          "braces, colons or spaces must be quoted as YAML, e.g. "
+                          "'data.prompt.template=\"{problem} Put the answer in \\\\boxed{}.\"'") from err
 
 
 def _merge_checked(base, layer):
@@ -401,6 +457,8 @@ def _check_keys(schema_node, layer_node, prefix: str) -> None:
             known = list(schema_node.keys()) if OmegaConf.is_dict(schema_node) else []
             raise ConfigError(_unknown_key_message(full, str(key), known, prefix))
         child = schema_node._get_node(key)
+        if OmegaConf.is_dict(child) and OmegaConf.get_type(child) is dict:
+            continue  # a free-form mapping (e.g. data.prompt.chat_template_kwargs): any key is allowed
         if OmegaConf.is_dict(child) and OmegaConf.is_dict(layer_node._get_node(key)):
             _check_keys(child, layer_node._get_node(key), f"{full}.")
 
@@ -505,8 +563,10 @@ def _check_positive(cfg: RunConfig) -> list[str]:
         "rollout.sglang.health_timeout_s": r.sglang.health_timeout_s,
     }
     out = [f"{k}={v} must be > 0" for k, v in must_be_positive.items() if not v > 0]
-    if r.temperature < 0:
-        out.append(f"rollout.temperature={r.temperature} must be >= 0 (0 = greedy)")
+    if not r.temperature > 0:
+        out.append(f"rollout.temperature={r.temperature} must be > 0: RL learns from sampled groups and their "
+                   "sampled-token log-probs (greedy decoding gives every sample of a group the same answer); "
+                   "use 1.0, or e.g. 0.6 for a sharper sampler")
     if not 0.0 < r.top_p <= 1.0:
         out.append(f"rollout.top_p={r.top_p} must be in (0, 1]")
     if r.top_k < 0:
@@ -530,12 +590,56 @@ def _check_positive(cfg: RunConfig) -> list[str]:
         elif ckpt and not Path(ckpt).is_dir():
             out.append(f"{key}={ckpt!r} is not a directory; a megatron checkpoint is a directory (as "
                        "`qarl-train sft` or `qarl-convert hf-to-mcore` writes it)")
-    if d.source == "file" and not d.path:
-        out.append("data.path is empty; set it to a JSONL/Parquet file or use data.source=synthetic")
+    out += _check_data(cfg)
+    out += _check_eval(cfg)
+    if cfg.logging.plot_every < 0 or cfg.logging.samples_per_step < 0:
+        out.append(f"logging.plot_every={cfg.logging.plot_every} and logging.samples_per_step="
+                   f"{cfg.logging.samples_per_step} must be >= 0 (0: plots only at the end / no samples.jsonl)")
+    if any(not isinstance(t, int) or t < 0 for t in r.stop_token_ids):
+        out.append(f"rollout.stop_token_ids={list(r.stop_token_ids)} must be token ids (integers >= 0)")
+    if any(not s for s in r.stop):
+        out.append("rollout.stop holds an empty string, which would stop every response at once; remove it")
     if t.mini_batch_prompts > 0 and t.prompts_per_step % t.mini_batch_prompts:
         out.append(f"train.prompts_per_step={t.prompts_per_step} is not divisible by "
                    f"train.mini_batch_prompts={t.mini_batch_prompts}; choose a divisor, e.g. "
                    f"{_nearest_divisor(t.prompts_per_step, t.mini_batch_prompts)}")
+    return out
+
+
+def _is_path_list(value) -> bool:
+    return isinstance(value, str) and bool(value) or (
+        isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, str) and v for v in value))
+
+
+def _check_data(cfg: RunConfig) -> list[str]:
+    d = cfg.data
+    out = _choice("data.bad_rows", d.bad_rows, BAD_ROWS)
+    if d.source == "file" and not _is_path_list(d.path):
+        out.append(f"data.path={d.path!r} must be a file, a glob, a list of them or a `datasets` directory "
+                   "(or use data.source=synthetic)")
+    if "{problem}" not in d.prompt.template:
+        out.append(f"data.prompt.template={d.prompt.template!r} has no {{problem}}: the row's prompt would never "
+                   "reach the model; write it around {problem}, e.g. \"{problem} Put the answer in \\boxed{}.\"")
+    if d.reward_workers < 1:
+        out.append(f"data.reward_workers={d.reward_workers} must be >= 1")
+    return out
+
+
+def _check_eval(cfg: RunConfig) -> list[str]:
+    e = cfg.eval
+    if e.path is None:
+        return []
+    out = [] if _is_path_list(e.path) else [
+        f"eval.path={e.path!r} must be a file, a glob, a list of them or a `datasets` directory (null: no eval)"]
+    if e.n < 1 or not 1 <= e.k <= e.n:
+        out.append(f"eval.n={e.n}, eval.k={e.k}: need n >= 1 and 1 <= k <= n (pass@k needs k of the n samples)")
+    if e.every < 0 or e.max_prompts < 0:
+        out.append(f"eval.every={e.every} and eval.max_prompts={e.max_prompts} must be >= 0")
+    if e.temperature is not None and not e.temperature > 0:
+        out.append(f"eval.temperature={e.temperature} must be > 0 (null: rollout.temperature); pass@k counts "
+                   "distinct samples")
+    if e.max_new_tokens is not None and e.max_new_tokens < 1:
+        out.append(f"eval.max_new_tokens={e.max_new_tokens} must be >= 1 (null: rollout.max_new_tokens)")
     return out
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import ipaddress
+import math
 import os
 import shutil
 import tempfile
@@ -32,6 +33,13 @@ class ParallelLayout:
     etp: int | None = None
     pp: int = 1
     sp: bool | None = None
+    # The number of ranks (GPUs) this layout is meant for; null: any that fits. A launch with another
+    # WORLD_SIZE is refused, and `qarl-train --dry-run` checks the config against it on a login node.
+    world_size: int | None = None
+
+    def smallest_world(self) -> int:
+        """The smallest world size this layout fits (dense tp*pp and expert etp*ep*pp both divide it)."""
+        return math.lcm(self.tp * self.pp, self.expert_tp * self.ep * self.pp)
 
     @property
     def expert_tp(self) -> int:
@@ -56,6 +64,12 @@ class ParallelLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ParallelLayoutError(f"{name} must be a positive int, got {value!r}")
+        if self.world_size is not None and world_size != self.world_size:
+            raise ParallelLayoutError(
+                f"this config is laid out for parallel.world_size={self.world_size} ranks but runs on "
+                f"{world_size}; launch {self.world_size} ranks, or set parallel.world_size={world_size} (or null) "
+                "and check the layout with --dry-run"
+            )
         if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
             raise ParallelLayoutError(f"etp must be a positive int or None (= tp), got {self.etp!r}")
         if self.pp > 1:
@@ -267,3 +281,26 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def sum_over_ranks(partial: dict) -> dict:
+    """COLLECTIVE. Each rank's {name: number} summed over the world, in rank order (the same float sums on
+    every rank); a name missing on a rank counts 0."""
+    if dist.get_world_size() == 1:
+        return {k: float(v) for k, v in partial.items()}
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, partial)
+    total: dict = {}
+    for part in parts:
+        for k, v in part.items():
+            total[k] = total.get(k, 0.0) + float(v)
+    return total
+
+
+def max_over_ranks(value: int) -> int:
+    """COLLECTIVE. The largest of each rank's `value` (a status code: any rank's failure reaches all)."""
+    if dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

@@ -18,24 +18,27 @@ from megatron_qarl.parallel import RolloutTopology, collective_device, init_dist
 from megatron_qarl.rl.tokenizer import load_tokenizer
 
 
+def prompt_data_config(cfg: RunConfig, path):
+    """How the run reads prompts from `path` (data.path, or eval.path): data.* keys and data.prompt."""
+    from megatron_qarl.rl.data import PromptDataConfig
+
+    d, p = cfg.data, cfg.data.prompt
+    return PromptDataConfig(
+        path=path, split=d.split, prompt_key=d.prompt_key, answer_key=d.answer_key, bad_rows=d.bad_rows,
+        system_prompt=p.system, template=p.template, apply_chat_template=p.apply_chat_template,
+        chat_template_kwargs=dict(p.chat_template_kwargs), max_prompt_length=d.max_prompt_len,
+        seed=d.shuffle_seed)
+
+
 def build_prompt_dataset(cfg: RunConfig, tokenizer):
-    from megatron_qarl.rl.data import PromptDataConfig, PromptDataset
+    from megatron_qarl.rl.data import PromptDataset
 
     path = cfg.data.path
     if cfg.data.source == "synthetic":
         from megatron_qarl.rl.synthetic import write_arithmetic_dataset
 
         path = str(write_arithmetic_dataset(Path(cfg.logging.out_dir) / "data.jsonl", cfg.data.synthetic))
-    return PromptDataset(
-        PromptDataConfig(
-            path=path,
-            prompt_key=cfg.data.prompt_key,
-            answer_key=cfg.data.answer_key,
-            max_prompt_length=cfg.data.max_prompt_len,
-            seed=cfg.data.shuffle_seed,
-        ),
-        tokenizer,
-    )
+    return PromptDataset(prompt_data_config(cfg, path), tokenizer)
 
 
 def build_reward_fn(cfg: RunConfig):
@@ -72,6 +75,7 @@ class RunContext:
     engine: Any  # only on rollout-group leaders (topology.is_leader): each drives its own engine
     tokenizer: Any
     data: Any  # only on rollout-group leaders (each reads the same prompts, serves its share)
+    eval_examples: Any  # held-out PromptExamples (eval.path), only on rollout-group leaders; else None
     reward_fn: Any  # only on rollout-group leaders
     tracker: Any  # only on the logging rank (parallel.is_logging_rank)
     checkpoints: Any
@@ -82,6 +86,7 @@ class RunContext:
     # The reward pool's cumulative counters when last logged: each step logs its own share.
     reward_counts: dict = field(default_factory=dict)
     nonfinite_streak: int = 0  # optimizer steps skipped in a row for a non-finite loss or gradient
+    step_samples: list = field(default_factory=list)  # this step's samples for samples.jsonl (logging rank)
 
 
 def build_run_context(cfg: RunConfig) -> RunContext:
@@ -92,13 +97,18 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     from megatron_qarl.moe.replay import RouteGeometry
     from megatron_qarl.optim import build_optimizer
     from megatron_qarl.models.aligned import apply_aligned_quantization
-    from megatron_qarl.rollout.protocol import SamplingParams
     from megatron_qarl.weights.publish import WeightPublisher
 
     check_initial_weights(cfg)
     layout = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf_config = resolve_hf_config(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
+    sampling = run_sampling_params(cfg, tokenizer)
+    topology = rollout_topology(cfg, torch.distributed.get_world_size())
+    is_leader = topology.is_leader()
+    # Prompts (and held-out prompts) are read and checked before any model is built: a bad row or file
+    # costs seconds, not a model load. Every leader reads them; a failure on one ends every rank.
+    data, eval_examples = load_run_data(cfg, tokenizer, is_leader)
 
     # Each rank's loss is already normalised by the global token/sequence count, so DP gradients must
     # be summed, not averaged: megatron's calculate_per_token_loss switches DDP to sum.
@@ -122,10 +132,8 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     )
     optimizer = build_optimizer(cfg.train.optim, [ddp])
 
-    topology = rollout_topology(cfg, torch.distributed.get_world_size())
-    is_leader = topology.is_leader()
     start_checkpoint = engine_start_checkpoint(cfg, model, hf_config, quant)
-    engine = _build_engine(cfg, hf_config, topology, start_checkpoint) if is_leader else None
+    engine = _build_engine(cfg, hf_config, topology, start_checkpoint, tokenizer) if is_leader else None
     publisher = WeightPublisher(
         model, hf_config, cfg.quant, quant=quant, engine=engine, leaders=topology.leaders,
         bucket_bytes=cfg.publish.bucket_mb * 1024 * 1024, verify=cfg.publish.verify,
@@ -133,16 +141,13 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     ctx = RunContext(
         cfg=cfg, hf_config=hf_config, model=ddp, optimizer=optimizer, quant=quant, publisher=publisher, engine=engine,
         tokenizer=tokenizer,
-        data=build_prompt_dataset(cfg, tokenizer) if is_leader else None,
+        data=data,
+        eval_examples=eval_examples,
         reward_fn=build_reward_fn(cfg) if is_leader else None,
         tracker=None,
         checkpoints=RunCheckpoints(cfg.checkpoint.dir or str(Path(cfg.logging.out_dir) / "checkpoints"),
                                    keep_last=cfg.checkpoint.keep_last),
-        sampling=SamplingParams(
-            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-            max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id],
-            seed=cfg.train.seed,
-        ),
+        sampling=sampling,
         start_step=0,
         route_geometry=RouteGeometry.from_hf_config(hf_config),
         topology=topology,
@@ -152,6 +157,57 @@ def build_run_context(cfg: RunConfig) -> RunContext:
         save_yaml(cfg, Path(cfg.logging.out_dir) / "config.yaml")
         ctx.tracker = build_tracker(cfg, resume=ctx.start_step > 0, start_step=ctx.start_step)
     return ctx
+
+
+def run_sampling_params(cfg: RunConfig, tokenizer):
+    """Step 0's SamplingParams: rollout.* with the stops resolved against the tokenizer (EOS, single-token
+    stop strings and rollout.stop_token_ids as ids; longer stop strings as text)."""
+    from megatron_qarl.config import ConfigError
+    from megatron_qarl.rl.tokenizer import split_stops
+    from megatron_qarl.rollout.protocol import SamplingParams
+
+    r = cfg.rollout
+    stop_ids, stop_strings = split_stops(tokenizer, list(r.stop), list(r.stop_token_ids))
+    if stop_strings and r.engine == "sglang":
+        from megatron_qarl.rollout.sglang_engine import MULTI_TOKEN_STOP_UNSUPPORTED
+
+        raise ConfigError(f"rollout.stop={stop_strings} (more than one token each): {MULTI_TOKEN_STOP_UNSUPPORTED}")
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                          stop_token_ids=stop_ids, stop=stop_strings, seed=cfg.train.seed)
+
+
+def load_eval_examples(cfg: RunConfig, tokenizer):
+    """The held-out prompts (eval.path), built and checked exactly like the training prompts (data.prompt,
+    bad_rows, max_prompt_len), in file order; the first eval.max_prompts when set."""
+    from megatron_qarl.rl.data import load_prompt_examples
+
+    e = cfg.eval
+    data_cfg = dataclasses.replace(
+        prompt_data_config(cfg, e.path), split=e.split, shuffle=False,
+        prompt_key=e.prompt_key or cfg.data.prompt_key, answer_key=e.answer_key or cfg.data.answer_key)
+    examples, _ = load_prompt_examples(data_cfg, tokenizer)
+    return examples[: e.max_prompts] if e.max_prompts else examples
+
+
+def load_run_data(cfg: RunConfig, tokenizer, is_leader: bool):
+    """COLLECTIVE. (training PromptDataset, held-out examples or None) on rollout-group leaders, (None, None)
+    elsewhere; a data error on any leader is raised on every rank."""
+    from megatron_qarl.parallel import max_over_ranks
+
+    data = eval_examples = error = None
+    if is_leader:
+        try:
+            data = build_prompt_dataset(cfg, tokenizer)
+            eval_examples = load_eval_examples(cfg, tokenizer) if cfg.eval.path is not None else None
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has heard of it
+            error = exc
+    if max_over_ranks(0 if error is None else 1):
+        if error is not None:
+            raise error
+        from megatron_qarl.rl.data import DatasetError
+
+        raise DatasetError("reading the prompts failed on another rollout-group leader (see its error)")
+    return data, eval_examples
 
 
 def check_initial_weights(cfg: RunConfig) -> None:
@@ -308,13 +364,13 @@ def resume_run(ctx: RunContext) -> int:
     return int(state["step"])
 
 
-def _build_engine(cfg: RunConfig, hf_config, topology: RolloutTopology, start_checkpoint: str | None):
+def _build_engine(cfg: RunConfig, hf_config, topology: RolloutTopology, start_checkpoint: str | None, tokenizer):
     """This leader's engine: its rollout group's GPUs (from the leader's local GPU) or its URL."""
     from megatron_qarl.rollout.factory import make_engine
 
     if cfg.rollout.engine == "embedded":
         return make_engine({"name": "embedded", "hf_config": hf_config, "dtype": cfg.rollout.embedded_dtype,
-                            "seed": cfg.train.seed, "collect_routed_experts": True})
+                            "seed": cfg.train.seed, "collect_routed_experts": True, "tokenizer": tokenizer})
     if cfg.rollout.engine == "sglang":
         from megatron_qarl.rollout.sglang_engine import SGLangEngineConfig
 

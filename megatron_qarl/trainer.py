@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_qarl.config import RunConfig
 from megatron_qarl.errors import DivergenceError
-from megatron_qarl.parallel import dp_group, dp_rank, dp_size, tp_size
+from megatron_qarl.parallel import dp_group, dp_rank, dp_size, max_over_ranks, sum_over_ranks, tp_size
 from megatron_qarl.rl.advantages import group_normalized_advantages
 from megatron_qarl.rl.batch import RolloutBatch, build_rollout_batch
 from megatron_qarl.rl.losses import compute_loss, compute_loss_normalizer
@@ -50,6 +50,7 @@ class StepTimer:
 
 def train(cfg: RunConfig) -> dict:
     """Run `cfg.train.steps` RL steps (resuming if a checkpoint is found); returns the last metrics."""
+    from megatron_qarl.evaluation import eval_due, evaluate
     from megatron_qarl.run_context import build_run_context
 
     ctx = build_run_context(cfg)
@@ -57,8 +58,10 @@ def train(cfg: RunConfig) -> dict:
     try:
         ctx.publisher.publish()  # the engine must hold the (possibly resumed) weights before the first rollout
         for step in range(ctx.start_step, cfg.train.steps):
+            metrics = evaluate(ctx) if eval_due(cfg, step) else {}  # held-out pass@k of the weights so far
             timer = StepTimer()
-            local, metrics = collect_rollouts(ctx, step)  # this rank's DP shard of the step's samples
+            local, rollout = collect_rollouts(ctx, step)  # this rank's DP shard of the step's samples
+            metrics.update(rollout)
             engine_sleep(ctx)  # colocated engine: its GPU memory goes to training until the publish
             timer.lap("rollout")
             local.old_logp = compute_logprobs(ctx, local)
@@ -75,6 +78,8 @@ def train(cfg: RunConfig) -> dict:
             metrics["time/step_s"] = timer.total()
             last = log(ctx, step, metrics)
             maybe_checkpoint(ctx, step)
+        if eval_due(cfg, cfg.train.steps):  # the final weights, logged as the row after the last step
+            last = {**last, **log(ctx, cfg.train.steps, evaluate(ctx))}
     finally:
         close_run(ctx)
     return last
@@ -104,7 +109,7 @@ def collect_rollouts(ctx, step: int) -> tuple[RolloutBatch, dict]:
         except Exception as exc:  # every rank must learn of it below, or the others would hang
             error = exc
         # 0: fine; 1: an engine failed (restart + re-publish + rerun its requests); 2: anything else
-        status = _max_over_ranks(0 if error is None else 1 if isinstance(error, RolloutEngineError) else 2)
+        status = max_over_ranks(0 if error is None else 1 if isinstance(error, RolloutEngineError) else 2)
         if status == 0:
             break
         if status == 2 or restarts == cfg.rollout.engine_restarts:
@@ -126,7 +131,7 @@ def collect_rollouts(ctx, step: int) -> tuple[RolloutBatch, dict]:
         routed_experts=[s.routed_experts for s in mine] if mine and mine[0].routed_experts is not None else None,
         route_geometry=ctx.route_geometry,
     )
-    totals = _sum_over_ranks(partial)
+    totals = sum_over_ranks(partial)
     totals["rollout/engine_restarts"] = float(restarts)
     return batch, {**rollout_metrics(totals), "rollout/engines": float(topo.engines)}
 
@@ -148,8 +153,10 @@ def serve_requests(ctx, step: int, prompts, pending: list, owned: dict, partial:
                                             retries=cfg.rollout.request_retries)
         texts = ctx.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
         groups = [row // n for row in request.rows]
-        rewards = torch.tensor(ctx.reward_fn(texts, [prompts[g].answer for g in groups]), dtype=torch.float32)
+        rewards = torch.tensor(ctx.reward_fn(texts, [prompts[g].answer for g in groups],
+                                             [prompts[g].row for g in groups]), dtype=torch.float32)
         adv = group_normalized_advantages(rewards, groups)
+        keep_samples(ctx, request.rows, texts, rewards, [prompts[g] for g in groups], results)
         for k, (row, res) in enumerate(zip(request.rows, results)):
             owned[row] = Sample(row, list(rows_prompt_ids[row]), res.token_ids, res.logprobs, res.finish_reason,
                                 float(rewards[k]), float(adv.advantages[k]), groups[k], res.routed_experts)
@@ -162,6 +169,20 @@ def serve_requests(ctx, step: int, prompts, pending: list, owned: dict, partial:
         })
         pending.pop(0)
     _add(partial, reward_step_metrics(ctx) if ctx.reward_fn is not None else {})
+
+
+def keep_samples(ctx, rows, texts, rewards, examples, results) -> None:
+    """On the logging rank: the first sample of the step's first prompts, for samples.jsonl (at most
+    logging.samples_per_step per step)."""
+    want = ctx.cfg.logging.samples_per_step
+    if ctx.tracker is None or len(ctx.step_samples) >= want:
+        return
+    for k, row in enumerate(rows):
+        if row % ctx.cfg.rollout.n == 0 and len(ctx.step_samples) < want:
+            ctx.step_samples.append({
+                "row": row, "prompt": examples[k].prompt_text, "response": texts[k], "answer": examples[k].answer,
+                "reward": float(rewards[k]), "finish_reason": results[k].finish_reason,
+                "response_tokens": len(results[k].token_ids)})
 
 
 def restart_failed_engine(ctx, error) -> None:
@@ -194,27 +215,6 @@ def rollout_metrics(t: dict) -> dict:
 def _add(acc: dict, values: dict) -> None:
     for k, v in values.items():
         acc[k] = acc.get(k, 0.0) + float(v)
-
-
-def _sum_over_ranks(partial: dict) -> dict:
-    if dist.get_world_size() == 1:
-        return dict(partial)
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, partial)
-    total: dict = {}
-    for part in parts:  # rank order: the same float sums on every rank
-        _add(total, part)
-    return total
-
-
-def _max_over_ranks(value: int) -> int:
-    from megatron_qarl.parallel import collective_device
-
-    if dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 def reward_step_metrics(ctx) -> dict:
@@ -350,7 +350,7 @@ def optimizer_step(ctx, loss: float = 0.0) -> dict:
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads([ctx.model])
-    if _max_over_ranks(0 if math.isfinite(loss) and grads_finite(ctx.model) else 1):
+    if max_over_ranks(0 if math.isfinite(loss) and grads_finite(ctx.model) else 1):
         ctx.model.zero_grad_buffer()
         ctx.optimizer.zero_grad()
         ctx.nonfinite_streak += 1
@@ -384,7 +384,7 @@ def grads_finite(model) -> bool:
 
 def weights_finite(model) -> bool:
     """Whether every parameter on every rank is finite (COLLECTIVE)."""
-    return _max_over_ranks(0 if _all_finite([p.detach() for p in model.parameters()]) else 1) == 0
+    return max_over_ranks(0 if _all_finite([p.detach() for p in model.parameters()]) else 1) == 0
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -410,6 +410,9 @@ def gather_dp(items: list) -> list:
 def log(ctx, step: int, metrics: dict) -> dict:
     if ctx.tracker is not None:  # the logging rank
         ctx.tracker.log(step, metrics)
+        if ctx.step_samples:
+            ctx.tracker.log_samples(step, ctx.step_samples)
+            ctx.step_samples = []
     return metrics
 
 

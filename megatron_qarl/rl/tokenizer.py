@@ -55,12 +55,46 @@ def build_char_tokenizer():
     return tok
 
 
+class TokenizerError(ValueError):
+    """No usable tokenizer for the model a run names."""
+
+
 def load_tokenizer(model_cfg):
     """The tokenizer a `ModelConfig` names (RL and SFT alike): `model.tokenizer` (a path or hub name, or
-    "char"), else the one saved at `model.hf_path`; a preset with neither gets the char tokenizer, the one
-    the presets' synthetic task is written for."""
-    if model_cfg.tokenizer == "char" or (model_cfg.tokenizer is None and model_cfg.hf_path is None):
+    "char"), else the one saved at `model.hf_path`. A preset has no tokenizer of its own: it needs
+    `model.tokenizer` (never a silent fallback to the demo's char tokenizer)."""
+    if model_cfg.tokenizer == "char":
         return build_char_tokenizer()
+    source = model_cfg.tokenizer or model_cfg.hf_path
+    if source is None:
+        raise TokenizerError(
+            f"model.preset={model_cfg.preset!r} has no tokenizer of its own: set model.tokenizer to your "
+            "tokenizer's directory (e.g. the Qwen3 checkpoint dir), or model.tokenizer=char for the demo's "
+            "128-symbol character tokenizer")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_cfg.tokenizer or model_cfg.hf_path)
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(f"cannot load the tokenizer at {source!r} (model.tokenizer / model.hf_path): "
+                             f"{str(exc).splitlines()[0]}") from exc
+
+
+def split_stops(tokenizer, stop: list[str], stop_token_ids: list[int]) -> tuple[list[int], list[str]]:
+    """(stop token ids, multi-token stop strings) for `rollout.stop` / `rollout.stop_token_ids`, with the
+    tokenizer's EOS always included. A stop string that is one token (e.g. Qwen's "<|im_end|>") becomes
+    its id, which every engine matches exactly; longer strings are matched on the decoded text."""
+    ids = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    strings = []
+    for s in stop:
+        enc = tokenizer.encode(s, add_special_tokens=False)
+        if len(enc) == 1 and tokenizer.decode(enc, skip_special_tokens=False) == s:
+            ids.append(int(enc[0]))
+        else:
+            strings.append(s)
+    vocab = len(tokenizer)
+    bad = [t for t in stop_token_ids if not 0 <= int(t) < vocab]
+    if bad:
+        raise TokenizerError(f"rollout.stop_token_ids {bad} are outside the tokenizer's vocabulary (0..{vocab - 1})")
+    ids += [int(t) for t in stop_token_ids]
+    return list(dict.fromkeys(ids)), strings

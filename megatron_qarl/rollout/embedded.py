@@ -44,6 +44,7 @@ class EmbeddedEngineConfig:
     pad_token_id: int = 0
     seed: int = 0
     record_checksums: bool = True
+    tokenizer: Any = None  # decodes response tails to match SamplingParams.stop strings
 
 
 def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -58,7 +59,7 @@ class EmbeddedEngine:
     """transformers Qwen3-MoE held in-process; implements ``RolloutEngine``."""
 
     def __init__(self, model, dtype: torch.dtype = torch.bfloat16, collect_routed_experts: bool = False,
-                 pad_token_id: int = 0, record_checksums: bool = True):
+                 pad_token_id: int = 0, record_checksums: bool = True, tokenizer=None):
         self.hf_config = model.config  # what restart() rebuilds from
         self.model = model.to(dtype).eval()
         self.dtype = dtype
@@ -66,6 +67,7 @@ class EmbeddedEngine:
         self.pad_token_id = pad_token_id
         # hashing every received byte costs ~1 s/GB: switch off for large models outside verification runs
         self.record_checksums = record_checksums
+        self.tokenizer = tokenizer  # only to match stop strings (SamplingParams.stop)
         self._params = dict(self.model.named_parameters())
         self._in_update = False
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -96,7 +98,7 @@ class EmbeddedEngine:
     @classmethod
     def from_config(cls, cfg: EmbeddedEngineConfig) -> "EmbeddedEngine":
         kw = dict(collect_routed_experts=cfg.collect_routed_experts, pad_token_id=cfg.pad_token_id,
-                  record_checksums=cfg.record_checksums)
+                  record_checksums=cfg.record_checksums, tokenizer=cfg.tokenizer)
         if cfg.checkpoint_dir:
             return cls.from_hf_checkpoint(cfg.checkpoint_dir, cfg.dtype, **kw)
         if cfg.hf_config is None:
@@ -215,6 +217,8 @@ class EmbeddedEngine:
             raise RolloutEngineError("generate called during an open weight update")
         if not prompt_token_ids or any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("every prompt needs at least one token")
+        if sampling.stop and self.tokenizer is None:
+            raise RolloutEngineError("stop strings need the engine's tokenizer (EmbeddedEngineConfig.tokenizer)")
         rows = [(i, p) for i, p in enumerate(prompt_token_ids) for _ in range(sampling.n)]
         gens = [torch.Generator().manual_seed(s) for s in sampling.row_seeds(len(rows))]
         return _SamplingLoop(self, rows, sampling, gens).run()
@@ -242,6 +246,15 @@ class _SamplingLoop:
     def __init__(self, engine: EmbeddedEngine, rows, sampling: SamplingParams, gens: list[torch.Generator]):
         self.engine, self.rows, self.sp, self.gens = engine, rows, sampling, gens
         self.collect = engine.collect_routed_experts
+        # Decoding this many response tokens covers the longest stop string (a token is >= 1 character,
+        # +2 for tokens that decode to partial characters); a match inside earlier tokens ended the row then.
+        self._stop_window = max((len(s) for s in sampling.stop), default=0) + 2
+
+    def _hits_stop_string(self, tokens: list[int]) -> bool:
+        if not self.sp.stop:
+            return False
+        tail = self.engine.tokenizer.decode(tokens[-self._stop_window:], skip_special_tokens=False)
+        return any(s in tail for s in self.sp.stop)
 
     def _forward(self, ids, mask, past):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
@@ -296,7 +309,7 @@ class _SamplingLoop:
                     t = int(nxt[r])
                     tokens[r].append(t)
                     logps[r].append(float(logp[r, t]))
-                    if t in stop:
+                    if t in stop or self._hits_stop_string(tokens[r]):
                         finish[r] = "stop"
             if all(f is not None for f in finish):
                 break

@@ -30,6 +30,10 @@ class SamplingParams:
     top_k: int = -1
     max_new_tokens: int = 64
     stop_token_ids: list[int] = field(default_factory=list)
+    # Stop strings of more than one token (single-token ones travel as stop_token_ids, see
+    # rl.tokenizer.split_stops): generation ends once the response text contains one; the tokens that
+    # completed it stay in the response. Engines that cannot match text refuse them.
+    stop: list[str] = field(default_factory=list)
     seed: int | None = None
     n: int = 1
     # One seed per result row (prompt-major, n per prompt): row i samples from its own generator, so a

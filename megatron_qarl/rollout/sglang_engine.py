@@ -433,7 +433,17 @@ def _check_success(result: Any, what: str) -> None:
             raise RolloutEngineError(f"SGLang {what} failed: {msg}")
 
 
+# Stop strings need the scheduler's tokenizer: Req.tail_str decodes the output tail with self.tokenizer
+# (srt/managers/schedule_batch.py:1819-1828), which is None under --skip-tokenizer-init (we send token ids
+# and read token ids). Single-token stops travel as stop_token_ids (rl.tokenizer.split_stops).
+MULTI_TOKEN_STOP_UNSUPPORTED = (
+    "SGLang runs with --skip-tokenizer-init (the trainer tokenizes), so it matches stop token ids only, not "
+    "multi-token stop strings; use single-token stops (e.g. '<|im_end|>') or rollout.stop_token_ids")
+
+
 def _sampling_payload(sp: SamplingParams) -> dict:
+    if sp.stop:
+        raise RolloutEngineError(f"stop strings {sp.stop}: {MULTI_TOKEN_STOP_UNSUPPORTED}")
     return {
         "temperature": sp.temperature,
         "top_p": sp.top_p,
