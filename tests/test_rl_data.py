@@ -31,7 +31,7 @@ def _write_jsonl(path, lines):
     return path
 
 
-def test_jsonl_skips_malformed_rows_and_reports_the_first(tmp_path):
+def test_jsonl_malformed_rows_are_skipped_on_request_and_reported(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [
         json.dumps({"prompt": "1+1=", "answer": "2"}),
         "{not json",
@@ -42,12 +42,16 @@ def test_jsonl_skips_malformed_rows_and_reports_the_first(tmp_path):
         json.dumps({"prompt": 5, "answer": "5"}),
         json.dumps({"prompt": "3+3=", "answer": 6}),  # numeric answers are fine
     ])
-    ds = PromptDataset(PromptDataConfig(path=str(path), max_reported_errors=3))
+    ds = PromptDataset(PromptDataConfig(path=str(path), max_reported_errors=3, bad_rows="skip"))
     assert [e.answer for e in ds.examples] == ["2", "6"]
     assert [e.index for e in ds.examples] == [0, 7]
     assert ds.report.total_rows == 8 and ds.report.malformed_rows == 6 and ds.report.usable_rows == 2
     assert len(ds.report.first_errors) == 3
-    assert ds.report.first_errors[0].startswith("row 1: invalid JSON")
+    assert ds.report.first_errors[0].startswith(f"{path}:row 1: invalid JSON")
+    # strict by default: the first malformed row stops loading, named with its file and row
+    with pytest.raises(DatasetError, match=re.escape(f"{path}:row 1: invalid JSON")) as err:
+        PromptDataset(PromptDataConfig(path=str(path)))
+    assert "fix the row, or set data.bad_rows=skip to drop such rows" in str(err.value).lower()
 
 
 def test_parquet_with_chat_messages_and_nested_answer(tmp_path, tok):
@@ -57,8 +61,9 @@ def test_parquet_with_chat_messages_and_nested_answer(tmp_path, tok):
         {"prompt": None, "reward_model": {"ground_truth": "7"}},
     ]
     path = write_rows(tmp_path / "p.parquet", rows)
-    ds = PromptDataset(PromptDataConfig(path=str(path), answer_key="reward_model.ground_truth"), tok)
+    ds = PromptDataset(PromptDataConfig(path=str(path), answer_key="reward_model.ground_truth", bad_rows="skip"), tok)
     assert [e.answer for e in ds.examples] == ["42", "3"] and ds.report.malformed_rows == 1
+    assert ds.examples[0].row == rows[0] and ds.examples[0].source == str(path)
     # chat template of the char tokenizer: <bos> + user text
     assert ds.examples[0].prompt_text == "<bos>12+30="
     assert ds.examples[0].prompt_ids == [tok.bos_token_id] + tok("12+30=", add_special_tokens=False)["input_ids"]
@@ -67,7 +72,7 @@ def test_parquet_with_chat_messages_and_nested_answer(tmp_path, tok):
 def test_openr1_style_problem_field_and_no_chat_template(tmp_path, tok):
     path = _write_jsonl(tmp_path / "o.jsonl", [json.dumps({"problem": "What is 2+2?", "answer": "4", "solution": "..."})])
     cfg = PromptDataConfig(path=str(path), prompt_key="problem", apply_chat_template=False,
-                           prompt_suffix=" Put the answer in \\boxed{}.")
+                           template="{problem} Put the answer in \\boxed{}.")
     ex = PromptDataset(cfg, tok).examples[0]
     assert ex.prompt_text == "What is 2+2? Put the answer in \\boxed{}."
     assert ex.answer == "4"
