@@ -355,7 +355,9 @@ def _lookup(row: Any, dotted: str) -> Any:
 
 
 def _describe(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False, default=str) if value is not None else "null"
+    if value is None:
+        return "null"
+    text = json.dumps(value, ensure_ascii=False, default=str)
     return f"{type(value).__name__} {text[:40] + ('...' if len(text) > 40 else '')}"
 
 
