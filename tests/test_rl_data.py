@@ -361,9 +361,10 @@ def test_template_and_system_prompt_build_the_messages(tmp_path, tok):
     ])
     cfg = PromptDataConfig(path=str(path), system_prompt="Be brief.", template="Q: {problem} Use \\boxed{}.")
     a, b, c = PromptDataset(cfg, tok).examples
-    assert a.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q: 1+1= Use \\boxed{}."}]
-    assert a.prompt_text == "<bos>Be brief.\nQ: 1+1= Use \\boxed{}."  # the char tokenizer's chat template
-    assert a.prompt_ids == [tok.bos_token_id] + tok("Be brief.\nQ: 1+1= Use \\boxed{}.", add_special_tokens=False)["input_ids"]
+    user = "Q: 1+1= Use \\boxed{}."
+    assert a.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": user}]
+    assert a.prompt_text == "<bos>Be brief.\n" + user  # the char tokenizer's chat template
+    assert a.prompt_ids == [tok.bos_token_id] + tok("Be brief.\n" + user, add_special_tokens=False)["input_ids"]
     # message lists are used as they are: no template; the system prompt only where they have none
     assert b.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}]
     assert c.messages == [{"role": "system", "content": "own"}, {"role": "user", "content": "3+3="}]
@@ -394,7 +395,8 @@ def test_chat_template_kwargs_reach_the_template(tmp_path, tok, caplog):
 def test_a_template_that_refuses_the_messages_names_the_row(tmp_path):
     strict = build_char_tokenizer()
     strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
-                            "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+                            "{{ raise_exception('System role not supported') }}{% endif %}"
+                            "{{ m['content'] }}{% endfor %}")
     path = _write_jsonl(tmp_path / "p.jsonl", [json.dumps({"prompt": "1+1=", "answer": "2"})])
     with pytest.raises(DatasetError, match=r"row 0: the tokenizer's chat template failed on it .*System role not "
                                            r"supported.*data.prompt.system"):

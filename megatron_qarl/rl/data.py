@@ -569,7 +569,7 @@ class PromptSampler:
 
 
 class PromptDataset:
-    """Usable prompt examples of a file plus a resumable sampler over them."""
+    """The usable prompt examples of ``config``'s sources plus a resumable sampler over them."""
 
     def __init__(self, config: PromptDataConfig, tokenizer=None):
         self.config = config
