@@ -31,7 +31,7 @@ def _write_jsonl(path, lines):
     return path
 
 
-def test_jsonl_skips_malformed_rows_and_reports_the_first(tmp_path):
+def test_jsonl_malformed_rows_are_skipped_on_request_and_reported(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [
         json.dumps({"prompt": "1+1=", "answer": "2"}),
         "{not json",
@@ -42,12 +42,16 @@ def test_jsonl_skips_malformed_rows_and_reports_the_first(tmp_path):
         json.dumps({"prompt": 5, "answer": "5"}),
         json.dumps({"prompt": "3+3=", "answer": 6}),  # numeric answers are fine
     ])
-    ds = PromptDataset(PromptDataConfig(path=str(path), max_reported_errors=3))
+    ds = PromptDataset(PromptDataConfig(path=str(path), max_reported_errors=3, bad_rows="skip"))
     assert [e.answer for e in ds.examples] == ["2", "6"]
     assert [e.index for e in ds.examples] == [0, 7]
     assert ds.report.total_rows == 8 and ds.report.malformed_rows == 6 and ds.report.usable_rows == 2
     assert len(ds.report.first_errors) == 3
-    assert ds.report.first_errors[0].startswith("row 1: invalid JSON")
+    assert ds.report.first_errors[0].startswith(f"{path}:row 1: invalid JSON")
+    # strict by default: the first malformed row stops loading, named with its file and row
+    with pytest.raises(DatasetError, match=re.escape(f"{path}:row 1: invalid JSON")) as err:
+        PromptDataset(PromptDataConfig(path=str(path)))
+    assert "fix the row, or set data.bad_rows=skip to drop such rows" in str(err.value).lower()
 
 
 def test_parquet_with_chat_messages_and_nested_answer(tmp_path, tok):
@@ -57,8 +61,9 @@ def test_parquet_with_chat_messages_and_nested_answer(tmp_path, tok):
         {"prompt": None, "reward_model": {"ground_truth": "7"}},
     ]
     path = write_rows(tmp_path / "p.parquet", rows)
-    ds = PromptDataset(PromptDataConfig(path=str(path), answer_key="reward_model.ground_truth"), tok)
+    ds = PromptDataset(PromptDataConfig(path=str(path), answer_key="reward_model.ground_truth", bad_rows="skip"), tok)
     assert [e.answer for e in ds.examples] == ["42", "3"] and ds.report.malformed_rows == 1
+    assert ds.examples[0].row == rows[0] and ds.examples[0].source == str(path)
     # chat template of the char tokenizer: <bos> + user text
     assert ds.examples[0].prompt_text == "<bos>12+30="
     assert ds.examples[0].prompt_ids == [tok.bos_token_id] + tok("12+30=", add_special_tokens=False)["input_ids"]
@@ -67,7 +72,7 @@ def test_parquet_with_chat_messages_and_nested_answer(tmp_path, tok):
 def test_openr1_style_problem_field_and_no_chat_template(tmp_path, tok):
     path = _write_jsonl(tmp_path / "o.jsonl", [json.dumps({"problem": "What is 2+2?", "answer": "4", "solution": "..."})])
     cfg = PromptDataConfig(path=str(path), prompt_key="problem", apply_chat_template=False,
-                           prompt_suffix=" Put the answer in \\boxed{}.")
+                           template="{problem} Put the answer in \\boxed{}.")
     ex = PromptDataset(cfg, tok).examples[0]
     assert ex.prompt_text == "What is 2+2? Put the answer in \\boxed{}."
     assert ex.answer == "4"
@@ -224,3 +229,182 @@ def test_a_clean_file_logs_nothing_and_counts_zero(tmp_path, caplog):
         ds = PromptDataset(PromptDataConfig(path=str(path)))
     assert (ds.stats["replaced_rows"], ds.stats["too_long_rows"], ds.stats["malformed_rows"]) == (0, 0, 0)
     assert not caplog.records
+
+
+# ---------------------------------------------------------------- bring your own data: sources
+
+def _save_to_disk(path, rows=None, splits=None):
+    import datasets
+
+    datasets.disable_progress_bars()
+    if splits is not None:
+        datasets.DatasetDict({k: datasets.Dataset.from_list(v) for k, v in splits.items()}).save_to_disk(str(path))
+    else:
+        datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return path
+
+
+def test_a_list_of_files_and_globs_is_read_in_order(tmp_path):
+    d = tmp_path / "data"
+    d.mkdir()
+    write_rows(d / "b.parquet", [{"prompt": "b0", "answer": "1"}, {"prompt": "b1", "answer": "2"}])
+    write_rows(d / "a.parquet", [{"prompt": "a0", "answer": "3"}])
+    _write_jsonl(tmp_path / "extra.jsonl", [json.dumps({"prompt": "j0", "answer": "4"})])
+    arr = tmp_path / "arr.json"  # a .json file may hold one JSON array (pretty-printed) instead of JSON Lines
+    arr.write_text(json.dumps([{"prompt": "r0", "answer": "5"}, {"prompt": "r1", "answer": "6"}], indent=2))
+    ds = PromptDataset(PromptDataConfig(path=[str(tmp_path / "extra.jsonl"), str(d / "*.parquet"), str(arr)]))
+    assert [e.prompt_text for e in ds.examples] == ["j0", "a0", "b0", "b1", "r0", "r1"]  # glob matches sorted
+    assert [(Path(e.source).name, e.index) for e in ds.examples] == [
+        ("extra.jsonl", 0), ("a.parquet", 0), ("b.parquet", 0), ("b.parquet", 1), ("arr.json", 0), ("arr.json", 1)]
+    assert ds.examples[3].row_id == f"{d / 'b.parquet'}:row 1"
+    assert ds.report.sources == [str(tmp_path / "extra.jsonl"), str(d / "a.parquet"), str(d / "b.parquet"), str(arr)]
+    only_glob = PromptDataset(PromptDataConfig(path=str(d / "*.parquet")))
+    assert [e.answer for e in only_glob.examples] == ["3", "1", "2"]
+
+
+def test_bad_sources_name_the_path_and_the_fix(tmp_path):
+    _write_jsonl(tmp_path / "ok.jsonl", [json.dumps({"prompt": "1+1=", "answer": "2"})])
+    with pytest.raises(DatasetError, match=r"pattern '.*\*\.parquet' matches no files.*fix the pattern"):
+        PromptDataset(PromptDataConfig(path=[str(tmp_path / "ok.jsonl"), str(tmp_path / "*.parquet")]))
+    with pytest.raises(DatasetError, match=r"missing\.jsonl does not exist; fix data\.path"):
+        PromptDataset(PromptDataConfig(path=[str(tmp_path / "ok.jsonl"), str(tmp_path / "missing.jsonl")]))
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(DatasetError, match=r"unsupported prompt dataset type '\.txt'.*narrow the pattern"):
+        PromptDataset(PromptDataConfig(path=str(tmp_path / "*")))
+    with pytest.raises(DatasetError, match=r"not one written by datasets' save_to_disk.*glob such as '.*\*\.jsonl'"):
+        PromptDataset(PromptDataConfig(path=str(tmp_path)))
+    with pytest.raises(DatasetError, match="data.path is empty"):
+        PromptDataConfig(path=[])
+    broken = tmp_path / "broken.json"
+    broken.write_text('[\n  {"prompt": "1+1=", "answer": "2"},\n  {"prompt": \n]')
+    with pytest.raises(DatasetError, match=r"broken\.json is not valid JSON .* at line 4"):
+        PromptDataset(PromptDataConfig(path=str(broken)))
+
+
+def test_datasets_save_to_disk_dirs(tmp_path):
+    rows = [{"problem": "1+1=", "sol": {"answer": "2"}}, {"problem": "2+2=", "sol": {"answer": "4"}}]
+    one = _save_to_disk(tmp_path / "one", rows)
+    ds = PromptDataset(PromptDataConfig(path=str(one), prompt_key="problem", answer_key="sol.answer"))
+    assert [e.answer for e in ds.examples] == ["2", "4"] and ds.examples[1].row == rows[1]
+    assert ds.examples[1].source == str(one) and ds.examples[1].row_id == f"{one}:row 1"
+
+    dd = _save_to_disk(tmp_path / "dd", splits={"train": rows, "test": [{"problem": "3+3=", "sol": {"answer": "6"}}]})
+    cfg = dict(prompt_key="problem", answer_key="sol.answer")
+    assert [e.answer for e in PromptDataset(PromptDataConfig(path=str(dd), **cfg)).examples] == ["2", "4"]
+    test = PromptDataset(PromptDataConfig(path=str(dd), split="test", **cfg))
+    assert [e.answer for e in test.examples] == ["6"] and test.examples[0].source == f"{dd}[test]"
+    with pytest.raises(DatasetError, match=r"DatasetDict with splits \['train', 'test'\] and no split 'validation'; "
+                                           r"set data.split"):
+        PromptDataset(PromptDataConfig(path=str(dd), split="validation", **cfg))
+    both = PromptDataset(PromptDataConfig(path=[str(one), str(dd)], split="test", **cfg))  # dirs mix with lists
+    assert [e.answer for e in both.examples] == ["2", "4", "6"]
+
+
+# ---------------------------------------------------------------- bring your own data: validation
+
+def _bad_sources(d):
+    """One source of each kind whose row 1 is malformed, with what the error names."""
+    jsonl = _write_jsonl(d / "p.jsonl", [json.dumps({"prompt": "1+1=", "answer": "2"}), "{oops"])
+    arr = d / "p.json"
+    arr.write_text(json.dumps([{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}]))
+    pq = write_rows(d / "p.parquet", [{"prompt": "1+1=", "answer": "2"}, {"prompt": None, "answer": "4"}])
+    saved = _save_to_disk(d / "saved", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "  ", "answer": "4"}])
+    dd = _save_to_disk(d / "dd", splits={"train": [{"prompt": "1+1=", "answer": "2"}, {"prompt": "x", "answer": None}]})
+    return [(jsonl, str(jsonl), "invalid JSON"), (arr, str(arr), "missing 'answer' (the row's fields: 'prompt')"),
+            (pq, str(pq), "'prompt' must be a string or a list of {role, content} messages, got null"),
+            (saved, str(saved), "empty 'prompt'"), (dd, f"{dd}[train]", "missing or invalid 'answer' (got null")]
+
+
+def test_a_bad_row_is_an_error_naming_the_source_and_row_for_every_format(tmp_path):
+    for path, name, problem in _bad_sources(tmp_path):
+        with pytest.raises(DatasetError) as err:
+            PromptDataset(PromptDataConfig(path=str(path)))
+        msg = str(err.value)
+        assert msg.startswith(f"{name}:row 1: {problem}"), msg
+        assert msg.endswith("or set data.bad_rows=skip to drop such rows"), msg
+
+
+def test_skip_mode_drops_counts_and_warns_for_every_format(tmp_path, caplog):
+    sources = _bad_sources(tmp_path)
+    with caplog.at_level("WARNING", logger="megatron_qarl.rl.data"):
+        ds = PromptDataset(PromptDataConfig(path=[str(p) for p, _, _ in sources], bad_rows="skip"))
+    assert len(ds) == 5 and ds.stats["malformed_rows"] == 5 and ds.stats["total_rows"] == 10
+    assert [e.index for e in ds.examples] == [0] * 5
+    assert [err.split(": ", 1)[0] for err in ds.report.first_errors] == [f"{n}:row 1" for _, n, _ in sources]
+    assert any("skipped 5 malformed rows" in r.getMessage() for r in caplog.records)
+
+
+def test_missing_key_error_lists_the_row_fields(tmp_path):
+    path = _write_jsonl(tmp_path / "o.jsonl", [json.dumps({"problem": "1+1=", "solution": "2"})])
+    with pytest.raises(DatasetError, match=r"row 0: missing 'prompt' \(the row's fields: 'problem', 'solution'\)\. "
+                                           r"Check prompt_key='prompt' / answer_key='answer'"):
+        PromptDataset(PromptDataConfig(path=str(path)))
+
+
+def test_config_refuses_settings_that_cannot_work():
+    with pytest.raises(DatasetError, match=r"has no \{problem\} placeholder"):
+        PromptDataConfig(template="Solve it. Put the answer in \\boxed{}.")
+    with pytest.raises(DatasetError, match="bad_rows='ignore' is not one of"):
+        PromptDataConfig(bad_rows="ignore")
+    with pytest.raises(DatasetError, match=r"may not set \['tokenize'\]"):
+        PromptDataConfig(chat_template_kwargs={"tokenize": True})
+
+
+# ---------------------------------------------------------------- bring your own data: prompt construction
+
+def test_template_and_system_prompt_build_the_messages(tmp_path, tok):
+    path = _write_jsonl(tmp_path / "p.jsonl", [
+        json.dumps({"prompt": "1+1=", "answer": "2"}),
+        json.dumps({"prompt": [{"role": "user", "content": "2+2="}], "answer": "4"}),
+        json.dumps({"prompt": [{"role": "system", "content": "own"}, {"role": "user", "content": "3+3="}],
+                    "answer": "6"}),
+    ])
+    cfg = PromptDataConfig(path=str(path), system_prompt="Be brief.", template="Q: {problem} Use \\boxed{}.")
+    a, b, c = PromptDataset(cfg, tok).examples
+    user = "Q: 1+1= Use \\boxed{}."
+    assert a.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": user}]
+    assert a.prompt_text == "<bos>Be brief.\n" + user  # the char tokenizer's chat template
+    assert a.prompt_ids == [tok.bos_token_id] + tok("Be brief.\n" + user, add_special_tokens=False)["input_ids"]
+    # message lists are used as they are: no template; the system prompt only where they have none
+    assert b.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}]
+    assert c.messages == [{"role": "system", "content": "own"}, {"role": "user", "content": "3+3="}]
+    plain = PromptDataset(PromptDataConfig(path=str(path), system_prompt="Be brief.", apply_chat_template=False), tok)
+    assert plain.examples[0].prompt_text == "Be brief.\n1+1="
+    assert plain.examples[0].prompt_ids == tok("Be brief.\n1+1=")["input_ids"]
+    assert a.row == {"prompt": "1+1=", "answer": "2"} and json.loads(json.dumps(c.row)) == c.row
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path, tok, caplog):
+    thinking = build_char_tokenizer()
+    thinking.chat_template = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                              "{% if enable_thinking is defined and not enable_thinking %} no think{% endif %}")
+    path = _write_jsonl(tmp_path / "p.jsonl", [json.dumps({"prompt": "1+1=", "answer": "2"})])
+    on = PromptDataset(PromptDataConfig(path=str(path)), thinking).examples[0]
+    off = PromptDataset(PromptDataConfig(path=str(path), chat_template_kwargs={"enable_thinking": False}),
+                        thinking).examples[0]
+    assert (on.prompt_text, off.prompt_text) == ("<bos>1+1=", "<bos>1+1= no think")
+    assert off.prompt_ids == [thinking.bos_token_id] + thinking("1+1= no think", add_special_tokens=False)["input_ids"]
+    with caplog.at_level("WARNING", logger="megatron_qarl.rl.data"):  # the char template has no such variable
+        PromptDataset(PromptDataConfig(path=str(path), chat_template_kwargs={"enable_thinking": False}), tok)
+    assert any("never mentions them" in r.getMessage() and "enable_thinking" in r.getMessage() for r in caplog.records)
+    with pytest.raises(DatasetError, match="would have no effect: data.prompt.apply_chat_template is false"):
+        PromptDataset(PromptDataConfig(path=str(path), apply_chat_template=False,
+                                       chat_template_kwargs={"enable_thinking": False}), thinking)
+
+
+def test_a_template_that_refuses_the_messages_names_the_row(tmp_path):
+    strict = build_char_tokenizer()
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                            "{{ raise_exception('System role not supported') }}{% endif %}"
+                            "{{ m['content'] }}{% endfor %}")
+    path = _write_jsonl(tmp_path / "p.jsonl", [json.dumps({"prompt": "1+1=", "answer": "2"})])
+    with pytest.raises(DatasetError, match=r"row 0: the tokenizer's chat template failed on it .*System role not "
+                                           r"supported.*data.prompt.system"):
+        PromptDataset(PromptDataConfig(path=str(path), system_prompt="Be brief."), strict)
+
+
+def test_too_long_prompts_are_dropped_not_errors_in_strict_mode(tmp_path, tok):
+    path = _write_jsonl(tmp_path / "l.jsonl", [json.dumps({"prompt": "1+1=", "answer": "2"}),
+                                               json.dumps({"prompt": "123456+654321=", "answer": "777777"})])
+    ds = PromptDataset(PromptDataConfig(path=str(path), max_prompt_length=8, bad_rows="error"), tok)
+    assert len(ds) == 1 and ds.stats["too_long_rows"] == 1 and ds.stats["malformed_rows"] == 0

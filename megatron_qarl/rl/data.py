@@ -1,15 +1,32 @@
-"""Prompt datasets (JSONL / Parquet) with chat templating, length filtering and resumable shuffled sampling.
+"""Prompt datasets (JSONL / JSON / Parquet files, globs, lists of them, ``datasets`` ``save_to_disk``
+directories) with prompt construction, strict row validation, length filtering and resumable shuffled sampling.
+
+Sources (``path``): one file (``.jsonl``; ``.json`` holding JSON Lines or one JSON array of rows; ``.parquet``),
+a glob (``data/*.parquet``, matches sorted), a directory written by ``datasets``' ``save_to_disk`` (a
+``DatasetDict`` directory is read at ``split``), or a list of any of these, whose rows are concatenated in the
+given order. Rows are numbered from 0 within their source and named ``<file>:row <n>`` (``<dir>[split]:row <n>``).
 
 Row format: ``prompt_key`` (default ``prompt``) holds either a string or a list of chat messages
 (``[{"role": "user", "content": ...}, ...]``, as in verl-style Parquet files); ``answer_key`` (default
-``answer``) holds the reference answer. Keys may be dotted paths into nested objects
-(``reward_model.ground_truth``). OpenR1-Math style files work with ``prompt_key="problem"``.
+``answer``) holds the reference answer (a string, a finite number, or a list of equivalent strings of which
+the first is used). Keys may be dotted paths into nested objects (``reward_model.ground_truth``).
+OpenR1-Math style files work with ``prompt_key="problem"``.
 
-Malformed rows (invalid JSON, missing/empty prompt or answer, wrong types) are skipped, counted, and the
-first few are reported; a file without a single usable row raises ``DatasetError`` naming the problem.
+Prompt construction: a string prompt becomes the user message ``template`` with ``{problem}`` replaced by it
+(plain ``str.replace``: other braces in the template, ``\\boxed{}``, stay as they are), preceded by a
+``system_prompt`` message when one is set. A message-list prompt is used as it is; ``system_prompt`` is
+prepended only when it has no system message, and ``template`` does not apply. With a tokenizer, the messages
+go through ``tokenizer.apply_chat_template(messages, add_generation_prompt=True, **chat_template_kwargs)``
+when ``apply_chat_template`` is set; otherwise (or with no tokenizer) the prompt text is the message contents
+joined by newlines.
+
+Validation: with ``bad_rows="error"`` (the default) the first malformed row (invalid JSON, a row that is not an
+object, a missing / empty / ill-typed prompt or answer) raises ``DatasetError`` naming the source, the row,
+the problem and the fix; with ``bad_rows="skip"`` such rows are skipped, counted, and the first few reported.
 Nothing changes silently: prompts over ``max_prompt_length`` tokens are dropped and JSONL lines with bytes that
 are not UTF-8 are kept with U+FFFD in their place; both are counted in ``PromptDataset.stats`` (and ``report``)
-and one warning names the counts and the file.
+and one warning names the counts and the file. A dataset without a single usable row raises ``DatasetError``.
+``load_prompt_examples`` needs only the tokenizer, so a run checks its data before it builds a model.
 Sampling: a fresh permutation per epoch from ``seed + epoch``; ``state_dict()`` / ``load_state_dict()``
 hold (epoch, position) so a resumed run continues with exactly the prompts it would have seen.
 """
@@ -17,16 +34,27 @@ hold (epoch, position) so a resumed run continues with exactly the prompts it wo
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import glob as globlib
+import io
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+BAD_ROWS_MODES = ("error", "skip")
+PROBLEM = "{problem}"
+# apply_chat_template arguments the loader sets itself; chat_template_kwargs may not pass them again.
+_RESERVED_CHAT_KWARGS = ("conversation", "tokenize", "add_generation_prompt")
+_SKIP_HINT = "set data.bad_rows=skip to drop such rows"
 
 
 class DatasetError(ValueError):
@@ -35,25 +63,62 @@ class DatasetError(ValueError):
 
 @dataclass
 class PromptDataConfig:
-    path: str = "data/arith_sample.jsonl"
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
+    # a file (.jsonl/.json/.parquet), a glob, a datasets save_to_disk dir, or a list of those (concatenated)
+    path: Union[str, List[str]] = "data/arith_sample.jsonl"
+    split: str = "train"  # the split of a DatasetDict directory (ignored for files and single-Dataset dirs)
+    prompt_key: str = "prompt"  # dotted path into a row; a string or a list of {role, content} messages
+    answer_key: str = "answer"  # dotted path into a row
+    system_prompt: Optional[str] = None  # prepended as a system message (unless the row's messages have one)
+    template: str = PROBLEM  # user message of a string prompt; "{problem}" is replaced by the prompt
     apply_chat_template: bool = True
-    system_prompt: Optional[str] = None
-    prompt_suffix: str = ""  # appended to a string prompt, e.g. "Put the final answer in \\boxed{}."
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)  # e.g. {"enable_thinking": False}
+    bad_rows: str = "error"  # "error": the first malformed row raises DatasetError; "skip": drop, count, warn
     max_prompt_length: Optional[int] = None  # in tokens; longer prompts are dropped (counted)
     shuffle: bool = True
     seed: int = 0
     max_reported_errors: int = 5
 
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Refuse settings that cannot work, before any file is read."""
+        paths = _path_list(self.path)
+        if not paths or any(not str(p).strip() for p in paths):
+            raise DatasetError(f"data.path is empty ({self.path!r}); set it to a file, a glob, a datasets "
+                               "save_to_disk directory, or a list of those")
+        if self.bad_rows not in BAD_ROWS_MODES:
+            raise DatasetError(f"data.bad_rows={self.bad_rows!r} is not one of {list(BAD_ROWS_MODES)}")
+        if not isinstance(self.template, str) or PROBLEM not in self.template:
+            raise DatasetError(
+                f"data.prompt.template={self.template!r} has no {PROBLEM} placeholder, so every prompt would "
+                f"be the same text; put {PROBLEM} where the row's prompt goes (e.g. "
+                f"'{PROBLEM} Put the final answer in \\boxed{{}}.')")
+        if not isinstance(self.chat_template_kwargs, dict):
+            raise DatasetError(f"data.prompt.chat_template_kwargs must be a mapping, got "
+                               f"{type(self.chat_template_kwargs).__name__}")
+        reserved = sorted(set(self.chat_template_kwargs) & set(_RESERVED_CHAT_KWARGS))
+        if reserved:
+            raise DatasetError(f"data.prompt.chat_template_kwargs may not set {reserved}: the prompt loader "
+                               "sets them itself (messages, tokenize=False, add_generation_prompt=True)")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise DatasetError(f"max_prompt_length={self.max_prompt_length} must be at least 1 (or None)")
+
 
 @dataclass
 class PromptExample:
-    index: int  # row number in the file
+    index: int  # row number within its source (from 0)
     messages: List[Dict[str, str]]
     prompt_text: str  # what the engine receives (chat template applied when enabled and available)
     prompt_ids: Optional[List[int]]
     answer: str
+    row: Dict[str, Any] = field(default_factory=dict)  # the raw row as read (JSON-able), for reward plug-ins
+    source: str = ""  # the file or directory the row came from
+
+    @property
+    def row_id(self) -> str:
+        """``<source>:row <index>``, as messages name the row."""
+        return f"{self.source}:row {self.index}"
 
 
 @dataclass
@@ -63,148 +128,393 @@ class LoadReport:
     malformed_rows: int = 0
     too_long_rows: int = 0  # dropped: longer than max_prompt_length tokens
     replaced_rows: int = 0  # kept: non-UTF-8 bytes replaced by U+FFFD
-    first_errors: List[str] = field(default_factory=list)
-    first_replaced: List[int] = field(default_factory=list)  # row numbers of the first replaced rows
+    first_errors: List[str] = field(default_factory=list)  # "<source>:row <n>: <problem>"
+    first_replaced: List[str] = field(default_factory=list)  # "<source>:row <n>" of the first replaced rows
+    sources: List[str] = field(default_factory=list)  # what was read, in order
 
-    def note(self, row: int, problem: str, limit: int) -> None:
+    def note(self, row_id: str, problem: str, limit: int) -> None:
         self.malformed_rows += 1
         if len(self.first_errors) < limit:
-            self.first_errors.append(f"row {row}: {problem}")
+            self.first_errors.append(f"{row_id}: {problem}")
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+
+def _path_list(path: Any) -> List[str]:
+    if path is None:
+        return []
+    if isinstance(path, (list, tuple)):
+        return [os.fspath(p) for p in path]
+    return [os.fspath(path)]
+
+
+def _path_label(path: Any) -> str:
+    paths = _path_list(path)
+    return paths[0] if len(paths) == 1 else "[" + ", ".join(paths) + "]"
+
+
+@dataclass(frozen=True)
+class Source:
+    """One thing rows are read from: a file, or a ``save_to_disk`` directory (at ``split`` for a DatasetDict)."""
+
+    path: str
+    kind: str  # "jsonl" | "json" | "parquet" | "saved"
+    split: Optional[str] = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}[{self.split}]" if self.split is not None else self.path
+
+
+def _cwd_note(p: str) -> str:
+    return "" if os.path.isabs(p) else f" (relative to the working directory {os.getcwd()})"
+
+
+def _splits_of(directory: Path) -> List[str]:
+    try:
+        splits = json.loads((directory / "dataset_dict.json").read_text())["splits"]
+        return [str(s) for s in splits]
+    except (OSError, ValueError, KeyError, TypeError):
+        return sorted(d.name for d in directory.iterdir() if d.is_dir())
+
+
+def _source(p: str, split: str, pattern: Optional[str] = None) -> Source:
+    q = Path(p)
+    if q.is_dir():
+        if (q / "dataset_dict.json").is_file():
+            splits = _splits_of(q)
+            if split not in splits:
+                raise DatasetError(f"{p} is a datasets DatasetDict with splits {splits} and no split {split!r}; "
+                                   "set data.split to one of them")
+            return Source(p, "saved", split)
+        if (q / "state.json").is_file():
+            return Source(p, "saved")
+        found = sorted({f.suffix for f in q.iterdir() if f.is_file() and f.suffix in FILE_SUFFIXES})
+        hint = (f"; to read the files in it, set data.path to a glob such as {str(q / ('*' + found[0]))!r}"
+                if found else "")
+        raise DatasetError(f"{p} is a directory, but not one written by datasets' save_to_disk (it has no "
+                           f"dataset_dict.json or state.json){hint}")
+    if not q.exists():
+        raise DatasetError(f"prompt dataset {p} does not exist{_cwd_note(p)}; fix data.path")
+    if q.suffix not in FILE_SUFFIXES:
+        matched = f"; the pattern {pattern!r} matched it, narrow the pattern" if pattern else ""
+        raise DatasetError(f"unsupported prompt dataset type {q.suffix!r} ({p}); use .jsonl, .json or .parquet "
+                           f"files, a glob of them, or a directory written by datasets' save_to_disk{matched}")
+    return Source(p, q.suffix[1:])
+
+
+def resolve_sources(path: Any, split: str = "train") -> List[Source]:
+    """What ``path`` names, in order: each entry of a list in turn, a glob's matches sorted. Raises
+    ``DatasetError`` for a glob matching nothing, a missing path, an unsupported suffix, a directory that
+    ``save_to_disk`` did not write, or a DatasetDict without ``split``."""
+    out: List[Source] = []
+    for entry in _path_list(path):
+        p = os.path.expanduser(entry)
+        if any(c in p for c in "*?[") and not os.path.exists(p):
+            matches = sorted(globlib.glob(p, recursive=True))
+            if not matches:
+                raise DatasetError(f"data path pattern {entry!r} matches no files{_cwd_note(p)}; fix the pattern")
+            out.extend(_source(m, split, pattern=entry) for m in matches)
+        else:
+            out.append(_source(p, split))
+    names = [s.name for s in out]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        logger.warning("data.path names %s more than once; their rows are used once per mention", repeated)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- reading
 
+RowIter = Iterator[Tuple[int, Any, Optional[str]]]
 
-def _read_jsonl(path: Path, replaced: Optional[List[int]] = None) -> Iterable[Tuple[int, Any, Optional[str]]]:
+
+def _read_jsonl_lines(lines: Iterable[bytes], replaced: Optional[List[int]]) -> RowIter:
+    for i, raw in enumerate(lines):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            line = raw.decode("utf-8", errors="replace")
+            if replaced is not None:
+                replaced.append(i)
+        if not line.strip():
+            continue
+        try:
+            yield i, json.loads(line), None
+        except json.JSONDecodeError as e:
+            yield i, None, f"invalid JSON ({e.msg})"
+
+
+def _read_jsonl(path: Path, replaced: Optional[List[int]]) -> RowIter:
     with path.open("rb") as f:
-        for i, raw in enumerate(f):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                line = raw.decode("utf-8", errors="replace")
-                if replaced is not None:
-                    replaced.append(i)
-            if not line.strip():
-                continue
-            try:
-                yield i, json.loads(line), None
-            except json.JSONDecodeError as e:
-                yield i, None, f"invalid JSON ({e.msg})"
+        yield from _read_jsonl_lines(f, replaced)
 
 
-def _read_parquet(path: Path) -> Iterable[Tuple[int, Any, Optional[str]]]:
-    import pyarrow.parquet as pq
-
-    for i, row in enumerate(pq.read_table(path).to_pylist()):
+def _read_json(path: Path, replaced: Optional[List[int]]) -> RowIter:
+    """A ``.json`` file: one JSON array of rows (or one JSON object: one row), else JSON Lines."""
+    data = path.read_bytes()
+    try:
+        text, lossy = data.decode("utf-8"), False
+    except UnicodeDecodeError:
+        text, lossy = data.decode("utf-8", errors="replace"), True
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        head = text.lstrip()
+        first_line = head.splitlines()[0] if head else ""
+        if head.startswith("[") and not _parses(first_line):
+            raise DatasetError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); fix the "
+                               "file (a .json file holds one JSON array of rows, or JSON Lines)") from None
+        yield from _read_jsonl_lines(io.BytesIO(data), replaced)
+        return
+    rows = value if isinstance(value, list) else [value]
+    for i, row in enumerate(rows):
+        if lossy and replaced is not None and "\ufffd" in json.dumps(row, ensure_ascii=False):
+            replaced.append(i)
         yield i, row, None
 
 
-def read_rows(path, replaced: Optional[List[int]] = None) -> Iterable[Tuple[int, Any, Optional[str]]]:
-    """(row number, parsed row or None, parse error or None) for a ``.jsonl``/``.json`` or ``.parquet`` file.
-    JSONL rows whose bytes are not UTF-8 are decoded with U+FFFD replacements and their numbers appended to
-    ``replaced``."""
-    path = Path(path)
-    if not path.exists():
-        raise DatasetError(f"prompt dataset {path} does not exist")
-    if path.suffix in (".jsonl", ".json"):
-        return _read_jsonl(path, replaced)
-    if path.suffix == ".parquet":
-        return _read_parquet(path)
-    raise DatasetError(f"unsupported prompt dataset type {path.suffix!r} ({path}); use .jsonl or .parquet")
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
+def _plain(value: Any) -> Any:
+    """A Parquet / Arrow value as plain JSON-able Python (dates and decimals as strings)."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)  # decimals, durations, ...
+
+
+def _read_arrow_batches(batches: Iterable[Any]) -> RowIter:
+    i = 0
+    for batch in batches:
+        for row in batch.to_pylist():
+            yield i, _plain(row), None
+            i += 1
+
+
+def _read_parquet(path: Path) -> RowIter:
+    import pyarrow.parquet as pq
+
+    try:
+        f = pq.ParquetFile(path)
+    except (OSError, ValueError) as e:
+        raise DatasetError(f"cannot read {path} as Parquet ({e}); fix or re-write the file") from None
+    yield from _read_arrow_batches(f.iter_batches(batch_size=1024))
+
+
+def _read_saved(src: Source) -> RowIter:
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError(f"{src.path} is a datasets save_to_disk directory; reading it needs the `datasets` "
+                           "package (pip install datasets)") from None
+    ds = datasets.load_from_disk(src.path)
+    if isinstance(ds, datasets.DatasetDict):
+        ds = ds[src.split or "train"]
+    yield from _read_arrow_batches(ds.with_format("arrow").iter(batch_size=1024))
+
+
+def read_source(src: Source, replaced: Optional[List[int]] = None) -> RowIter:
+    """(row number, parsed row or None, parse error or None) for each row of ``src``. JSON rows whose bytes
+    are not UTF-8 are decoded with U+FFFD replacements and their numbers appended to ``replaced``."""
+    if src.kind == "jsonl":
+        return _read_jsonl(Path(src.path), replaced)
+    if src.kind == "json":
+        return _read_json(Path(src.path), replaced)
+    if src.kind == "parquet":
+        return _read_parquet(Path(src.path))
+    return _read_saved(src)
+
+
+# ---------------------------------------------------------------------------------------------- rows
+
+_MISSING = object()
 
 
 def _lookup(row: Any, dotted: str) -> Any:
     cur = row
     for part in dotted.split("."):
         if not isinstance(cur, dict) or part not in cur:
-            return None
+            return _MISSING
         cur = cur[part]
     return cur
 
 
-def _messages(value: Any, cfg: PromptDataConfig) -> Tuple[Optional[List[Dict[str, str]]], Optional[str]]:
+def _describe(value: Any) -> str:
     if value is None:
-        return None, f"missing {cfg.prompt_key!r}"
+        return "null"
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return f"{type(value).__name__} {text[:40] + ('...' if len(text) > 40 else '')}"
+
+
+def _messages(value: Any, cfg: PromptDataConfig) -> Tuple[Optional[List[Dict[str, str]]], Optional[str]]:
+    key = cfg.prompt_key
+    if value is _MISSING:
+        return None, f"missing {key!r}"
+    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     if isinstance(value, str):
         if not value.strip():
-            return None, f"empty {cfg.prompt_key!r}"
-        content = value + cfg.prompt_suffix
-        msgs = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-        return msgs + [{"role": "user", "content": content}], None
-    if isinstance(value, list) and value and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
-    ):
-        return [{"role": m["role"], "content": m["content"]} for m in value], None
-    return None, f"{cfg.prompt_key!r} must be a string or a list of {{role, content}} messages, got {type(value).__name__}"
+            return None, f"empty {key!r}"
+        return system + [{"role": "user", "content": cfg.template.replace(PROBLEM, value)}], None
+    if isinstance(value, list):
+        if not value:
+            return None, f"empty {key!r} (no messages)"
+        for j, m in enumerate(value):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                return None, f"{key!r} message {j} is not a {{role, content}} object with string values"
+        msgs = [{"role": m["role"], "content": m["content"]} for m in value]
+        if any(m["role"] == "system" for m in msgs):
+            return msgs, None
+        return system + msgs, None
+    return None, (f"{key!r} must be a string or a list of {{role, content}} messages, got "
+                  f"{'null' if value is None else type(value).__name__}")
 
 
 def _answer(value: Any, cfg: PromptDataConfig) -> Tuple[Optional[str], Optional[str]]:
-    if isinstance(value, bool) or value is None:
-        return None, f"missing or invalid {cfg.answer_key!r}"
+    key = cfg.answer_key
+    if value is _MISSING:
+        return None, f"missing {key!r}"
     if isinstance(value, float) and not math.isfinite(value):
-        return None, f"{cfg.answer_key!r} is {value} (not a finite number)"
-    if isinstance(value, (int, float)):
+        return None, f"{key!r} is {value} (not a finite number)"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value), None
     if isinstance(value, str) and value.strip():
         return value.strip(), None
-    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value) and value[0].strip():
         return value[0].strip(), None  # some files store a list of equivalent answers
-    return None, f"missing or invalid {cfg.answer_key!r}"
+    return None, (f"missing or invalid {key!r} (got {_describe(value)}; expected a non-empty string, a finite "
+                  "number or a list of strings)")
 
 
-def _render(messages: List[Dict[str, str]], tokenizer, cfg: PromptDataConfig) -> Tuple[str, Optional[List[int]]]:
+def _chat_template_in_use(cfg: PromptDataConfig, tokenizer) -> bool:
+    """Whether prompts go through the tokenizer's chat template; refuses chat_template_kwargs that would have
+    no effect, and warns when a chat template was asked for but the tokenizer has none."""
+    if tokenizer is None:
+        return False
+    kwargs = cfg.chat_template_kwargs
+    if not cfg.apply_chat_template:
+        if kwargs:
+            raise DatasetError(f"data.prompt.chat_template_kwargs={kwargs} would have no effect: "
+                               "data.prompt.apply_chat_template is false; remove them or enable the chat template")
+        return False
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        if kwargs:
+            raise DatasetError(f"data.prompt.chat_template_kwargs={kwargs} would have no effect: the tokenizer "
+                               "has no chat template; remove them or use a tokenizer with one")
+        logger.warning("the tokenizer has no chat template, so prompts are the message contents joined by "
+                       "newlines; set data.prompt.apply_chat_template=false to say so")
+        return False
+    texts = list(template.values()) if isinstance(template, dict) else [str(template)]
+    unused = [k for k in kwargs if not any(k in t for t in texts)]
+    if unused:
+        logger.warning("data.prompt.chat_template_kwargs %s: the tokenizer's chat template never mentions them, "
+                       "so they have no effect", unused)
+    return True
+
+
+def _render(messages: List[Dict[str, str]], tokenizer, use_chat_template: bool,
+            cfg: PromptDataConfig) -> Tuple[str, Optional[List[int]]]:
     if tokenizer is None:
         return "\n".join(m["content"] for m in messages), None
-    if cfg.apply_chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if use_chat_template:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **cfg.chat_template_kwargs)
         return text, list(tokenizer(text, add_special_tokens=False)["input_ids"])
     text = "\n".join(m["content"] for m in messages)
     return text, list(tokenizer(text)["input_ids"])
 
 
+def _fields_of(row: Any) -> str:
+    keys = list(row)[:12] if isinstance(row, dict) else []
+    return ", ".join(map(repr, keys)) + (", ..." if isinstance(row, dict) and len(row) > 12 else "")
+
+
+def _bad_row_error(row_id: str, problem: str, row: Any, cfg: PromptDataConfig) -> DatasetError:
+    if problem in (f"missing {cfg.prompt_key!r}", f"missing {cfg.answer_key!r}") and isinstance(row, dict):
+        return DatasetError(
+            f"{row_id}: {problem} (the row's fields: {_fields_of(row) or 'none'}). Check "
+            f"prompt_key={cfg.prompt_key!r} / answer_key={cfg.answer_key!r} against the file's fields, fix the "
+            f"row, or {_SKIP_HINT}")
+    return DatasetError(f"{row_id}: {problem}. Fix the row, or {_SKIP_HINT}")
+
+
 def load_prompt_examples(cfg: PromptDataConfig, tokenizer=None) -> Tuple[List[PromptExample], LoadReport]:
+    """Every usable example of ``cfg``'s sources, and what loading dropped or changed. Needs no model: a run
+    calls it to check its data (sources, rows, templates, lengths) before it builds one."""
+    cfg.validate()
     if cfg.max_prompt_length is not None and tokenizer is None:
         raise DatasetError("max_prompt_length filtering needs a tokenizer; pass one or set max_prompt_length=None")
-    report = LoadReport()
+    use_chat_template = _chat_template_in_use(cfg, tokenizer)
+    sources = resolve_sources(cfg.path, cfg.split)
+    report = LoadReport(sources=[s.name for s in sources])
     examples: List[PromptExample] = []
-    replaced: List[int] = []
-    for i, row, err in read_rows(cfg.path, replaced):
-        report.total_rows += 1
-        if err is None and not isinstance(row, dict):
-            err = f"row is a {type(row).__name__}, expected an object"
-        messages = answer = None
-        if err is None:
-            messages, err = _messages(_lookup(row, cfg.prompt_key), cfg)
-        if err is None:
-            answer, err = _answer(_lookup(row, cfg.answer_key), cfg)
-        if err is not None:
-            report.note(i, err, cfg.max_reported_errors)
-            continue
-        text, ids = _render(messages, tokenizer, cfg)
-        if cfg.max_prompt_length is not None and len(ids) > cfg.max_prompt_length:
-            report.too_long_rows += 1
-            continue
-        examples.append(PromptExample(index=i, messages=messages, prompt_text=text, prompt_ids=ids, answer=answer))
+    for src in sources:
+        replaced: List[int] = []
+        for i, row, err in read_source(src, replaced):
+            report.total_rows += 1
+            row_id = f"{src.name}:row {i}"
+            if err is None and not isinstance(row, dict):
+                err = f"row is a {type(row).__name__}, expected an object"
+            messages = answer = None
+            if err is None:
+                messages, err = _messages(_lookup(row, cfg.prompt_key), cfg)
+            if err is None:
+                answer, err = _answer(_lookup(row, cfg.answer_key), cfg)
+            if err is None:
+                try:
+                    text, ids = _render(messages, tokenizer, use_chat_template, cfg)
+                except Exception as e:  # a template that refuses these messages (jinja raise_exception etc.)
+                    err = (f"the tokenizer's chat template failed on it ({type(e).__name__}: {e}); check "
+                           "data.prompt.system and the row's messages against what the template accepts")
+            if err is not None:
+                if cfg.bad_rows == "error":
+                    raise _bad_row_error(row_id, err, row, cfg)
+                report.note(row_id, err, cfg.max_reported_errors)
+                continue
+            if cfg.max_prompt_length is not None and len(ids) > cfg.max_prompt_length:
+                report.too_long_rows += 1
+                continue
+            examples.append(PromptExample(index=i, messages=messages, prompt_text=text, prompt_ids=ids,
+                                          answer=answer, row=row, source=src.name))
+        if replaced:
+            report.replaced_rows += len(replaced)
+            room = max(cfg.max_reported_errors - len(report.first_replaced), 0)
+            report.first_replaced.extend(f"{src.name}:row {i}" for i in replaced[:room])
+            shown = replaced[: cfg.max_reported_errors]
+            logger.warning("%s: %d rows with non-UTF-8 bytes (rows %s%s) were kept with U+FFFD in place of those "
+                           "bytes; re-encode the file as UTF-8 to train on the original text", src.name,
+                           len(replaced), ", ".join(map(str, shown)), ", ..." if len(replaced) > len(shown) else "")
     report.usable_rows = len(examples)
-    report.replaced_rows, report.first_replaced = len(replaced), replaced[: cfg.max_reported_errors]
+    label = _path_label(cfg.path)
     if report.malformed_rows:
-        logger.warning("%s: skipped %d malformed rows; first: %s", cfg.path, report.malformed_rows, report.first_errors)
+        logger.warning("%s: skipped %d malformed rows (data.bad_rows=skip); first: %s", label,
+                       report.malformed_rows, report.first_errors)
     if report.too_long_rows:
         logger.warning("%s: dropped %d prompts longer than max_prompt_length=%d tokens (%d of %d rows usable); "
-                       "raise data.max_prompt_len to keep them", cfg.path, report.too_long_rows,
+                       "raise data.max_prompt_len to keep them", label, report.too_long_rows,
                        cfg.max_prompt_length, report.usable_rows, report.total_rows)
-    if replaced:
-        logger.warning("%s: %d rows with non-UTF-8 bytes (rows %s%s) were kept with U+FFFD in place of those "
-                       "bytes; re-encode the file as UTF-8 to train on the original text", cfg.path, len(replaced),
-                       ", ".join(map(str, report.first_replaced)), ", ..." if len(replaced) > len(report.first_replaced)
-                       else "")
     if not examples:
         raise DatasetError(_empty_message(cfg, report))
     return examples, report
 
 
 def _empty_message(cfg: PromptDataConfig, report: LoadReport) -> str:
-    msg = f"prompt dataset {cfg.path} has no usable rows ({report.total_rows} rows read"
+    msg = f"prompt dataset {_path_label(cfg.path)} has no usable rows ({report.total_rows} rows read"
     msg += f", {report.malformed_rows} malformed, {report.too_long_rows} longer than max_prompt_length)"
     if report.first_errors:
         msg += f"; first problems: {report.first_errors}"
@@ -259,7 +569,7 @@ class PromptSampler:
 
 
 class PromptDataset:
-    """Usable prompt examples of a file plus a resumable sampler over them."""
+    """The usable prompt examples of ``config``'s sources plus a resumable sampler over them."""
 
     def __init__(self, config: PromptDataConfig, tokenizer=None):
         self.config = config
