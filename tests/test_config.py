@@ -185,6 +185,20 @@ BAD_CONFIGS = [
     pytest.param(["sft.lr=0"], None, "sft:", id="sft-owner-validation"),
     pytest.param(["quant.scheme=fp8", "quant.scope=all-linears", "quant.block_size=128"], None,
                  "head_dim 64 is not a multiple of the fp8 block 128", id="fp8-block-larger-than-head"),
+    pytest.param(["rollout.temperature=0"], None, "rollout.temperature=0.0 must be > 0", id="greedy-rollout"),
+    pytest.param(['data.prompt.template="Solve it."'], None, "has no {problem}", id="template-without-problem"),
+    pytest.param(["data.bad_rows=ignore"], None, "data.bad_rows='ignore' is not one of", id="bad-rows-choice"),
+    pytest.param(["data.path=[]"], None, "data.path=[] must be a file, a glob", id="empty-path-list"),
+    pytest.param(["eval.path=x.jsonl", "eval.n=2", "eval.k=4"], None, "need n >= 1 and 1 <= k <= n",
+                 id="pass-at-k-beyond-n"),
+    pytest.param(["eval.path=x.jsonl", "eval.temperature=0"], None, "eval.temperature=0.0 must be > 0",
+                 id="greedy-eval"),
+    pytest.param(['rollout.stop=[""]'], None, "rollout.stop holds an empty string", id="empty-stop-string"),
+    pytest.param(["rollout.stop_token_ids=[-1]"], None, "must be token ids", id="negative-stop-id"),
+    pytest.param(["data.reward_workers=0"], None, "data.reward_workers=0 must be >= 1", id="no-reward-workers"),
+    pytest.param(["parallel.world_size=8"], 2, "laid out for parallel.world_size=8 ranks but runs on 2",
+                 id="world-size-mismatch"),
+    pytest.param(["logging.plot_every=-1"], None, "logging.plot_every=-1", id="negative-plot-every"),
 ]
 
 
@@ -331,3 +345,29 @@ def test_loopback_host_classification():
 
     assert [is_loopback_host(h) for h in ("127.0.0.1", "::1", "localhost", "0.0.0.0", "::", "example.org")] == \
         [True, True, True, False, False, False]
+
+
+def test_free_form_mappings_take_any_key_and_quoted_templates_keep_their_braces():
+    cfg = load_config(None, ["data.prompt.chat_template_kwargs.enable_thinking=false",
+                             'data.prompt.template="{problem} Put it in \\\\boxed{}."', "data.path=[a.jsonl,b/*.parquet]"])
+    assert cfg.data.prompt.chat_template_kwargs == {"enable_thinking": False}
+    assert cfg.data.prompt.template == "{problem} Put it in \\boxed{}."
+    assert cfg.data.path == ["a.jsonl", "b/*.parquet"]
+    with pytest.raises(ConfigError, match="must be quoted as YAML"):
+        load_config(None, ["data.prompt.template={problem} x"])
+
+
+def test_dry_run_on_a_login_node_checks_the_configs_own_world(monkeypatch, capsys):
+    """No WORLD_SIZE: --dry-run checks parallel.world_size (8 for the 30B configs), else the smallest world
+    the layout fits; --world-size overrides; a mismatching WORLD_SIZE is refused naming both."""
+    from megatron_qarl.cli import dry_run_world_size, train_main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    q30 = str(ROOT / "configs" / "qwen3_30b_a3b_qarl_w4a16_tbpo.yaml")
+    assert train_main(["--config", q30, "--dry-run"]) == 0
+    assert "world 8 = TP 4 x PP 1 x DP 2" in capsys.readouterr().out
+    assert dry_run_world_size(load_config(None, ["parallel.tp=2", "parallel.ep=4", "parallel.etp=1"]), None) == 4
+    assert dry_run_world_size(load_config(q30, []), 16) == 16
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert train_main(["--config", q30, "--dry-run"]) == 2
+    assert "parallel.world_size=8 ranks but runs on 4" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """EmbeddedEngine: sampling semantics against an independent HF recompute, and refit numerics against
 the compressed-tensors library / hand-computed FP8 dequantization."""
 
+import dataclasses
 import json
 
 import pytest
@@ -221,3 +222,33 @@ def test_checkpoint_loaded_by_transformers_equals_refit(tmp_path, quant_cfg):
     assert set(a) == set(b)
     mismatched = [k for k in a if not torch.equal(a[k], b[k])]
     assert not mismatched, mismatched[:5]
+
+
+def test_stop_string_ends_sample_after_the_token_that_completes_it():
+    """A multi-token stop string ends a row right after the token that completes it (kept, as SGLang and
+    vLLM keep it); rows without it run on unchanged (their own seeds), and the logprobs are the prefix's."""
+    from megatron_qarl.rl.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    engine = EmbeddedEngine.from_hf_config(tiny_config(), dtype="float32", seed=1, tokenizer=tok)
+    sp = SamplingParams(max_new_tokens=8, seed=5, n=2)
+    base = engine.generate(PROMPTS, sp)
+    # a two-token stop string: the first two adjacent one-character tokens of some row (ids past the char
+    # vocabulary decode to nothing, so which row has them depends on the CPU's kernels)
+    pick = next((row, i) for row, r in enumerate(base) for i in range(len(r.token_ids) - 1)
+                if all(len(tok.decode([t], skip_special_tokens=False)) == 1 for t in r.token_ids[i:i + 2]))
+    row = pick[0]
+    pieces = [tok.decode([t], skip_special_tokens=False) for t in base[row].token_ids]
+    stop = pieces[pick[1]] + pieces[pick[1] + 1]
+    end = next(i for i in range(len(pieces)) if stop in "".join(pieces[: i + 1])) + 1
+    stopped = engine.generate(PROMPTS, dataclasses.replace(sp, stop=[stop]))
+    assert stopped[row].finish_reason == "stop" and stopped[row].token_ids == base[row].token_ids[:end]
+    assert stopped[row].logprobs == base[row].logprobs[:end]
+    for b, s in zip(base, stopped):
+        btext = tok.decode(b.token_ids, skip_special_tokens=False)
+        if stop in btext:
+            assert s.finish_reason == "stop" and len(s.token_ids) <= len(b.token_ids)
+        else:
+            assert s.token_ids == b.token_ids and s.finish_reason == b.finish_reason
+    with pytest.raises(RolloutEngineError, match="tokenizer"):
+        EmbeddedEngine.from_hf_config(tiny_config(), dtype="float32").generate(PROMPTS, dataclasses.replace(sp, stop=["ab"]))
