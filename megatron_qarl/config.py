@@ -102,7 +102,7 @@ class SGLangConfig:
     # W4A16 refit needs SGLang's Marlin WNA16 MoE path: "auto" is pinned to "marlin" for W4A16 (SGLang's own
     # auto picks the Triton WNA16 MoE on SM100, whose second refit fails); "triton" and others are refused.
     moe_runner_backend: str = "auto"
-    mem_fraction_static: float = 0.5
+    mem_fraction_static: float = 0.5  # share of each GPU SGLang reserves for weights + KV cache
     # CUDA graphs: auto = off for W4A16 (SGLang reallocates the Marlin MoE workspace at every refit while
     # captured graphs keep the old pointer; eager decode costs throughput, most at small batches), on
     # otherwise; "on" forces them (at your own risk with W4A16), "off" disables them.
@@ -117,18 +117,18 @@ class SGLangConfig:
     # Name of the env var holding the key, never the key. A launched server gets it through a private file,
     # never its command line; launch=attach requires it (the attached server must be protected by a key).
     api_key_env: str = "QARL_SGLANG_API_KEY"
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address a launched server binds
     # A non-loopback host exposes the engine (generate + weight-update endpoints) to the network: refused
     # unless this is true, and the engine warns when it binds there.
     allow_remote_host: bool = False
     port: int = 0  # 0: a free port (engine g of a fixed base port uses port + g)
-    health_timeout_s: float = 900.0
-    extra_server_args: list[str] = field(default_factory=list)
+    health_timeout_s: float = 900.0  # how long a starting server may take to answer /health
+    extra_server_args: list[str] = field(default_factory=list)  # appended to the launch command as given
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = "embedded"
+    engine: str = "embedded"  # embedded (transformers, in-process, CPU) | sglang (GPU server)
     # Topology: `engines` engine instances of `engine_tp` GPUs each; the world is cut into `engines` rollout
     # groups and each group's first rank drives one (parallel.RolloutTopology). 0: one colocated engine per
     # engine_tp GPUs, so every GPU generates (under torchrun on CPU: one embedded engine per rank); separate
@@ -145,15 +145,15 @@ class RolloutConfig:
     request_retries: int = 2
     engine_restarts: int = 1
     n: int = 4  # responses per prompt (group size)
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # > 0: RL learns from sampled groups
+    top_p: float = 1.0  # 1.0 = disabled
     top_k: int = 0  # 0 = disabled
-    max_new_tokens: int = 8
+    max_new_tokens: int = 8  # response budget per sample (finish_reason "length" beyond it)
     # Generation also ends at any of these strings (kept in the response, as SGLang and vLLM keep the tokens)
     # or token ids, besides the tokenizer's EOS (e.g. "<|im_end|>" for a Qwen3-Base chat template).
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
-    embedded_dtype: str = "float32"
+    embedded_dtype: str = "float32"  # the embedded engine's compute dtype (float32 | bfloat16)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
 
@@ -173,7 +173,7 @@ class PromptConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "file"
+    source: str = "file"  # file: data.path; synthetic: the arithmetic task of data.synthetic
     # A .jsonl/.json/.parquet file, a glob (data/*.parquet), a list of files/globs, or a local Hugging Face
     # `datasets` directory (save_to_disk); docs/data-formats.md.
     path: Any = "data/arith_sample.jsonl"
@@ -217,12 +217,13 @@ class EvalConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 10
+    steps: int = 10  # RL steps (rollout + update + publish each)
     prompts_per_step: int = 16  # train_batch_size (prompts; sequences = prompts * rollout.n)
     mini_batch_prompts: int = 4  # ppo_mini_batch_size: one optimizer step per mini-batch
     micro_batch_size: int = 4  # sequences per forward/backward on one DP rank
     recompute_activations: bool = False  # full-layer activation recompute (needed at 30B scale)
-    seed: int = 1234
+    seed: int = 1234  # megatron init, sampling seeds (step seed = seed + step) and RNG state
+    # off | replay: every learner forward routes tokens to the experts the sampler chose (R3)
     routing_replay: str = "off"
     # Per-step router-mismatch / replay-gap telemetry: one extra no-grad forward per micro-batch
     # (two when replay is off); needs the engine's routed experts.
@@ -236,7 +237,7 @@ class TrainConfig:
 
 @dataclass
 class PublishConfig:
-    bucket_mb: int = 512
+    bucket_mb: int = 512  # weights travel to the engine in flat buckets of at most this many MiB
     verify: bool = False  # compare engine-side checksums with what was sent, after each publish
 
 
@@ -244,13 +245,15 @@ class PublishConfig:
 class CheckpointConfig:
     dir: str | None = None  # None: <logging.out_dir>/checkpoints
     every: int = 0  # steps between checkpoints; 0 = only at the end
-    keep_last: int = 2
-    resume: str = "auto"  # auto: latest in dir if any; none; or a checkpoint path
+    keep_last: int = 2  # older step checkpoints are removed once a newer one is complete
+    # auto: the newest verified checkpoint in dir, if any; force: the same even if another config wrote it;
+    # none: start fresh; or a checkpoint path
+    resume: str = "auto"
 
 
 @dataclass
 class WandbConfig:
-    project: str = "megatron-qarl"
+    project: str = "megatron-qarl"  # wandb project (run name = the config's `name`)
     # offline | online | disabled; WANDB_MODE in the environment wins, and WANDB_API_KEY makes offline online.
     mode: str = "offline"
     entity: str | None = None  # team or user (null: the key's default entity)
@@ -258,7 +261,7 @@ class WandbConfig:
 
 @dataclass
 class LoggingConfig:
-    out_dir: str = "runs/default"
+    out_dir: str = "runs/default"  # metrics, plots, samples, config.yaml and (by default) checkpoints
     wandb: WandbConfig = field(default_factory=WandbConfig)
     jsonl: bool = True  # <out_dir>/metrics.jsonl, one row per step
     plots: bool = True  # PNG curves in <out_dir>
@@ -337,7 +340,7 @@ class SFTConfig:
 
 @dataclass
 class RunConfig:
-    name: str = "default"
+    name: str = "default"  # the experiment's name: wandb run name, and part of the checkpoint identity
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelLayout = field(default_factory=ParallelLayout)
     quant: QuantSection = field(default_factory=QuantSection)
