@@ -1,6 +1,6 @@
 """Metrics sinks for a run: metrics.jsonl (every step; `logging.jsonl`), wandb (offline unless a key or
-online mode is set), a console progress line (every `logging.log_every` steps) and PNG plots at the end
-(`logging.plots`).
+online mode is set; WANDB_MODE wins), a console progress line (every `logging.log_every` steps) and PNG
+plots at the end (`logging.plots`).
 
 Only the rank that owns logging (global rank 0) creates a tracker; other ranks pass their numbers to it
 through the trainer's reductions.
@@ -32,24 +32,39 @@ PLOTTED_METRICS = (
 PROGRESS_METRICS = (("reward/mean", "reward"), ("loss/value", "loss"), ("mismatch/k3", "k3"),
                     ("tbpo/kept_frac", "kept"), ("publish/code_flip_frac", "flips"), ("time/step_s", "s/step"))
 
+# What wandb.init(mode=...) and the WANDB_MODE variable accept; dryrun is offline, run and shared are online.
+WANDB_MODES = ("offline", "online", "disabled", "dryrun", "run", "shared")
+_ONLINE_MODES = ("online", "run", "shared")
+
 
 @dataclass
 class TrackerConfig:
     out_dir: str
     project: str = "megatron-qarl"
     run_name: str = "run"
-    wandb_mode: str = "offline"  # offline | online | disabled
+    # offline | online | disabled (or another WANDB_MODES value); WANDB_MODE in the environment wins.
+    # Without it: online when asked for or when WANDB_API_KEY is set, else this mode.
+    wandb_mode: str = "offline"
+    entity: str | None = None  # wandb entity (team or user); None: the account's default
+    wandb_run_id: str | None = None  # the wandb run to continue (resume); None: a new run with a new id
     config: dict | None = None
     jsonl: bool = True  # write <out_dir>/metrics.jsonl, one row per step
     plots: bool = True  # write one PNG per PLOTTED_METRICS curve at finish()
     log_every: int = 1  # print the progress line every N steps (and at the last step)
     total_steps: int | None = None  # for "step k/N" and the last-step line
 
+    def __post_init__(self):
+        if self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")
+        if self.log_every < 1:
+            raise ValueError(f"log_every={self.log_every}: must be >= 1")
+
 
 class MetricsTracker:
     def __init__(self, cfg: TrackerConfig, *, resume: bool = False, start_step: int | None = None):
         """resume: keep metrics.jsonl, minus its rows of steps >= `start_step` (the steps this run re-runs),
-        so every step has one row; otherwise an existing metrics.jsonl is removed."""
+        so every step has one row, and continue the wandb run `cfg.wandb_run_id`; otherwise an existing
+        metrics.jsonl is removed."""
         self.cfg = cfg
         self.out_dir = Path(cfg.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -60,6 +75,12 @@ class MetricsTracker:
             self._truncate_jsonl(start_step)
         self._rows: list[dict] = []  # what summary() and the plots read when there is no metrics.jsonl
         self._wandb = _init_wandb(cfg, self.out_dir)
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        """The wandb run's id (to store in a checkpoint and pass back as `wandb_run_id` on resume); None
+        when wandb is off."""
+        return None if self._wandb is None else self._wandb.id
 
     def _truncate_jsonl(self, start_step: int) -> None:
         """Rewrite metrics.jsonl (atomically) without the rows of steps >= start_step."""
@@ -139,24 +160,35 @@ def first_last_means(values: list[float], window: int = 5) -> tuple[int, float, 
     return k, sum(values[:k]) / k, sum(values[-k:]) / k
 
 
-def _wandb_mode(requested: str) -> str:
-    """Online only when asked for or when an API key is present; never block on a login prompt."""
+def resolve_wandb_mode(requested: str) -> str:
+    """WANDB_MODE from the environment wins (any mode wandb accepts); without it, online only when asked for
+    or when an API key is present, else the requested mode (offline or disabled)."""
+    env = os.environ.get("WANDB_MODE", "").strip()
+    if env:
+        if env not in WANDB_MODES:
+            raise ValueError(f"WANDB_MODE={env!r}: expected one of {', '.join(WANDB_MODES)}")
+        return env
     if requested == "disabled":
         return "disabled"
-    if requested == "online" or os.environ.get("WANDB_API_KEY"):
-        return "online"
-    return "offline"
+    if requested in _ONLINE_MODES:
+        return requested
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
 def _init_wandb(cfg: TrackerConfig, out_dir: Path):
-    mode = _wandb_mode(cfg.wandb_mode)
+    mode = resolve_wandb_mode(cfg.wandb_mode)
     if mode == "disabled":
-        return None
+        return None  # before any `import wandb`
     import wandb
 
+    if mode in _ONLINE_MODES and not wandb.login(prompt=False, verify=False):
+        # never block on wandb's login prompt (nor start hours of training that cannot be logged as asked)
+        raise RuntimeError(f"wandb mode {mode!r} needs credentials and none were found: set WANDB_API_KEY or "
+                           "run `wandb login`, or log offline (WANDB_MODE=offline, `wandb sync` later)")
+    resume = {} if cfg.wandb_run_id is None else {"id": cfg.wandb_run_id, "resume": "allow"}
     return wandb.init(
-        project=cfg.project, name=cfg.run_name, mode=mode, dir=str(out_dir), config=cfg.config or {},
-        settings=wandb.Settings(silent=True, console="off"),
+        project=cfg.project, entity=cfg.entity, name=cfg.run_name, mode=mode, dir=str(out_dir),
+        config=cfg.config or {}, settings=wandb.Settings(silent=True, console="off"), **resume,
     )
 
 

@@ -1,9 +1,18 @@
 """The `logging` section does what it says: metrics.jsonl, the PNG plots and the progress line's cadence,
-each switched by its key (through `run_context.build_tracker`, the one place a run makes its tracker)."""
+each switched by its key (through `run_context.build_tracker`, the one place a run makes its tracker); and
+every TrackerConfig field does what it says: the wandb mode (WANDB_MODE wins), entity and resumed run id
+(checked in the offline run files wandb writes)."""
 import json
+import os
+import re
+import struct
+import sys
+
+import pytest
 
 from megatron_qarl.config import load_config
 from megatron_qarl.run_context import build_tracker
+from megatron_qarl.tracking import MetricsTracker, TrackerConfig, resolve_wandb_mode
 
 
 def _log_steps(out, *overrides, steps=4):
@@ -49,3 +58,131 @@ def test_log_every_sets_the_progress_line_cadence_not_the_jsonl_one(tmp_path, ca
     assert [line.split()[2] for line in lines] == ["3/7", "6/7", "7/7"]  # every 3rd step, and the last
     assert "reward 0.2" in lines[0] and "k3 0.001" in lines[0]
     assert _jsonl_steps(tmp_path) == list(range(7))
+
+
+# -- the tracker's own sinks (TrackerConfig directly) ----------------------------------------------------
+
+def _tracker(out, *, resume=False, start_step=None, **fields):
+    fields = {"wandb_mode": "disabled", "plots": False, **fields}
+    return MetricsTracker(TrackerConfig(out_dir=str(out), **fields), resume=resume, start_step=start_step)
+
+
+@pytest.fixture
+def no_wandb_env(monkeypatch):
+    for var in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("env, requested, expected", [
+    (None, "offline", "offline"), (None, "disabled", "disabled"), (None, "online", "online"),
+    ("offline", "online", "offline"), ("online", "disabled", "online"), ("disabled", "offline", "disabled"),
+    ("dryrun", "online", "dryrun"),
+])
+def test_wandb_mode_from_the_environment_wins(no_wandb_env, env, requested, expected):
+    if env is not None:
+        no_wandb_env.setenv("WANDB_MODE", env)
+    assert resolve_wandb_mode(requested) == expected
+
+
+def test_an_api_key_makes_offline_online_but_not_disabled_or_an_env_mode(no_wandb_env):
+    no_wandb_env.setenv("WANDB_API_KEY", "x" * 40)
+    assert resolve_wandb_mode("offline") == "online"
+    assert resolve_wandb_mode("disabled") == "disabled"
+    no_wandb_env.setenv("WANDB_MODE", "offline")
+    assert resolve_wandb_mode("online") == "offline"
+
+
+def test_bad_modes_and_cadences_are_refused(no_wandb_env, tmp_path):
+    no_wandb_env.setenv("WANDB_MODE", "Offline")
+    with pytest.raises(ValueError, match="WANDB_MODE='Offline'"):
+        resolve_wandb_mode("offline")
+    for bad in ({"wandb_mode": "on"}, {"log_every": 0}):
+        with pytest.raises(ValueError):
+            TrackerConfig(out_dir=str(tmp_path), **bad)
+
+
+def test_wandb_mode_disabled_in_the_environment_never_imports_wandb(no_wandb_env, tmp_path):
+    no_wandb_env.setenv("WANDB_MODE", "disabled")
+    no_wandb_env.setitem(sys.modules, "wandb", None)  # any `import wandb` raises ImportError
+    tracker = _tracker(tmp_path, wandb_mode="offline")
+    tracker.log(0, {"reward/mean": 0.5})
+    assert tracker.wandb_run_id is None
+    assert tracker.finish() == [tmp_path / "metrics.jsonl"]
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_online_without_credentials_fails_fast_instead_of_prompting(no_wandb_env, tmp_path):
+    no_wandb_env.setenv("WANDB_MODE", "online")
+    for var, value in (("HOME", tmp_path), ("NETRC", tmp_path / "no-netrc"), ("WANDB_CONFIG_DIR", tmp_path)):
+        no_wandb_env.setenv(var, str(value))
+    no_wandb_env.setattr("builtins.input", lambda *a: pytest.fail("prompted for a login"))
+    with pytest.raises(RuntimeError, match="WANDB_API_KEY"):
+        _tracker(tmp_path / "out", wandb_mode="offline")
+    assert not (tmp_path / "out" / "wandb").exists()
+
+
+def _wandb_records(path):
+    """The records of a run-<id>.wandb file: wandb's LevelDB-log framing (7-byte file header, 32 KiB blocks,
+    7-byte chunk headers: crc, length, type full=1/first=2/middle=3/last=4) of Record protobufs."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, pending = path.read_bytes(), 7, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:
+            pos += 32768 - pos % 32768  # block trailer
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            break
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def _wandb_run(run_dir):
+    """(run ids, entities, logged steps, logged reward/mean values) of one offline run dir."""
+    (wandb_file,) = run_dir.glob("run-*.wandb")
+    ids, entities, steps, rewards = set(), set(), [], []
+    for record in _wandb_records(wandb_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            ids.add(record.run.run_id)
+            entities.add(record.run.entity)
+        elif kind == "history":
+            steps.append(record.history.step.num)
+            items = {"/".join(i.nested_key) or i.key: i.value_json for i in record.history.item}
+            rewards.append(json.loads(items["reward/mean"]))
+    return ids, entities, steps, rewards
+
+
+def test_a_resumed_run_continues_the_same_offline_wandb_run(no_wandb_env, tmp_path):
+    import wandb
+
+    no_wandb_env.setenv("WANDB_MODE", "offline")  # wins over the config's online: no credentials needed
+    first = _tracker(tmp_path, wandb_mode="online", entity="qarl-team", total_steps=3)
+    run_id = first.wandb_run_id
+    assert run_id
+    for step in (0, 1):
+        first.log(step, {"reward/mean": step / 10})
+    first.finish()
+
+    second = _tracker(tmp_path, wandb_mode="online", entity="qarl-team", total_steps=3, wandb_run_id=run_id,
+                      resume=True, start_step=2)
+    assert second.wandb_run_id == run_id
+    second.log(2, {"reward/mean": 0.2})
+    second.finish()
+    wandb.teardown()  # run.finish() returns before wandb's service has written the run files; this waits
+
+    # one offline dir per process run, named offline-run-<start time>-<id> (plus -1 when two start in the
+    # same second), both for the one run id: `wandb sync` uploads them into the same run
+    run_dirs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(run_dirs) == 2, run_dirs
+    assert all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", d.name) for d in run_dirs), run_dirs
+    assert [p.name for p in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")] == [f"run-{run_id}.wandb"] * 2
+    runs = sorted((_wandb_run(d) for d in run_dirs), key=lambda run: run[2])
+    assert runs == [({run_id}, {"qarl-team"}, [0, 1], [0.0, 0.1]), ({run_id}, {"qarl-team"}, [2], [0.2])]
