@@ -1,6 +1,6 @@
-"""Metrics sinks for a run: metrics.jsonl (every step; `logging.jsonl`), wandb (offline unless a key or
-online mode is set; WANDB_MODE wins), a console progress line (every `logging.log_every` steps) and PNG
-plots at the end (`logging.plots`).
+"""Metrics sinks for a run: metrics.jsonl (every step; `logging.jsonl`), samples.jsonl (the samples the trainer
+hands over), wandb (offline unless a key or online mode is set; WANDB_MODE wins), TensorBoard event files,
+a console progress line (every `logging.log_every` steps) and PNG plots at the end (`logging.plots`).
 
 Only the rank that owns logging (global rank 0) creates a tracker; other ranks pass their numbers to it
 through the trainer's reductions.
@@ -49,6 +49,8 @@ class TrackerConfig:
     wandb_run_id: str | None = None  # the wandb run to continue (resume); None: a new run with a new id
     config: dict | None = None
     jsonl: bool = True  # write <out_dir>/metrics.jsonl, one row per step
+    samples: bool = True  # write <out_dir>/samples.jsonl from log_samples(), one line per sample
+    tensorboard: bool = False  # write TensorBoard event files (every numeric metric) to <out_dir>/tensorboard
     plots: bool = True  # write one PNG per PLOTTED_METRICS curve at finish()
     log_every: int = 1  # print the progress line every N steps (and at the last step)
     total_steps: int | None = None  # for "step k/N" and the last-step line
@@ -62,19 +64,31 @@ class TrackerConfig:
 
 class MetricsTracker:
     def __init__(self, cfg: TrackerConfig, *, resume: bool = False, start_step: int | None = None):
-        """resume: keep metrics.jsonl, minus its rows of steps >= `start_step` (the steps this run re-runs),
-        so every step has one row, and continue the wandb run `cfg.wandb_run_id`; otherwise an existing
-        metrics.jsonl is removed."""
+        """resume: keep metrics.jsonl and samples.jsonl, minus their rows of steps >= `start_step` (the steps
+        this run re-runs), so every step has one row, continue the wandb run `cfg.wandb_run_id` and hide
+        the TensorBoard points of steps >= `start_step`; otherwise an existing metrics.jsonl, samples.jsonl
+        and TensorBoard event files are removed."""
         self.cfg = cfg
         self.out_dir = Path(cfg.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.out_dir / "metrics.jsonl"
-        if not resume and self.jsonl_path.exists():
-            self.jsonl_path.unlink()  # another run's rows, whether or not this run writes its own
-        elif resume and start_step is not None and self.jsonl_path.exists():
-            self._truncate_jsonl(start_step)
+        self.samples_path = self.out_dir / "samples.jsonl"
+        self.tensorboard_dir = self.out_dir / "tensorboard"
+        for path in (self.jsonl_path, self.samples_path):
+            if not resume and path.exists():
+                path.unlink()  # another run's rows, whether or not this run writes its own
+            elif resume and start_step is not None and path.exists():
+                _truncate_jsonl(path, start_step)
+        if not resume:  # another run's TensorBoard points (a resume hides its re-run ones: purge_step below)
+            for events in self.tensorboard_dir.glob("events.out.tfevents.*"):
+                events.unlink()
         self._rows: list[dict] = []  # what summary() and the plots read when there is no metrics.jsonl
         self._wandb = _init_wandb(cfg, self.out_dir)
+        self._tb = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.tensorboard_dir), purge_step=start_step if resume else None)
 
     @property
     def wandb_run_id(self) -> str | None:
@@ -82,26 +96,9 @@ class MetricsTracker:
         when wandb is off."""
         return None if self._wandb is None else self._wandb.id
 
-    def _truncate_jsonl(self, start_step: int) -> None:
-        """Rewrite metrics.jsonl (atomically) without the rows of steps >= start_step."""
-        lines = self.jsonl_path.read_text().splitlines()
-        kept = []
-        for line in lines:
-            if not line.strip():
-                continue
-            try:
-                step = json.loads(line).get("step")
-            except (json.JSONDecodeError, AttributeError):
-                continue  # a row torn by a kill mid-write
-            if isinstance(step, int) and step < start_step:
-                kept.append(line)
-        if len(kept) != len(lines):
-            atomic_write_text(self.jsonl_path, "".join(line + "\n" for line in kept))
-            print(f"[qarl] metrics.jsonl: dropped {len(lines) - len(kept)} row(s) of step {start_step} and later "
-                  "(re-run after the resume)", flush=True)
-
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        metrics = {k: _plain(v) for k, v in metrics.items()}
+        row = {"step": step, **{k: _json_safe(v) for k, v in metrics.items()}}
         if self.cfg.jsonl:
             with open(self.jsonl_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -109,9 +106,23 @@ class MetricsTracker:
             self._rows.append(row)
         if self._wandb is not None:
             self._wandb.log(row, step=step)
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if _is_number(value):
+                    self._tb.add_scalar(key, value, step)
         last = self.cfg.total_steps is not None and step + 1 == self.cfg.total_steps
         if (step + 1) % self.cfg.log_every == 0 or last:
             print(progress_line(step, self.cfg.total_steps, metrics), flush=True)
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Append one JSON line per sample, {"step": step, **row} (prompt, response, reward, answer, ...), to
+        <out_dir>/samples.jsonl; nothing when `samples` is off."""
+        if not self.cfg.samples or not rows:
+            return
+        text = "".join(json.dumps({"step": step, **{k: _json_safe(_plain(v)) for k, v in r.items()}}) + "\n"
+                       for r in rows)
+        with open(self.samples_path, "a") as f:
+            f.write(text)  # one write: a kill tears at most the last line, which a resume drops
 
     def rows(self) -> list[dict]:
         """Every logged row; with metrics.jsonl that includes the rows of the run this one resumed."""
@@ -123,19 +134,30 @@ class MetricsTracker:
 
     def summary(self, key: str = "reward/mean", window: int = 5) -> str | None:
         """'first-window mean -> last-window mean' of a metric: the one-line answer to "did it learn?"."""
-        values = [r[key] for r in self.rows() if isinstance(r.get(key), (int, float))]
+        values = [r[key] for r in self.rows() if _is_number(r.get(key))]
         if len(values) < 2:
             return None
         k, first, last = first_last_means(values, window)
         return f"{key}: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({last - first:+.3f})"
 
     def finish(self, *, failed: bool = False) -> list[Path]:
-        """Close the sinks; returns the files the run's metrics are in (metrics.jsonl, plots).
+        """Close the sinks; returns the files the run's metrics are in (metrics.jsonl, samples.jsonl, the
+        TensorBoard dir, plots).
 
         Plots are best effort: one that cannot be written (a full disk) prints one warning line and leaves
         no temp file, it never becomes the run's error. A failed run (`failed`) draws none: the error that
-        stopped it is the one to report, and the disk may be the reason."""
+        stopped it is the one to report, and the disk may be the reason. Closing wandb or TensorBoard is best
+        effort too."""
         written = [self.jsonl_path] if self.cfg.jsonl and self.jsonl_path.exists() else []
+        if self.cfg.samples and self.samples_path.exists():
+            written.append(self.samples_path)
+        if self._tb is not None:
+            try:
+                self._tb.close()  # flushes
+                written.append(self.tensorboard_dir)
+            except Exception as exc:  # noqa: BLE001 - never the run's error
+                print(f"[qarl] tensorboard not closed cleanly: {exc}", flush=True)
+            self._tb = None
         if self.cfg.plots and not failed:
             try:
                 written += plot_metrics(self.rows(), self.out_dir)
@@ -149,8 +171,27 @@ class MetricsTracker:
         return written
 
 
+def _truncate_jsonl(path: Path, start_step: int) -> None:
+    """Rewrite a jsonl of {"step": ...} rows (atomically) without the rows of steps >= start_step."""
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line).get("step")
+        except (json.JSONDecodeError, AttributeError):
+            continue  # a row torn by a kill mid-write
+        if isinstance(step, int) and step < start_step:
+            kept.append(line)
+    if len(kept) != len(lines):
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+        print(f"[qarl] {path.name}: dropped {len(lines) - len(kept)} row(s) of step {start_step} and later "
+              "(re-run after the resume)", flush=True)
+
+
 def progress_line(step: int, total: int | None, metrics: dict[str, Any]) -> str:
-    parts = [f"{label} {metrics[k]:.4g}" for k, label in PROGRESS_METRICS if isinstance(metrics.get(k), (int, float))]
+    parts = [f"{label} {metrics[k]:.4g}" for k, label in PROGRESS_METRICS if _is_number(metrics.get(k))]
     return f"[qarl] step {step + 1}/{total if total is not None else '?'}  " + "  ".join(parts)
 
 
@@ -195,9 +236,17 @@ def _init_wandb(cfg: TrackerConfig, out_dir: Path):
 def _plain(value: Any) -> Any:
     if hasattr(value, "item"):
         value = value.item()
+    return value
+
+
+def _json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def plot_metrics(rows: list[dict], out_dir: Path) -> list[Path]:
@@ -209,7 +258,7 @@ def plot_metrics(rows: list[dict], out_dir: Path) -> list[Path]:
 
     written = []
     for key, label in PLOTTED_METRICS:
-        points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        points = [(r["step"], r[key]) for r in rows if _is_number(r.get(key))]
         if not points:
             continue
         fig, ax = plt.subplots(figsize=(5, 3.2))

@@ -1,7 +1,7 @@
 """The `logging` section does what it says: metrics.jsonl, the PNG plots and the progress line's cadence,
 each switched by its key (through `run_context.build_tracker`, the one place a run makes its tracker); and
 every TrackerConfig field does what it says: the wandb mode (WANDB_MODE wins), entity and resumed run id
-(checked in the offline run files wandb writes)."""
+(checked in the offline run files wandb writes), TensorBoard and samples.jsonl."""
 import json
 import os
 import re
@@ -186,3 +186,71 @@ def test_a_resumed_run_continues_the_same_offline_wandb_run(no_wandb_env, tmp_pa
     assert [p.name for p in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")] == [f"run-{run_id}.wandb"] * 2
     runs = sorted((_wandb_run(d) for d in run_dirs), key=lambda run: run[2])
     assert runs == [({run_id}, {"qarl-team"}, [0, 1], [0.0, 0.1]), ({run_id}, {"qarl-team"}, [2], [0.2])]
+
+
+def test_tensorboard_gets_every_numeric_metric_and_a_resume_replaces_the_rerun_steps(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    torch = pytest.importorskip("torch")
+    tracker = _tracker(tmp_path, tensorboard=True)
+    for step in range(4):
+        tracker.log(step, {"reward/mean": float(step), "loss/value": torch.tensor(step / 2), "note": "text",
+                           "flag": True})
+    assert tmp_path / "tensorboard" in tracker.finish()
+    tracker = _tracker(tmp_path, tensorboard=True, resume=True, start_step=2)
+    for step in (2, 3):
+        tracker.log(step, {"reward/mean": 10.0 + step, "loss/value": 0.0})
+    tracker.finish()
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["loss/value", "reward/mean"]
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]
+    assert [(e.step, e.value) for e in events.Scalars("loss/value")] == [(0, 0.0), (1, 0.5), (2, 0.0), (3, 0.0)]
+
+    tracker = _tracker(tmp_path, tensorboard=True)  # a fresh run: another run's points are gone
+    tracker.log(0, {"reward/mean": 7.0})
+    tracker.finish()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(0, 7.0)]
+    assert events.Tags()["scalars"] == ["reward/mean"]
+
+
+def test_no_tensorboard_dir_unless_asked(tmp_path):
+    tracker = _tracker(tmp_path)
+    tracker.log(0, {"reward/mean": 1.0})
+    assert tracker.finish() == [tmp_path / "metrics.jsonl"]
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def _samples(out):
+    return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+
+
+def test_samples_jsonl_appends_resumes_and_starts_fresh(tmp_path):
+    torch = pytest.importorskip("torch")
+    tracker = _tracker(tmp_path)
+    for step in range(3):
+        tracker.log_samples(step, [{"prompt": f"{step}+1=", "response": str(step + 1), "reward": torch.tensor(1.0),
+                                    "answer": str(step + 1)}, {"prompt": "p", "response": "r", "reward": 0.0}])
+    assert tmp_path / "samples.jsonl" in tracker.finish()
+    rows = _samples(tmp_path)
+    assert [r["step"] for r in rows] == [0, 0, 1, 1, 2, 2]
+    assert rows[0] == {"step": 0, "prompt": "0+1=", "response": "1", "reward": 1.0, "answer": "1"}
+
+    tracker = _tracker(tmp_path, resume=True, start_step=2)  # step 2 is re-run: its samples go
+    assert [r["step"] for r in _samples(tmp_path)] == [0, 0, 1, 1]
+    tracker.log_samples(2, [{"prompt": "again", "reward": 0.5}])
+    tracker.finish()
+    assert _samples(tmp_path)[-1] == {"step": 2, "prompt": "again", "reward": 0.5}
+
+    _tracker(tmp_path).finish()  # a fresh run: another run's samples are gone
+    assert not (tmp_path / "samples.jsonl").exists()
+
+
+def test_samples_off_writes_no_samples_file(tmp_path):
+    tracker = _tracker(tmp_path, samples=False)
+    tracker.log_samples(0, [{"prompt": "p", "response": "r", "reward": 1.0}])
+    assert tracker.finish() == []
+    assert not (tmp_path / "samples.jsonl").exists()
