@@ -1,6 +1,7 @@
 """Metrics sinks for a run: metrics.jsonl (every step; `logging.jsonl`), samples.jsonl (the samples the trainer
 hands over), wandb (offline unless a key or online mode is set; WANDB_MODE wins), TensorBoard event files,
-a console progress line (every `logging.log_every` steps) and PNG plots at the end (`logging.plots`).
+a console progress line (every `logging.log_every` steps) and PNG plots (refreshed every `plot_every` steps
+and at the end; `logging.plots`).
 
 Only the rank that owns logging (global rank 0) creates a tracker; other ranks pass their numbers to it
 through the trainer's reductions.
@@ -18,7 +19,8 @@ from typing import Any
 from megatron_qarl.fileio import atomic_write_bytes, atomic_write_text
 
 # The curves a reader of a QaRL run looks at first: learning progress, response length, the
-# sampler<->learner mismatch, how much the trust band masks, and cost.
+# sampler<->learner mismatch, how much the trust band masks, and cost. Every metric under one of
+# PLOTTED_PREFIXES is plotted too (held-out eval: eval/pass@1, eval/pass@{k}, eval/mean_reward).
 PLOTTED_METRICS = (
     ("reward/mean", "reward"),
     ("response/length_mean", "response length (tokens)"),
@@ -26,9 +28,11 @@ PLOTTED_METRICS = (
     ("tbpo/masked_frac", "masked sequence fraction"),
     ("time/step_s", "step time (s)"),
 )
+PLOTTED_PREFIXES = ("eval/",)
 
 
-# The console line: the handful of numbers that say whether a QaRL step went well, and what it cost.
+# The console line: the handful of numbers that say whether a QaRL step went well, and what it cost
+# (then any eval/ metric of the row; a row with eval metrics is always printed).
 PROGRESS_METRICS = (("reward/mean", "reward"), ("loss/value", "loss"), ("mismatch/k3", "k3"),
                     ("tbpo/kept_frac", "kept"), ("publish/code_flip_frac", "flips"), ("time/step_s", "s/step"))
 
@@ -51,7 +55,8 @@ class TrackerConfig:
     jsonl: bool = True  # write <out_dir>/metrics.jsonl, one row per step
     samples: bool = True  # write <out_dir>/samples.jsonl from log_samples(), one line per sample
     tensorboard: bool = False  # write TensorBoard event files (every numeric metric) to <out_dir>/tensorboard
-    plots: bool = True  # write one PNG per PLOTTED_METRICS curve at finish()
+    plots: bool = True  # write one PNG per plotted curve, every `plot_every` steps and at finish()
+    plot_every: int = 10  # refresh the plots every N steps; 0: only at finish()
     log_every: int = 1  # print the progress line every N steps (and at the last step)
     total_steps: int | None = None  # for "step k/N" and the last-step line
 
@@ -60,6 +65,8 @@ class TrackerConfig:
             raise ValueError(f"wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")
         if self.log_every < 1:
             raise ValueError(f"log_every={self.log_every}: must be >= 1")
+        if self.plot_every < 0:
+            raise ValueError(f"plot_every={self.plot_every}: must be >= 0 (0: plots only at finish)")
 
 
 class MetricsTracker:
@@ -83,6 +90,7 @@ class MetricsTracker:
             for events in self.tensorboard_dir.glob("events.out.tfevents.*"):
                 events.unlink()
         self._rows: list[dict] = []  # what summary() and the plots read when there is no metrics.jsonl
+        self._plot_warned = False  # a failing plot warns once, until plots are written again
         self._wandb = _init_wandb(cfg, self.out_dir)
         self._tb = None
         if cfg.tensorboard:
@@ -111,8 +119,12 @@ class MetricsTracker:
                 if _is_number(value):
                     self._tb.add_scalar(key, value, step)
         last = self.cfg.total_steps is not None and step + 1 == self.cfg.total_steps
-        if (step + 1) % self.cfg.log_every == 0 or last:
+        has_eval = any(k.startswith("eval/") for k in metrics)
+        if (step + 1) % self.cfg.log_every == 0 or last or has_eval:
             print(progress_line(step, self.cfg.total_steps, metrics), flush=True)
+        every = self.cfg.plot_every
+        if self.cfg.plots and every and (step + 1) % every == 0 and not last:  # the last step's: finish()
+            self._plot()
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Append one JSON line per sample, {"step": step, **row} (prompt, response, reward, answer, ...), to
@@ -140,14 +152,25 @@ class MetricsTracker:
         k, first, last = first_last_means(values, window)
         return f"{key}: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({last - first:+.3f})"
 
+    def _plot(self) -> list[Path]:
+        """The plots, best effort: a failure (a full disk) prints one warning line (then none until plots
+        are written again) and leaves no temp file; it never becomes the run's error."""
+        try:
+            written = plot_metrics(self.rows(), self.out_dir)
+        except Exception as exc:  # noqa: BLE001 - plots are a convenience; the metrics are in the jsonl
+            if not self._plot_warned:
+                print(f"[qarl] plots not written to {self.out_dir}: {exc}", flush=True)
+            self._plot_warned = True
+            return []
+        self._plot_warned = False
+        return written
+
     def finish(self, *, failed: bool = False) -> list[Path]:
         """Close the sinks; returns the files the run's metrics are in (metrics.jsonl, samples.jsonl, the
         TensorBoard dir, plots).
 
-        Plots are best effort: one that cannot be written (a full disk) prints one warning line and leaves
-        no temp file, it never becomes the run's error. A failed run (`failed`) draws none: the error that
-        stopped it is the one to report, and the disk may be the reason. Closing wandb or TensorBoard is best
-        effort too."""
+        Plots are best effort (see `_plot`). A failed run (`failed`) draws none: the error that stopped it is
+        the one to report, and the disk may be the reason. Closing wandb or TensorBoard is best effort too."""
         written = [self.jsonl_path] if self.cfg.jsonl and self.jsonl_path.exists() else []
         if self.cfg.samples and self.samples_path.exists():
             written.append(self.samples_path)
@@ -159,10 +182,7 @@ class MetricsTracker:
                 print(f"[qarl] tensorboard not closed cleanly: {exc}", flush=True)
             self._tb = None
         if self.cfg.plots and not failed:
-            try:
-                written += plot_metrics(self.rows(), self.out_dir)
-            except Exception as exc:  # noqa: BLE001 - plots are a convenience; the metrics are in the jsonl
-                print(f"[qarl] plots not written to {self.out_dir}: {exc}", flush=True)
+            written += self._plot()
         if self._wandb is not None:
             try:
                 self._wandb.finish(exit_code=1 if failed else 0)
@@ -191,7 +211,10 @@ def _truncate_jsonl(path: Path, start_step: int) -> None:
 
 
 def progress_line(step: int, total: int | None, metrics: dict[str, Any]) -> str:
+    """'step k/N' and the PROGRESS_METRICS, then the eval/ metrics, of those the row has (an eval-only row
+    has no training keys)."""
     parts = [f"{label} {metrics[k]:.4g}" for k, label in PROGRESS_METRICS if _is_number(metrics.get(k))]
+    parts += [f"{k} {v:.4g}" for k, v in sorted(metrics.items()) if k.startswith("eval/") and _is_number(v)]
     return f"[qarl] step {step + 1}/{total if total is not None else '?'}  " + "  ".join(parts)
 
 
@@ -249,6 +272,12 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _plotted(rows: list[dict]) -> list[tuple[str, str]]:
+    """(key, label) of every curve to draw: PLOTTED_METRICS, then each key under PLOTTED_PREFIXES."""
+    keys = sorted({k for r in rows for k in r if k.startswith(PLOTTED_PREFIXES)})
+    return [*PLOTTED_METRICS, *((k, k) for k in keys)]
+
+
 def plot_metrics(rows: list[dict], out_dir: Path) -> list[Path]:
     """One PNG per plotted metric present in the rows; written atomically."""
     import matplotlib
@@ -257,7 +286,7 @@ def plot_metrics(rows: list[dict], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     written = []
-    for key, label in PLOTTED_METRICS:
+    for key, label in _plotted(rows):
         points = [(r["step"], r[key]) for r in rows if _is_number(r.get(key))]
         if not points:
             continue

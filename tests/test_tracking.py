@@ -1,7 +1,8 @@
 """The `logging` section does what it says: metrics.jsonl, the PNG plots and the progress line's cadence,
 each switched by its key (through `run_context.build_tracker`, the one place a run makes its tracker); and
 every TrackerConfig field does what it says: the wandb mode (WANDB_MODE wins), entity and resumed run id
-(checked in the offline run files wandb writes), TensorBoard and samples.jsonl."""
+(checked in the offline run files wandb writes), TensorBoard, periodic plots (eval/ curves included) and
+samples.jsonl."""
 import json
 import os
 import re
@@ -12,7 +13,7 @@ import pytest
 
 from megatron_qarl.config import load_config
 from megatron_qarl.run_context import build_tracker
-from megatron_qarl.tracking import MetricsTracker, TrackerConfig, resolve_wandb_mode
+from megatron_qarl.tracking import MetricsTracker, TrackerConfig, progress_line, resolve_wandb_mode
 
 
 def _log_steps(out, *overrides, steps=4):
@@ -97,7 +98,7 @@ def test_bad_modes_and_cadences_are_refused(no_wandb_env, tmp_path):
     no_wandb_env.setenv("WANDB_MODE", "Offline")
     with pytest.raises(ValueError, match="WANDB_MODE='Offline'"):
         resolve_wandb_mode("offline")
-    for bad in ({"wandb_mode": "on"}, {"log_every": 0}):
+    for bad in ({"wandb_mode": "on"}, {"plot_every": -1}, {"log_every": 0}):
         with pytest.raises(ValueError):
             TrackerConfig(out_dir=str(tmp_path), **bad)
 
@@ -224,6 +225,49 @@ def test_no_tensorboard_dir_unless_asked(tmp_path):
     assert not (tmp_path / "tensorboard").exists()
 
 
+def test_plots_are_refreshed_every_plot_every_steps_and_eval_rows_are_plotted(tmp_path, capsys):
+    png = tmp_path / "reward_mean.png"
+    tracker = _tracker(tmp_path, plots=True, plot_every=2, total_steps=4)
+    tracker.log(0, {"reward/mean": 0.0})
+    assert not png.exists()
+    tracker.log(1, {"reward/mean": 0.1})
+    first = png.read_bytes()
+    tracker.log(2, {"reward/mean": 0.2, "eval/pass@1": 0.25, "eval/pass@4": 0.5, "eval/mean_reward": 0.3})
+    tracker.log(3, {"reward/mean": 0.3})
+    assert png.read_bytes() == first  # step 4/4 is the last one: finish() draws it
+    tracker.log(3, {"eval/pass@1": 0.5, "eval/pass@4": 0.75, "eval/mean_reward": 0.6})  # the final eval, alone
+    written = tracker.finish()
+    assert png.read_bytes() != first
+    assert {p.name for p in written} == {"metrics.jsonl", "reward_mean.png", "eval_pass@1.png", "eval_pass@4.png",
+                                         "eval_mean_reward.png"}
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[qarl] step")]
+    assert lines[-1] == "[qarl] step 4/4  eval/mean_reward 0.6  eval/pass@1 0.5  eval/pass@4 0.75"
+    assert tracker.summary() == "reward/mean: first 2 steps 0.050 -> last 2 steps 0.250 (+0.200)"
+
+
+def test_plot_every_zero_plots_only_at_finish(tmp_path):
+    tracker = _tracker(tmp_path, plots=True, plot_every=0)
+    for step in range(3):
+        tracker.log(step, {"reward/mean": step / 10})
+    assert not list(tmp_path.glob("*.png"))
+    assert tmp_path / "reward_mean.png" in tracker.finish()
+
+
+def test_periodic_plots_on_a_full_disk_warn_once_and_never_raise(tmp_path, capsys, monkeypatch):
+    import errno
+
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    tracker = _tracker(tmp_path, plots=True, plot_every=1, jsonl=False)
+    monkeypatch.setattr(os, "fsync", disk_full)
+    for step in range(3):
+        tracker.log(step, {"reward/mean": step / 10})
+    assert tracker.finish() == []
+    assert capsys.readouterr().out.count("plots not written") == 1
+    assert not list(tmp_path.iterdir())  # no temp file left
+
+
 def _samples(out):
     return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
 
@@ -254,3 +298,8 @@ def test_samples_off_writes_no_samples_file(tmp_path):
     tracker.log_samples(0, [{"prompt": "p", "response": "r", "reward": 1.0}])
     assert tracker.finish() == []
     assert not (tmp_path / "samples.jsonl").exists()
+
+
+def test_progress_line_of_a_row_without_training_keys():
+    assert progress_line(9, 10, {"eval/pass@1": 0.5}) == "[qarl] step 10/10  eval/pass@1 0.5"
+    assert progress_line(0, None, {}) == "[qarl] step 1/?  "
