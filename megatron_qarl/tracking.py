@@ -1,6 +1,7 @@
-"""Metrics sinks for a run: metrics.jsonl (every step; `logging.jsonl`), wandb (offline unless a key or
-online mode is set), a console progress line (every `logging.log_every` steps) and PNG plots at the end
-(`logging.plots`).
+"""Metrics sinks for a run: metrics.jsonl (every step; `logging.jsonl`), samples.jsonl (the samples the trainer
+hands over), wandb (offline unless a key or online mode is set; WANDB_MODE wins), TensorBoard event files,
+a console progress line (every `logging.log_every` steps) and PNG plots (refreshed every `plot_every` steps
+and at the end; `logging.plots`).
 
 Only the rank that owns logging (global rank 0) creates a tracker; other ranks pass their numbers to it
 through the trainer's reductions.
@@ -18,7 +19,8 @@ from typing import Any
 from megatron_qarl.fileio import atomic_write_bytes, atomic_write_text
 
 # The curves a reader of a QaRL run looks at first: learning progress, response length, the
-# sampler<->learner mismatch, how much the trust band masks, and cost.
+# sampler<->learner mismatch, how much the trust band masks, and cost. Every metric under one of
+# PLOTTED_PREFIXES is plotted too (held-out eval: eval/pass@1, eval/pass@{k}, eval/mean_reward).
 PLOTTED_METRICS = (
     ("reward/mean", "reward"),
     ("response/length_mean", "response length (tokens)"),
@@ -26,11 +28,17 @@ PLOTTED_METRICS = (
     ("tbpo/masked_frac", "masked sequence fraction"),
     ("time/step_s", "step time (s)"),
 )
+PLOTTED_PREFIXES = ("eval/",)
 
 
-# The console line: the handful of numbers that say whether a QaRL step went well, and what it cost.
+# The console line: the handful of numbers that say whether a QaRL step went well, and what it cost
+# (then any eval/ metric of the row; a row with eval metrics is always printed).
 PROGRESS_METRICS = (("reward/mean", "reward"), ("loss/value", "loss"), ("mismatch/k3", "k3"),
                     ("tbpo/kept_frac", "kept"), ("publish/code_flip_frac", "flips"), ("time/step_s", "s/step"))
+
+# What wandb.init(mode=...) and the WANDB_MODE variable accept; dryrun is offline, run and shared are online.
+WANDB_MODES = ("offline", "online", "disabled", "dryrun", "run", "shared")
+_ONLINE_MODES = ("online", "run", "shared")
 
 
 @dataclass
@@ -38,49 +46,67 @@ class TrackerConfig:
     out_dir: str
     project: str = "megatron-qarl"
     run_name: str = "run"
-    wandb_mode: str = "offline"  # offline | online | disabled
+    # offline | online | disabled (or another WANDB_MODES value); WANDB_MODE in the environment wins.
+    # Without it: online when asked for or when WANDB_API_KEY is set, else this mode.
+    wandb_mode: str = "offline"
+    entity: str | None = None  # wandb entity (team or user); None: the account's default
+    wandb_run_id: str | None = None  # the wandb run to continue (resume); None: a new run with a new id
     config: dict | None = None
     jsonl: bool = True  # write <out_dir>/metrics.jsonl, one row per step
-    plots: bool = True  # write one PNG per PLOTTED_METRICS curve at finish()
+    samples: bool = True  # write <out_dir>/samples.jsonl from log_samples(), one line per sample
+    tensorboard: bool = False  # write TensorBoard event files (every numeric metric) to <out_dir>/tensorboard
+    plots: bool = True  # write one PNG per plotted curve, every `plot_every` steps and at finish()
+    plot_every: int = 10  # refresh the plots every N steps; 0: only at finish()
     log_every: int = 1  # print the progress line every N steps (and at the last step)
     total_steps: int | None = None  # for "step k/N" and the last-step line
+
+    def __post_init__(self):
+        if self.wandb_mode not in WANDB_MODES:
+            raise ValueError(f"wandb_mode={self.wandb_mode!r}: expected one of {', '.join(WANDB_MODES)}")
+        if self.log_every < 1:
+            raise ValueError(f"log_every={self.log_every}: must be >= 1")
+        if self.plot_every < 0:
+            raise ValueError(f"plot_every={self.plot_every}: must be >= 0 (0: plots only at finish)")
 
 
 class MetricsTracker:
     def __init__(self, cfg: TrackerConfig, *, resume: bool = False, start_step: int | None = None):
-        """resume: keep metrics.jsonl, minus its rows of steps >= `start_step` (the steps this run re-runs),
-        so every step has one row; otherwise an existing metrics.jsonl is removed."""
+        """resume: keep metrics.jsonl and samples.jsonl, minus their rows of steps >= `start_step` (the steps
+        this run re-runs), so every step has one row, continue the wandb run `cfg.wandb_run_id` and hide
+        the TensorBoard points of steps >= `start_step`; otherwise an existing metrics.jsonl, samples.jsonl
+        and TensorBoard event files are removed."""
         self.cfg = cfg
         self.out_dir = Path(cfg.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.out_dir / "metrics.jsonl"
-        if not resume and self.jsonl_path.exists():
-            self.jsonl_path.unlink()  # another run's rows, whether or not this run writes its own
-        elif resume and start_step is not None and self.jsonl_path.exists():
-            self._truncate_jsonl(start_step)
+        self.samples_path = self.out_dir / "samples.jsonl"
+        self.tensorboard_dir = self.out_dir / "tensorboard"
+        for path in (self.jsonl_path, self.samples_path):
+            if not resume and path.exists():
+                path.unlink()  # another run's rows, whether or not this run writes its own
+            elif resume and start_step is not None and path.exists():
+                _truncate_jsonl(path, start_step)
+        if not resume:  # another run's TensorBoard points (a resume hides its re-run ones: purge_step below)
+            for events in self.tensorboard_dir.glob("events.out.tfevents.*"):
+                events.unlink()
         self._rows: list[dict] = []  # what summary() and the plots read when there is no metrics.jsonl
+        self._plot_warned = False  # a failing plot warns once, until plots are written again
         self._wandb = _init_wandb(cfg, self.out_dir)
+        self._tb = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
 
-    def _truncate_jsonl(self, start_step: int) -> None:
-        """Rewrite metrics.jsonl (atomically) without the rows of steps >= start_step."""
-        lines = self.jsonl_path.read_text().splitlines()
-        kept = []
-        for line in lines:
-            if not line.strip():
-                continue
-            try:
-                step = json.loads(line).get("step")
-            except (json.JSONDecodeError, AttributeError):
-                continue  # a row torn by a kill mid-write
-            if isinstance(step, int) and step < start_step:
-                kept.append(line)
-        if len(kept) != len(lines):
-            atomic_write_text(self.jsonl_path, "".join(line + "\n" for line in kept))
-            print(f"[qarl] metrics.jsonl: dropped {len(lines) - len(kept)} row(s) of step {start_step} and later "
-                  "(re-run after the resume)", flush=True)
+            self._tb = SummaryWriter(str(self.tensorboard_dir), purge_step=start_step if resume else None)
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        """The wandb run's id (to store in a checkpoint and pass back as `wandb_run_id` on resume); None
+        when wandb is off."""
+        return None if self._wandb is None else self._wandb.id
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        metrics = {k: _plain(v) for k, v in metrics.items()}
+        row = {"step": step, **{k: _json_safe(v) for k, v in metrics.items()}}
         if self.cfg.jsonl:
             with open(self.jsonl_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -88,9 +114,27 @@ class MetricsTracker:
             self._rows.append(row)
         if self._wandb is not None:
             self._wandb.log(row, step=step)
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if _is_number(value):
+                    self._tb.add_scalar(key, value, step)
         last = self.cfg.total_steps is not None and step + 1 == self.cfg.total_steps
-        if (step + 1) % self.cfg.log_every == 0 or last:
+        has_eval = any(k.startswith("eval/") for k in metrics)
+        if (step + 1) % self.cfg.log_every == 0 or last or has_eval:
             print(progress_line(step, self.cfg.total_steps, metrics), flush=True)
+        every = self.cfg.plot_every
+        if self.cfg.plots and every and (step + 1) % every == 0 and not last:  # the last step's: finish()
+            self._plot()
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Append one JSON line per sample, {"step": step, **row} (prompt, response, reward, answer, ...), to
+        <out_dir>/samples.jsonl; nothing when `samples` is off."""
+        if not self.cfg.samples or not rows:
+            return
+        text = "".join(json.dumps({"step": step, **{k: _json_safe(_plain(v)) for k, v in r.items()}}) + "\n"
+                       for r in rows)
+        with open(self.samples_path, "a") as f:
+            f.write(text)  # one write: a kill tears at most the last line, which a resume drops
 
     def rows(self) -> list[dict]:
         """Every logged row; with metrics.jsonl that includes the rows of the run this one resumed."""
@@ -102,24 +146,43 @@ class MetricsTracker:
 
     def summary(self, key: str = "reward/mean", window: int = 5) -> str | None:
         """'first-window mean -> last-window mean' of a metric: the one-line answer to "did it learn?"."""
-        values = [r[key] for r in self.rows() if isinstance(r.get(key), (int, float))]
+        values = [r[key] for r in self.rows() if _is_number(r.get(key))]
         if len(values) < 2:
             return None
         k, first, last = first_last_means(values, window)
         return f"{key}: first {k} steps {first:.3f} -> last {k} steps {last:.3f} ({last - first:+.3f})"
 
-    def finish(self, *, failed: bool = False) -> list[Path]:
-        """Close the sinks; returns the files the run's metrics are in (metrics.jsonl, plots).
-
-        Plots are best effort: one that cannot be written (a full disk) prints one warning line and leaves
-        no temp file, it never becomes the run's error. A failed run (`failed`) draws none: the error that
-        stopped it is the one to report, and the disk may be the reason."""
-        written = [self.jsonl_path] if self.cfg.jsonl and self.jsonl_path.exists() else []
-        if self.cfg.plots and not failed:
-            try:
-                written += plot_metrics(self.rows(), self.out_dir)
-            except Exception as exc:  # noqa: BLE001 - plots are a convenience; the metrics are in the jsonl
+    def _plot(self) -> list[Path]:
+        """The plots, best effort: a failure (a full disk) prints one warning line (then none until plots
+        are written again) and leaves no temp file; it never becomes the run's error."""
+        try:
+            written = plot_metrics(self.rows(), self.out_dir)
+        except Exception as exc:  # noqa: BLE001 - plots are a convenience; the metrics are in the jsonl
+            if not self._plot_warned:
                 print(f"[qarl] plots not written to {self.out_dir}: {exc}", flush=True)
+            self._plot_warned = True
+            return []
+        self._plot_warned = False
+        return written
+
+    def finish(self, *, failed: bool = False) -> list[Path]:
+        """Close the sinks; returns the files the run's metrics are in (metrics.jsonl, samples.jsonl, the
+        TensorBoard dir, plots).
+
+        Plots are best effort (see `_plot`). A failed run (`failed`) draws none: the error that stopped it is
+        the one to report, and the disk may be the reason. Closing wandb or TensorBoard is best effort too."""
+        written = [self.jsonl_path] if self.cfg.jsonl and self.jsonl_path.exists() else []
+        if self.cfg.samples and self.samples_path.exists():
+            written.append(self.samples_path)
+        if self._tb is not None:
+            try:
+                self._tb.close()  # flushes
+                written.append(self.tensorboard_dir)
+            except Exception as exc:  # noqa: BLE001 - never the run's error
+                print(f"[qarl] tensorboard not closed cleanly: {exc}", flush=True)
+            self._tb = None
+        if self.cfg.plots and not failed:
+            written += self._plot()
         if self._wandb is not None:
             try:
                 self._wandb.finish(exit_code=1 if failed else 0)
@@ -128,8 +191,30 @@ class MetricsTracker:
         return written
 
 
+def _truncate_jsonl(path: Path, start_step: int) -> None:
+    """Rewrite a jsonl of {"step": ...} rows (atomically) without the rows of steps >= start_step."""
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line).get("step")
+        except (json.JSONDecodeError, AttributeError):
+            continue  # a row torn by a kill mid-write
+        if isinstance(step, int) and step < start_step:
+            kept.append(line)
+    if len(kept) != len(lines):
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+        print(f"[qarl] {path.name}: dropped {len(lines) - len(kept)} row(s) of step {start_step} and later "
+              "(re-run after the resume)", flush=True)
+
+
 def progress_line(step: int, total: int | None, metrics: dict[str, Any]) -> str:
-    parts = [f"{label} {metrics[k]:.4g}" for k, label in PROGRESS_METRICS if isinstance(metrics.get(k), (int, float))]
+    """'step k/N' and the PROGRESS_METRICS, then the eval/ metrics, of those the row has (an eval-only row
+    has no training keys)."""
+    parts = [f"{label} {metrics[k]:.4g}" for k, label in PROGRESS_METRICS if _is_number(metrics.get(k))]
+    parts += [f"{k} {v:.4g}" for k, v in sorted(metrics.items()) if k.startswith("eval/") and _is_number(v)]
     return f"[qarl] step {step + 1}/{total if total is not None else '?'}  " + "  ".join(parts)
 
 
@@ -139,33 +224,58 @@ def first_last_means(values: list[float], window: int = 5) -> tuple[int, float, 
     return k, sum(values[:k]) / k, sum(values[-k:]) / k
 
 
-def _wandb_mode(requested: str) -> str:
-    """Online only when asked for or when an API key is present; never block on a login prompt."""
+def resolve_wandb_mode(requested: str) -> str:
+    """WANDB_MODE from the environment wins (any mode wandb accepts); without it, online only when asked for
+    or when an API key is present, else the requested mode (offline or disabled)."""
+    env = os.environ.get("WANDB_MODE", "").strip()
+    if env:
+        if env not in WANDB_MODES:
+            raise ValueError(f"WANDB_MODE={env!r}: expected one of {', '.join(WANDB_MODES)}")
+        return env
     if requested == "disabled":
         return "disabled"
-    if requested == "online" or os.environ.get("WANDB_API_KEY"):
-        return "online"
-    return "offline"
+    if requested in _ONLINE_MODES:
+        return requested
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
 def _init_wandb(cfg: TrackerConfig, out_dir: Path):
-    mode = _wandb_mode(cfg.wandb_mode)
+    mode = resolve_wandb_mode(cfg.wandb_mode)
     if mode == "disabled":
-        return None
+        return None  # before any `import wandb`
     import wandb
 
+    if mode in _ONLINE_MODES and not wandb.login(prompt=False, verify=False):
+        # never block on wandb's login prompt (nor start hours of training that cannot be logged as asked)
+        raise RuntimeError(f"wandb mode {mode!r} needs credentials and none were found: set WANDB_API_KEY or "
+                           "run `wandb login`, or log offline (WANDB_MODE=offline, `wandb sync` later)")
+    resume = {} if cfg.wandb_run_id is None else {"id": cfg.wandb_run_id, "resume": "allow"}
     return wandb.init(
-        project=cfg.project, name=cfg.run_name, mode=mode, dir=str(out_dir), config=cfg.config or {},
-        settings=wandb.Settings(silent=True, console="off"),
+        project=cfg.project, entity=cfg.entity, name=cfg.run_name, mode=mode, dir=str(out_dir),
+        config=cfg.config or {}, settings=wandb.Settings(silent=True, console="off"), **resume,
     )
 
 
 def _plain(value: Any) -> Any:
     if hasattr(value, "item"):
         value = value.item()
+    return value
+
+
+def _json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _plotted(rows: list[dict]) -> list[tuple[str, str]]:
+    """(key, label) of every curve to draw: PLOTTED_METRICS, then each key under PLOTTED_PREFIXES."""
+    keys = sorted({k for r in rows for k in r if k.startswith(PLOTTED_PREFIXES)})
+    return [*PLOTTED_METRICS, *((k, k) for k in keys)]
 
 
 def plot_metrics(rows: list[dict], out_dir: Path) -> list[Path]:
@@ -176,8 +286,8 @@ def plot_metrics(rows: list[dict], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     written = []
-    for key, label in PLOTTED_METRICS:
-        points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    for key, label in _plotted(rows):
+        points = [(r["step"], r[key]) for r in rows if _is_number(r.get(key))]
         if not points:
             continue
         fig, ax = plt.subplots(figsize=(5, 3.2))
