@@ -47,16 +47,18 @@ def build_reward_fn(cfg: RunConfig):
     return build(RewardConfig(kind=cfg.data.reward, timeout_s=cfg.data.reward_timeout_s))
 
 
-def build_tracker(cfg: RunConfig, *, resume: bool = False, start_step: int | None = None):
+def build_tracker(cfg: RunConfig, *, resume: bool = False, start_step: int | None = None,
+                  wandb_run_id: str | None = None):
     """The metrics sinks of the logging rank, as `cfg.logging` asks for them (a resumed run's metrics.jsonl
-    keeps only the rows before `start_step`)."""
+    and samples.jsonl keep only the rows before `start_step`, and it continues wandb run `wandb_run_id`)."""
     from megatron_qarl.tracking import MetricsTracker, TrackerConfig
 
     log = cfg.logging
     return MetricsTracker(
-        TrackerConfig(out_dir=log.out_dir, project=log.wandb.project, run_name=cfg.name, wandb_mode=log.wandb.mode,
-                      config=to_dict(cfg), jsonl=log.jsonl, plots=log.plots, log_every=log.log_every,
-                      total_steps=cfg.train.steps),
+        TrackerConfig(out_dir=log.out_dir, project=log.wandb.project, entity=log.wandb.entity, run_name=cfg.name,
+                      wandb_mode=log.wandb.mode, wandb_run_id=wandb_run_id, config=to_dict(cfg), jsonl=log.jsonl,
+                      samples=log.samples_per_step > 0, tensorboard=log.tensorboard, plots=log.plots,
+                      plot_every=log.plot_every, log_every=log.log_every, total_steps=cfg.train.steps),
         resume=resume, start_step=start_step,
     )
 
@@ -87,6 +89,7 @@ class RunContext:
     reward_counts: dict = field(default_factory=dict)
     nonfinite_streak: int = 0  # optimizer steps skipped in a row for a non-finite loss or gradient
     step_samples: list = field(default_factory=list)  # this step's samples for samples.jsonl (logging rank)
+    wandb_run_id: str | None = None  # the wandb run a resumed run continues (from its checkpoint)
 
 
 def build_run_context(cfg: RunConfig) -> RunContext:
@@ -155,7 +158,8 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     ctx.start_step = resume_run(ctx)  # refuses another experiment's checkpoint before anything below writes
     if is_logging_rank():
         save_yaml(cfg, Path(cfg.logging.out_dir) / "config.yaml")
-        ctx.tracker = build_tracker(cfg, resume=ctx.start_step > 0, start_step=ctx.start_step)
+        ctx.tracker = build_tracker(cfg, resume=ctx.start_step > 0, start_step=ctx.start_step,
+                                    wandb_run_id=ctx.wandb_run_id)
     return ctx
 
 
@@ -332,6 +336,8 @@ def checkpoint_state(ctx: RunContext) -> dict:
         "config_name": ctx.cfg.name,
         "config_identity": config_identity(ctx.cfg),
         HF_SIDECAR_KEY: hf_checkpoint_files(ctx.hf_config, ctx.cfg.model.hf_path),
+        # rank 0 writes the extra state and is the logging rank: its wandb run is the run's
+        "wandb_run_id": ctx.tracker.wandb_run_id if ctx.tracker is not None else None,
     }
 
 
@@ -357,6 +363,7 @@ def resume_run(ctx: RunContext) -> int:
     state = ctx.checkpoints.load(path, ctx.model, ctx.optimizer)
     if ctx.quant is not None:
         ctx.quant.invalidate()  # masters replaced: the next forward re-quantizes
+    ctx.wandb_run_id = state.get("wandb_run_id")  # None for checkpoints written before it was stored
     if ctx.data is not None and state.get("data") is not None:
         ctx.data.load_state_dict(state["data"])
     random.setstate(state["rng"]["python"])

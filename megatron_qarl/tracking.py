@@ -41,6 +41,10 @@ WANDB_MODES = ("offline", "online", "disabled", "dryrun", "run", "shared")
 _ONLINE_MODES = ("online", "run", "shared")
 
 
+class TrackingError(ValueError):
+    """A metrics sink that cannot work as configured (e.g. online wandb without credentials)."""
+
+
 @dataclass
 class TrackerConfig:
     out_dir: str
@@ -247,7 +251,7 @@ def _init_wandb(cfg: TrackerConfig, out_dir: Path):
 
     if mode in _ONLINE_MODES and not wandb.login(prompt=False, verify=False):
         # never block on wandb's login prompt (nor start hours of training that cannot be logged as asked)
-        raise RuntimeError(f"wandb mode {mode!r} needs credentials and none were found: set WANDB_API_KEY or "
+        raise TrackingError(f"wandb mode {mode!r} needs credentials and none were found: set WANDB_API_KEY or "
                            "run `wandb login`, or log offline (WANDB_MODE=offline, `wandb sync` later)")
     resume = {} if cfg.wandb_run_id is None else {"id": cfg.wandb_run_id, "resume": "allow"}
     return wandb.init(
