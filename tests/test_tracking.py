@@ -13,7 +13,7 @@ import pytest
 
 from megatron_qarl.config import load_config
 from megatron_qarl.run_context import build_tracker
-from megatron_qarl.tracking import MetricsTracker, TrackerConfig, progress_line, resolve_wandb_mode
+from megatron_qarl.tracking import MetricsTracker, TrackerConfig, TrackingError, progress_line, resolve_wandb_mode
 
 
 def _log_steps(out, *overrides, steps=4):
@@ -118,7 +118,7 @@ def test_online_without_credentials_fails_fast_instead_of_prompting(no_wandb_env
     for var, value in (("HOME", tmp_path), ("NETRC", tmp_path / "no-netrc"), ("WANDB_CONFIG_DIR", tmp_path)):
         no_wandb_env.setenv(var, str(value))
     no_wandb_env.setattr("builtins.input", lambda *a: pytest.fail("prompted for a login"))
-    with pytest.raises(RuntimeError, match="WANDB_API_KEY"):
+    with pytest.raises(TrackingError, match="WANDB_API_KEY"):
         _tracker(tmp_path / "out", wandb_mode="offline")
     assert not (tmp_path / "out" / "wandb").exists()
 
