@@ -309,6 +309,7 @@ def plugin(tmp_path, monkeypatch):
     name = f"qarl_reward_plugin_{uuid.uuid4().hex[:8]}"
     (tmp_path / f"{name}.py").write_text(textwrap.dedent(PLUGIN_SOURCE))
     (tmp_path / f"{name}_broken.py").write_text("def score(responses, answers, rows:\n")
+    (tmp_path / f"{name}_needs.py").write_text("import no_such_qarl_dependency\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     return name
 
@@ -363,14 +364,18 @@ def test_check_reward_spec(plugin):
                                      "'no_such_qarl_module'); install its package or put its directory on "
                                      "PYTHONPATH",
         f"{plugin}_broken:score": f"module '{plugin}_broken' is not importable (SyntaxError: ",
+        f"{plugin}_needs:score": f"module '{plugin}_needs' is not importable (ModuleNotFoundError: No module named "
+                                 "'no_such_qarl_dependency'); it imports 'no_such_qarl_dependency', which is not "
+                                 "installed",
         f"{plugin}:scor": f"reward plug-in '{plugin}:scor': module '{plugin}' has no attribute 'scor'; check the "
                           "name after ':'",
         f"{plugin}:NOT_CALLABLE": f"reward plug-in '{plugin}:NOT_CALLABLE' is a int, not a function; point it at "
                                   "a function fn(responses, answers, rows) -> list[float]",
-        f"{plugin}:two_args": f"reward plug-in '{plugin}:two_args' has the signature (responses, answers), which "
-                              "cannot take the 3 positional arguments (responses, answers, rows)",
-        f"{plugin}:keyword_only": "which cannot take the 3 positional arguments",
-        f"{plugin}:Scorer.__call__": "has the signature (self, responses, answers, rows), which cannot take",
+        f"{plugin}:two_args": f"reward plug-in '{plugin}:two_args' has the signature (responses, answers): a call "
+                              "with the 3 positional arguments (responses, answers, rows) fails (too many "
+                              "positional arguments); give it exactly those parameters",
+        f"{plugin}:keyword_only": "(responses, answers, rows, *, scale): a call with the 3 positional arguments",
+        f"{plugin}:Scorer.__call__": "has the signature (self, responses, answers, rows): a call with the 3",
         f"{plugin}:": "is neither a built-in (math_verify, exact_match, math) nor a plug-in "
                       "'package.module:function' (e.g. 'mypkg.rewards:score')",
         ":score": "is neither a built-in",

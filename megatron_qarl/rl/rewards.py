@@ -13,7 +13,7 @@ scheduled with its own deadline of ``timeout_s``:
 - at the full budget pebble kills a worker that could not stop (a C-level loop that ignores signals) and
   starts a fresh one; the answer gets reward 0, ``timeouts`` and ``worker_restarts`` grow.
 
-The trainer can never hang on a reward. Workers die with the trainer: pebble stops them at ``close()`` and
+A math_verify reward can never hang the trainer. Workers die with the trainer: pebble stops them at ``close()`` and
 at interpreter exit, and each asks the kernel to SIGKILL it when the thread that started it dies (the pool
 is started by the first math_verify call, from the trainer's main thread; replacements come from pebble's
 manager thread, which lives as long as the pool).
@@ -68,7 +68,7 @@ class RewardError(ValueError):
 @dataclass
 class RewardConfig:
     kind: str = "math_verify"  # a name of REWARD_NAMES or a plug-in "package.module:function"
-    timeout_s: float = 5.0  # math_verify: wall-clock budget per answer, enforced by killing the worker
+    timeout_s: float = 5.0  # math_verify: wall-clock budget per answer (stopped at 90%, killed at 100%)
     num_workers: int = 2  # math_verify: worker processes
     max_response_chars: int = 4096  # math_verify: the response's tail that is parsed
     max_answer_chars: int = 1024  # math_verify: the gold answer's head that is parsed
@@ -109,6 +109,10 @@ class RewardStats:
 # ----------------------------------------------------------------------------------------------- plug-ins
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())
+
+
 def _split_spec(spec: str) -> Tuple[str, str]:
     module, _, attr = spec.partition(":")
     if not all(part.isidentifier() for name in (module, attr) for part in name.split(".")):
@@ -125,10 +129,14 @@ def load_reward_plugin(spec: str) -> PluginFn:
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - a user module may raise anything on import
-        hint = ("install its package or put its directory on PYTHONPATH" if isinstance(e, ModuleNotFoundError)
-                else "fix the module")
+        if not isinstance(e, ModuleNotFoundError):
+            hint = "fix the module"
+        elif e.name and module_name != e.name and not module_name.startswith(e.name + "."):
+            hint = f"it imports {e.name!r}, which is not installed"
+        else:
+            hint = "install its package or put its directory on PYTHONPATH"
         raise RewardError(f"reward plug-in {spec!r}: module {module_name!r} is not importable "
-                          f"({type(e).__name__}: {e}); {hint}") from e
+                          f"({_one_line(e)}); {hint}") from e
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise RewardError(f"reward plug-in {spec!r}: module {module_name!r} has no attribute {attr!r}; "
@@ -144,9 +152,9 @@ def load_reward_plugin(spec: str) -> PluginFn:
     try:
         signature.bind(None, None, None)
     except TypeError as e:
-        raise RewardError(f"reward plug-in {spec!r} has the signature {signature}, which cannot take the 3 "
-                          f"positional arguments (responses, answers, rows) ({e}); give it exactly those "
-                          "parameters") from None
+        raise RewardError(f"reward plug-in {spec!r} has the signature {signature}: a call with the 3 positional "
+                          f"arguments (responses, answers, rows) fails ({e}); give it exactly those parameters"
+                          ) from None
     return obj
 
 
@@ -443,7 +451,7 @@ class RewardFunction:
         try:
             result = self._plugin(responses, answers, list(rows))
         except Exception as e:  # noqa: BLE001 - a user function may raise anything
-            raise RewardError(f"reward plug-in {spec!r} raised {type(e).__name__}: {e} (on a batch of "
+            raise RewardError(f"reward plug-in {spec!r} raised {_one_line(e)} (on a batch of "
                               f"{len(responses)} responses); fix the function (it runs in the trainer "
                               "process)") from e
         rewards = _checked_rewards(spec, result, len(responses))
