@@ -1,10 +1,22 @@
-"""Verifiable rewards: math answer verification (math-verify) in worker processes, and exact match.
+"""Verifiable rewards: math answer verification (math-verify) in worker processes, exact match, and
+user plug-ins (``"package.module:function"``). docs/rewards.md is the user's guide.
 
-Why worker processes: math-verify's own timeout uses SIGALRM (main thread only, and it cannot interrupt a
-long C-level big-integer operation such as ``10^{10^{10^{10}}}``). Verification therefore runs in
-``num_workers`` long-lived worker processes (spawn start method: never fork a trainer that holds threads or
-CUDA state); each answer has a wall-clock deadline, and a worker that misses it is killed and restarted.
-The answer then gets reward 0 and the ``timeouts`` counter grows. The trainer can never hang on a reward.
+Why worker processes: math-verify can spend minutes (or forever) on a hostile answer, e.g. a power tower
+``9^{9^{9^{9}}}`` or a 100-level nested ``\\frac``, and its own timeout uses SIGALRM at whole seconds in the
+main thread only. Verification therefore runs in a pebble ``ProcessPool`` of ``num_workers`` long-lived
+processes (spawn start method: never fork a trainer that holds threads or CUDA state), and every answer is
+scheduled with its own deadline of ``timeout_s``:
+
+- at ``_SOFT_SHARE`` of the budget the worker interrupts the answer itself (SIGALRM raising an exception
+  that derives from BaseException, so no ``except Exception`` inside sympy swallows it); the worker lives
+  on, the answer gets reward 0 and ``timeouts`` grows;
+- at the full budget pebble kills a worker that could not stop (a C-level loop that ignores signals) and
+  starts a fresh one; the answer gets reward 0, ``timeouts`` and ``worker_restarts`` grow.
+
+A math_verify reward can never hang the trainer. Workers die with the trainer: pebble stops them at ``close()`` and
+at interpreter exit, and each asks the kernel to SIGKILL it when the thread that started it dies (the pool
+is started by the first math_verify call, from the trainer's main thread; replacements come from pebble's
+manager thread, which lives as long as the pool).
 
 Why LaTeX extraction only: math-verify's ``ExprExtractionConfig`` hands plain-text expressions to sympy's
 ``parse_expr``, which calls ``eval``. Model text must never be evaluated as code, so predictions and gold
@@ -12,46 +24,77 @@ answers are parsed with ``LatexExtractionConfig`` only (boxed answers, ``$...$``
 answer without ``\\boxed``/``$`` is wrapped in ``\\boxed{}`` (dataset answers are bare, e.g. ``"\\frac{1}{2}"``).
 Inputs are capped: the response's last ``max_response_chars`` characters (answers sit at the end) and the
 gold answer's first ``max_answer_chars``.
+
+Plug-ins run in the trainer process, once per call with the whole batch:
+``fn(responses: list[str], answers: list, rows: list[dict]) -> list[float]`` (``rows``: the dataset row of
+each response's prompt). Their result is checked (one finite number per response) before any use.
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib
+import inspect
+import logging
 import math
 import multiprocessing as mp
-import time
-from collections import deque
+import numbers
+import os
+import signal
+import sys
+from concurrent.futures import TimeoutError as FuturesTimeoutError
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-VerifyFn = Callable[[str, str, int], float]
+import pebble
+
+VerifyFn = Callable[[str, str], float]  # (response, gold) -> reward; module level, run in the workers
+PluginFn = Callable[[List[str], List[Any], List[Mapping[str, Any]]], Sequence[float]]
 
 REWARD_KINDS = ("math_verify", "exact_match")
 _REWARD_ALIASES = {"math": "math_verify"}  # the run configs' short spelling
-REWARD_NAMES = REWARD_KINDS + tuple(_REWARD_ALIASES)  # every accepted `data.reward` / RewardConfig.kind
+REWARD_NAMES = REWARD_KINDS + tuple(_REWARD_ALIASES)  # every accepted built-in `data.reward` / RewardConfig.kind
+PLUGIN_FORM = "package.module:function"
+
+_SOFT_SHARE = 0.9  # the worker stops an answer itself at this share of timeout_s; pebble kills it at 1.0
+
+
+class RewardError(ValueError):
+    """A reward that cannot be used: an unknown name, a plug-in that does not load, a plug-in's bad result."""
 
 
 @dataclass
 class RewardConfig:
-    kind: str = "math_verify"
-    timeout_s: float = 5.0  # wall-clock budget per answer, enforced by killing the worker
-    num_workers: int = 1
-    max_response_chars: int = 4096
-    max_answer_chars: int = 1024
-    start_method: str = "spawn"
-    worker_start_timeout_s: float = 120.0
+    kind: str = "math_verify"  # a name of REWARD_NAMES or a plug-in "package.module:function"
+    timeout_s: float = 5.0  # math_verify: wall-clock budget per answer (stopped at 90%, killed at 100%)
+    num_workers: int = 2  # math_verify: worker processes
+    max_response_chars: int = 4096  # math_verify: the response's tail that is parsed
+    max_answer_chars: int = 1024  # math_verify: the gold answer's head that is parsed
 
     def __post_init__(self) -> None:
         self.kind = _REWARD_ALIASES.get(self.kind, self.kind)
-        if self.kind not in REWARD_KINDS:
-            raise ValueError(f"unknown reward kind {self.kind!r}; use one of {', '.join(REWARD_NAMES)}")
+        problem = check_reward_spec(self.kind)
+        if problem is not None:
+            raise RewardError(problem)
         if not self.timeout_s > 0 or self.num_workers < 1:  # `not >` also refuses NaN
-            raise ValueError("reward timeout_s must be > 0 and num_workers >= 1")
+            raise RewardError("reward timeout_s must be > 0 and num_workers >= 1")
+
+    @property
+    def is_plugin(self) -> bool:
+        return self.kind not in REWARD_KINDS
 
 
 @dataclass
 class RewardStats:
-    """Cumulative counters; the trainer logs each step's share (the difference from the last logged counts)."""
+    """Cumulative counters; the trainer logs each step's share (the difference from the last logged counts).
+
+    total: responses scored. correct: responses whose reward is > 0. timeouts: answers that ran past
+    timeout_s (reward 0). errors: answers that could not be scored, reward 0 (unparsable LaTeX in the
+    response or the gold answer, a non-finite gold answer, a worker that died). worker_restarts: workers
+    the pool killed (an answer they could not stop in time) or that died, each replaced by a fresh one.
+    """
 
     total: int = 0
     correct: int = 0
@@ -61,6 +104,92 @@ class RewardStats:
 
     def as_metrics(self, prefix: str = "reward") -> Dict[str, float]:
         return {f"{prefix}/{k}": float(v) for k, v in self.__dict__.items()}
+
+
+# ----------------------------------------------------------------------------------------------- plug-ins
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())
+
+
+def _split_spec(spec: str) -> Tuple[str, str]:
+    module, _, attr = spec.partition(":")
+    if not all(part.isidentifier() for name in (module, attr) for part in name.split(".")):
+        raise RewardError(f"reward {spec!r} is neither a built-in ({', '.join(REWARD_NAMES)}) nor a plug-in "
+                          f"'{PLUGIN_FORM}' (e.g. 'mypkg.rewards:score')")
+    return module, attr
+
+
+def load_reward_plugin(spec: str) -> PluginFn:
+    """The callable named by ``"package.module:function"``; RewardError (one line: the problem and the fix)
+    if the module does not import, the attribute is missing, or it cannot be called as fn(responses,
+    answers, rows)."""
+    module_name, attr = _split_spec(spec)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - a user module may raise anything on import
+        if not isinstance(e, ModuleNotFoundError):
+            hint = "fix the module"
+        elif e.name and module_name != e.name and not module_name.startswith(e.name + "."):
+            hint = f"it imports {e.name!r}, which is not installed"
+        else:
+            hint = "install its package or put its directory on PYTHONPATH"
+        raise RewardError(f"reward plug-in {spec!r}: module {module_name!r} is not importable "
+                          f"({_one_line(e)}); {hint}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise RewardError(f"reward plug-in {spec!r}: module {module_name!r} has no attribute {attr!r}; "
+                              f"check the name after ':'")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardError(f"reward plug-in {spec!r} is a {type(obj).__name__}, not a function; point it at "
+                          "a function fn(responses, answers, rows) -> list[float]")
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):  # some C callables have no signature: they are tried at the first call
+        return obj
+    try:
+        signature.bind(None, None, None)
+    except TypeError as e:
+        raise RewardError(f"reward plug-in {spec!r} has the signature {signature}: a call with the 3 positional "
+                          f"arguments (responses, answers, rows) fails ({e}); give it exactly those parameters"
+                          ) from None
+    return obj
+
+
+def check_reward_spec(spec: str) -> Optional[str]:
+    """None if ``spec`` is a built-in name (REWARD_NAMES) or a loadable plug-in, else the one-line problem."""
+    if spec in REWARD_NAMES:
+        return None
+    if ":" not in spec:
+        return (f"unknown reward kind {spec!r}; use one of {', '.join(REWARD_NAMES)}, "
+                f"or a plug-in '{PLUGIN_FORM}'")
+    try:
+        load_reward_plugin(spec)
+    except RewardError as e:
+        return str(e)
+    return None
+
+
+def _checked_rewards(spec: str, result: Any, n: int) -> List[float]:
+    fix = f"return one finite float per response (a list of {n})"
+    if isinstance(result, (str, bytes, Mapping)) or not hasattr(result, "__len__") \
+            or not hasattr(result, "__iter__"):
+        raise RewardError(f"reward plug-in {spec!r} returned a {type(result).__name__}; {fix}")
+    if len(result) != n:
+        raise RewardError(f"reward plug-in {spec!r} returned {len(result)} rewards for {n} responses; {fix}")
+    out = []
+    for i, v in enumerate(result):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            what = "a bool" if isinstance(v, bool) else f"a {type(v).__name__}"
+            raise RewardError(f"reward plug-in {spec!r} returned {v!r} ({what}) at index {i}; {fix}, "
+                              "e.g. float(x)")
+        if not math.isfinite(float(v)):
+            raise RewardError(f"reward plug-in {spec!r} returned {v!r} at index {i}; {fix} "
+                              "(0.0 for a response it cannot score)")
+        out.append(float(v))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- verifiers
@@ -74,22 +203,47 @@ def prepare_gold(answer: str) -> str:
     return "\\boxed{" + a + "}"
 
 
-def math_verify_score(response: str, gold: str, inner_timeout_s: int) -> float:
+class _Expired(BaseException):
+    """Raised by SIGALRM inside the verifier; a BaseException so that ``except Exception`` lets it pass."""
+
+
+@contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """TimeoutError if the block runs past ``seconds`` (SIGALRM: main thread only; Python-level code only)."""
+    def expire(signum, frame):
+        raise _Expired
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    except _Expired:
+        raise TimeoutError(f"no result within {seconds:g}s") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def math_verify_score(response: str, gold: str, timeout_s: Optional[float] = None) -> float:
     """1.0 if ``response``'s final answer equals ``gold`` per math-verify (LaTeX extraction only), else 0.0.
 
-    Raises on parser failure or math-verify's own timeout (the pool counts those); runs in a worker.
+    Raises on unparsable LaTeX; with ``timeout_s`` (main thread only) TimeoutError past it. The pool
+    calls it without a timeout and enforces its own deadline.
     """
+    if timeout_s is not None:
+        with _deadline(timeout_s):
+            return math_verify_score(response, gold)
     from math_verify import LatexExtractionConfig, parse, verify
 
     extraction = [LatexExtractionConfig()]
-    gold_parsed = parse(prepare_gold(gold), extraction_config=extraction, parsing_timeout=inner_timeout_s,
+    gold_parsed = parse(prepare_gold(gold), extraction_config=extraction, parsing_timeout=None,
                         raise_on_error=True)
     if not gold_parsed:
         raise ValueError("gold answer could not be parsed")
-    pred_parsed = parse(response, extraction_config=extraction, parsing_timeout=inner_timeout_s, raise_on_error=True)
+    pred_parsed = parse(response, extraction_config=extraction, parsing_timeout=None, raise_on_error=True)
     if not pred_parsed:
         return 0.0
-    return 1.0 if verify(gold_parsed, pred_parsed, timeout_seconds=inner_timeout_s, raise_on_error=True) else 0.0
+    return 1.0 if verify(gold_parsed, pred_parsed, timeout_seconds=None, raise_on_error=True) else 0.0
 
 
 def exact_match_reward(response: str, answer: str, *, special_tokens: Sequence[str] = ("<eos>", "<pad>", "<bos>")) -> float:
@@ -100,38 +254,39 @@ def exact_match_reward(response: str, answer: str, *, special_tokens: Sequence[s
     return 1.0 if text.strip() == str(answer).strip() and text.strip() != "" else 0.0
 
 
-def _worker_main(conn: Connection, verify_fn: VerifyFn) -> None:  # runs in the child process
-    if verify_fn is math_verify_score:
-        # Import (seconds, with sympy) before "ready": under the start-up timeout, not inside the first
-        # answer's deadline, which a restarted worker would otherwise miss and score a correct answer 0.
-        import math_verify  # noqa: F401
-    conn.send(("ready", None, None))
-    while True:
+# ----------------------------------------------------------------------------------------------- workers
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _init_worker(parent_pid: int, import_math_verify: bool) -> None:  # pebble initializer, in the worker
+    # Die with the thread that started this worker (Linux; the same call as lifecycle.die_with_parent,
+    # which the rl room may not import): a worker busy in C code would otherwise outlive a SIGKILLed trainer.
+    if sys.platform.startswith("linux"):
         try:
-            job = conn.recv()
-        except (EOFError, OSError):
-            return
-        if job is None:
-            return
-        job_id, response, gold, inner_timeout = job
-        try:
-            result: Tuple[str, Optional[float]] = ("ok", float(verify_fn(response, gold, inner_timeout)))
-        except BaseException as e:  # noqa: BLE001 - math-verify's TimeoutException derives from BaseException
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            result = ("timeout" if type(e).__name__ == "TimeoutException" else "error", None)
-        conn.send((result[0], job_id, result[1]))
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != parent_pid:
+            os._exit(0)
+    if import_math_verify:
+        # Import math-verify and score a number and a polynomial (2-3 s: sympy and its lazily imported
+        # simplification) before taking tasks: pebble starts an answer's clock when a worker takes it, so a
+        # fresh worker would otherwise spend the first answers' budgets warming up.
+        for name in ("math_verify.parser", "math_verify.grader"):  # "timeout disabled": ours is _deadline
+            logging.getLogger(name).setLevel(logging.ERROR)
+        math_verify_score("\\boxed{\\frac{1}{2}}", "0.5")
+        math_verify_score("\\boxed{x^2+2x+1}", "(x+1)^2")
 
 
-# ----------------------------------------------------------------------------------------------- pool
-
-
-@dataclass
-class _Worker:
-    process: mp.process.BaseProcess
-    conn: Connection
-    job: Optional[int] = None
-    deadline: float = 0.0
+def _verify_in_worker(verify_fn: VerifyFn, response: str, gold: str, budget_s: float) -> Tuple[str, float]:
+    try:
+        with _deadline(budget_s):
+            return "ok", float(verify_fn(response, gold))
+    except TimeoutError:
+        return "timeout", 0.0
+    except Exception:  # noqa: BLE001 - unparsable LaTeX, sympy errors, RecursionError...
+        return "error", 0.0
 
 
 @dataclass
@@ -141,60 +296,35 @@ class ScoreOutcome:
 
 
 class VerifierPool:
-    """Long-lived verification workers with a hard per-answer wall-clock timeout."""
+    """``verify_fn`` (math_verify_score) in pebble worker processes, each answer under its own deadline.
 
-    def __init__(self, verify_fn: VerifyFn = math_verify_score, *, num_workers: int = 1, timeout_s: float = 5.0,
-                 start_method: str = "spawn", worker_start_timeout_s: float = 120.0):
+    The pebble pool starts at the first ``score`` and lives until ``close()``; pebble replaces a worker it
+    killed or that died. A pool that broke (a worker died while no answer was running, e.g. at start-up)
+    is replaced; if the replacement breaks in the same call, RuntimeError.
+    """
+
+    def __init__(self, verify_fn: VerifyFn = math_verify_score, *, num_workers: int = 2, timeout_s: float = 5.0):
         self.verify_fn = verify_fn
         self.num_workers = num_workers
         self.timeout_s = timeout_s
-        self.worker_start_timeout_s = worker_start_timeout_s
-        self._ctx = mp.get_context(start_method)
-        self._workers: List[_Worker] = []
         self.stats = RewardStats()
+        self._pool = None
 
-    # lifecycle
-    def _start_worker(self) -> _Worker:
-        parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_worker_main, args=(child, self.verify_fn), daemon=True)
-        proc.start()
-        child.close()
-        if not parent.poll(self.worker_start_timeout_s):
-            self._kill(proc)
-            raise RuntimeError(f"reward worker did not start within {self.worker_start_timeout_s}s")
-        try:
-            parent.recv()
-        except (EOFError, OSError) as e:
-            self._kill(proc)
-            raise RuntimeError(
-                f"reward worker exited during start-up (exit code {proc.exitcode}); is verify_fn importable "
-                "by a spawned process (a module-level function)?"
-            ) from e
-        return _Worker(process=proc, conn=parent)
-
-    @staticmethod
-    def _kill(proc: mp.process.BaseProcess) -> None:
-        proc.kill()
-        proc.join(timeout=5)
-
-    def _restart(self, idx: int) -> None:
-        old = self._workers[idx]
-        self._kill(old.process)
-        old.conn.close()
-        self._workers[idx] = self._start_worker()
-        self.stats.worker_restarts += 1
+    def _started_pool(self) -> pebble.ProcessPool:
+        if self._pool is not None and not self._pool.active:
+            self.close()
+        if self._pool is None:
+            self._pool = pebble.ProcessPool(
+                max_workers=self.num_workers, context=mp.get_context("spawn"), initializer=_init_worker,
+                initargs=(os.getpid(), self.verify_fn is math_verify_score))
+        return self._pool
 
     def close(self) -> None:
-        for w in self._workers:
-            try:
-                w.conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
-            w.process.join(timeout=1)
-            if w.process.is_alive():
-                self._kill(w.process)
-            w.conn.close()
-        self._workers = []
+        """Stop the workers (killing any busy one) and wait for them to exit."""
+        if self._pool is not None:
+            self._pool.stop()
+            self._pool.join()
+            self._pool = None
 
     def __enter__(self) -> "VerifierPool":
         return self
@@ -202,41 +332,54 @@ class VerifierPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # scoring
+    def _outcome(self, future) -> Optional[ScoreOutcome]:
+        """The answer's outcome; None if the pool broke before scoring it."""
+        while True:
+            try:  # .exception(): never raises what a worker raised (which may be a BaseException)
+                error = future.exception(timeout=1.0)
+                break
+            except FuturesTimeoutError:  # not done yet: fine while the pool runs; a broken pool never
+                if not self._pool.active:  # runs the tasks it had not taken yet
+                    return None
+        if error is None:
+            status, reward = future.result()
+            return ScoreOutcome(reward, status)
+        if isinstance(error, BrokenProcessPool):
+            return None
+        if isinstance(error, FuturesTimeoutError):  # pebble killed the worker at the deadline
+            self.stats.worker_restarts += 1
+            return ScoreOutcome(0.0, "timeout")
+        if isinstance(error, pebble.ProcessExpired):  # the worker died (e.g. a crash in a C extension)
+            self.stats.worker_restarts += 1
+        return ScoreOutcome(0.0, "error")
+
+    def _schedule(self, responses: Sequence[str], golds: Sequence[str], todo: List[int]) -> List[ScoreOutcome | None]:
+        pool = self._started_pool()
+        budget = _SOFT_SHARE * self.timeout_s
+        futures = []
+        for j in todo:
+            try:
+                futures.append(pool.schedule(_verify_in_worker, args=(self.verify_fn, responses[j], golds[j], budget),
+                                             timeout=self.timeout_s))
+            except RuntimeError:  # the pool broke while scheduling
+                futures.append(None)
+        return [None if f is None else self._outcome(f) for f in futures]
+
     def score(self, responses: Sequence[str], golds: Sequence[str]) -> List[ScoreOutcome]:
         if len(responses) != len(golds):
             raise ValueError(f"got {len(responses)} responses but {len(golds)} gold answers")
-        while len(self._workers) < self.num_workers:
-            self._workers.append(self._start_worker())
-        inner_timeout = max(1, int(self.timeout_s))
-        pending = deque(range(len(responses)))
         outcomes: List[Optional[ScoreOutcome]] = [None] * len(responses)
-        while pending or any(w.job is not None for w in self._workers):
-            for w in self._workers:
-                if w.job is None and pending:
-                    j = pending.popleft()
-                    w.conn.send((j, responses[j], golds[j], inner_timeout))
-                    w.job, w.deadline = j, time.monotonic() + self.timeout_s
-            busy = [w for w in self._workers if w.job is not None]
-            wait_for = max(0.0, min(w.deadline for w in busy) - time.monotonic())
-            ready = wait([w.conn for w in busy], timeout=wait_for)
-            for idx, w in enumerate(self._workers):
-                if w.job is None:
-                    continue
-                if w.conn in ready:
-                    try:
-                        status, job_id, value = w.conn.recv()
-                    except (EOFError, OSError):  # the worker died (e.g. a C-level crash on a hostile input)
-                        outcomes[w.job] = ScoreOutcome(0.0, "error")
-                        w.job = None
-                        self._restart(idx)
-                        continue
-                    outcomes[job_id] = ScoreOutcome(value if status == "ok" else 0.0, status)
-                    w.job = None
-                elif time.monotonic() >= w.deadline:
-                    outcomes[w.job] = ScoreOutcome(0.0, "timeout")
-                    w.job = None
-                    self._restart(idx)
+        todo = list(range(len(responses)))
+        for attempt in range(2):
+            for j, o in zip(todo, self._schedule(responses, golds, todo)):
+                outcomes[j] = o
+            todo = [j for j in todo if outcomes[j] is None]
+            if not todo:
+                break
+            self.close()  # broken: the next attempt starts a fresh pool
+        else:
+            raise RuntimeError("the reward workers died before scoring anything, twice (their start-up error "
+                               "is logged above; is math-verify installed in the trainer's environment?)")
         for o in outcomes:
             self.stats.total += 1
             self.stats.correct += int(o.reward > 0)
@@ -250,21 +393,31 @@ class VerifierPool:
 
 @dataclass
 class RewardFunction:
-    """``rewards = fn(responses, answers)``; holds the verifier pool for math_verify rewards."""
+    """``rewards = fn(responses, answers, rows)``: the configured built-in or plug-in, with its counters.
+
+    Built-ins ignore ``rows``; math_verify scores in a VerifierPool started at the first call (``close()``
+    stops it), exact_match in this process. A plug-in is called here once per call with the whole batch.
+    """
 
     config: RewardConfig = field(default_factory=RewardConfig)
     verify_fn: VerifyFn = math_verify_score
 
     def __post_init__(self) -> None:
         self._pool: Optional[VerifierPool] = None
+        self._plugin: Optional[PluginFn] = load_reward_plugin(self.config.kind) if self.config.is_plugin else None
         self.stats = RewardStats()
 
-    def __call__(self, responses: Sequence[str], answers: Sequence[str]) -> List[float]:
+    def __call__(self, responses: Sequence[str], answers: Sequence[Any],
+                 rows: Optional[Sequence[Mapping[str, Any]]] = None) -> List[float]:
         if len(responses) != len(answers):
             raise ValueError(f"got {len(responses)} responses but {len(answers)} answers")
+        if rows is not None and len(rows) != len(responses):
+            raise ValueError(f"got {len(responses)} responses but {len(rows)} rows")
         for i, r in enumerate(responses):
             if not isinstance(r, str):
                 raise TypeError(f"responses[{i}] is {type(r).__name__}, expected the decoded response text (str)")
+        if self._plugin is not None:
+            return self._call_plugin(list(responses), list(answers), rows)
         # A non-finite numeric gold answer (NaN / inf) can match nothing: reward 0, counted as an error,
         # never sent to the verifier (math-verify would call \boxed{nan} equal to itself).
         invalid = [isinstance(a, float) and not math.isfinite(a) for a in answers]
@@ -280,17 +433,34 @@ class RewardFunction:
         cfg = self.config
         if cfg.kind == "exact_match":
             rewards = [exact_match_reward(r, a) for r, a in zip(responses, answers)]
-            self.stats.total += len(rewards)
-            self.stats.correct += int(sum(rewards))
+            self._count(rewards)
             return rewards
         if self._pool is None:
-            self._pool = VerifierPool(self.verify_fn, num_workers=cfg.num_workers, timeout_s=cfg.timeout_s,
-                                      start_method=cfg.start_method,
-                                      worker_start_timeout_s=cfg.worker_start_timeout_s)
+            self._pool = VerifierPool(self.verify_fn, num_workers=cfg.num_workers, timeout_s=cfg.timeout_s)
             self._pool.stats = self.stats
         capped_r = [r[-cfg.max_response_chars:] for r in responses]
         capped_a = [str(a)[: cfg.max_answer_chars] for a in answers]
         return [o.reward for o in self._pool.score(capped_r, capped_a)]
+
+    def _call_plugin(self, responses: List[str], answers: List[Any],
+                     rows: Optional[Sequence[Mapping[str, Any]]]) -> List[float]:
+        spec = self.config.kind
+        if rows is None:
+            raise ValueError(f"reward plug-in {spec!r} needs the dataset rows: call reward_fn(responses, "
+                             "answers, rows) with the row of each response's prompt")
+        try:
+            result = self._plugin(responses, answers, list(rows))
+        except Exception as e:  # noqa: BLE001 - a user function may raise anything
+            raise RewardError(f"reward plug-in {spec!r} raised {_one_line(e)} (on a batch of "
+                              f"{len(responses)} responses); fix the function (it runs in the trainer "
+                              "process)") from e
+        rewards = _checked_rewards(spec, result, len(responses))
+        self._count(rewards)
+        return rewards
+
+    def _count(self, rewards: Sequence[float]) -> None:
+        self.stats.total += len(rewards)
+        self.stats.correct += sum(r > 0 for r in rewards)
 
     def close(self) -> None:
         if self._pool is not None:
