@@ -27,7 +27,7 @@ from megatron_qarl.optim import OptimConfig
 from megatron_qarl.parallel import ParallelLayout, RolloutTopology, is_loopback_host
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.rl.losses import LossConfig
-from megatron_qarl.rl.rewards import REWARD_NAMES
+from megatron_qarl.rl.rewards import REWARD_NAMES, check_reward_spec
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig
 
 
@@ -49,7 +49,6 @@ ENGINES = ("embedded", "sglang")
 UNBUILT_ENGINES = ("vllm",)
 SGLANG_MODES = ("colocated", "separate")
 SGLANG_LAUNCH = ("subprocess", "inprocess", "attach")
-REWARDS = REWARD_NAMES  # the reward module's names: math_verify (alias math), exact_match
 DATA_SOURCES = ("file", "synthetic")
 BAD_ROWS = ("error", "skip")
 ROUTING_REPLAY = ("off", "replay")
@@ -521,7 +520,9 @@ def _check_choices(cfg: RunConfig) -> list[str]:
     out += _choice("rollout.sglang.mode", cfg.rollout.sglang.mode, SGLANG_MODES)
     out += _choice("rollout.sglang.launch", cfg.rollout.sglang.launch, SGLANG_LAUNCH)
     out += _choice("data.source", cfg.data.source, DATA_SOURCES)
-    out += _choice("data.reward", cfg.data.reward, REWARDS)
+    reward_problem = check_reward_spec(cfg.data.reward)  # imports a plug-in's module to check it exists
+    if reward_problem:
+        out.append(f"data.reward={cfg.data.reward!r}: {reward_problem}")
     out += _choice("train.routing_replay", cfg.train.routing_replay, ROUTING_REPLAY)
     out += _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
     return out

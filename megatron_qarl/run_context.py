@@ -44,7 +44,8 @@ def build_prompt_dataset(cfg: RunConfig, tokenizer):
 def build_reward_fn(cfg: RunConfig):
     from megatron_qarl.rl.rewards import RewardConfig, build_reward_fn as build
 
-    return build(RewardConfig(kind=cfg.data.reward, timeout_s=cfg.data.reward_timeout_s))
+    return build(RewardConfig(kind=cfg.data.reward, timeout_s=cfg.data.reward_timeout_s,
+                              num_workers=cfg.data.reward_workers))
 
 
 def build_tracker(cfg: RunConfig, *, resume: bool = False, start_step: int | None = None,

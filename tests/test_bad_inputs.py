@@ -121,7 +121,7 @@ TRAIN_CASES = [  # (id, argv builder, message)
     ("preset-and-hf-path", lambda d: ["--config", TINY, f"model.hf_path={_dense_qwen3(d)}", OUT.format(d=d)],
      "set exactly one of model.preset"),
     ("unknown-reward", lambda d: ["--config", TINY, "data.reward=maths", OUT.format(d=d)],
-     "data.reward='maths' is not one of"),
+     "data.reward='maths': unknown reward kind 'maths'"),
     ("unbuilt-engine", lambda d: ["--config", TINY, "rollout.engine=vllm", OUT.format(d=d)], "not built yet"),
     ("resume-path-missing", lambda d: ["--config", TINY, f"checkpoint.resume={d}/step_7", OUT.format(d=d)],
      "neither 'auto', 'none' nor an existing checkpoint path"),

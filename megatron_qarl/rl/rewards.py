@@ -32,7 +32,6 @@ each response's prompt). Their result is checked (one finite number per response
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import inspect
 import logging
@@ -41,7 +40,6 @@ import multiprocessing as mp
 import numbers
 import os
 import signal
-import sys
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
@@ -49,6 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import pebble
+
+from megatron_qarl.lifecycle import die_with_parent
 
 VerifyFn = Callable[[str, str], float]  # (response, gold) -> reward; module level, run in the workers
 PluginFn = Callable[[List[str], List[Any], List[Mapping[str, Any]]], Sequence[float]]
@@ -256,19 +256,11 @@ def exact_match_reward(response: str, answer: str, *, special_tokens: Sequence[s
 
 # ----------------------------------------------------------------------------------------------- workers
 
-_PR_SET_PDEATHSIG = 1
-
 
 def _init_worker(parent_pid: int, import_math_verify: bool) -> None:  # pebble initializer, in the worker
-    # Die with the thread that started this worker (Linux; the same call as lifecycle.die_with_parent,
-    # which the rl room may not import): a worker busy in C code would otherwise outlive a SIGKILLed trainer.
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-        if os.getppid() != parent_pid:
-            os._exit(0)
+    # Die with the thread that started this worker: a worker busy in C code would otherwise outlive a
+    # SIGKILLed trainer.
+    die_with_parent(parent_pid)
     if import_math_verify:
         # Import math-verify and score a number and a polynomial (2-3 s: sympy and its lazily imported
         # simplification) before taking tasks: pebble starts an answer's clock when a worker takes it, so a
