@@ -63,7 +63,7 @@ SFT_DTYPES = ("float32",)
 class ModelConfig:
     # Exactly one of preset / hf_path names the architecture (hf_path: a dir with config.json).
     preset: str | None = "tiny"
-    hf_path: str | None = None
+    hf_path: str | None = None  # a Hugging Face Qwen3-MoE directory: config.json, safetensors, tokenizer
     # Megatron dist-checkpoint dir to initialise the master weights from (None: HF weights at hf_path,
     # or random init for presets).
     init_checkpoint: str | None = None
@@ -151,7 +151,7 @@ class RolloutConfig:
     # Generation also ends at any of these strings (kept in the response, as SGLang and vLLM keep the tokens)
     # or token ids, besides the tokenizer's EOS (e.g. "<|im_end|>" for a Qwen3-Base chat template).
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # besides EOS and single-token stop strings
     embedded_dtype: str = "float32"  # the embedded engine's compute dtype (float32 | bfloat16)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
@@ -178,7 +178,7 @@ class DataConfig:
     path: Any = "data/arith_sample.jsonl"
     split: str = "train"  # the split of a `datasets` DatasetDict directory
     prompt_key: str = "prompt"  # dotted paths into nested rows work, e.g. reward_model.ground_truth
-    answer_key: str = "answer"
+    answer_key: str = "answer"  # the reference answer the reward compares with
     # error: a malformed row (missing answer, empty prompt, bad JSON) stops the run before any model is built,
     # naming the file and row; skip: such rows are dropped and counted.
     bad_rows: str = "error"
@@ -189,7 +189,7 @@ class DataConfig:
     reward_timeout_s: float = 5.0  # per answer (math_verify): a worker past it is killed, the answer scores 0
     reward_workers: int = 2  # math_verify worker processes per rollout-group leader
     max_prompt_len: int = 32  # tokens; longer prompts are dropped (counted, one warning)
-    shuffle_seed: int = 0
+    shuffle_seed: int = 0  # a fresh permutation of the prompts per epoch from shuffle_seed + epoch
     # used when source=synthetic: written to <logging.out_dir>/data.jsonl at start
     synthetic: ArithmeticTaskConfig = field(default_factory=ArithmeticTaskConfig)
 

@@ -66,12 +66,12 @@ class OptimConfigError(ValueError):
 class OptimConfig:
     """Optimizer + learning-rate schedule for the trainer (fp32 master weights)."""
 
-    name: str = "adamw"
-    lr: float = 1e-6
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    clip_grad: float = 1.0
+    name: str = "adamw"  # adamw | muon (megatron's optimizers)
+    lr: float = 1e-6  # peak learning rate
+    weight_decay: float = 0.01  # decoupled weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW moments
+    eps: float = 1e-8  # AdamW epsilon
+    clip_grad: float = 1.0  # global gradient-norm clip (0: off)
     # Constant lr after an optional linear warmup: step k (0-based) uses lr * (k+1)/(warmup+1).
     lr_warmup_steps: int = 0
     muon_momentum: float = 0.95

@@ -28,11 +28,11 @@ class ParallelLayout:
     ``sp`` None means sequence parallel on exactly when tp > 1 (megatron requires SP for MoE with TP).
     """
 
-    tp: int = 1
-    ep: int = 1
-    etp: int | None = None
-    pp: int = 1
-    sp: bool | None = None
+    tp: int = 1  # tensor parallel: attention, embeddings, logits (and experts unless etp is set)
+    ep: int = 1  # expert parallel: each rank holds num_experts / ep whole experts per layer
+    etp: int | None = None  # expert tensor parallel (null: = tp)
+    pp: int = 1  # pipeline parallel (1 only for now)
+    sp: bool | None = None  # sequence parallel (null: on exactly when tp > 1, as megatron MoE needs)
     # The number of ranks (GPUs) this layout is meant for; null: any that fits. A launch with another
     # WORLD_SIZE is refused, and `qarl-train --dry-run` checks the config against it on a login node.
     world_size: int | None = None

@@ -60,11 +60,11 @@ def is_routed_expert(hf_name: str) -> bool:
 
 @dataclass
 class QuantConfig:
-    scheme: str = "none"
-    scope: str = "experts"
-    group_size: int = 128
-    block_size: int = 128
-    backend: str = "reference"
+    scheme: str = "none"  # none (bf16) | w4a16 (int4 weights, group-wise scales) | fp8 (W8A8, block scales)
+    scope: str = "experts"  # which linears are low-bit: experts | experts+attention | all-linears
+    group_size: int = 128  # w4a16: input-dim elements per scale
+    block_size: int = 128  # fp8: square weight block per scale (activations per 1 x block_size)
+    backend: str = "reference"  # the learner's low-bit GEMM: reference | marlin | te | modelopt
 
     def __post_init__(self) -> None:
         self.validate()

@@ -72,7 +72,7 @@ class LossConfig:
     ``clip_ratio_low/high`` -> 0.2/0.28 for ``dapo`` (clip-higher), 0.2/0.2 otherwise.
     """
 
-    name: str = "tbpo"
+    name: str = "tbpo"  # tbpo (QaRL) | grpo | dapo | dual_clip | gspo | mis | positive_only | sapo
     aggregation: Optional[str] = None
     # --- TBPO (paper Table 2) and GSPO sequence-level ratio bounds ---
     seq_clip_ratio_high: float = 4e-4
