@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
 import pyarrow.parquet as pq
 
 from conftest import REPO
@@ -132,3 +133,34 @@ def test_bad_row_is_refused_before_any_model_is_built(tmp_path):
     assert "train.parquet" in err and "row 4" in err and "solution" in err, err
     assert "data.bad_rows=skip" in err  # the fix is named
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path):
+    """The wandb run id goes into every checkpoint; the resumed run (same command, more steps) logs into
+    the same offline run. wandb mode comes from the environment (WANDB_MODE wins over the config)."""
+    out = tmp_path / "run"
+    env = {**_env(tmp_path), "WANDB_MODE": "offline"}
+    env.pop("WANDB_API_KEY", None)
+    base = [sys.executable, "-m", "megatron_qarl.cli", "--config", CONFIG, f"logging.out_dir={out}",
+            "logging.wandb.mode=disabled", "train.prompts_per_step=2", "rollout.n=2", "train.mini_batch_prompts=2",
+            "train.micro_batch_size=2", "rollout.max_new_tokens=2", "checkpoint.every=1",
+            "train.routing_telemetry=false"]
+    for steps in (1, 2):
+        proc = subprocess.run(base + [f"train.steps={steps}"], env=env, cwd=REPO, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    from megatron_qarl.checkpointing import read_extra_state
+
+    ids = [read_extra_state(p)["wandb_run_id"] for p in sorted((out / "checkpoints").glob("step_*"))]
+    assert len(ids) == 2 and ids[0] and ids[0] == ids[1], ids
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(ids[0] in r.name for r in runs), runs
+
+
+def test_a_preset_without_a_tokenizer_is_refused():
+    from megatron_qarl.config import load_config
+    from megatron_qarl.rl.tokenizer import TokenizerError, load_tokenizer
+
+    cfg = load_config(None, ["model.preset=tiny"])
+    with pytest.raises(TokenizerError, match="model.tokenizer=char"):
+        load_tokenizer(cfg.model)
