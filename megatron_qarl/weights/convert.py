@@ -188,38 +188,20 @@ class HfSource:
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "HfSource":
-        from safetensors import safe_open
-
         from megatron_qarl.models.qwen3_moe.args import read_hf_config
-        from megatron_qarl.weights.hf_io import _check_safetensors_complete, _shard_files
+        from megatron_qarl.weights.hf_io import scan_hf_checkpoint
 
         path = Path(path)
         if not path.is_dir():
             raise ConversionError(f"HF checkpoint directory {path} does not exist")
         config = read_hf_config(path)
-        files, shapes, total = {}, {}, 0
-        for file_name, indexed in _shard_files(path).items():
-            _check_safetensors_complete(path / file_name)
-            with safe_open(str(path / file_name), framework="pt") as fh:
-                names = list(fh.keys())
-                absent = sorted(set(indexed) - set(names))
-                if absent:
-                    raise CheckpointError(f"{path / file_name} lacks tensors its index assigns to it: {absent[:8]}")
-                for name in names:
-                    sl = fh.get_slice(name)
-                    shapes[name] = tuple(sl.get_shape())
-                    total += _numel(shapes[name]) * _dtype_size(sl.get_dtype())
-            files[file_name] = names
-        return cls(path, config, files, shapes, total)
+        index = scan_hf_checkpoint(path)
+        return cls(path, config, index.files, index.shapes, index.total_bytes)
 
     def validate(self) -> None:
-        from megatron_qarl.models.qwen3_moe.state_dict_adapter import WeightMappingError, expected_hf_shapes, validate_state
+        from megatron_qarl.weights.hf_io import HfIndex, validate_hf_index
 
-        try:
-            validate_state({n: _ShapeOnly(s) for n, s in self.shapes.items()}, expected_hf_shapes(self.config),
-                           f"HF checkpoint {self.path} (against its config.json)")
-        except WeightMappingError as exc:
-            raise CheckpointError(str(exc)) from exc
+        validate_hf_index(HfIndex(self.path, self.files, {}, self.shapes, self.total_bytes), self.config)
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
@@ -230,26 +212,11 @@ class HfSource:
                     yield name, fh.get_tensor(name)
 
 
-class _ShapeOnly:
-    """Stands in for a tensor where only `.shape` is read (validate_state)."""
-
-    def __init__(self, shape):
-        self.shape = torch.Size(shape)
-
-
 def _numel(shape) -> int:
     n = 1
     for d in shape:
         n *= d
     return n
-
-
-_ST_SIZES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-             "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
-
-
-def _dtype_size(st_dtype: str) -> int:
-    return _ST_SIZES.get(st_dtype, 4)
 
 
 # ------------------------------------------------------------------ sharded safetensors writer

@@ -4,6 +4,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -42,40 +45,78 @@ def _shard_files(path: Path) -> dict[str, list[str]]:
     raise CheckpointError(f"{path} has neither {INDEX_NAME} nor {SINGLE_NAME}")
 
 
-def _check_safetensors_complete(file: Path) -> None:
-    """Catch truncated files before safetensors' mmap does (its message does not name the file)."""
+def _check_safetensors_complete(file: Path) -> dict:
+    """Catch truncated files before safetensors' mmap does (its message does not name the file); the header
+    ({tensor name: {dtype, shape, data_offsets}}, maybe "__metadata__") when the file is whole."""
+    fix = "re-download or re-export it"
     size = file.stat().st_size
     with open(file, "rb") as fh:
         head = fh.read(8)
         if len(head) < 8:
-            raise CheckpointError(f"{file} is truncated ({size} bytes; no safetensors header)")
+            raise CheckpointError(f"{file} is truncated ({size} bytes; no safetensors header); {fix}")
         header_len = struct.unpack("<Q", head)[0]
         if 8 + header_len > size:
-            raise CheckpointError(f"{file} is truncated (header needs {8 + header_len} bytes, file has {size})")
+            raise CheckpointError(f"{file} is truncated (header needs {8 + header_len} bytes, file has {size}); {fix}")
         try:
             header = json.loads(fh.read(header_len))
         except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{file} has a corrupt safetensors header ({exc})") from exc
+            raise CheckpointError(f"{file} has a corrupt safetensors header ({exc}); {fix}") from exc
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + header_len + end > size:
         raise CheckpointError(f"{file} is truncated: tensors need {8 + header_len + end} bytes, "
-                              f"file has {size}; re-download or re-export it")
+                              f"file has {size}; {fix}")
+    return header
+
+
+@dataclass
+class HfIndex:
+    """An HF checkpoint dir as its safetensors headers describe it (no tensor data read)."""
+    path: Path
+    files: dict[str, list[str]]         # shard file -> the tensor names it holds (sorted)
+    location: dict[str, str]            # tensor name -> shard file
+    shapes: dict[str, tuple[int, ...]]
+    total_bytes: int                    # bytes of all tensors
+
+
+def scan_hf_checkpoint(path: str | os.PathLike) -> HfIndex:
+    """Headers of every shard: each file whole (not truncated) and holding what the index assigns to it."""
+    path = Path(path)
+    files, location, shapes, total = {}, {}, {}, 0
+    for file_name, indexed_names in _shard_files(path).items():
+        file = path / file_name
+        header = _check_safetensors_complete(file)
+        names = sorted(n for n in header if n != "__metadata__")
+        absent = sorted(set(indexed_names) - set(names))
+        if absent:
+            raise CheckpointError(f"{file} lacks {len(absent)} tensor(s) its index {INDEX_NAME} assigns to it: "
+                                  f"{absent[:8]}; the shard is incomplete or from another checkpoint; "
+                                  "re-download or re-export it")
+        for name in names:
+            begin, end = header[name]["data_offsets"]
+            shapes[name], location[name] = tuple(header[name]["shape"]), file_name
+            total += end - begin
+        files[file_name] = names
+    return HfIndex(path, files, location, shapes, total)
+
+
+def validate_hf_index(index: HfIndex, hf_config) -> None:
+    """Every tensor the config needs, in its shape, and nothing else (CheckpointError naming them)."""
+    meta = {name: torch.empty(shape, device="meta") for name, shape in index.shapes.items()}
+    try:
+        validate_state(meta, expected_hf_shapes(hf_config), f"HF checkpoint {index.path} (against its config.json)")
+    except WeightMappingError as exc:
+        raise CheckpointError(f"{exc}; re-download or re-export the checkpoint, or point at the dir whose "
+                              "config.json describes these tensors") from exc
 
 
 def read_hf_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of an HF checkpoint directory, by checkpoint name."""
     from safetensors import safe_open
 
-    path = Path(path)
+    index = scan_hf_checkpoint(path)
     state: dict[str, torch.Tensor] = {}
-    for file_name, indexed_names in _shard_files(path).items():
-        file = path / file_name
-        _check_safetensors_complete(file)
-        with safe_open(str(file), framework="pt") as fh:
-            names = list(fh.keys())
-            absent = sorted(set(indexed_names) - set(names))
-            if absent:
-                raise CheckpointError(f"{file} lacks tensors its index assigns to it: {absent[:8]}")
+    for file_name, names in index.files.items():
+        with safe_open(str(index.path / file_name), framework="pt") as fh:
             for name in names:
                 state[name] = fh.get_tensor(name)
     return state
@@ -91,6 +132,139 @@ def read_hf_checkpoint(path: str | os.PathLike, *, validate: bool = True):
         except WeightMappingError as exc:
             raise CheckpointError(str(exc)) from exc
     return config, state
+
+
+# ---------------------------------------------------------------- loading a model's local shards
+
+# safetensors maps a shard file; the pages a read touches stay resident (and count in the process's RSS)
+# until the file is closed. The loader closes its files whenever its reads since the last close touched
+# this much, so the checkpoint data resident at once stays under it plus one tensor.
+DEFAULT_MAX_MAPPED_BYTES = 64 * 1024**2
+
+
+@dataclass
+class HfLoadStats:
+    """What `load_hf_checkpoint_into_model` read on this rank."""
+    bytes_read: int = 0      # bytes of the tensors and slices materialized from the checkpoint
+    tensors_read: int = 0    # HF tensors read (whole or a row / column range)
+    parameters: int = 0      # local parameters filled
+    file_opens: int = 0
+    seconds: float = 0.0
+    by_file: dict[str, int] = field(default_factory=dict)  # bytes_read per shard file
+
+
+class _ShardReader:
+    """Whole HF tensors or row / column ranges of them, shard files opened on demand and closed whenever
+    the reads since the last close touched `max_mapped_bytes` (see DEFAULT_MAX_MAPPED_BYTES)."""
+
+    def __init__(self, index: HfIndex, stats: HfLoadStats, max_mapped_bytes: int):
+        self.index, self.stats, self.max_mapped_bytes = index, stats, max_mapped_bytes
+        self._stack, self._open, self._touched = ExitStack(), {}, 0
+
+    def read(self, sl) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file_name = self.index.location[sl.name]
+        fh = self._open.get(file_name)
+        if fh is None:
+            fh = self._stack.enter_context(safe_open(str(self.index.path / file_name), framework="pt"))
+            self._open[file_name] = fh
+            self.stats.file_opens += 1
+        if sl.dim is None:
+            tensor = fh.get_tensor(sl.name)
+        else:
+            tensor = fh.get_slice(sl.name)[(slice(None),) * sl.dim + (slice(sl.start, sl.stop),)]
+        nbytes = tensor.numel() * tensor.element_size()
+        # a column range touches every row of the tensor
+        self._touched += nbytes if sl.dim in (None, 0) else nbytes * self.index.shapes[sl.name][sl.dim] // max(
+            sl.stop - sl.start, 1)
+        self.stats.bytes_read += nbytes
+        self.stats.tensors_read += 1
+        self.stats.by_file[file_name] = self.stats.by_file.get(file_name, 0) + nbytes
+        return tensor
+
+    def release(self, force: bool = False) -> None:
+        if force or self._touched >= self.max_mapped_bytes:
+            self._stack.close()
+            self._stack, self._open, self._touched = ExitStack(), {}, 0
+
+
+def read_local_hf_params(index: HfIndex, hf_config, params: Mapping[str, torch.Tensor | None], coords, *,
+                         num_local_experts: int, gated_linear_unit: bool, sink, stats: HfLoadStats,
+                         max_mapped_bytes: int = DEFAULT_MAX_MAPPED_BYTES) -> None:
+    """For each local parameter (name -> the megatron param, whose TP attributes decide the split, or None
+    to decide by name), read just its shard from the checkpoint and call sink(local name, global name,
+    shard). One parameter at a time: the shard is dropped (and the files closed, see _ShardReader) before
+    the next one is read."""
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import from_hf
+    from megatron_qarl.weights.sharding import local_to_global_name, param_read, shard_rule, slice_for_rank
+
+    reader = _ShardReader(index, stats, max_mapped_bytes)
+    try:
+        for local_name, param in params.items():
+            global_name = local_to_global_name(local_name, coords.ep_rank, num_local_experts)
+            rule = shard_rule(global_name, param, gated_linear_unit=gated_linear_unit)
+            rank, size = (coords.etp_rank, coords.etp_size) if rule.expert else (coords.tp_rank, coords.tp_size)
+            try:
+                plan = param_read(global_name, rule, rank, size, index.shapes, hf_config.num_key_value_heads)
+            except WeightMappingError as exc:
+                raise CheckpointError(f"model parameter {local_name} has no tensor in an HF Qwen3-MoE checkpoint "
+                                      f"({exc}); the model is not the Qwen3-MoE this loader maps") from exc
+            missing = [s.name for s in plan.slices if s.name not in index.location]
+            if missing:  # validate_hf_index found the checkpoint complete: the model differs from the config
+                raise CheckpointError(f"model parameter {local_name} needs {missing}, which {index.path} lacks; "
+                                      "build the model from that checkpoint's config.json")
+            parts = [reader.read(s) for s in plan.slices]
+            shard = from_hf(hf_config, global_name, parts, query_groups=plan.query_groups)
+            del parts
+            if plan.reshard:
+                shard = slice_for_rank(shard, rule, rank, size)
+            sink(local_name, global_name, shard)
+            del shard
+            stats.parameters += 1
+            reader.release()
+    finally:
+        reader.release(force=True)
+
+
+@torch.no_grad()
+def load_hf_checkpoint_into_model(model, hf_config, path: str | os.PathLike, *, coords=None,
+                                  max_mapped_bytes: int = DEFAULT_MAX_MAPPED_BYTES) -> HfLoadStats:
+    """Fill this rank's parameters from an HF checkpoint dir, reading only what they hold.
+
+    Routed experts: only this EP rank's experts (and its expert-TP rows / columns); TP-split dense weights:
+    only this TP rank's rows / columns (safetensors `get_slice`); replicated ones whole. One parameter at a
+    time (read, assemble, copy into the local shard, free), so the host memory it needs beyond the model is
+    one parameter's HF tensors plus `max_mapped_bytes` of mapped file pages, at any checkpoint size.
+    Bit-identical to `load_full_state_into_model(model, hf_to_mcore(hf_config, read_hf_state(path)))`.
+
+    Every shard's header is checked first (truncated file, tensors its index names but it lacks, missing /
+    unexpected / wrongly shaped tensors against `hf_config`): CheckpointError naming them, before any read.
+    Not collective: each rank reads on its own. Returns what this rank read (HfLoadStats.bytes_read).
+    """
+    from megatron_qarl.weights.sharding import RankCoords, num_local_experts, unwrap_model
+
+    start = time.perf_counter()
+    index = scan_hf_checkpoint(path)
+    validate_hf_index(index, hf_config)
+    module = unwrap_model(model)
+    coords = coords or RankCoords.from_parallel_state()
+    params = dict(module.named_parameters())
+
+    def copy(local_name: str, global_name: str, shard: torch.Tensor) -> None:
+        param = params[local_name]
+        if tuple(shard.shape) != tuple(param.shape):
+            raise CheckpointError(f"{global_name}: this rank's shard from {index.path} has shape {tuple(shard.shape)} "
+                                  f"but the parameter {local_name} has {tuple(param.shape)}; build the model from "
+                                  "that checkpoint's config.json at a TP / EP layout it divides by")
+        param.copy_(shard)
+
+    stats = HfLoadStats()
+    read_local_hf_params(index, hf_config, params, coords, num_local_experts=num_local_experts(module),
+                         gated_linear_unit=bool(module.config.gated_linear_unit), sink=copy, stats=stats,
+                         max_mapped_bytes=max_mapped_bytes)
+    stats.seconds = time.perf_counter() - start
+    return stats
 
 
 # ---------------------------------------------------------------- writing
