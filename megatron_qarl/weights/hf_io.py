@@ -76,12 +76,13 @@ class HfIndex:
     location: dict[str, str]            # tensor name -> shard file
     shapes: dict[str, tuple[int, ...]]
     total_bytes: int                    # bytes of all tensors
+    nbytes: dict[str, int] = field(default_factory=dict)  # tensor name -> its bytes
 
 
 def scan_hf_checkpoint(path: str | os.PathLike) -> HfIndex:
     """Headers of every shard: each file whole (not truncated) and holding what the index assigns to it."""
     path = Path(path)
-    files, location, shapes, total = {}, {}, {}, 0
+    files, location, shapes, nbytes = {}, {}, {}, {}
     for file_name, indexed_names in _shard_files(path).items():
         file = path / file_name
         header = _check_safetensors_complete(file)
@@ -93,10 +94,9 @@ def scan_hf_checkpoint(path: str | os.PathLike) -> HfIndex:
                                   "re-download or re-export it")
         for name in names:
             begin, end = header[name]["data_offsets"]
-            shapes[name], location[name] = tuple(header[name]["shape"]), file_name
-            total += end - begin
+            shapes[name], location[name], nbytes[name] = tuple(header[name]["shape"]), file_name, end - begin
         files[file_name] = names
-    return HfIndex(path, files, location, shapes, total)
+    return HfIndex(path, files, location, shapes, sum(nbytes.values()), nbytes)
 
 
 def validate_hf_index(index: HfIndex, hf_config) -> None:
@@ -137,8 +137,8 @@ def read_hf_checkpoint(path: str | os.PathLike, *, validate: bool = True):
 # ---------------------------------------------------------------- loading a model's local shards
 
 # safetensors maps a shard file; the pages a read touches stay resident (and count in the process's RSS)
-# until the file is closed. The loader closes its files whenever its reads since the last close touched
-# this much, so the checkpoint data resident at once stays under it plus one tensor.
+# until the file is closed. The loader closes its files before a parameter's reads would take the pages
+# touched since the last close past this, so at most max(this, one parameter's HF tensors) are resident.
 DEFAULT_MAX_MAPPED_BYTES = 64 * 1024**2
 
 
@@ -154,8 +154,8 @@ class HfLoadStats:
 
 
 class _ShardReader:
-    """Whole HF tensors or row / column ranges of them, shard files opened on demand and closed whenever
-    the reads since the last close touched `max_mapped_bytes` (see DEFAULT_MAX_MAPPED_BYTES)."""
+    """Whole HF tensors or row / column ranges of them, shard files opened on demand and closed before the
+    pages touched since the last close would pass `max_mapped_bytes` (see DEFAULT_MAX_MAPPED_BYTES)."""
 
     def __init__(self, index: HfIndex, stats: HfLoadStats, max_mapped_bytes: int):
         self.index, self.stats, self.max_mapped_bytes = index, stats, max_mapped_bytes
@@ -175,18 +175,28 @@ class _ShardReader:
         else:
             tensor = fh.get_slice(sl.name)[(slice(None),) * sl.dim + (slice(sl.start, sl.stop),)]
         nbytes = tensor.numel() * tensor.element_size()
-        # a column range touches every row of the tensor
-        self._touched += nbytes if sl.dim in (None, 0) else nbytes * self.index.shapes[sl.name][sl.dim] // max(
-            sl.stop - sl.start, 1)
         self.stats.bytes_read += nbytes
         self.stats.tensors_read += 1
         self.stats.by_file[file_name] = self.stats.by_file.get(file_name, 0) + nbytes
         return tensor
 
-    def release(self, force: bool = False) -> None:
-        if force or self._touched >= self.max_mapped_bytes:
-            self._stack.close()
-            self._stack, self._open, self._touched = ExitStack(), {}, 0
+    def touches(self, sl) -> int:
+        """File bytes a read maps in: its rows, or the whole tensor for a column range (every row)."""
+        whole = self.index.nbytes[sl.name]
+        if sl.dim == 0:
+            return whole // self.index.shapes[sl.name][0] * (sl.stop - sl.start)
+        return whole
+
+    def reserve(self, slices) -> None:
+        """Close the files first if reading `slices` would take the touched pages past the budget."""
+        span = sum(self.touches(s) for s in slices)
+        if self._touched and self._touched + span > self.max_mapped_bytes:
+            self.release()
+        self._touched += span
+
+    def release(self) -> None:
+        self._stack.close()
+        self._stack, self._open, self._touched = ExitStack(), {}, 0
 
 
 def read_local_hf_params(index: HfIndex, hf_config, params: Mapping[str, torch.Tensor | None], coords, *,
@@ -214,6 +224,7 @@ def read_local_hf_params(index: HfIndex, hf_config, params: Mapping[str, torch.T
             if missing:  # validate_hf_index found the checkpoint complete: the model differs from the config
                 raise CheckpointError(f"model parameter {local_name} needs {missing}, which {index.path} lacks; "
                                       "build the model from that checkpoint's config.json")
+            reader.reserve(plan.slices)
             parts = [reader.read(s) for s in plan.slices]
             shard = from_hf(hf_config, global_name, parts, query_groups=plan.query_groups)
             del parts
@@ -222,9 +233,8 @@ def read_local_hf_params(index: HfIndex, hf_config, params: Mapping[str, torch.T
             sink(local_name, global_name, shard)
             del shard
             stats.parameters += 1
-            reader.release()
     finally:
-        reader.release(force=True)
+        reader.release()
 
 
 @torch.no_grad()
