@@ -384,27 +384,63 @@ def _build_model(hf_config, layout):
 def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1, ep: int = 1,
                            force: bool = False) -> Path:
     """HF dir -> megatron dist checkpoint at TP x EP (collective: run with tp*ep*dp ranks or one process
-    with tp=ep=1). fp32 masters; the source dtype is recorded so mcore-to-hf writes it back bit-exactly."""
+    with tp=ep=1). fp32 masters; the source dtype is recorded so mcore-to-hf writes it back bit-exactly.
+    Each rank reads only its own shards (load_hf_checkpoint_into_model) and checks what it reads; a bad
+    weight on any rank stops every rank before anything is written."""
     from megatron_qarl.checkpointing import save_checkpoint
-    from megatron_qarl.weights.hf_io import read_hf_checkpoint
-    from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
-    from megatron_qarl.weights.sharding import load_full_state_into_model
+    from megatron_qarl.models.qwen3_moe.args import read_hf_config
+    from megatron_qarl.weights.hf_io import load_hf_checkpoint_into_model, scan_hf_checkpoint, validate_hf_index
 
     out = check_output(out, force, [hf_dir])
-    hf_config, state = read_hf_checkpoint(hf_dir)
-    for name, tensor in state.items():
-        check_weight(name, tensor)
+    hf_config = read_hf_config(hf_dir)
+    index = scan_hf_checkpoint(hf_dir)
+    validate_hf_index(index, hf_config)
+    for name, st_dtype in index.dtypes.items():
+        check_weight_dtype(name, st_dtype)
     layout = _init_world(tp, ep)
     remove_stale_outputs(out)
-    source_dtype = next(iter(state.values())).dtype
     model = _build_model(hf_config, layout)
-    load_full_state_into_model(model, hf_to_mcore(hf_config, state))
-    del state
+    problem = None
+    try:
+        load_hf_checkpoint_into_model(model, hf_config, hf_dir, index=index, on_read=check_weight)
+    except ConversionError as exc:  # a non-finite weight in this rank's part
+        problem = exc
+    _stop_all_ranks_if_any(problem)
+    first = next(iter(index.dtypes.values()), "BF16")
     extra = {HF_SIDECAR_KEY: hf_checkpoint_files(hf_config, hf_dir),
              TOKENIZER_SOURCE_KEY: str(Path(hf_dir).resolve()),
-             "source_dtype": "fp32" if source_dtype == torch.float32 else "bf16",
+             "source_dtype": "fp32" if first == "F32" else "bf16",
              "layout": {"tp": layout.tp, "ep": layout.ep}}
     return save_checkpoint(out, model, extra=extra, force=force)
+
+
+_ST_FLOATS = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+_ST_NAMES = {"I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def check_weight_dtype(name: str, st_dtype: str) -> None:
+    """check_weight's dtype rule on a safetensors header dtype (before any data is read)."""
+    if st_dtype not in _ST_FLOATS:
+        raise ConversionError(f"tensor {name} has dtype {_ST_NAMES.get(st_dtype, st_dtype)}, not a floating point "
+                              "type: every weight of a Qwen3-MoE checkpoint is bf16/fp16/fp32; the file is corrupt "
+                              "or not a model checkpoint; re-download or re-export it")
+
+
+def _stop_all_ranks_if_any(problem: Exception | None) -> None:
+    """COLLECTIVE (when distributed). Raise on every rank when any rank has a problem: the rank's own, or one
+    pointing at the rank that has it, so no rank goes on into the checkpoint save's collectives alone."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from megatron_qarl.parallel import collective_device
+
+        flag = torch.tensor([dist.get_rank() + 1 if problem else 0], device=collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if problem is None and int(flag.item()):
+            raise ConversionError(f"rank {int(flag.item()) - 1} found a weight it cannot convert (its error names "
+                                  "it); nothing was written")
+    if problem is not None:
+        raise problem
 
 
 @dataclass

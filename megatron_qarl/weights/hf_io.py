@@ -77,12 +77,13 @@ class HfIndex:
     shapes: dict[str, tuple[int, ...]]
     total_bytes: int                    # bytes of all tensors
     nbytes: dict[str, int] = field(default_factory=dict)  # tensor name -> its bytes
+    dtypes: dict[str, str] = field(default_factory=dict)  # tensor name -> safetensors dtype ("BF16", "F32", ...)
 
 
 def scan_hf_checkpoint(path: str | os.PathLike) -> HfIndex:
     """Headers of every shard: each file whole (not truncated) and holding what the index assigns to it."""
     path = Path(path)
-    files, location, shapes, nbytes = {}, {}, {}, {}
+    files, location, shapes, nbytes, dtypes = {}, {}, {}, {}, {}
     for file_name, indexed_names in _shard_files(path).items():
         file = path / file_name
         header = _check_safetensors_complete(file)
@@ -95,8 +96,9 @@ def scan_hf_checkpoint(path: str | os.PathLike) -> HfIndex:
         for name in names:
             begin, end = header[name]["data_offsets"]
             shapes[name], location[name], nbytes[name] = tuple(header[name]["shape"]), file_name, end - begin
+            dtypes[name] = header[name]["dtype"]
         files[file_name] = names
-    return HfIndex(path, files, location, shapes, sum(nbytes.values()), nbytes)
+    return HfIndex(path, files, location, shapes, sum(nbytes.values()), nbytes, dtypes)
 
 
 def validate_hf_index(index: HfIndex, hf_config) -> None:
@@ -157,8 +159,8 @@ class _ShardReader:
     """Whole HF tensors or row / column ranges of them, shard files opened on demand and closed before the
     pages touched since the last close would pass `max_mapped_bytes` (see DEFAULT_MAX_MAPPED_BYTES)."""
 
-    def __init__(self, index: HfIndex, stats: HfLoadStats, max_mapped_bytes: int):
-        self.index, self.stats, self.max_mapped_bytes = index, stats, max_mapped_bytes
+    def __init__(self, index: HfIndex, stats: HfLoadStats, max_mapped_bytes: int, on_read=None):
+        self.index, self.stats, self.max_mapped_bytes, self.on_read = index, stats, max_mapped_bytes, on_read
         self._stack, self._open, self._touched = ExitStack(), {}, 0
 
     def read(self, sl) -> torch.Tensor:
@@ -178,6 +180,8 @@ class _ShardReader:
         self.stats.bytes_read += nbytes
         self.stats.tensors_read += 1
         self.stats.by_file[file_name] = self.stats.by_file.get(file_name, 0) + nbytes
+        if self.on_read is not None:
+            self.on_read(sl.name, tensor)
         return tensor
 
     def touches(self, sl) -> int:
@@ -201,15 +205,15 @@ class _ShardReader:
 
 def read_local_hf_params(index: HfIndex, hf_config, params: Mapping[str, torch.Tensor | None], coords, *,
                          num_local_experts: int, gated_linear_unit: bool, sink, stats: HfLoadStats,
-                         max_mapped_bytes: int = DEFAULT_MAX_MAPPED_BYTES) -> None:
+                         max_mapped_bytes: int = DEFAULT_MAX_MAPPED_BYTES, on_read=None) -> None:
     """For each local parameter (name -> the megatron param, whose TP attributes decide the split, or None
     to decide by name), read just its shard from the checkpoint and call sink(local name, global name,
     shard). One parameter at a time: the shard is dropped (and the files closed, see _ShardReader) before
-    the next one is read."""
+    the next one is read. on_read(HF name, tensor or slice) sees every read (checks)."""
     from megatron_qarl.models.qwen3_moe.state_dict_adapter import from_hf
     from megatron_qarl.weights.sharding import local_to_global_name, param_read, shard_rule, slice_for_rank
 
-    reader = _ShardReader(index, stats, max_mapped_bytes)
+    reader = _ShardReader(index, stats, max_mapped_bytes, on_read)
     try:
         for local_name, param in params.items():
             global_name = local_to_global_name(local_name, coords.ep_rank, num_local_experts)
@@ -239,7 +243,8 @@ def read_local_hf_params(index: HfIndex, hf_config, params: Mapping[str, torch.T
 
 @torch.no_grad()
 def load_hf_checkpoint_into_model(model, hf_config, path: str | os.PathLike, *, coords=None,
-                                  max_mapped_bytes: int = DEFAULT_MAX_MAPPED_BYTES) -> HfLoadStats:
+                                  max_mapped_bytes: int = DEFAULT_MAX_MAPPED_BYTES, on_read=None,
+                                  index: HfIndex | None = None) -> HfLoadStats:
     """Fill this rank's parameters from an HF checkpoint dir, reading only what they hold.
 
     Routed experts: only this EP rank's experts (and its expert-TP rows / columns); TP-split dense weights:
@@ -251,11 +256,12 @@ def load_hf_checkpoint_into_model(model, hf_config, path: str | os.PathLike, *, 
     Every shard's header is checked first (truncated file, tensors its index names but it lacks, missing /
     unexpected / wrongly shaped tensors against `hf_config`): CheckpointError naming them, before any read.
     Not collective: each rank reads on its own. Returns what this rank read (HfLoadStats.bytes_read).
+    on_read(HF name, tensor) sees each tensor or slice read; `index`: a scan_hf_checkpoint(path) already made.
     """
     from megatron_qarl.weights.sharding import RankCoords, num_local_experts, unwrap_model
 
     start = time.perf_counter()
-    index = scan_hf_checkpoint(path)
+    index = index or scan_hf_checkpoint(path)
     validate_hf_index(index, hf_config)
     module = unwrap_model(model)
     coords = coords or RankCoords.from_parallel_state()
@@ -272,7 +278,7 @@ def load_hf_checkpoint_into_model(model, hf_config, path: str | os.PathLike, *, 
     stats = HfLoadStats()
     read_local_hf_params(index, hf_config, params, coords, num_local_experts=num_local_experts(module),
                          gated_linear_unit=bool(module.config.gated_linear_unit), sink=copy, stats=stats,
-                         max_mapped_bytes=max_mapped_bytes)
+                         max_mapped_bytes=max_mapped_bytes, on_read=on_read)
     stats.seconds = time.perf_counter() - start
     return stats
 
