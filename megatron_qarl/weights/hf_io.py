@@ -250,7 +250,8 @@ def load_hf_checkpoint_into_model(model, hf_config, path: str | os.PathLike, *, 
     Routed experts: only this EP rank's experts (and its expert-TP rows / columns); TP-split dense weights:
     only this TP rank's rows / columns (safetensors `get_slice`); replicated ones whole. One parameter at a
     time (read, assemble, copy into the local shard, free), so the host memory it needs beyond the model is
-    one parameter's HF tensors plus `max_mapped_bytes` of mapped file pages, at any checkpoint size.
+    max(`max_mapped_bytes`, one parameter's HF tensors) of mapped file pages plus one assembled shard, at any
+    checkpoint size (benchmarks/bench_hf_loading.py).
     Bit-identical to `load_full_state_into_model(model, hf_to_mcore(hf_config, read_hf_state(path)))`.
 
     Every shard's header is checked first (truncated file, tensors its index names but it lacks, missing /
