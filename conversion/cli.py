@@ -1,10 +1,11 @@
 """`qarl-convert`: argparse front of megatron_qarl.weights.convert.
 
     qarl-convert hf-to-mcore --hf DIR --out DIR [--tp N --ep N]       (torchrun for N>1)
-    qarl-convert mcore-to-hf --ckpt DIR --out DIR [--dtype bf16|fp32]
-    qarl-convert export (--ckpt DIR | --hf DIR) --format w4a16|fp8|bf16 [--scope ...] --out DIR
+    qarl-convert mcore-to-hf --ckpt DIR --out DIR [--dtype bf16|fp32] [--tokenizer PATH|char]
+    qarl-convert export (--ckpt DIR | --hf DIR) --format w4a16|fp8|bf16 [--scope ...] --out DIR [--tokenizer PATH|char]
     qarl-convert inspect DIR
-Every writing command refuses an existing --out unless --force.
+Every writing command refuses an existing --out unless --force. Outputs carry the tokenizer next to the weights:
+--tokenizer, else the one the source recorded (a training run's model.tokenizer / hf_path / char tokenizer).
 """
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--force", action="store_true", help="replace an existing --out")
     for sp in (m2h, exp):
         sp.add_argument("--max-shard-bytes", type=int, default=4 * 1024**3)
+        sp.add_argument("--tokenizer", default=None,
+                        help="tokenizer to write next to the weights: an HF tokenizer dir, or 'char' (the demo char "
+                             "tokenizer); default: the one the source checkpoint recorded or stores")
 
     ins = sub.add_parser("inspect", help="describe a checkpoint and verify it is complete")
     ins.add_argument("path")
@@ -58,11 +62,13 @@ def _run(args) -> int:
         out = convert.hf_to_mcore_checkpoint(args.hf, args.out, tp=args.tp, ep=args.ep, force=args.force)
     elif args.command == "mcore-to-hf":
         out = convert.mcore_to_hf_checkpoint(args.ckpt, args.out, dtype=args.dtype,
-                                             max_shard_bytes=args.max_shard_bytes, force=args.force)
+                                             max_shard_bytes=args.max_shard_bytes, force=args.force,
+                                             tokenizer=args.tokenizer)
     elif args.command == "export":
         out = convert.export_checkpoint(args.out, hf=args.hf, ckpt=args.ckpt, fmt=args.format, scope=args.scope,
                                         group_size=args.group_size, block_size=args.block_size,
-                                        max_shard_bytes=args.max_shard_bytes, force=args.force)
+                                        max_shard_bytes=args.max_shard_bytes, force=args.force,
+                                        tokenizer=args.tokenizer)
     else:
         info = convert.inspect_checkpoint(args.path)
         print(json.dumps(info, indent=2, default=str) if args.json else convert.format_inspection(info))

@@ -293,3 +293,80 @@ def test_existing_output_is_refused_without_force_and_replaced_with_it(hf_dir, t
     assert run("export", "--hf", hf_dir, "--format", "bf16", "--out", out, "--force") == 0
     assert not (out / "keep.txt").exists()
     assert_bitwise_equal(read_dir(hf_dir), read_dir(out))
+
+
+# ---------------------------------------------------------------------------------------- tokenizer in outputs
+
+TRAINING_STYLE_CKPT = """
+import sys, torch
+from megatron_qarl.checkpointing import save_checkpoint
+from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
+from megatron_qarl.parallel import ParallelLayout, init_distributed
+from megatron_qarl.weights.convert import HF_SIDECAR_KEY, TOKENIZER_SOURCE_KEY, hf_checkpoint_files
+cfg, layout = tiny_hf_config(), init_distributed(ParallelLayout(), seed=0)
+model = build_qwen3_moe_model(cfg, layout, params_dtype=torch.float32)
+# what run_context.checkpoint_state stores for a preset run on the demo char tokenizer
+save_checkpoint(sys.argv[1], model, extra={HF_SIDECAR_KEY: hf_checkpoint_files(cfg), "source_dtype": "bf16",
+                                           TOKENIZER_SOURCE_KEY: "char"})
+"""
+
+
+@pytest.fixture(scope="module")
+def char_ckpt(tmp_path_factory):
+    import os
+    import subprocess
+
+    out = tmp_path_factory.mktemp("char") / "ckpt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run([sys.executable, "-c", TRAINING_STYLE_CKPT, str(out)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def assert_char_tokenizer(path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from megatron_qarl.rl.tokenizer import build_char_tokenizer
+
+    loaded, char = AutoTokenizer.from_pretrained(str(path)), build_char_tokenizer()
+    assert loaded("12+34=")["input_ids"] == char("12+34=")["input_ids"] == [5, 6, 66, 7, 8, 70]
+    assert loaded.eos_token_id == char.eos_token_id and loaded.pad_token_id == char.pad_token_id
+
+
+@pytest.mark.parametrize("cmd", ["export", "mcore-to-hf"])
+def test_outputs_of_a_checkpoint_recording_the_char_tokenizer_carry_it(char_ckpt, tmp_path, cmd):
+    argv = ["export", "--ckpt", char_ckpt, "--format", "bf16"] if cmd == "export" else ["mcore-to-hf", "--ckpt", char_ckpt]
+    assert run_cli(*argv, "--out", tmp_path / "out") == 0
+    assert_char_tokenizer(tmp_path / "out")
+
+
+def test_hf_to_mcore_records_the_hf_dir_as_tokenizer_source(hf_dir, mcore_dir):
+    from megatron_qarl.checkpointing import read_extra_state
+    from megatron_qarl.weights.convert import TOKENIZER_SOURCE_KEY
+
+    assert read_extra_state(mcore_dir)[TOKENIZER_SOURCE_KEY] == str(hf_dir.resolve())
+
+
+def test_export_without_any_tokenizer_warns_once_and_tokenizer_option_adds_one(hf_dir, tmp_path, capsys):
+    src = tmp_path / "weights_only"
+    shutil.copytree(hf_dir, src)
+    (src / "tokenizer_config.json").unlink()
+    capsys.readouterr()
+    assert run("export", "--hf", src, "--format", "bf16", "--out", tmp_path / "bare") == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "no tokenizer" in warnings[0] and "--tokenizer" in warnings[0], warnings
+    assert not [p for p in (tmp_path / "bare").iterdir() if "token" in p.name]
+    assert run("export", "--hf", src, "--format", "bf16", "--out", tmp_path / "char", "--tokenizer", "char") == 0
+    assert "warning" not in capsys.readouterr().err
+    assert_char_tokenizer(tmp_path / "char")
+    assert_bitwise_equal(read_dir(tmp_path / "bare"), read_dir(tmp_path / "char"))
+
+
+def test_an_unloadable_tokenizer_option_fails_before_writing(hf_dir, tmp_path, capsys):
+    assert run("export", "--hf", hf_dir, "--format", "bf16", "--out", tmp_path / "out",
+               "--tokenizer", str(tmp_path / "nowhere")) == 2
+    err = capsys.readouterr().err
+    assert "qarl-convert: error:" in err and "nowhere" in err and "--tokenizer" in err, err
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]

@@ -2,13 +2,16 @@
 
 * hf-to-mcore: HF dir -> megatron dist checkpoint at the current TP/EP (single process or torchrun).
   The HF config.json and tokenizer files travel inside the checkpoint's extra state, so every later
-  command can rebuild the architecture from the checkpoint alone.
+  command can rebuild the architecture from the checkpoint alone; the HF dir is recorded as the
+  checkpoint's tokenizer source (a training run records model.tokenizer / model.hf_path / "char").
 * mcore-to-hf: any-layout dist checkpoint (or a trainer run checkpoint step_XXXXXXXX/) -> HF safetensors.
 * export: HF dir or checkpoint -> engine-layout checkpoint (W4A16 compressed-tensors / FP8 block / bf16).
   From an HF dir it streams: one input tensor at a time, output shards flushed as they fill.
 * inspect: format, layout, parameter counts, quantization config, completeness.
 
 Every output is written to a temp dir beside the target and renamed into place only when complete.
+Outputs carry the tokenizer next to the weights: `--tokenizer PATH|char`, else the checkpoint's recorded
+tokenizer source, else the tokenizer files it stores; with none of these, one warning line says how to add one.
 """
 from __future__ import annotations
 
@@ -28,8 +31,14 @@ FORMATS = ("w4a16", "fp8", "bf16")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_SHARD_BYTES = 4 * 1024**3
 HF_SIDECAR_KEY = "hf_files"
+# extra state: where the tokenizer the checkpoint's model was trained with comes from (an HF tokenizer dir or
+# hub name, or "char" for the demo char tokenizer); exports write it next to the weights
+TOKENIZER_SOURCE_KEY = "tokenizer_source"
+CHAR_TOKENIZER = "char"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                   "special_tokens_map.json", "generation_config.json", "added_tokens.json", "tokenizer.model")
+                   "special_tokens_map.json", "generation_config.json", "added_tokens.json", "tokenizer.model",
+                   "chat_template.jinja", "chat_template.json")
+NOT_TOKENIZER = ("generation_config.json",)  # stored with the tokenizer files, kept whichever tokenizer is written
 
 
 class ConversionError(ValueError):
@@ -151,6 +160,88 @@ def copy_tokenizer_files(files: dict[str, bytes], out: Path) -> None:
             (out / name).write_bytes(data)
 
 
+def tokenizer_source(model_cfg) -> str:
+    """What a run records under TOKENIZER_SOURCE_KEY: the tokenizer `rl.tokenizer.load_tokenizer` loads for
+    `model_cfg` (model.tokenizer, else model.hf_path, else the char tokenizer), a local path made absolute."""
+    source = model_cfg.tokenizer or model_cfg.hf_path or CHAR_TOKENIZER
+    if source != CHAR_TOKENIZER and Path(source).exists():
+        return str(Path(source).resolve())
+    return source
+
+
+TOKENIZER_FIX = (f"pass --tokenizer PATH (an HF dir with tokenizer.json / tokenizer_config.json) or --tokenizer "
+                 f"{CHAR_TOKENIZER} (the demo char tokenizer)")
+
+
+class TokenizerLoadError(ConversionError):
+    """A tokenizer source that does not load; `reason` says why, without the fix."""
+
+    def __init__(self, what: str, source: str, reason: str):
+        self.reason = f"{what} {source} {reason}"
+        super().__init__(f"{self.reason}; {TOKENIZER_FIX}")
+
+
+def load_tokenizer_source(source: str, what: str):
+    """The HF tokenizer `source` names: "char" (the demo char tokenizer) or an HF tokenizer dir / hub name."""
+    if source == CHAR_TOKENIZER:
+        from megatron_qarl.rl.tokenizer import build_char_tokenizer
+
+        return build_char_tokenizer()
+    if (os.path.isabs(source) or source.startswith((".", "~"))) and not Path(source).expanduser().is_dir():
+        raise TokenizerLoadError(what, source, "does not exist")
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(source)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for an unloadable tokenizer
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise TokenizerLoadError(what, source, f"cannot be loaded as a tokenizer ({type(exc).__name__}: {first})"
+                                 ) from exc
+
+
+@dataclass
+class TokenizerPlan:
+    """The tokenizer an output gets: `tokenizer` saved with save_pretrained (None: none to save) and `files`
+    copied as they are (stored tokenizer files, generation_config.json)."""
+
+    tokenizer: object | None
+    files: dict[str, bytes]
+
+    def write(self, out: Path) -> None:
+        copy_tokenizer_files(self.files, out)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(str(out))
+
+
+def plan_tokenizer(side_files: dict[str, bytes], *, explicit: str | None = None, recorded: str | None = None,
+                   out: str | os.PathLike | None = None) -> TokenizerPlan:
+    """Which tokenizer an export writes: `explicit` (--tokenizer) if given, else the checkpoint's `recorded`
+    source, else the tokenizer files stored in `side_files`. A recorded source that no longer loads falls back
+    to the stored files with a warning (an error when there are none); nothing at all is one warning line."""
+    stored = {n: b for n, b in side_files.items() if n in TOKENIZER_FILES}
+    kept = {n: b for n, b in stored.items() if n in NOT_TOKENIZER}
+    has_stored = len(stored) > len(kept)
+    if explicit:
+        return TokenizerPlan(load_tokenizer_source(explicit, "--tokenizer"), kept)
+    if recorded:
+        try:
+            return TokenizerPlan(load_tokenizer_source(recorded, "the checkpoint's tokenizer source"), kept)
+        except TokenizerLoadError as exc:
+            if not has_stored:
+                raise
+            _warn(f"{exc.reason}; writing the tokenizer files stored in the checkpoint instead (--tokenizer "
+                  "PATH|char chooses another)")
+    if not has_stored:
+        _warn(f"{out or 'the output'} gets no tokenizer: the source records none and no --tokenizer was given, and "
+              f"SGLang / vLLM / transformers need one; {TOKENIZER_FIX}")
+    return TokenizerPlan(None, stored)
+
+
+def _warn(message: str) -> None:
+    if _is_rank0():
+        print(f"qarl-convert: warning: {message}", file=sys.stderr)
+
+
 def hf_config_from_json(text: str | bytes):
     from transformers import Qwen3MoeConfig
 
@@ -188,38 +279,20 @@ class HfSource:
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "HfSource":
-        from safetensors import safe_open
-
         from megatron_qarl.models.qwen3_moe.args import read_hf_config
-        from megatron_qarl.weights.hf_io import _check_safetensors_complete, _shard_files
+        from megatron_qarl.weights.hf_io import scan_hf_checkpoint
 
         path = Path(path)
         if not path.is_dir():
             raise ConversionError(f"HF checkpoint directory {path} does not exist")
         config = read_hf_config(path)
-        files, shapes, total = {}, {}, 0
-        for file_name, indexed in _shard_files(path).items():
-            _check_safetensors_complete(path / file_name)
-            with safe_open(str(path / file_name), framework="pt") as fh:
-                names = list(fh.keys())
-                absent = sorted(set(indexed) - set(names))
-                if absent:
-                    raise CheckpointError(f"{path / file_name} lacks tensors its index assigns to it: {absent[:8]}")
-                for name in names:
-                    sl = fh.get_slice(name)
-                    shapes[name] = tuple(sl.get_shape())
-                    total += _numel(shapes[name]) * _dtype_size(sl.get_dtype())
-            files[file_name] = names
-        return cls(path, config, files, shapes, total)
+        index = scan_hf_checkpoint(path)
+        return cls(path, config, index.files, index.shapes, index.total_bytes)
 
     def validate(self) -> None:
-        from megatron_qarl.models.qwen3_moe.state_dict_adapter import WeightMappingError, expected_hf_shapes, validate_state
+        from megatron_qarl.weights.hf_io import HfIndex, validate_hf_index
 
-        try:
-            validate_state({n: _ShapeOnly(s) for n, s in self.shapes.items()}, expected_hf_shapes(self.config),
-                           f"HF checkpoint {self.path} (against its config.json)")
-        except WeightMappingError as exc:
-            raise CheckpointError(str(exc)) from exc
+        validate_hf_index(HfIndex(self.path, self.files, {}, self.shapes, self.total_bytes), self.config)
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
@@ -230,26 +303,11 @@ class HfSource:
                     yield name, fh.get_tensor(name)
 
 
-class _ShapeOnly:
-    """Stands in for a tensor where only `.shape` is read (validate_state)."""
-
-    def __init__(self, shape):
-        self.shape = torch.Size(shape)
-
-
 def _numel(shape) -> int:
     n = 1
     for d in shape:
         n *= d
     return n
-
-
-_ST_SIZES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-             "F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1}
-
-
-def _dtype_size(st_dtype: str) -> int:
-    return _ST_SIZES.get(st_dtype, 4)
 
 
 # ------------------------------------------------------------------ sharded safetensors writer
@@ -326,26 +384,63 @@ def _build_model(hf_config, layout):
 def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1, ep: int = 1,
                            force: bool = False) -> Path:
     """HF dir -> megatron dist checkpoint at TP x EP (collective: run with tp*ep*dp ranks or one process
-    with tp=ep=1). fp32 masters; the source dtype is recorded so mcore-to-hf writes it back bit-exactly."""
+    with tp=ep=1). fp32 masters; the source dtype is recorded so mcore-to-hf writes it back bit-exactly.
+    Each rank reads only its own shards (load_hf_checkpoint_into_model) and checks what it reads; a bad
+    weight on any rank stops every rank before anything is written."""
     from megatron_qarl.checkpointing import save_checkpoint
-    from megatron_qarl.weights.hf_io import read_hf_checkpoint
-    from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
-    from megatron_qarl.weights.sharding import load_full_state_into_model
+    from megatron_qarl.models.qwen3_moe.args import read_hf_config
+    from megatron_qarl.weights.hf_io import load_hf_checkpoint_into_model, scan_hf_checkpoint, validate_hf_index
 
     out = check_output(out, force, [hf_dir])
-    hf_config, state = read_hf_checkpoint(hf_dir)
-    for name, tensor in state.items():
-        check_weight(name, tensor)
+    hf_config = read_hf_config(hf_dir)
+    index = scan_hf_checkpoint(hf_dir)
+    validate_hf_index(index, hf_config)
+    for name, st_dtype in index.dtypes.items():
+        check_weight_dtype(name, st_dtype)
     layout = _init_world(tp, ep)
     remove_stale_outputs(out)
-    source_dtype = next(iter(state.values())).dtype
     model = _build_model(hf_config, layout)
-    load_full_state_into_model(model, hf_to_mcore(hf_config, state))
-    del state
+    problem = None
+    try:
+        load_hf_checkpoint_into_model(model, hf_config, hf_dir, index=index, on_read=check_weight)
+    except ConversionError as exc:  # a non-finite weight in this rank's part
+        problem = exc
+    _stop_all_ranks_if_any(problem)
+    first = next(iter(index.dtypes.values()), "BF16")
     extra = {HF_SIDECAR_KEY: hf_checkpoint_files(hf_config, hf_dir),
-             "source_dtype": "fp32" if source_dtype == torch.float32 else "bf16",
+             TOKENIZER_SOURCE_KEY: str(Path(hf_dir).resolve()),
+             "source_dtype": "fp32" if first == "F32" else "bf16",
              "layout": {"tp": layout.tp, "ep": layout.ep}}
     return save_checkpoint(out, model, extra=extra, force=force)
+
+
+_ST_FLOATS = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+_ST_NAMES = {"I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def check_weight_dtype(name: str, st_dtype: str) -> None:
+    """check_weight's dtype rule on a safetensors header dtype (before any data is read)."""
+    if st_dtype not in _ST_FLOATS:
+        raise ConversionError(f"tensor {name} has dtype {_ST_NAMES.get(st_dtype, st_dtype)}, not a floating point "
+                              "type: every weight of a Qwen3-MoE checkpoint is bf16/fp16/fp32; the file is corrupt "
+                              "or not a model checkpoint; re-download or re-export it")
+
+
+def _stop_all_ranks_if_any(problem: Exception | None) -> None:
+    """COLLECTIVE (when distributed). Raise on every rank when any rank has a problem: the rank's own, or one
+    pointing at the rank that has it, so no rank goes on into the checkpoint save's collectives alone."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from megatron_qarl.parallel import collective_device
+
+        flag = torch.tensor([dist.get_rank() + 1 if problem else 0], device=collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if problem is None and int(flag.item()):
+            raise ConversionError(f"rank {int(flag.item()) - 1} found a weight it cannot convert (its error names "
+                                  "it); nothing was written")
+    if problem is not None:
+        raise problem
 
 
 @dataclass
@@ -358,6 +453,7 @@ class McoreSource:
     hf_config: object
     side_files: dict[str, bytes]
     source_dtype: str
+    tokenizer_source: str | None = None  # TOKENIZER_SOURCE_KEY of its extra state (None: not recorded)
 
 
 def open_mcore_checkpoint(path: str | os.PathLike) -> McoreSource:
@@ -382,7 +478,7 @@ def open_mcore_checkpoint(path: str | os.PathLike) -> McoreSource:
                               "qarl-convert hf-to-mcore, sft or qarl-train; convert from the HF model instead")
     kind = "run" if read_marker(path).get("has_optimizer") else "dist"
     return McoreSource(path, kind, hf_config_from_json(files[CONFIG_NAME]), files,
-                       extra.get("source_dtype", "bf16"))
+                       extra.get("source_dtype", "bf16"), extra.get(TOKENIZER_SOURCE_KEY))
 
 
 def load_mcore_full_hf_state(src: McoreSource) -> dict[str, torch.Tensor]:
@@ -403,13 +499,16 @@ def _load_model_weights(model, src: McoreSource) -> None:
 
 
 def mcore_to_hf_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str | None = None,
-                           max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> Path:
-    """Dist/run checkpoint (any layout) -> HF safetensors (sharded + index), config and tokenizer files."""
+                           max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False,
+                           tokenizer: str | None = None) -> Path:
+    """Dist/run checkpoint (any layout) -> HF safetensors (sharded + index), config and tokenizer files
+    (`tokenizer`: an HF tokenizer dir or "char"; default: the checkpoint's, see plan_tokenizer)."""
     out = check_output(out, force, [ckpt])
     src = open_mcore_checkpoint(ckpt)
     dtype = dtype or src.source_dtype
     if dtype not in DTYPES:
         raise ConversionError(f"unknown --dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    tok = plan_tokenizer(src.side_files, explicit=tokenizer, recorded=src.tokenizer_source, out=out)
     state = load_mcore_full_hf_state(src)
     if not _is_rank0():
         return out
@@ -425,8 +524,8 @@ def mcore_to_hf_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, d
                 writer.add(name, tensor.to(torch_dtype))
                 bar.update(_nbytes(tensor))
         writer.finish()
+        tok.write(tmp)
         (tmp / CONFIG_NAME).write_text(checkpoint_config_json(src.hf_config, torch_dtype, None, src.side_files))
-        copy_tokenizer_files(src.side_files, tmp)
     return out
 
 
@@ -445,11 +544,13 @@ def export_quant_config(fmt: str, scope: str | None, group_size: int = 128, bloc
 
 
 def write_engine_checkpoint(out: Path, hf_config, named: Iterable[tuple[str, torch.Tensor]], total_bytes: int,
-                            quant_cfg, side_files: dict[str, bytes], *, max_shard_bytes: int, force: bool) -> Path:
+                            quant_cfg, side_files: dict[str, bytes], *, max_shard_bytes: int, force: bool,
+                            tokenizer: TokenizerPlan | None = None) -> Path:
     """Stream HF-named tensors through the engine layout into a checkpoint SGLang/vLLM/transformers load."""
     from megatron_qarl.quant.engine_layout import engine_named_tensors
 
-    sink = EngineCheckpointSink(out, hf_config, quant_cfg, side_files, max_shard_bytes=max_shard_bytes, force=force)
+    sink = EngineCheckpointSink(out, hf_config, quant_cfg, side_files, max_shard_bytes=max_shard_bytes, force=force,
+                                tokenizer=tokenizer)
     sink.begin_weight_update()
     try:
         with progress(total_bytes, f"export {quant_cfg.scheme}") as bar:
@@ -467,12 +568,15 @@ class EngineCheckpointSink:
     """Writes engine-layout tensors as they arrive into an engine checkpoint dir (safetensors shards,
     config.json with the quantization_config, tokenizer files), atomically: the dir appears complete at
     `end_weight_update` or not at all. It takes a weight update like an engine, so the trainer's publisher
-    can write the engine's start-up checkpoint with the very bytes it publishes."""
+    can write the engine's start-up checkpoint with the very bytes it publishes. `tokenizer` (plan_tokenizer)
+    decides the tokenizer files; None copies those stored in `side_files`."""
 
     def __init__(self, out: str | os.PathLike, hf_config, quant_cfg, side_files: dict[str, bytes], *,
-                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False):
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False,
+                 tokenizer: TokenizerPlan | None = None):
         self.out = check_output(out, force)
         self.hf_config, self.quant_cfg, self.side_files = hf_config, quant_cfg, side_files
+        self.tokenizer = tokenizer or TokenizerPlan(None, {n: b for n, b in side_files.items() if n in TOKENIZER_FILES})
         self.max_shard_bytes = max_shard_bytes
         self._dir = self._writer = None
 
@@ -493,10 +597,10 @@ class EngineCheckpointSink:
 
         tmp = self._writer.out
         self._writer.finish()
+        self.tokenizer.write(tmp)
         (tmp / CONFIG_NAME).write_text(
             checkpoint_config_json(self.hf_config, torch.bfloat16, quantization_config_for(self.quant_cfg),
                                    self.side_files))
-        copy_tokenizer_files(self.side_files, tmp)
         self._dir.__exit__(None, None, None)
         self._dir = None
 
@@ -514,8 +618,10 @@ class EngineCheckpointSink:
 def export_checkpoint(out: str | os.PathLike, *, hf: str | os.PathLike | None = None,
                       ckpt: str | os.PathLike | None = None, fmt: str = "w4a16", scope: str | None = None,
                       group_size: int = 128, block_size: int = 128,
-                      max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False) -> Path:
-    """Engine-layout checkpoint from exactly one of an HF dir (streamed) or a megatron checkpoint."""
+                      max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False,
+                      tokenizer: str | None = None) -> Path:
+    """Engine-layout checkpoint from exactly one of an HF dir (streamed) or a megatron checkpoint, with the
+    tokenizer `tokenizer` names (an HF tokenizer dir or "char"; default: the source's, see plan_tokenizer)."""
     if (hf is None) == (ckpt is None):
         raise ConversionError("export needs exactly one source: --hf DIR or --ckpt DIR")
     quant_cfg = export_quant_config(fmt, scope, group_size, block_size)
@@ -524,12 +630,15 @@ def export_checkpoint(out: str | os.PathLike, *, hf: str | os.PathLike | None = 
         src = HfSource.open(hf)
         src.validate()
         _check_quantizable(src.config, quant_cfg)
+        side_files = hf_side_files(src.path)
+        tok = plan_tokenizer(side_files, explicit=tokenizer, out=out)  # the HF dir's own files by default
         remove_stale_outputs(out)
         # streamed: a bad tensor is found mid-write; the sink then drops its temp dir
         return write_engine_checkpoint(out, src.config, checked(src.iter_tensors()), src.total_bytes, quant_cfg,
-                                       hf_side_files(src.path), max_shard_bytes=max_shard_bytes, force=force)
+                                       side_files, max_shard_bytes=max_shard_bytes, force=force, tokenizer=tok)
     msrc = open_mcore_checkpoint(ckpt)
     _check_quantizable(msrc.hf_config, quant_cfg)
+    tok = plan_tokenizer(msrc.side_files, explicit=tokenizer, recorded=msrc.tokenizer_source, out=out)
     state = load_mcore_full_hf_state(msrc)
     if not _is_rank0():
         return out
@@ -538,7 +647,7 @@ def export_checkpoint(out: str | os.PathLike, *, hf: str | os.PathLike | None = 
     remove_stale_outputs(out)
     total = sum(_nbytes(t) for t in state.values())
     return write_engine_checkpoint(out, msrc.hf_config, _drain(state), total, quant_cfg, msrc.side_files,
-                                   max_shard_bytes=max_shard_bytes, force=force)
+                                   max_shard_bytes=max_shard_bytes, force=force, tokenizer=tok)
 
 
 def _drain(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
@@ -42,40 +45,80 @@ def _shard_files(path: Path) -> dict[str, list[str]]:
     raise CheckpointError(f"{path} has neither {INDEX_NAME} nor {SINGLE_NAME}")
 
 
-def _check_safetensors_complete(file: Path) -> None:
-    """Catch truncated files before safetensors' mmap does (its message does not name the file)."""
+def _check_safetensors_complete(file: Path) -> dict:
+    """Catch truncated files before safetensors' mmap does (its message does not name the file); the header
+    ({tensor name: {dtype, shape, data_offsets}}, maybe "__metadata__") when the file is whole."""
+    fix = "re-download or re-export it"
     size = file.stat().st_size
     with open(file, "rb") as fh:
         head = fh.read(8)
         if len(head) < 8:
-            raise CheckpointError(f"{file} is truncated ({size} bytes; no safetensors header)")
+            raise CheckpointError(f"{file} is truncated ({size} bytes; no safetensors header); {fix}")
         header_len = struct.unpack("<Q", head)[0]
         if 8 + header_len > size:
-            raise CheckpointError(f"{file} is truncated (header needs {8 + header_len} bytes, file has {size})")
+            raise CheckpointError(f"{file} is truncated (header needs {8 + header_len} bytes, file has {size}); {fix}")
         try:
             header = json.loads(fh.read(header_len))
         except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{file} has a corrupt safetensors header ({exc})") from exc
+            raise CheckpointError(f"{file} has a corrupt safetensors header ({exc}); {fix}") from exc
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + header_len + end > size:
         raise CheckpointError(f"{file} is truncated: tensors need {8 + header_len + end} bytes, "
-                              f"file has {size}; re-download or re-export it")
+                              f"file has {size}; {fix}")
+    return header
+
+
+@dataclass
+class HfIndex:
+    """An HF checkpoint dir as its safetensors headers describe it (no tensor data read)."""
+    path: Path
+    files: dict[str, list[str]]         # shard file -> the tensor names it holds (sorted)
+    location: dict[str, str]            # tensor name -> shard file
+    shapes: dict[str, tuple[int, ...]]
+    total_bytes: int                    # bytes of all tensors
+    nbytes: dict[str, int] = field(default_factory=dict)  # tensor name -> its bytes
+    dtypes: dict[str, str] = field(default_factory=dict)  # tensor name -> safetensors dtype ("BF16", "F32", ...)
+
+
+def scan_hf_checkpoint(path: str | os.PathLike) -> HfIndex:
+    """Headers of every shard: each file whole (not truncated) and holding what the index assigns to it."""
+    path = Path(path)
+    files, location, shapes, nbytes, dtypes = {}, {}, {}, {}, {}
+    for file_name, indexed_names in _shard_files(path).items():
+        file = path / file_name
+        header = _check_safetensors_complete(file)
+        names = sorted(n for n in header if n != "__metadata__")
+        absent = sorted(set(indexed_names) - set(names))
+        if absent:
+            raise CheckpointError(f"{file} lacks {len(absent)} tensor(s) its index {INDEX_NAME} assigns to it: "
+                                  f"{absent[:8]}; the shard is incomplete or from another checkpoint; "
+                                  "re-download or re-export it")
+        for name in names:
+            begin, end = header[name]["data_offsets"]
+            shapes[name], location[name], nbytes[name] = tuple(header[name]["shape"]), file_name, end - begin
+            dtypes[name] = header[name]["dtype"]
+        files[file_name] = names
+    return HfIndex(path, files, location, shapes, sum(nbytes.values()), nbytes, dtypes)
+
+
+def validate_hf_index(index: HfIndex, hf_config) -> None:
+    """Every tensor the config needs, in its shape, and nothing else (CheckpointError naming them)."""
+    meta = {name: torch.empty(shape, device="meta") for name, shape in index.shapes.items()}
+    try:
+        validate_state(meta, expected_hf_shapes(hf_config), f"HF checkpoint {index.path} (against its config.json)")
+    except WeightMappingError as exc:
+        raise CheckpointError(f"{exc}; re-download or re-export the checkpoint, or point at the dir whose "
+                              "config.json describes these tensors") from exc
 
 
 def read_hf_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of an HF checkpoint directory, by checkpoint name."""
     from safetensors import safe_open
 
-    path = Path(path)
+    index = scan_hf_checkpoint(path)
     state: dict[str, torch.Tensor] = {}
-    for file_name, indexed_names in _shard_files(path).items():
-        file = path / file_name
-        _check_safetensors_complete(file)
-        with safe_open(str(file), framework="pt") as fh:
-            names = list(fh.keys())
-            absent = sorted(set(indexed_names) - set(names))
-            if absent:
-                raise CheckpointError(f"{file} lacks tensors its index assigns to it: {absent[:8]}")
+    for file_name, names in index.files.items():
+        with safe_open(str(index.path / file_name), framework="pt") as fh:
             for name in names:
                 state[name] = fh.get_tensor(name)
     return state
@@ -91,6 +134,154 @@ def read_hf_checkpoint(path: str | os.PathLike, *, validate: bool = True):
         except WeightMappingError as exc:
             raise CheckpointError(str(exc)) from exc
     return config, state
+
+
+# ---------------------------------------------------------------- loading a model's local shards
+
+# safetensors maps a shard file; the pages a read touches stay resident (and count in the process's RSS)
+# until the file is closed. The loader closes its files before a parameter's reads would take the pages
+# touched since the last close past this, so at most max(this, one parameter's HF tensors) are resident.
+DEFAULT_MAX_MAPPED_BYTES = 64 * 1024**2
+
+
+@dataclass
+class HfLoadStats:
+    """What `load_hf_checkpoint_into_model` read on this rank."""
+    bytes_read: int = 0      # bytes of the tensors and slices materialized from the checkpoint
+    tensors_read: int = 0    # HF tensors read (whole or a row / column range)
+    parameters: int = 0      # local parameters filled
+    file_opens: int = 0
+    seconds: float = 0.0
+    by_file: dict[str, int] = field(default_factory=dict)  # bytes_read per shard file
+
+
+class _ShardReader:
+    """Whole HF tensors or row / column ranges of them, shard files opened on demand and closed before the
+    pages touched since the last close would pass `max_mapped_bytes` (see DEFAULT_MAX_MAPPED_BYTES)."""
+
+    def __init__(self, index: HfIndex, stats: HfLoadStats, max_mapped_bytes: int, on_read=None):
+        self.index, self.stats, self.max_mapped_bytes, self.on_read = index, stats, max_mapped_bytes, on_read
+        self._stack, self._open, self._touched = ExitStack(), {}, 0
+
+    def read(self, sl) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file_name = self.index.location[sl.name]
+        fh = self._open.get(file_name)
+        if fh is None:
+            fh = self._stack.enter_context(safe_open(str(self.index.path / file_name), framework="pt"))
+            self._open[file_name] = fh
+            self.stats.file_opens += 1
+        if sl.dim is None:
+            tensor = fh.get_tensor(sl.name)
+        else:
+            tensor = fh.get_slice(sl.name)[(slice(None),) * sl.dim + (slice(sl.start, sl.stop),)]
+        nbytes = tensor.numel() * tensor.element_size()
+        self.stats.bytes_read += nbytes
+        self.stats.tensors_read += 1
+        self.stats.by_file[file_name] = self.stats.by_file.get(file_name, 0) + nbytes
+        if self.on_read is not None:
+            self.on_read(sl.name, tensor)
+        return tensor
+
+    def touches(self, sl) -> int:
+        """File bytes a read maps in: its rows, or the whole tensor for a column range (every row)."""
+        whole = self.index.nbytes[sl.name]
+        if sl.dim == 0:
+            return whole // self.index.shapes[sl.name][0] * (sl.stop - sl.start)
+        return whole
+
+    def reserve(self, slices) -> None:
+        """Close the files first if reading `slices` would take the touched pages past the budget."""
+        span = sum(self.touches(s) for s in slices)
+        if self._touched and self._touched + span > self.max_mapped_bytes:
+            self.release()
+        self._touched += span
+
+    def release(self) -> None:
+        self._stack.close()
+        self._stack, self._open, self._touched = ExitStack(), {}, 0
+
+
+def read_local_hf_params(index: HfIndex, hf_config, params: Mapping[str, torch.Tensor | None], coords, *,
+                         num_local_experts: int, gated_linear_unit: bool, sink, stats: HfLoadStats,
+                         max_mapped_bytes: int = DEFAULT_MAX_MAPPED_BYTES, on_read=None) -> None:
+    """For each local parameter (name -> the megatron param, whose TP attributes decide the split, or None
+    to decide by name), read just its shard from the checkpoint and call sink(local name, global name,
+    shard). One parameter at a time: the shard is dropped (and the files closed, see _ShardReader) before
+    the next one is read. on_read(HF name, tensor or slice) sees every read (checks)."""
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import from_hf
+    from megatron_qarl.weights.sharding import local_to_global_name, param_read, shard_rule, slice_for_rank
+
+    reader = _ShardReader(index, stats, max_mapped_bytes, on_read)
+    try:
+        for local_name, param in params.items():
+            global_name = local_to_global_name(local_name, coords.ep_rank, num_local_experts)
+            rule = shard_rule(global_name, param, gated_linear_unit=gated_linear_unit)
+            rank, size = (coords.etp_rank, coords.etp_size) if rule.expert else (coords.tp_rank, coords.tp_size)
+            try:
+                plan = param_read(global_name, rule, rank, size, index.shapes, hf_config.num_key_value_heads)
+            except WeightMappingError as exc:
+                raise CheckpointError(f"model parameter {local_name} has no tensor in an HF Qwen3-MoE checkpoint "
+                                      f"({exc}); the model is not the Qwen3-MoE this loader maps") from exc
+            missing = [s.name for s in plan.slices if s.name not in index.location]
+            if missing:  # validate_hf_index found the checkpoint complete: the model differs from the config
+                raise CheckpointError(f"model parameter {local_name} needs {missing}, which {index.path} lacks; "
+                                      "build the model from that checkpoint's config.json")
+            reader.reserve(plan.slices)
+            parts = [reader.read(s) for s in plan.slices]
+            shard = from_hf(hf_config, global_name, parts, query_groups=plan.query_groups)
+            del parts
+            if plan.reshard:
+                shard = slice_for_rank(shard, rule, rank, size)
+            sink(local_name, global_name, shard)
+            del shard
+            stats.parameters += 1
+    finally:
+        reader.release()
+
+
+@torch.no_grad()
+def load_hf_checkpoint_into_model(model, hf_config, path: str | os.PathLike, *, coords=None,
+                                  max_mapped_bytes: int = DEFAULT_MAX_MAPPED_BYTES, on_read=None,
+                                  index: HfIndex | None = None) -> HfLoadStats:
+    """Fill this rank's parameters from an HF checkpoint dir, reading only what they hold.
+
+    Routed experts: only this EP rank's experts (and its expert-TP rows / columns); TP-split dense weights:
+    only this TP rank's rows / columns (safetensors `get_slice`); replicated ones whole. One parameter at a
+    time (read, assemble, copy into the local shard, free), so the host memory it needs beyond the model is
+    max(`max_mapped_bytes`, one parameter's HF tensors) of mapped file pages plus one assembled shard, at any
+    checkpoint size (benchmarks/bench_hf_loading.py).
+    Bit-identical to `load_full_state_into_model(model, hf_to_mcore(hf_config, read_hf_state(path)))`.
+
+    Every shard's header is checked first (truncated file, tensors its index names but it lacks, missing /
+    unexpected / wrongly shaped tensors against `hf_config`): CheckpointError naming them, before any read.
+    Not collective: each rank reads on its own. Returns what this rank read (HfLoadStats.bytes_read).
+    on_read(HF name, tensor) sees each tensor or slice read; `index`: a scan_hf_checkpoint(path) already made.
+    """
+    from megatron_qarl.weights.sharding import RankCoords, num_local_experts, unwrap_model
+
+    start = time.perf_counter()
+    index = index or scan_hf_checkpoint(path)
+    validate_hf_index(index, hf_config)
+    module = unwrap_model(model)
+    coords = coords or RankCoords.from_parallel_state()
+    params = dict(module.named_parameters())
+
+    def copy(local_name: str, global_name: str, shard: torch.Tensor) -> None:
+        param = params[local_name]
+        if tuple(shard.shape) != tuple(param.shape):
+            raise CheckpointError(f"{global_name}: this rank's shard from {index.path} has shape {tuple(shard.shape)} "
+                                  f"but the parameter {local_name} has {tuple(param.shape)}; build the model from "
+                                  "that checkpoint's config.json at a TP / EP layout it divides by")
+        param.copy_(shard)
+
+    stats = HfLoadStats()
+    read_local_hf_params(index, hf_config, params, coords, num_local_experts=num_local_experts(module),
+                         gated_linear_unit=bool(module.config.gated_linear_unit), sink=copy, stats=stats,
+                         max_mapped_bytes=max_mapped_bytes, on_read=on_read)
+    stats.seconds = time.perf_counter() - start
+    return stats
 
 
 # ---------------------------------------------------------------- writing

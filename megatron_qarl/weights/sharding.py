@@ -8,6 +8,9 @@ Rules (what megatron's own layers hold on a rank):
   * expert params (`.mlp.experts.`) are split over the expert-TP group (not the attention TP
     group), and local expert j on EP rank r is global expert r * E/ep + j.
   * everything else (norms, router) is replicated.
+
+`param_read` turns these rules into what one local parameter needs from an HF checkpoint: row / column
+ranges of its HF tensors where the shard is a plain split of them, so a loader reads only those.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from typing import Mapping
 
 import torch
 
-from megatron_qarl.models.qwen3_moe.state_dict_adapter import is_expert_param
+from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_names, is_expert_param
 
 _LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
 
@@ -87,6 +90,62 @@ def join_shards(shards: list[torch.Tensor], rule: ShardRule) -> torch.Tensor:
         halves = [torch.chunk(s, 2, dim=dim) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
     return torch.cat(shards, dim=dim)
+
+
+@dataclass(frozen=True)
+class HfSlice:
+    """Rows (dim 0) or columns (dim 1) [start, stop) of one HF tensor; dim None: all of it."""
+    name: str
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+
+
+@dataclass(frozen=True)
+class ParamRead:
+    """What one local parameter needs from an HF checkpoint: `slices` in `hf_names` order.
+
+    reshard=False: the slices assemble (`state_dict_adapter.from_hf`, with `query_groups` for a
+    linear_qkv slice) into exactly the local shard. reshard=True: the slices are whole tensors; the
+    assembled full tensor is cut with `slice_for_rank` (layouts that are no plain row/column split).
+    """
+    slices: tuple[HfSlice, ...]
+    query_groups: int | None = None
+    reshard: bool = False
+
+
+def param_read(global_name: str, rule: ShardRule, rank: int, size: int,
+               hf_shapes: Mapping[str, tuple[int, ...]], num_kv_heads: int) -> ParamRead:
+    """The HF tensor ranges that rank `rank` of `size` needs for full mcore parameter `global_name`
+    under `rule`; the same values `slice_for_rank(hf_to_mcore(...)[global_name], rule, rank, size)` has.
+
+    linear_qkv rows are query groups [q heads of g; k_g; v_g]: a rank's contiguous groups are
+    contiguous q, k and v rows. A gated fc1's [gate_r; up_r] are rows of gate and of up.
+    """
+    names = hf_names(global_name)
+    whole = ParamRead(tuple(HfSlice(n) for n in names))
+    if rule.partition_dim is None or size == 1:
+        return whole
+    dim, resharded = rule.partition_dim, ParamRead(whole.slices, reshard=True)
+
+    def rows(name: str, parts: int, per_part: int) -> HfSlice:
+        each = hf_shapes[name][0] // parts * per_part
+        return HfSlice(name, 0, rank * each, (rank + 1) * each)
+
+    if global_name.endswith("self_attention.linear_qkv.weight"):
+        if dim != 0 or rule.glu or num_kv_heads % size or any(hf_shapes[n][0] % num_kv_heads for n in names):
+            return resharded
+        groups = num_kv_heads // size
+        return ParamRead(tuple(rows(n, num_kv_heads, groups) for n in names), query_groups=groups)
+    if len(names) == 2:  # fc1 = [gate; up]
+        if dim != 0 or not rule.glu or any(hf_shapes[n][0] % size for n in names):
+            return resharded
+        return ParamRead(tuple(rows(n, size, 1) for n in names))
+    if len(names) == 1 and not rule.glu and dim < len(hf_shapes[names[0]]):
+        n = hf_shapes[names[0]][dim]
+        if n % size == 0:
+            return ParamRead((HfSlice(names[0], dim, rank * n // size, (rank + 1) * n // size),))
+    return resharded
 
 
 def local_to_global_name(name: str, ep_rank: int, num_local_experts: int) -> str:

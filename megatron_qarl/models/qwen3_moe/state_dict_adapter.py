@@ -147,6 +147,21 @@ def hf_to_mcore(hf_config, hf_state: Mapping[str, torch.Tensor], *, validate: bo
     return out
 
 
+def from_hf(hf_config, mcore_name: str, tensors: list[torch.Tensor], *, query_groups: int | None = None
+            ) -> torch.Tensor:
+    """`hf_to_mcore` for one parameter: its mcore tensor from its HF tensors in `hf_names` order (qkv
+    interleaved per query group, fc1 = [gate; up], else the one tensor itself). For a tensor-parallel
+    slice of linear_qkv the q / k / v tensors are row slices holding `query_groups` whole groups."""
+    if mcore_name.endswith("self_attention.linear_qkv.weight"):
+        q, k, v = tensors
+        s = _dims(hf_config)
+        return interleave_qkv(q, k, v, query_groups or s["nkv"], s["d"])
+    if len(tensors) == 2:
+        return torch.cat(tensors, dim=0)
+    (tensor,) = tensors
+    return tensor
+
+
 _MCORE_TO_HF_LAYER = {mc: hf for hf, mc in _LAYER_RENAMES.items()}
 _MCORE_TO_HF_GLOBAL = {mc: hf for hf, mc in _GLOBAL_RENAMES.items()}
 _MCORE_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
