@@ -261,11 +261,9 @@ def _load_initial_weights(cfg: RunConfig, model, hf_config) -> None:
 
         load_checkpoint(cfg.model.init_checkpoint, model, fix="check model.init_checkpoint")
     elif cfg.model.hf_path:
-        from megatron_qarl.weights.hf_io import read_hf_state
-        from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
-        from megatron_qarl.weights.sharding import load_full_state_into_model
+        from megatron_qarl.weights.hf_io import load_hf_checkpoint_into_model
 
-        load_full_state_into_model(model, hf_to_mcore(hf_config, read_hf_state(cfg.model.hf_path)))
+        load_hf_checkpoint_into_model(model, hf_config, cfg.model.hf_path)  # each rank reads only its shards
     # else: megatron's seeded random init (tests, smoke runs)
 
 
@@ -329,7 +327,7 @@ def checkpoint_state(ctx: RunContext) -> dict:
     checkpoint without the run's config.yaml. Plain values and tensors only (checkpointing.check_plain_state)."""
     import random
 
-    from megatron_qarl.weights.convert import HF_SIDECAR_KEY, hf_checkpoint_files
+    from megatron_qarl.weights.convert import HF_SIDECAR_KEY, TOKENIZER_SOURCE_KEY, hf_checkpoint_files, tokenizer_source
 
     return {
         "data": ctx.data.state_dict() if ctx.data is not None else None,
@@ -337,6 +335,7 @@ def checkpoint_state(ctx: RunContext) -> dict:
         "config_name": ctx.cfg.name,
         "config_identity": config_identity(ctx.cfg),
         HF_SIDECAR_KEY: hf_checkpoint_files(ctx.hf_config, ctx.cfg.model.hf_path),
+        TOKENIZER_SOURCE_KEY: tokenizer_source(ctx.cfg.model),  # what qarl-convert exports carry
         # rank 0 writes the extra state and is the logging rank: its wandb run is the run's
         "wandb_run_id": ctx.tracker.wandb_run_id if ctx.tracker is not None else None,
     }

@@ -427,7 +427,7 @@ def _train(cfg, sft: SFTConfig, layout) -> dict[str, Any]:
                        f"{target} within sft.steps={sft.steps}; RL will see few groups with mixed rewards "
                        "(raise sft.steps, or use the easier sft.digit_order=lsd_first task)")
     final = {**progress.metrics, **history[-1], "step": step, "train_wall_s": time.perf_counter() - t_start}
-    final["checkpoint"] = _save(ddp, sft, final, hf_config) if sft.out_checkpoint else None
+    final["checkpoint"] = _save(ddp, sft, final, hf_config, cfg.model) if sft.out_checkpoint else None
     final["history"] = history
     final["loss_history"] = progress.loss_history
     return final
@@ -444,9 +444,9 @@ def _write_metrics(cfg, result: dict[str, Any]) -> None:
         atomic_write_text(Path(out_dir) / "sft_metrics.json", json.dumps(result, indent=1, default=str))
 
 
-def _save(ddp, sft: SFTConfig, final: dict[str, Any], hf_config=None) -> str:
+def _save(ddp, sft: SFTConfig, final: dict[str, Any], hf_config=None, model_cfg=None) -> str:
     from megatron_qarl.checkpointing import save_checkpoint
-    from megatron_qarl.weights.convert import HF_SIDECAR_KEY, hf_checkpoint_files
+    from megatron_qarl.weights.convert import HF_SIDECAR_KEY, TOKENIZER_SOURCE_KEY, hf_checkpoint_files, tokenizer_source
 
     path = Path(sft.out_checkpoint)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -454,6 +454,8 @@ def _save(ddp, sft: SFTConfig, final: dict[str, Any], hf_config=None) -> str:
              "metrics": {k: v for k, v in final.items() if isinstance(v, (int, float))}}
     if hf_config is not None:  # qarl-convert rebuilds the architecture from it
         extra[HF_SIDECAR_KEY] = hf_checkpoint_files(hf_config)
+    if model_cfg is not None:  # what qarl-convert exports carry
+        extra[TOKENIZER_SOURCE_KEY] = tokenizer_source(model_cfg)
     save_checkpoint(path, ddp, extra=extra, force=sft.overwrite)
     if is_logging_rank():
         print(f"[sft] saved dist checkpoint to {path}", flush=True)
