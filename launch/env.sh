@@ -25,4 +25,3 @@ if [ ! -f "$stamp" ]; then
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TORCHDYNAMO_DISABLE=1  # megatron's jit_fuser would otherwise torch.compile (~11 s) on CPU
-export WANDB_MODE="${WANDB_MODE:-offline}"

@@ -52,7 +52,8 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
 export TORCHDYNAMO_DISABLE="${TORCHDYNAMO_DISABLE:-1}"
-export WANDB_MODE="${WANDB_MODE:-online}"
+# wandb: logging.wandb.mode (offline in the shipped configs), online when WANDB_API_KEY is set; a WANDB_MODE
+# exported here would win over the config.
 # The engine reads its key from the variable named by rollout.sglang.api_key_env (this one by default).
 if [ -z "${QARL_SGLANG_API_KEY:-}" ]; then
   QARL_SGLANG_API_KEY="$(python -c 'import secrets; print(secrets.token_hex(16))')"

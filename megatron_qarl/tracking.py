@@ -253,11 +253,17 @@ def _init_wandb(cfg: TrackerConfig, out_dir: Path):
         # never block on wandb's login prompt (nor start hours of training that cannot be logged as asked)
         raise TrackingError(f"wandb mode {mode!r} needs credentials and none were found: set WANDB_API_KEY or "
                            "run `wandb login`, or log offline (WANDB_MODE=offline, `wandb sync` later)")
-    resume = {} if cfg.wandb_run_id is None else {"id": cfg.wandb_run_id, "resume": "allow"}
-    return wandb.init(
-        project=cfg.project, entity=cfg.entity, name=cfg.run_name, mode=mode, dir=str(out_dir),
-        config=cfg.config or {}, settings=wandb.Settings(silent=True, console="off"), **resume,
-    )
+    kw = dict(project=cfg.project, entity=cfg.entity, name=cfg.run_name, mode=mode, dir=str(out_dir),
+              config=cfg.config or {}, settings=wandb.Settings(silent=True, console="off"))
+    if cfg.wandb_run_id is None:
+        return wandb.init(**kw)
+    try:
+        return wandb.init(id=cfg.wandb_run_id, resume="allow", **kw)
+    except Exception as exc:  # noqa: BLE001 - e.g. "run ID is in use" while a killed run's wandb service lingers
+        # wandb is a view of metrics.jsonl: a resume must not fail because wandb cannot continue its run
+        print(f"[qarl] wandb could not continue run {cfg.wandb_run_id} ({str(exc).splitlines()[0]}); logging "
+              "this run's steps to a new wandb run (metrics.jsonl holds them all)", flush=True)
+        return wandb.init(**kw)
 
 
 def _plain(value: Any) -> Any:

@@ -20,6 +20,12 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 DIST_DIR = Path(__file__).resolve().parent / "dist"
 
+# wandb's environment wins over a run's config (megatron_qarl.tracking): the suite must not inherit a
+# developer's or CI's WANDB_MODE / key, or a test asking for logging.wandb.mode=disabled would log anyway.
+# Tests that exercise the environment set it themselves (monkeypatch, or the env of their subprocess).
+for _var in ("WANDB_MODE", "WANDB_API_KEY"):
+    os.environ.pop(_var, None)
+
 
 def unit_roundoff(dtype: torch.dtype) -> float:
     """u = eps/2: the largest relative error of rounding a real number to `dtype`."""

@@ -20,7 +20,7 @@ def test_30b_dry_run_prints_every_gpu_generating():
 
 
 def test_30b_multinode_world_gets_one_engine_per_two_gpus():
-    topo = rollout_topology(load_config(Q30, [], world_size=16), 16)
+    topo = rollout_topology(load_config(Q30, ["parallel.world_size=16"], world_size=16), 16)
     assert (topo.engines, topo.leaders[:3], topo.generating_gpus) == (8, [0, 2, 4], 16)
 
 
@@ -146,4 +146,4 @@ def test_a_colocated_engine_never_spans_two_nodes(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # e.g. 4 GPUs per node: the group's second GPU is elsewhere
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 3)
     with pytest.raises(ConfigError, match="rollout group 1 would span two nodes"):
-        _build_engine(cfg, None, rollout_topology(cfg, 8), None)
+        _build_engine(cfg, None, rollout_topology(cfg, 8), None, None)

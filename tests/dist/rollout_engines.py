@@ -102,11 +102,11 @@ class KillAt:
 def rollout_ctx(run_cfg, engine, publisher, tokenizer, reward_fn, rows_prompts, cfg):
     from megatron_qarl.rollout.protocol import SamplingParams
 
-    batch = [SimpleNamespace(prompt_ids=p, answer="1") for p in rows_prompts[::N]]
+    batch = [SimpleNamespace(prompt_ids=p, answer="1", row={"answer": "1"}) for p in rows_prompts[::N]]
     return SimpleNamespace(
         cfg=run_cfg, topology=RolloutTopology(2, 2, 1, True), engine=engine, publisher=publisher,
         tokenizer=tokenizer, reward_fn=reward_fn, route_geometry=RouteGeometry.from_hf_config(cfg),
-        data=SimpleNamespace(next_batch=lambda k: batch[:k]), reward_counts={},
+        data=SimpleNamespace(next_batch=lambda k: batch[:k]), reward_counts={}, tracker=None,
         sampling=SamplingParams(temperature=1.0, max_new_tokens=5, seed=11),
     )
 
