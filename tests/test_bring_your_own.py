@@ -135,6 +135,7 @@ def test_bad_row_is_refused_before_any_model_is_built(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow  # two runs, ~40 s; tests/test_tracking.py resumes the wandb run id at the tracker level
 def test_a_resumed_run_continues_its_wandb_run(tmp_path):
     """The wandb run id goes into every checkpoint; the resumed run (same command, more steps) logs into
     the same offline run. wandb mode comes from the environment (WANDB_MODE wins over the config)."""

@@ -170,6 +170,7 @@ def test_broken_checkpoints_fail_before_any_read_naming_the_tensor_file_and_fix(
 # ---------------------------------------------------------------------------------------- under torchrun
 
 @pytest.mark.dist
+@pytest.mark.slow  # ~40 s; the default suite checks every layout's reads in one process (above)
 def test_tp2_ep2_and_tp1_loads_equal_the_full_path_and_tp2_ep2_ranks_read_about_half(hf_dir, torchrun):
     res = torchrun(2, "hf_loading.py", str(hf_dir), "2,2,1", "1,1,1")
     assert res["world_size"] == 2
