@@ -46,8 +46,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-import pebble
-
 from megatron_qarl.lifecycle import die_with_parent
 
 VerifyFn = Callable[[str, str], float]  # (response, gold) -> reward; module level, run in the workers
@@ -302,7 +300,9 @@ class VerifierPool:
         self.stats = RewardStats()
         self._pool = None
 
-    def _started_pool(self) -> pebble.ProcessPool:
+    def _started_pool(self):
+        import pebble  # only where rewards are scored: config validation and engines need no pebble
+
         if self._pool is not None and not self._pool.active:
             self.close()
         if self._pool is None:
@@ -341,6 +341,8 @@ class VerifierPool:
         if isinstance(error, FuturesTimeoutError):  # pebble killed the worker at the deadline
             self.stats.worker_restarts += 1
             return ScoreOutcome(0.0, "timeout")
+        import pebble
+
         if isinstance(error, pebble.ProcessExpired):  # the worker died (e.g. a crash in a C extension)
             self.stats.worker_restarts += 1
         return ScoreOutcome(0.0, "error")
