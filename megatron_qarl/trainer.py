@@ -2,6 +2,8 @@
 the order it runs them, each taking the run's built state (`run_context.RunContext`).
 
 One RL step:
+  0. eval      on eval steps (evaluation.eval_due): held-out pass@1 / pass@k through the same engines; once
+               more after the last step.
   1. rollout   each rollout group's leader sends its engine (holding the last published weights) its share of
                the step's requests (n responses per prompt, per-row seeds); rewards -> group-normalised
                advantages next to the engine; each DP rank receives only its shard (rollout.dispatch).
