@@ -27,7 +27,8 @@ from megatron_qarl.optim import OptimConfig
 from megatron_qarl.parallel import ParallelLayout, RolloutTopology, is_loopback_host
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.rl.losses import LossConfig
-from megatron_qarl.rl.rewards import REWARD_NAMES, check_reward_spec
+from megatron_qarl.rl.data import BAD_ROWS_MODES, PROBLEM
+from megatron_qarl.rl.rewards import check_reward_spec
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig
 
 
@@ -50,7 +51,6 @@ UNBUILT_ENGINES = ("vllm",)
 SGLANG_MODES = ("colocated", "separate")
 SGLANG_LAUNCH = ("subprocess", "inprocess", "attach")
 DATA_SOURCES = ("file", "synthetic")
-BAD_ROWS = ("error", "skip")
 ROUTING_REPLAY = ("off", "replay")
 WANDB_MODES = ("offline", "online", "disabled")
 # auto: the newest verified checkpoint of this run's dir; force: the same, even when the checkpoint was written
@@ -617,11 +617,11 @@ def _is_path_list(value) -> bool:
 
 def _check_data(cfg: RunConfig) -> list[str]:
     d = cfg.data
-    out = _choice("data.bad_rows", d.bad_rows, BAD_ROWS)
+    out = _choice("data.bad_rows", d.bad_rows, BAD_ROWS_MODES)
     if d.source == "file" and not _is_path_list(d.path):
         out.append(f"data.path={d.path!r} must be a file, a glob, a list of them or a `datasets` directory "
                    "(or use data.source=synthetic)")
-    if "{problem}" not in d.prompt.template:
+    if PROBLEM not in d.prompt.template:
         out.append(f"data.prompt.template={d.prompt.template!r} has no {{problem}}: the row's prompt would never "
                    "reach the model; write it around {problem}, e.g. \"{problem} Put the answer in \\boxed{}.\"")
     if d.reward_workers < 1:

@@ -6,8 +6,8 @@ When: before step s (on the weights the engine holds then, i.e. after s optimize
 `eval.at_start`, or s > 0 and s % `eval.every` == 0; and once after the last step (logged as row
 `train.steps`). The schedule depends only on s, so a resumed run evaluates where the uninterrupted one did.
 
-Where: each rollout-group leader evaluates every `engines`-th prompt with its engine; the sums meet over all
-ranks (a collective). A sample counts as correct when its reward is > 0 (the reward module's definition).
+Where: the held-out rows are cut into requests and dealt round-robin to the rollout-group leaders exactly as
+a training step's are (rollout.dispatch); the sums meet over all ranks (a collective). A sample counts as correct when its reward is > 0 (the reward module's definition).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 
 import torch.distributed as dist
 
-from megatron_qarl.parallel import max_over_ranks, sum_over_ranks
+from megatron_qarl.parallel import raise_if_any_rank_failed, sum_over_ranks
 from megatron_qarl.rollout.dispatch import generate_request, plan_requests
 from megatron_qarl.rollout.protocol import RolloutEngineError
 
@@ -55,10 +55,8 @@ def evaluate(ctx) -> dict:
             sums = _evaluate_share(ctx)
         except Exception as exc:  # every rank must hear of it, or the others would hang in the sum below
             error = exc
-    if max_over_ranks(0 if error is None else 1):
-        if error is not None:
-            raise error
-        raise RolloutEngineError("the evaluation failed on another rollout group's leader (see its error)")
+    raise_if_any_rank_failed(error, RolloutEngineError(
+        "the evaluation failed on another rollout group's leader (see its error)"))
     total = sum_over_ranks(sums)
     prompts = max(total.get("prompts", 0.0), 1.0)
     rows = max(total.get("rows", 0.0), 1.0)

@@ -297,6 +297,13 @@ def sum_over_ranks(partial: dict) -> dict:
     return total
 
 
+def raise_if_any_rank_failed(error: BaseException | None, elsewhere: BaseException) -> None:
+    """COLLECTIVE. Raise on every rank when any rank failed: this rank's own `error`, or `elsewhere` (which
+    says another rank failed) on the ranks that did not, so no rank is left waiting in a collective."""
+    if max_over_ranks(0 if error is None else 1):
+        raise error if error is not None else elsewhere
+
+
 def max_over_ranks(value: int) -> int:
     """COLLECTIVE. The largest of each rank's `value` (a status code: any rank's failure reaches all)."""
     if dist.get_world_size() == 1:

@@ -197,7 +197,8 @@ def load_eval_examples(cfg: RunConfig, tokenizer):
 def load_run_data(cfg: RunConfig, tokenizer, is_leader: bool):
     """COLLECTIVE. (training PromptDataset, held-out examples or None) on rollout-group leaders, (None, None)
     elsewhere; a data error on any leader is raised on every rank."""
-    from megatron_qarl.parallel import max_over_ranks
+    from megatron_qarl.parallel import raise_if_any_rank_failed
+    from megatron_qarl.rl.data import DatasetError
 
     data = eval_examples = error = None
     if is_leader:
@@ -206,12 +207,8 @@ def load_run_data(cfg: RunConfig, tokenizer, is_leader: bool):
             eval_examples = load_eval_examples(cfg, tokenizer) if cfg.eval.path is not None else None
         except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has heard of it
             error = exc
-    if max_over_ranks(0 if error is None else 1):
-        if error is not None:
-            raise error
-        from megatron_qarl.rl.data import DatasetError
-
-        raise DatasetError("reading the prompts failed on another rollout-group leader (see its error)")
+    raise_if_any_rank_failed(error, DatasetError(
+        "reading the prompts failed on another rollout-group leader (see its error)"))
     return data, eval_examples
 
 
