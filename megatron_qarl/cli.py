@@ -25,11 +25,12 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from megatron_qarl.quant.config import QuantConfigError
     from megatron_qarl.rl.data import DatasetError
     from megatron_qarl.rl.tokenizer import TokenizerError
+    from megatron_qarl.rollout.vllm_engine import VLLMSetupError
     from megatron_qarl.tracking import TrackingError
     from megatron_qarl.weights.convert import ConversionError
 
     return (UserError, ConfigError, SFTConfigError, DatasetError, CheckpointError, QuantConfigError, ConversionError,
-            DivergenceError, TokenizerError, TrackingError)
+            DivergenceError, TokenizerError, TrackingError, VLLMSetupError)
 
 
 def _quiet_library_warnings() -> None:

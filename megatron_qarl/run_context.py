@@ -104,6 +104,10 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     from megatron_qarl.weights.publish import WeightPublisher
 
     check_initial_weights(cfg)
+    if cfg.rollout.engine == "vllm":  # the vLLM venv / CPU features: before any process group or model
+        from megatron_qarl.rollout.vllm_engine import check_vllm_machine
+
+        check_vllm_machine(cfg.rollout.vllm.venv, cfg.rollout.vllm.device, cfg.quant.scheme)
     layout = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf_config = resolve_hf_config(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
@@ -136,7 +140,7 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     )
     optimizer = build_optimizer(cfg.train.optim, [ddp])
 
-    start_checkpoint = engine_start_checkpoint(cfg, model, hf_config, quant)
+    start_checkpoint = engine_start_checkpoint(cfg, model, hf_config, quant, tokenizer)
     engine = _build_engine(cfg, hf_config, topology, start_checkpoint, tokenizer) if is_leader else None
     publisher = WeightPublisher(
         model, hf_config, cfg.quant, quant=quant, engine=engine, leaders=topology.leaders,
@@ -225,19 +229,21 @@ def check_initial_weights(cfg: RunConfig) -> None:
             "a smoke test")
 
 
-def engine_start_checkpoint(cfg: RunConfig, model, hf_config, quant) -> str | None:
-    """COLLECTIVE. The checkpoint a launched SGLang engine starts from: `rollout.sglang.model_path` when
-    given, else the trainer's own initial weights written to <logging.out_dir>/engine_start by the publisher
-    (the bytes every later publish sends) through qarl-convert export's writer; reused when present (resume).
-    None for engines that need no start-up checkpoint (embedded, attach)."""
+def engine_start_checkpoint(cfg: RunConfig, model, hf_config, quant, tokenizer=None) -> str | None:
+    """COLLECTIVE. The checkpoint a launched SGLang or vLLM engine starts from: `rollout.sglang.model_path`
+    when given, else the trainer's own initial weights written to <logging.out_dir>/engine_start by the
+    publisher (the bytes every later publish sends) through qarl-convert export's writer, with the run's
+    tokenizer (vLLM matches stop strings with it); reused when present (resume). None for engines that
+    need no start-up checkpoint (embedded, attach)."""
     import torch.distributed as dist
 
-    from megatron_qarl.weights.convert import EngineCheckpointSink, hf_checkpoint_files
+    from megatron_qarl.weights.convert import NOT_TOKENIZER, EngineCheckpointSink, TokenizerPlan, hf_checkpoint_files
     from megatron_qarl.weights.publish import WeightPublisher
 
     s = cfg.rollout.sglang
-    if cfg.rollout.engine != "sglang" or s.model_path or s.url or s.urls or s.launch == "attach":
-        return s.model_path
+    if cfg.rollout.engine == "embedded" or (cfg.rollout.engine == "sglang" and (
+            s.model_path or s.url or s.urls or s.launch == "attach")):
+        return s.model_path if cfg.rollout.engine == "sglang" else None
     out = Path(cfg.logging.out_dir) / "engine_start"
     exists = torch.tensor([1 if (out / "config.json").is_file() else 0], device=collective_device())
     dist.broadcast(exists, src=0)  # rank 0's view decides for every rank
@@ -245,8 +251,11 @@ def engine_start_checkpoint(cfg: RunConfig, model, hf_config, quant) -> str | No
         return str(out)
     sink = None
     if dist.get_rank() == 0:
-        sink = EngineCheckpointSink(out, hf_config, cfg.quant, hf_checkpoint_files(hf_config, cfg.model.hf_path),
-                                    force=True)
+        side_files = hf_checkpoint_files(hf_config, cfg.model.hf_path)
+        plan = None
+        if tokenizer is not None:
+            plan = TokenizerPlan(tokenizer, {n: b for n, b in side_files.items() if n in NOT_TOKENIZER})
+        sink = EngineCheckpointSink(out, hf_config, cfg.quant, side_files, force=True, tokenizer=plan)
     WeightPublisher(model, hf_config, cfg.quant, quant=quant, engine=sink, leaders=[0],
                     bucket_bytes=cfg.publish.bucket_mb << 20).publish()
     return str(out)
@@ -392,4 +401,10 @@ def _build_engine(cfg: RunConfig, hf_config, topology: RolloutTopology, start_ch
         engine_cfg = SGLangEngineConfig.from_run(cfg, group=group, base_gpu_id=base_gpu, model_path=start_checkpoint,
                                                  run_dir=cfg.logging.out_dir)
         return make_engine({"name": "sglang", **dataclasses.asdict(engine_cfg)})
+    if cfg.rollout.engine == "vllm":
+        from megatron_qarl.rollout.vllm_engine import VLLMEngineConfig
+
+        group = topology.group_of(torch.distributed.get_rank())
+        engine_cfg = VLLMEngineConfig.from_run(cfg, model_path=start_checkpoint, group=group, run_dir=cfg.logging.out_dir)
+        return make_engine({"name": "vllm", **dataclasses.asdict(engine_cfg)})
     return make_engine({"name": cfg.rollout.engine})

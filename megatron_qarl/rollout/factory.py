@@ -1,6 +1,6 @@
 """``make_engine``: the one place that knows every rollout engine kind.
 
-Each engine module (and its heavy dependencies: transformers, SGLang) is imported only when that kind
+Each engine module (and its heavy dependencies: transformers, SGLang, the vLLM process) is imported only when that kind
 is asked for.
 """
 
@@ -36,7 +36,7 @@ def make_engine(cfg: Any) -> RolloutEngine:
 
         return SGLangEngine(SGLangEngineConfig(**options))
     if name == "vllm":
-        raise NotImplementedError(
-            "the vLLM engine is not implemented yet; use rollout engine 'embedded' (CPU) or 'sglang' (GPU)"
-        )
+        from megatron_qarl.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+        return VLLMEngine(VLLMEngineConfig(**options))
     raise ValueError(f"unknown rollout engine {name!r}; expected one of {ENGINE_NAMES}")

