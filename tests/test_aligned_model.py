@@ -309,6 +309,7 @@ def test_probe_cli_aligned_learner_is_closer_to_the_w4a16_sampler(hf_state, tmp_
           f"aligned k3 {b['k3']:.2e} |dlogp| {b['mean_abs_dlogp']:.2e} over {a['tokens']} tokens")
     assert report["sequences"] == 6 and a["tokens"] == b["tokens"] > 0
     assert b["k3"] < a["k3"] and b["mean_abs_dlogp"] < a["mean_abs_dlogp"]
+    assert 0 <= a["tbpo_kept_frac"] <= 1 and 0 <= b["tbpo_kept_frac"] <= 1
 
 
 def test_probe_rejects_bad_input(hf_state, tmp_path):
