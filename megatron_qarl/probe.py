@@ -279,4 +279,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from megatron_qarl.rollout.protocol import RolloutEngineError
+
+    try:
+        main()
+    except (ProbeError, RolloutEngineError) as err:  # bad input or an engine this machine cannot run
+        raise SystemExit(f"probe: error: {err}") from None
