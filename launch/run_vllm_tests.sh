@@ -18,7 +18,7 @@ echo "vLLM venv ready after $((SECONDS - start)) s"
 . "$here/env.sh"
 cd "$QARL_ROOT"
 set +e
-python -m pytest -q -m vllm tests/vllm "$@"
+python -m pytest -q -rs -m vllm tests/vllm "$@"
 rc=$?
 echo "vLLM tests finished in $((SECONDS - start)) s total (rc=$rc)"
 exit $rc

@@ -128,6 +128,7 @@ class VLLMEngine:
         self._conn = None
         self._log_file = None
         self.log_path = cfg.log_path
+        self._own_log = cfg.log_path is None  # a temp log of our own: removed after a clean shutdown
         self.start()
 
     # ------------------------------------------------------------------ process
@@ -229,7 +230,10 @@ class VLLMEngine:
                 self._proc.wait(timeout=30)
             except (EOFError, OSError, subprocess.TimeoutExpired):
                 pass
+        clean = self._proc is not None and self._proc.poll() == 0
         self._kill()
+        if clean and self._own_log and self.log_path:
+            Path(self.log_path).unlink(missing_ok=True)
 
     def restart(self) -> None:
         """A fresh server from the start checkpoint (not the trained weights): the trainer re-publishes next."""
