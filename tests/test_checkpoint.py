@@ -119,6 +119,7 @@ def test_one_checkpoint_error_for_hf_and_megatron_checkpoints(tmp_path):
         load_checkpoint(tmp_path, object())
 
 
+@pytest.mark.slow  # CI budget; fast counterparts: optimizer resharding via dist_checkpointing, hf-to-mcore tp2ep2
 @pytest.mark.dist
 def test_dist_checkpoint_tp2ep2_loads_at_tp1(torchrun, tmp_path):
     """4 procs at TP2xEP2: HF parity + export, then save; a world-1 process loads it at TP1."""

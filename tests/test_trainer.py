@@ -108,6 +108,7 @@ def test_torchrun_two_processes(tmp_path, layout):
     _assert_healthy_run(tmp_path, 2)
 
 
+@pytest.mark.slow  # CI budget; fast counterpart: test_rollout_topology's two engines equal one
 @pytest.mark.dist
 def test_two_embedded_engines_train_exactly_like_one(tmp_path):
     """World 2 (EP 2): one embedded engine per rank vs one engine on rank 0 (rank 1 idle during rollout).
@@ -131,6 +132,7 @@ def _fingerprint(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith("time/") and not k.startswith("publish/time")}
 
 
+@pytest.mark.slow  # CI budget; fast counterparts: sigkill during a checkpoint write + resume, resumed-run tests
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     steps = ["train.steps=4", "checkpoint.every=1", "checkpoint.keep_last=4"]
     ref = tmp_path / "ref"
