@@ -139,6 +139,22 @@ def test_stop_token_ends_the_row_and_is_kept(bf16_engine):
     assert got.token_ids == free.token_ids[: first + 1] and got.finish_reason == "stop"
 
 
+def test_a_multi_token_stop_string_ends_the_row_and_its_tokens_stay(bf16_engine):
+    from megatron_qarl.rl.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    free = bf16_engine.generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_new_tokens=16, seed=4))[0]
+    pieces = [tok.decode([t]) for t in free.token_ids]
+    # the first two adjacent one-character tokens whose text does not occur earlier in the response
+    i = next((i for i in range(len(pieces) - 1) if len(pieces[i]) == 1 and len(pieces[i + 1]) == 1
+              and pieces[i] + pieces[i + 1] not in "".join(pieces[: i + 1])), None)
+    if i is None:
+        pytest.skip("this sample has no two adjacent one-character tokens")
+    got = bf16_engine.generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_new_tokens=16, seed=4,
+                                                           stop=[pieces[i] + pieces[i + 1]]))[0]
+    assert got.token_ids == free.token_ids[: i + 2] and got.finish_reason == "stop"
+
+
 def test_truncated_sampling_and_updates_outside_a_session_are_refused(bf16_engine):
     with pytest.raises(RolloutEngineError, match="top_k=0"):
         bf16_engine.generate(PROMPTS, SamplingParams(top_k=5))
