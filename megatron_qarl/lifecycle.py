@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 
 _PR_SET_PDEATHSIG = 1
@@ -76,3 +77,15 @@ def install_checkpoint_writer_queue() -> None:
     manager = SyncManager(ctx=mp.get_context("spawn"))
     manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
     filesystem_async._results_queue = manager.Queue()
+
+
+def stop_process(proc: subprocess.Popen | None, grace_s: float = 30.0) -> None:
+    """End a child we started: SIGTERM, `grace_s` to exit, then SIGKILL. A finished (or absent) child: nothing."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=grace_s)

@@ -73,3 +73,19 @@ def test_forked_children_die_with_a_killed_parent():
 def test_megatron_checkpoint_results_queue_manager_dies_with_a_killed_parent():
     assert _child_survives_parent_kill(WRITER_QUEUE, "plain", wait_s=2)  # megatron's own spawn Manager
     assert not _child_survives_parent_kill(WRITER_QUEUE, "reap")
+
+
+def test_stop_process_kills_a_child_that_ignores_sigterm_after_the_grace():
+    import subprocess
+    import sys
+    import time
+
+    from megatron_qarl.lifecycle import stop_process
+
+    code = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"  # SIGTERM is ignored from here on
+    start = time.monotonic()
+    stop_process(proc, grace_s=0.5)
+    assert proc.returncode == -9 and time.monotonic() - start < 30
+    stop_process(proc)  # a finished child: nothing to do

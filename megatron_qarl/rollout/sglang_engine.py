@@ -76,7 +76,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from megatron_qarl.lifecycle import die_with_parent
+from megatron_qarl.lifecycle import die_with_parent, stop_process
 from megatron_qarl.parallel import is_loopback_host
 from megatron_qarl.rollout import sglang_compat
 from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, FlattenedBucket, iter_buckets
@@ -663,13 +663,7 @@ class SGLangEngine:
         return self._http is not None and self._http.healthy()
 
     def _kill(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=30)
+        stop_process(self._proc)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
