@@ -237,13 +237,14 @@ def engine_start_checkpoint(cfg: RunConfig, model, hf_config, quant, tokenizer=N
     need no start-up checkpoint (embedded, attach)."""
     import torch.distributed as dist
 
-    from megatron_qarl.weights.convert import NOT_TOKENIZER, EngineCheckpointSink, TokenizerPlan, hf_checkpoint_files
+    from megatron_qarl.weights.convert import EngineCheckpointSink, TokenizerPlan, hf_checkpoint_files
     from megatron_qarl.weights.publish import WeightPublisher
 
     s = cfg.rollout.sglang
-    if cfg.rollout.engine == "embedded" or (cfg.rollout.engine == "sglang" and (
-            s.model_path or s.url or s.urls or s.launch == "attach")):
-        return s.model_path if cfg.rollout.engine == "sglang" else None
+    if cfg.rollout.engine == "embedded":
+        return None
+    if cfg.rollout.engine == "sglang" and (s.model_path or s.url or s.urls or s.launch == "attach"):
+        return s.model_path
     out = Path(cfg.logging.out_dir) / "engine_start"
     exists = torch.tensor([1 if (out / "config.json").is_file() else 0], device=collective_device())
     dist.broadcast(exists, src=0)  # rank 0's view decides for every rank
@@ -252,9 +253,7 @@ def engine_start_checkpoint(cfg: RunConfig, model, hf_config, quant, tokenizer=N
     sink = None
     if dist.get_rank() == 0:
         side_files = hf_checkpoint_files(hf_config, cfg.model.hf_path)
-        plan = None
-        if tokenizer is not None:
-            plan = TokenizerPlan(tokenizer, {n: b for n, b in side_files.items() if n in NOT_TOKENIZER})
+        plan = TokenizerPlan.saving(tokenizer, side_files) if tokenizer is not None else None
         sink = EngineCheckpointSink(out, hf_config, cfg.quant, side_files, force=True, tokenizer=plan)
     WeightPublisher(model, hf_config, cfg.quant, quant=quant, engine=sink, leaders=[0],
                     bucket_bytes=cfg.publish.bucket_mb << 20).publish()

@@ -207,6 +207,11 @@ class TokenizerPlan:
     tokenizer: object | None
     files: dict[str, bytes]
 
+    @classmethod
+    def saving(cls, tokenizer, side_files: dict[str, bytes]) -> "TokenizerPlan":
+        """Save `tokenizer`, and copy only the side files kept whichever tokenizer is written."""
+        return cls(tokenizer, {n: b for n, b in side_files.items() if n in NOT_TOKENIZER})
+
     def write(self, out: Path) -> None:
         copy_tokenizer_files(self.files, out)
         if self.tokenizer is not None:
@@ -219,13 +224,12 @@ def plan_tokenizer(side_files: dict[str, bytes], *, explicit: str | None = None,
     source, else the tokenizer files stored in `side_files`. A recorded source that no longer loads falls back
     to the stored files with a warning (an error when there are none); nothing at all is one warning line."""
     stored = {n: b for n, b in side_files.items() if n in TOKENIZER_FILES}
-    kept = {n: b for n, b in stored.items() if n in NOT_TOKENIZER}
-    has_stored = len(stored) > len(kept)
+    has_stored = any(n not in NOT_TOKENIZER for n in stored)
     if explicit:
-        return TokenizerPlan(load_tokenizer_source(explicit, "--tokenizer"), kept)
+        return TokenizerPlan.saving(load_tokenizer_source(explicit, "--tokenizer"), stored)
     if recorded:
         try:
-            return TokenizerPlan(load_tokenizer_source(recorded, "the checkpoint's tokenizer source"), kept)
+            return TokenizerPlan.saving(load_tokenizer_source(recorded, "the checkpoint's tokenizer source"), stored)
         except TokenizerLoadError as exc:
             if not has_stored:
                 raise
