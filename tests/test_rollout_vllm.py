@@ -9,7 +9,7 @@ import torch
 
 from megatron_qarl.rollout.payload import FlattenedBucket
 from megatron_qarl.rollout.vllm_engine import VLLMSetupError, check_vllm_machine, check_vllm_venv
-from megatron_qarl.rollout.vllm_server import bucket_header, checkpoint_is_w4a16, tensor_digest, tensors_from_bucket
+from megatron_qarl.rollout.vllm_server import bucket_header, checkpoint_is_w4a16, tensors_from_bucket
 from megatron_qarl.rollout.payload import tensor_sha256
 
 
@@ -26,7 +26,7 @@ def test_a_bucket_crosses_the_wire_bit_identical(dtype):
     for (_, want), (_, have) in zip(named, got):
         assert have.dtype == want.dtype and have.shape == want.shape
         assert torch.equal(have.view(torch.uint8), want.view(torch.uint8))
-        assert tensor_digest(have) == tensor_sha256(want)  # the engine's checksum = the publisher's
+        assert tensor_sha256(have) == tensor_sha256(want)  # the engine's checksum (of what it received) = the publisher's
 
 
 def test_a_truncated_bucket_is_refused():

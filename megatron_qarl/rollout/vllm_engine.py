@@ -37,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_qarl.lifecycle import die_with_parent
-from megatron_qarl.rollout.payload import FlattenedBucket
+from megatron_qarl.lifecycle import die_with_parent, stop_process
+from megatron_qarl.rollout.payload import FlattenedBucket, iter_buckets
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.vllm_server import AUTHKEY_ENV, NEEDS_AMX, READY_LINE, bucket_header, recv_json, send_json
 
@@ -185,13 +185,7 @@ class VLLMEngine:
             except OSError:
                 pass
             self._conn = None
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        stop_process(self._proc)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -244,7 +238,7 @@ class VLLMEngine:
         self._call({"op": "begin"})
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | FlattenedBucket) -> None:
-        buckets = [named_tensors] if isinstance(named_tensors, FlattenedBucket) else _buckets_of(named_tensors)
+        buckets = [named_tensors] if isinstance(named_tensors, FlattenedBucket) else iter_buckets(named_tensors)
         for bucket in buckets:
             flat = bucket.flattened_tensor.detach().contiguous().cpu()
             raw = flat.view(torch.uint8).numpy().tobytes()
@@ -271,10 +265,4 @@ class VLLMEngine:
         })
         return [GenerationResult(i, r["token_ids"], r["logprobs"], r["finish_reason"])
                 for (i, _), r in zip(rows, reply["rows"])]
-
-
-def _buckets_of(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[FlattenedBucket]:
-    from megatron_qarl.rollout.payload import iter_buckets
-
-    return list(iter_buckets(named_tensors))
 

@@ -2,8 +2,9 @@
 
     <venv-vllm>/bin/python -m megatron_qarl.rollout.vllm_server --model DIR --port P [--dtype bfloat16] ...
 
-It imports nothing of this package but this module (the vLLM venv has vLLM's pins, not ours), so it is
-the same process a user runs next to a GPU vLLM install. The trainer side is ``rollout.vllm_engine``.
+Of this package it imports only the rollout value types and ``rollout.payload`` (torch only: the vLLM venv has
+vLLM's pins, not ours), so it is the same process a user runs next to a GPU vLLM install. The trainer side
+is ``rollout.vllm_engine``.
 
 Transport (one TCP connection, ``multiprocessing.connection`` with an HMAC handshake on the key in the
 environment variable ``QARL_VLLM_AUTHKEY``): every message is a JSON header sent with ``send_bytes``; a
@@ -30,7 +31,6 @@ every reload. The W4A16 method converts on every call (compressed_tensors_moe_wn
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -72,14 +72,6 @@ def tensors_from_bucket(header: dict, raw: bytes):
         raise ValueError(f"bucket of {len(raw)} bytes, header says {header['nbytes']}")
     flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(getattr(torch, header["dtype"]))
     return [(name, flat[start:end].reshape(shape)) for name, shape, start, end in header["tensors"]]
-
-
-def tensor_digest(tensor) -> str:
-    """sha256 of a tensor's bytes (what the trainer's payload.tensor_sha256 computes for the same tensor)."""
-    import torch
-
-    raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
-    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
 # --------------------------------------------------------------------------------------------- engine
@@ -176,8 +168,10 @@ class Server:
             raw = conn.recv_bytes()  # always read the bytes, so the stream stays in step on refusal
             if not self.in_update:
                 return {"ok": False, "error": "update_weights outside begin/end"}
+            from megatron_qarl.rollout.payload import tensor_sha256
+
             for name, tensor in tensors_from_bucket(msg, raw):
-                self.digests[name] = tensor_digest(tensor)
+                self.digests[name] = tensor_sha256(tensor)  # what the publisher's verify compares with
                 self.pending.append((name, tensor))
             return {"ok": True}
         if op == "end":
