@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 from publish_common import (  # noqa: E402
-    SCHEMES, RecordingEngine, build_model, mismatches, offline_engine_tensors, train_steps)
+    SCHEMES, RecordingEngine, build_model, mismatches, offline_engine_tensors, train_steps, write_engine_checkpoint)
 
 from megatron_qarl.models.qwen3_moe import preset_hf_config, tiny_hf_config  # noqa: E402
 from megatron_qarl.parallel import ParallelLayout  # noqa: E402
@@ -77,20 +77,6 @@ def test_publisher_refuses_a_config_other_than_the_aligned_models(cfg):
 
 # ------------------------------------------------------------------------------- refit vs exported checkpoint
 
-def _export_checkpoint(path: Path, cfg, named: dict, quant_cfg) -> None:
-    from safetensors.torch import save_file
-
-    from megatron_qarl.quant.engine_layout import quantization_config_for
-
-    config = cfg.to_dict()
-    config.update(architectures=["Qwen3MoeForCausalLM"], torch_dtype="bfloat16")
-    if quantization_config_for(quant_cfg) is not None:
-        config["quantization_config"] = quantization_config_for(quant_cfg)
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(config))
-    save_file({k: v.contiguous() for k, v in named.items()}, str(path / "model.safetensors"))
-
-
 @pytest.mark.parametrize("key", ["w4a16", "bf16"])
 def test_refit_after_steps_samples_like_an_engine_loaded_from_the_exported_checkpoint(cfg, tmp_path, key):
     quant_cfg = SCHEMES[key]
@@ -108,7 +94,7 @@ def test_refit_after_steps_samples_like_an_engine_loaded_from_the_exported_check
     after = engine.hf_state()
     assert any(not torch.equal(before[n], after[n]) for n in after)  # the steps did reach the engine
 
-    _export_checkpoint(tmp_path / "step3", cfg, offline_engine_tensors(model, cfg, quant_cfg), quant_cfg)
+    write_engine_checkpoint(tmp_path / "step3", cfg, offline_engine_tensors(model, cfg, quant_cfg), quant_cfg)
     fresh = EmbeddedEngine.from_hf_checkpoint(str(tmp_path / "step3"))
     sampling = SamplingParams(temperature=1.0, max_new_tokens=12, seed=11, n=2)
     prompts = [[1, 5, 9, 2], [7, 3]]

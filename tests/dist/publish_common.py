@@ -84,3 +84,24 @@ def train_steps(model, aligned, steps: int, lr: float, vocab: int = 128, seed: i
         loss.float().mean().backward()
         opt.step()
     return opt
+
+
+def write_engine_checkpoint(path, cfg, named: dict, quant_cfg, tokenizer=None):
+    """An engine checkpoint dir as qarl-convert export lays it out (config.json with the quantization_config,
+    model.safetensors, and `tokenizer` saved next to them when given); returns `path`."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from megatron_qarl.quant.engine_layout import quantization_config_for
+
+    config = cfg.to_dict()
+    config.update(architectures=["Qwen3MoeForCausalLM"], torch_dtype="bfloat16")
+    if quantization_config_for(quant_cfg) is not None:
+        config["quantization_config"] = quantization_config_for(quant_cfg)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in named.items()}, str(path / "model.safetensors"))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return path

@@ -3,7 +3,6 @@ driven through the RolloutEngine protocol and the trainer's own publisher.
 
 W4A16 cases need Intel AMX (vLLM-CPU's x86 int4 MoE kernel) and skip, saying so, on CPUs without it."""
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -12,7 +11,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dist"))
-from publish_common import SCHEMES, build_model, offline_engine_tensors, train_steps  # noqa: E402
+from publish_common import (  # noqa: E402
+    SCHEMES, build_model, offline_engine_tensors, train_steps, write_engine_checkpoint)
 
 from megatron_qarl.models.qwen3_moe import tiny_hf_config  # noqa: E402
 from megatron_qarl.models.aligned import apply_aligned_quantization  # noqa: E402
@@ -40,21 +40,10 @@ def _world(world_of_one):
 
 
 def export_checkpoint(path: Path, cfg, named: dict, quant_cfg) -> Path:
-    """An engine checkpoint dir as qarl-convert export writes it (config + quantization_config + tokenizer)."""
-    from safetensors.torch import save_file
-
-    from megatron_qarl.quant.engine_layout import quantization_config_for
+    """With the char tokenizer: vLLM matches stop strings with the checkpoint's tokenizer."""
     from megatron_qarl.rl.tokenizer import build_char_tokenizer
 
-    config = cfg.to_dict()
-    config.update(architectures=["Qwen3MoeForCausalLM"], torch_dtype="bfloat16")
-    if quantization_config_for(quant_cfg) is not None:
-        config["quantization_config"] = quantization_config_for(quant_cfg)
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(config))
-    save_file({k: v.contiguous() for k, v in named.items()}, str(path / "model.safetensors"))
-    build_char_tokenizer().save_pretrained(str(path))
-    return path
+    return write_engine_checkpoint(path, cfg, named, quant_cfg, tokenizer=build_char_tokenizer())
 
 
 def start(path: Path, key: str) -> VLLMEngine:
