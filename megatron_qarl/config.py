@@ -53,6 +53,7 @@ SGLANG_LAUNCH = ("subprocess", "inprocess", "attach")
 DATA_SOURCES = ("file", "synthetic")
 ROUTING_REPLAY = ("off", "replay")
 WANDB_MODES = ("offline", "online", "disabled")
+PUBLISH_MODES = ("full", "delta")
 # auto: the newest verified checkpoint of this run's dir; force: the same, even when the checkpoint was written
 # by another config (run_context.check_run_identity); none: start fresh; anything else: a checkpoint path.
 RESUME_KEYWORDS = ("auto", "force", "none")
@@ -254,6 +255,12 @@ class TrainConfig:
 class PublishConfig:
     bucket_mb: int = 512  # weights travel to the engine in flat buckets of at most this many MiB
     verify: bool = False  # compare engine-side checksums with what was sent, after each publish
+    # full: every publish sends every tensor. delta: the quantized linears' changed int4 codes / fp8 bytes
+    # and scales travel as compressed deltas (docs/publish.md); embedded and vllm engines only (SGLang
+    # 0.5.23 re-packs every expert into Marlin layout at each refit and keeps no compressed copy to patch).
+    # Each engine leader keeps a host copy of what its engine holds.
+    mode: str = "full"
+    full_every: int = 50  # delta mode: every this many publishes everything is sent whole (1 = always)
 
 
 @dataclass
@@ -537,6 +544,12 @@ def _check_choices(cfg: RunConfig) -> list[str]:
         out.append(f"data.reward={cfg.data.reward!r}: {reward_problem}")
     out += _choice("train.routing_replay", cfg.train.routing_replay, ROUTING_REPLAY)
     out += _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
+    out += _choice("publish.mode", cfg.publish.mode, PUBLISH_MODES)
+    if cfg.publish.mode == "delta" and cfg.rollout.engine == "sglang":
+        out.append("publish.mode=delta with rollout.engine=sglang: SGLang 0.5.23 re-packs every W4A16 expert "
+                   "into Marlin layout at the end of each refit and keeps no compressed copy a delta could "
+                   "patch (compressed_tensors_wNa16_moe.py:351-418), so every expert tensor is re-sent; use "
+                   "publish.mode=full, or the embedded / vllm engine")
     return out
 
 
@@ -573,6 +586,7 @@ def _check_positive(cfg: RunConfig) -> list[str]:
         "train.prompts_per_step": t.prompts_per_step, "train.mini_batch_prompts": t.mini_batch_prompts,
         "train.micro_batch_size": t.micro_batch_size, "train.max_nonfinite_steps": t.max_nonfinite_steps, "data.max_prompt_len": d.max_prompt_len,
         "data.reward_timeout_s": d.reward_timeout_s, "publish.bucket_mb": cfg.publish.bucket_mb,
+        "publish.full_every": cfg.publish.full_every,
         "checkpoint.keep_last": cfg.checkpoint.keep_last, "logging.log_every": cfg.logging.log_every,
         "rollout.engine_tp": r.engine_tp, "rollout.request_prompts": r.request_prompts,
         "rollout.request_timeout_s": r.request_timeout_s, "rollout.sglang.ep_size": r.sglang.ep_size,

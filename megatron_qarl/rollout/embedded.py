@@ -3,6 +3,9 @@
 It holds exactly the published payload: ``update_weights`` takes engine-layout named tensors (see
 ``megatron_qarl.quant.engine_layout``) and dequantizes W4A16 / FP8 ones with the quant spec's own
 functions, so it generates with the same weights an SGLang engine would hold after the same refit.
+It keeps the received engine-layout tensors themselves too (packed codes, scales), which is what a code
+delta (``apply_weight_deltas``, ``rollout.delta``) applies to; a quantized linear is dequantized into the
+model at the end of the update in which any of its parts changed.
 
 transformers 5.19 keeps a Qwen3-MoE layer's experts fused in memory:
 ``mlp.experts.gate_up_proj`` [E, 2I, H] (rows [0, I) = gate_proj, [I, 2I) = up_proj) and
@@ -23,6 +26,7 @@ import torch
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_state_from_model, transformers_tensor
 from megatron_qarl.quant.config import is_routed_expert
 from megatron_qarl.quant.engine_layout import PARTS, EngineLayoutError, dequantize_linear, engine_part
+from megatron_qarl.rollout.delta import DeltaBatch, apply_delta_batch, tensor_crc32
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.payload import tensor_sha256
 
@@ -70,9 +74,12 @@ class EmbeddedEngine:
         self.tokenizer = tokenizer  # only to match stop strings (SamplingParams.stop)
         self._params = dict(self.model.named_parameters())
         self._in_update = False
-        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._held: dict[str, torch.Tensor] = {}  # engine-layout tensors as received (what deltas apply to)
+        self._held_crc: dict[str, int] = {}
+        self._dirty: dict[str, str] = {}  # quantized linears with a part changed in this update -> their kind
         self._received_digests: dict[str, str] = {}
         self.updates_applied = 0
+        self._version = 0  # completed weight updates since start / restart
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -114,7 +121,7 @@ class EmbeddedEngine:
         if self._in_update:
             raise RolloutEngineError("begin_weight_update called while an update is already open")
         self._in_update = True
-        self._pending.clear()
+        self._dirty.clear()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Any) -> None:
         """Apply engine-layout tensors (or a ``FlattenedBucket``). Any subset of the model may be pushed;
@@ -129,31 +136,55 @@ class EmbeddedEngine:
             for name, tensor in named_tensors:
                 self._receive(name, tensor)
 
+    def apply_weight_deltas(self, batch: DeltaBatch) -> None:
+        """Apply a batch of code deltas (``rollout.delta``) to the held tensors; a delta that does not apply
+        exactly raises WeightDeltaMismatch (the publisher then sends everything whole)."""
+        if not self._in_update:
+            raise RolloutEngineError("apply_weight_deltas outside begin_weight_update()/end_weight_update()")
+        with torch.no_grad():
+            for name, tensor, crc in apply_delta_batch(batch, self._held, self._held_crc, self._version):
+                self._receive(name, tensor, crc)
+
+    def weight_version(self) -> int:
+        """Completed weight updates since this engine (re)started: a delta applies only to the version
+        the publisher last saw."""
+        return self._version
+
     def end_weight_update(self) -> None:
         if not self._in_update:
             raise RolloutEngineError("end_weight_update without begin_weight_update")
         self._in_update = False
-        if self._pending:
-            missing = {p: sorted(c) for p, c in self._pending.items()}
-            self._pending.clear()
-            raise EngineWeightError(f"incomplete quantized tensors at end of update (prefix: parts received): {missing}")
+        dirty, self._dirty = self._dirty, {}
+        missing = {p: sorted(part for part in PARTS[kind] if f"{p}.{part}" not in self._held)
+                   for p, kind in dirty.items()}
+        missing = {p: parts for p, parts in missing.items() if parts}
+        if missing:
+            raise EngineWeightError(f"incomplete quantized tensors at end of update (prefix: parts missing): {missing}")
+        with torch.no_grad():
+            for prefix, kind in dirty.items():
+                self._dequantize_into_model(prefix, kind)
         self.updates_applied += 1
+        self._version += 1
 
-    def _receive(self, name: str, tensor: torch.Tensor) -> None:
+    def _receive(self, name: str, tensor: torch.Tensor, crc: int | None = None) -> None:
         if self.record_checksums:
             self._received_digests[name] = tensor_sha256(tensor)
         hf_name, kind, part = engine_part(name, tensor)
         if kind == "bf16":
-            return self._write(name, tensor)
-        group = self._pending.setdefault(hf_name, {})
-        group[part] = tensor
-        if set(PARTS[kind]) <= set(group):
-            del self._pending[hf_name]
-            try:
-                weight = dequantize_linear(hf_name, kind, group, self.dtype)
-            except EngineLayoutError as err:
-                raise EngineWeightError(str(err)) from None
-            self._write(hf_name, weight)
+            self._write(name, tensor)
+        else:
+            self._target(hf_name)  # an unknown linear is refused now, not at the end of the update
+            self._dirty[hf_name[: -len(".weight")]] = kind
+        self._held[name] = tensor.detach().clone()  # a bucket's view: keep our own bytes
+        self._held_crc[name] = tensor_crc32(tensor) if crc is None else crc
+
+    def _dequantize_into_model(self, prefix: str, kind: str) -> None:
+        parts = {part: self._held[f"{prefix}.{part}"] for part in PARTS[kind]}
+        try:
+            weight = dequantize_linear(f"{prefix}.weight", kind, parts, self.dtype)
+        except EngineLayoutError as err:
+            raise EngineWeightError(str(err)) from None
+        self._write(f"{prefix}.weight", weight)
 
     def _write(self, hf_name: str, value: torch.Tensor) -> None:
         target = self._target(hf_name)
@@ -206,8 +237,11 @@ class EmbeddedEngine:
         self.model = Qwen3MoeForCausalLM(self.hf_config).to(self.dtype).eval()
         self._params = dict(self.model.named_parameters())
         self._in_update = False
-        self._pending.clear()
+        self._held.clear()
+        self._held_crc.clear()
+        self._dirty.clear()
         self._received_digests.clear()
+        self._version = 0
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from megatron_qarl.lifecycle import die_with_parent, stop_process
+from megatron_qarl.rollout.delta import DeltaBatch, WeightDeltaMismatch
 from megatron_qarl.rollout.payload import FlattenedBucket, iter_buckets
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.vllm_server import AUTHKEY_ENV, NEEDS_AMX, READY_LINE, bucket_header, recv_json, send_json
@@ -204,6 +205,8 @@ class VLLMEngine:
         if not reply.get("ok"):
             if "missing" in reply:
                 raise KeyError(reply["error"])
+            if reply.get("mismatch"):
+                raise WeightDeltaMismatch(f"vLLM engine: {reply['error']}")
             raise RolloutEngineError(f"vLLM engine: {reply.get('error')}")
         return reply
 
@@ -243,6 +246,12 @@ class VLLMEngine:
             flat = bucket.flattened_tensor.detach().contiguous().cpu()
             raw = flat.view(torch.uint8).numpy().tobytes()
             self._call(bucket_header(bucket.metadata, str(flat.dtype).removeprefix("torch."), len(raw)), raw)
+
+    def apply_weight_deltas(self, batch: DeltaBatch) -> None:
+        self._call({"op": "delta", "nbytes": batch.nbytes}, batch.payload)
+
+    def weight_version(self) -> int:
+        return int(self._call({"op": "version"})["version"])
 
     def end_weight_update(self) -> None:
         reply = self._call({"op": "end"})

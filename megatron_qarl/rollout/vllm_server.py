@@ -13,12 +13,16 @@ here with the header's dtype (no pickle anywhere). Replies are JSON: ``{"ok": tr
 ``{"ok": false, "error": "..."}``. The same transport serves a GPU vLLM server (host memory, then vLLM
 moves the tensors to its device); at 30B scale an NCCL path would avoid the host copy.
 
-Refit (vLLM 0.32): the named tensors of one begin/end session are kept until ``end`` and loaded with ONE
+Refit (vLLM 0.32): the process keeps every engine tensor it received (``held``: the compressed-tensors
+layout, which vLLM itself repacks for its kernels and does not keep), so a code delta (op ``delta``: one
+``rollout.delta`` payload) applies to it exactly as in the embedded engine. At ``end`` of a session that
+changed anything, ALL held tensors are loaded with ONE
 ``collective_rpc("reload_weights", weights_iterator=...)`` (v1/worker/gpu_model_runner.py:5287-5304 ->
 model_loader/reload/inplace.py:32), which restores each layer's checkpoint layout, loads, and re-runs
 the quant post-processing layer by layer (reload/layerwise.py:341-392), so a layer whose parts arrive in
 different buckets is complete when it is processed. Then the prefix cache is reset: its KV blocks were
-computed with the old weights.
+computed with the old weights. Re-loading every tensor, not only the changed ones, keeps to the one
+reload path shown to sample like a fresh engine: deltas shrink what crosses the wire, not vLLM's repack.
 
 A vLLM 0.32 bug this process repairs: on a weight update the unquantized MoE method copies the new
 weights in but skips the experts' own post-processing (``fused_experts.process_weights_after_loading``
@@ -115,7 +119,10 @@ class Server:
                        # log_softmax(logits / temperature): the protocol's definition while top-k/top-p are
                        # off (the engine refuses them), v1/sample/sampler.py:247-305
                        logprobs_mode="processed_logprobs")
-        self.pending: list = []
+        self.held: dict = {}  # name -> tensor: what deltas apply to and what `end` reloads
+        self.held_crc: dict[str, int] = {}
+        self.changed = False
+        self.version = 0  # completed weight updates since start
         self.digests: dict[str, str] = {}
         self.in_update = False
 
@@ -143,13 +150,34 @@ class Server:
 
     def end_update(self) -> dict:
         start = time.perf_counter()
-        weights, self.pending = self.pending, []
-        self.in_update = False
-        if weights:
+        changed, self.changed, self.in_update = self.changed, False, False
+        if changed:
+            weights = list(self.held.items())
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
             self.llm.collective_rpc(_repair_unquantized_moe)
             self.llm.reset_prefix_cache()
-        return {"ok": True, "tensors": len(weights), "seconds": time.perf_counter() - start}
+        self.version += 1
+        return {"ok": True, "tensors": len(self.held) if changed else 0, "seconds": time.perf_counter() - start,
+                "version": self.version}
+
+    def keep(self, name: str, tensor, crc: int | None = None) -> None:
+        from megatron_qarl.rollout.delta import tensor_crc32
+        from megatron_qarl.rollout.payload import tensor_sha256
+
+        self.digests[name] = tensor_sha256(tensor)  # what the publisher's verify compares with
+        self.held[name] = tensor
+        self.held_crc[name] = tensor_crc32(tensor) if crc is None else crc
+        self.changed = True
+
+    def apply_deltas(self, raw: bytes) -> dict:
+        from megatron_qarl.rollout.delta import DeltaBatch, WeightDeltaMismatch, apply_delta_batch
+
+        try:
+            for name, tensor, crc in apply_delta_batch(DeltaBatch(raw), self.held, self.held_crc, self.version):
+                self.keep(name, tensor, crc)
+        except WeightDeltaMismatch as err:
+            return {"ok": False, "mismatch": True, "error": str(err)}
+        return {"ok": True}
 
     def handle(self, conn: Connection, msg: dict) -> dict | None:
         op = msg.get("op")
@@ -162,18 +190,22 @@ class Server:
         if op == "begin":
             if self.in_update:
                 return {"ok": False, "error": "begin_weight_update while an update is already open"}
-            self.in_update, self.pending = True, []
+            self.in_update, self.changed = True, False
             return {"ok": True}
         if op == "update":
             raw = conn.recv_bytes()  # always read the bytes, so the stream stays in step on refusal
             if not self.in_update:
                 return {"ok": False, "error": "update_weights outside begin/end"}
-            from megatron_qarl.rollout.payload import tensor_sha256
-
             for name, tensor in tensors_from_bucket(msg, raw):
-                self.digests[name] = tensor_sha256(tensor)  # what the publisher's verify compares with
-                self.pending.append((name, tensor))
+                self.keep(name, tensor)
             return {"ok": True}
+        if op == "delta":
+            raw = conn.recv_bytes()
+            if not self.in_update:
+                return {"ok": False, "error": "apply_weight_deltas outside begin/end"}
+            return self.apply_deltas(raw)
+        if op == "version":
+            return {"ok": True, "version": self.version}
         if op == "end":
             if not self.in_update:
                 return {"ok": False, "error": "end_weight_update without begin_weight_update"}

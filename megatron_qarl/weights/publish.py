@@ -48,6 +48,9 @@ from megatron_qarl.parallel import collective_device
 from megatron_qarl.quant.engine_layout import (
     as_quant_config, engine_tensors, kind_of, linear_parts, meta_linear_parts, quantize_weight,
 )
+from megatron_qarl.rollout.delta import (
+    DeltaBatch, TensorDelta, WeightDeltaMismatch, supports_delta, tensor_crc32, tensor_delta, worth_a_delta,
+)
 from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, TensorMeta, iter_buckets, plan_buckets, tensor_sha256
 
 
@@ -105,9 +108,14 @@ class LiveBytes:
 
 @dataclass
 class PushStats:
-    bytes: int = 0
-    num_tensors: int = 0
+    bytes: int = 0  # everything sent: whole tensors' bytes + delta batches' bytes
+    num_tensors: int = 0  # tensors sent whole
     num_buckets: int = 0
+    delta_bytes: int = 0
+    delta_tensors: int = 0
+    unchanged_tensors: int = 0
+    quantized_bytes: int = 0  # bytes sent for the quantized linears' tensors (whole or as deltas)
+    quantized_full_bytes: int = 0  # ... what sending them whole costs: the P5 denominator
 
 
 def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
@@ -166,6 +174,123 @@ def verify_engine_checksums(engine, sent: dict[str, str]) -> None:
     for name, digest in sent.items():
         if held.get(name) != digest:
             raise PublishVerificationError(f"tensor {name!r}: engine checksum {held.get(name)} != sent {digest}")
+
+
+# ----------------------------------------------------------------------------- code-delta publish
+
+MAX_DELTA_UNITS = 1 << 22  # changed units per delta batch (one engine call): bounds the batch's memory
+
+
+def is_quantized_part(name: str, tensor: torch.Tensor) -> bool:
+    """The tensors of a quantized linear (int4 codes/scales, fp8 codes/block scales): what deltas are for.
+    bf16 weights are always sent whole: Adam moves 70-90% of their elements every step (measured on the
+    tiny QaRL run), so a delta would not be smaller, and compressing GBs of them would cost seconds."""
+    return tensor.dtype in (torch.int32, torch.float8_e4m3fn) or name.endswith((".weight_scale", ".weight_scale_inv"))
+
+
+@dataclass
+class EngineCopy:
+    """What ONE engine holds, as its leader last sent it (delta mode): every engine tensor, its crc32, and
+    the engine's weight version after that publish (None: unknown -> the next publish is full)."""
+
+    held: dict[str, torch.Tensor]
+    crc: dict[str, int]
+    version: int | None = None
+    deltas_since_full: int = 0
+
+    @classmethod
+    def empty(cls) -> "EngineCopy":
+        return cls({}, {})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.held.values())
+
+
+def push_changes(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], copy: EngineCopy, *, full: bool,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = False,
+                 live: LiveBytes | None = None) -> PushStats:
+    """One begin/end update that sends each tensor whole, as a delta against `copy` (a quantized part whose
+    delta is worth it), or not at all (unchanged); `copy` is updated to the new tensors as they stream.
+    `full`: send everything whole (and refill `copy`). A WeightDeltaMismatch from the engine propagates
+    with the update closed; the caller falls back to a full publish from `copy` (`publish_from_copy`)."""
+    stats, sent, pending = PushStats(), {}, []
+
+    def send_deltas() -> None:
+        batch = DeltaBatch.encode(pending, copy.version)
+        engine.apply_weight_deltas(batch)
+        stats.bytes += batch.nbytes
+        stats.delta_bytes += batch.nbytes
+        stats.quantized_bytes += batch.nbytes
+        stats.delta_tensors += len(pending)
+        pending.clear()
+
+    def whole_tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        units = 0
+        for name, tensor in named_tensors:
+            new = tensor.detach().contiguous().clone()
+            quantized = is_quantized_part(name, new)
+            if quantized:
+                stats.quantized_full_bytes += new.nbytes
+            delta = _delta_against(copy, name, new) if not full and quantized else None
+            if delta is False:  # unchanged: the engine already holds these bytes
+                stats.unchanged_tensors += 1
+                continue
+            copy.held[name] = new
+            copy.crc[name] = delta.new_crc if delta is not None else tensor_crc32(new)
+            if verify:
+                sent[name] = tensor_sha256(new)
+            if delta is not None and worth_a_delta(delta):
+                pending.append(delta)
+                units += delta.positions.numel()
+                if units >= MAX_DELTA_UNITS:
+                    send_deltas()
+                    units = 0
+                continue
+            if quantized:
+                stats.quantized_bytes += new.nbytes
+            yield name, new
+        if pending:
+            send_deltas()
+
+    engine.begin_weight_update()
+    try:
+        for bucket in iter_buckets(whole_tensors(), bucket_bytes):
+            if live is not None:
+                live.hold(bucket, bucket.nbytes)
+            stats.bytes += bucket.nbytes
+            stats.num_buckets += 1
+            stats.num_tensors += len(bucket.metadata)
+            engine.update_weights(bucket)
+    except BaseException:
+        _close_quietly(engine)
+        raise
+    engine.end_weight_update()
+    if verify:
+        verify_engine_checksums(engine, sent)
+    return stats
+
+
+def _delta_against(copy: EngineCopy, name: str, new: torch.Tensor) -> TensorDelta | None | bool:
+    """The delta of `new` against the engine's copy; False when unchanged, None when there is no base."""
+    old = copy.held.get(name)
+    if old is None or old.shape != new.shape or old.dtype != new.dtype or not supports_delta(new):
+        return None
+    delta = tensor_delta(name, old, new, base_crc=copy.crc[name])
+    return False if delta is None else delta
+
+
+def publish_from_copy(engine, copy: EngineCopy, *, bucket_bytes: int, verify: bool,
+                      live: LiveBytes | None = None) -> PushStats:
+    """A full publish of what `copy` holds (the fallback after a mismatch: nothing is re-gathered)."""
+    stats = push_named_tensors(engine, list(copy.held.items()), bucket_bytes=bucket_bytes, verify=verify, live=live)
+    quantized = sum(t.nbytes for n, t in copy.held.items() if is_quantized_part(n, t))
+    stats.quantized_bytes = stats.quantized_full_bytes = quantized
+    return stats
+
+
+def supports_weight_deltas(engine) -> bool:
+    return callable(getattr(engine, "apply_weight_deltas", None)) and callable(getattr(engine, "weight_version", None))
 
 
 # ----------------------------------------------------------------------------- gathering
@@ -283,10 +408,17 @@ class WeightPublisher:
     is sent when ``quant_cfg.scheme == "none"``). `leaders`: the global ranks that drive an engine (one per
     rollout group, `parallel.RolloutTopology.leaders`; default [0]). `engine`: this rank's engine on a
     leader, None elsewhere (None on a leader too: plan and count only).
+
+    `mode="delta"`: each leader keeps a copy of what its engine holds (`EngineCopy`, host memory: the
+    engine payload, 16.8 GiB of W4A16 experts at 30B-A3B) and sends the quantized linears' changed codes
+    and scales as deltas (`rollout.delta`); everything is sent whole on the first publish, every
+    `full_every`-th, when the engine reports another weight version than the one it acknowledged (a
+    restart, a resume: a new publisher), and right after a delta the engine refused (`WeightDeltaMismatch`:
+    the full publish is sent from the copy, nothing is gathered again).
     """
 
     def __init__(self, model, hf_config, quant_cfg, *, quant=None, engine=None, leaders: list[int] | None = None,
-                 bucket_bytes: int = 512 << 20, verify: bool = False):
+                 bucket_bytes: int = 512 << 20, verify: bool = False, mode: str = "full", full_every: int = 50):
         from megatron_qarl.weights.sharding import unwrap_model
 
         if bucket_bytes <= 0:
@@ -300,6 +432,16 @@ class WeightPublisher:
         self.peak_bytes = 0  # most publish payload bytes alive at once on this rank (LiveBytes), last publish
         self.bucket_bytes = bucket_bytes
         self.verify = verify
+        if mode not in ("full", "delta"):
+            raise ValueError(f"publish mode must be 'full' or 'delta', got {mode!r}")
+        if full_every < 1:
+            raise ValueError(f"full_every must be >= 1, got {full_every}")
+        if mode == "delta" and engine is not None and not supports_weight_deltas(engine):
+            raise ValueError(f"publish mode 'delta' needs an engine that applies weight deltas; "
+                             f"{type(engine).__name__} does not (use mode 'full')")
+        self.mode = mode
+        self.full_every = full_every
+        self.copy = EngineCopy.empty()  # delta mode, on a leader: what its engine holds
         if quant is not None and quant.quant_cfg != self.quant_cfg:
             raise ValueError(f"quant_cfg {self.quant_cfg} differs from the aligned model's {quant.quant_cfg}; "
                              "publish with the config the model was quantized with")
@@ -408,12 +550,17 @@ class WeightPublisher:
         stream = self._stream(topo, flips, live)
         error = None
         stats = PushStats()
+        full_reason, fallbacks = None, 0
         if is_engine_rank:
             try:
-                stats = push_named_tensors(self.engine, stream, bucket_bytes=self.bucket_bytes, verify=self.verify,
-                                           live=live)
+                if self.mode == "delta" and self.engine is not None:
+                    stats, full_reason, fallbacks = self._push_delta(stream, live)
+                else:
+                    stats = push_named_tensors(self.engine, stream, bucket_bytes=self.bucket_bytes, verify=self.verify,
+                                               live=live)
             except Exception as exc:  # other ranks must learn about it instead of hanging
                 error = exc
+                self.copy.version = None  # the engine holds who knows what: the next publish is full
                 for _ in stream:  # finish the collectives the other ranks are in
                     pass
         else:
@@ -436,6 +583,50 @@ class WeightPublisher:
             "publish/num_buckets": stats.num_buckets,
             "publish/code_flip_frac": changed / compared if compared else math.nan,
             "publish/peak_bytes": self.peak_bytes,  # this rank's most payload held at once
+            **(self._delta_metrics(stats, full_reason, fallbacks) if self.mode == "delta" else {}),
+        }
+
+    # -- delta mode (on a leader) --------------------------------------------------------------------
+    def _full_reason(self) -> str | None:
+        """Why this publish must be full, or None (a delta publish)."""
+        if self.copy.version is None:
+            return "first publish"
+        if self.engine.weight_version() != self.copy.version:
+            return f"engine holds version {self.engine.weight_version()}, not {self.copy.version} (restarted?)"
+        if self.copy.deltas_since_full >= self.full_every - 1:
+            return f"every {self.full_every} publishes"
+        return None
+
+    def _push_delta(self, stream, live: LiveBytes) -> tuple[PushStats, str | None, int]:
+        reason = self._full_reason()
+        try:
+            stats = push_changes(self.engine, stream, self.copy, full=reason is not None,
+                                 bucket_bytes=self.bucket_bytes, verify=self.verify, live=live)
+            fallbacks = 0
+        except WeightDeltaMismatch as mismatch:
+            for name, tensor in stream:  # this step's remaining tensors, into the copy (the gathers run anyway)
+                self.copy.held[name] = tensor.detach().contiguous().clone()
+                self.copy.crc[name] = tensor_crc32(self.copy.held[name])
+            reason, fallbacks = f"the engine refused a delta: {mismatch}", 1
+            stats = publish_from_copy(self.engine, self.copy, bucket_bytes=self.bucket_bytes, verify=self.verify,
+                                      live=live)
+        self.copy.version = self.engine.weight_version()
+        self.copy.deltas_since_full = 0 if reason is not None else self.copy.deltas_since_full + 1
+        return stats, reason, fallbacks
+
+    def _delta_metrics(self, stats: PushStats, full_reason: str | None, fallbacks: int) -> dict:
+        if full_reason is not None and self.publishes > 0 and not full_reason.startswith("every"):
+            print(f"[publish] full publish: {full_reason}", flush=True)
+        return {
+            "publish/full": float(full_reason is not None),
+            "publish/delta_fallbacks": fallbacks,
+            "publish/delta_bytes": stats.delta_bytes,
+            "publish/delta_tensors": stats.delta_tensors,
+            "publish/unchanged_tensors": stats.unchanged_tensors,
+            # bytes sent for the quantized linears / what sending them whole costs (P5)
+            "publish/quantized_bytes_frac": (stats.quantized_bytes / stats.quantized_full_bytes
+                                             if stats.quantized_full_bytes else math.nan),
+            "publish/engine_copy_bytes": self.copy.nbytes,
         }
 
 

@@ -1,0 +1,367 @@
+"""Code-level weight deltas: the units of an engine-layout tensor that changed since the engine's version.
+
+A publish in ``publish.mode=delta`` sends, per engine tensor, nothing (unchanged), a delta, or the whole
+tensor (when the delta would not be smaller). The unit of change is what the engine format stores:
+* in an int4 ``*.weight_packed`` word (8 codes of 4 bits) one CODE: a flip is per code, not per word or
+  group (at 0.25% flips ~27% of 128-groups hold one, so a group-level delta saves little);
+* in every other tensor (bf16 weights and scales, fp8 codes, fp32 block scales) one element.
+
+Encoding, chosen for what an optimizer step does to codes: positions are the gaps between changed units
+(LEB128 varints), values are the change of each unit (a code: (new - old) mod 16; an element: the
+difference of its bit patterns as a zigzag varint). An Adam step moves a flipped code by +-1 and a
+changed bf16 scale by a few ulps, so both streams are mostly a few small byte values, which zlib's
+Huffman stage codes near their entropy. One batch is compressed as a whole (headers included): at the
+tiny model's 2% flips per step the delta is ~4% of the int4 payload (benchmarks/bench_publish.py, P5).
+
+Every delta carries the crc32 of the tensor it applies to and of the result, and a batch the engine
+weight version it applies to: an engine that holds another version or other bytes, or that computes a
+result with another crc32, raises `WeightDeltaMismatch` and the publisher falls back to a full publish
+(never silent corruption). crc32 (zlib), not sha256: it runs at memory speed on every changed tensor every
+step, and it guards against bugs and lost updates, not against an adversary.
+
+Torch, zlib and json only: the vLLM engine process imports this module in its own venv.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import astuple, dataclass
+
+import torch
+
+from megatron_qarl.rollout.protocol import RolloutEngineError
+
+_MAGIC = b"QDL1"
+_ZLIB_LEVEL = 6  # level 9 saves <1% more here at ~2x the time
+_NIBBLE_SUFFIX = ".weight_packed"
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+class WeightDeltaMismatch(RolloutEngineError):
+    """A delta does not apply: the engine holds another version or other bytes, or the result's crc32
+    differs. The publisher answers with a full publish."""
+
+
+def tensor_crc32(tensor: torch.Tensor) -> int:
+    """crc32 of a tensor's bytes as they travel (no copy for a contiguous CPU tensor)."""
+    return zlib.crc32(tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
+
+
+def is_nibble_tensor(name: str, tensor: torch.Tensor) -> bool:
+    """True for int4 packed words, whose unit of change is one 4-bit code."""
+    return name.endswith(_NIBBLE_SUFFIX) and tensor.dtype == torch.int32
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The elements' bit patterns as signed ints of the same width, flattened."""
+    return tensor.detach().contiguous().reshape(-1).view(_INT_VIEW[tensor.element_size()])
+
+
+def supports_delta(tensor: torch.Tensor) -> bool:
+    return tensor.element_size() in _INT_VIEW
+
+
+# ------------------------------------------------------------------------------------------ varints
+def varint_encode(values: torch.Tensor) -> bytes:
+    """LEB128 bytes of non-negative int64 values (7 bits per byte, high bit = more bytes follow)."""
+    v = values.to(torch.int64)
+    if v.numel() == 0:
+        return b""
+    if bool((v < 0).any()):
+        raise ValueError("varint_encode takes non-negative values")
+    lengths = torch.ones_like(v)
+    for shift in range(7, 63, 7):
+        lengths += (v >= (1 << shift)).to(torch.int64)
+    owner = torch.repeat_interleave(torch.arange(v.numel()), lengths)
+    first = torch.cumsum(lengths, 0) - lengths
+    k = torch.arange(owner.numel()) - first[owner]
+    out = (v[owner] >> (7 * k)) & 0x7F
+    out |= (k < lengths[owner] - 1).to(torch.int64) << 7
+    return out.to(torch.uint8).numpy().tobytes()
+
+
+def varint_decode(raw: bytes | memoryview, count: int) -> torch.Tensor:
+    """`count` int64 values back from `varint_encode` bytes."""
+    if count == 0:
+        if len(raw):
+            raise ValueError(f"{len(raw)} varint bytes for 0 values")
+        return torch.zeros(0, dtype=torch.int64)
+    b = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
+    last = b < 0x80
+    ends = last.nonzero().flatten()
+    if ends.numel() != count or not bool(last[-1]):
+        raise ValueError(f"varint stream holds {ends.numel()} values, expected {count}")
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), ends[:-1] + 1])
+    owner = torch.cumsum(last.to(torch.int64), 0) - last.to(torch.int64)
+    k = torch.arange(b.numel()) - starts[owner]
+    return torch.zeros(count, dtype=torch.int64).index_add_(0, owner, (b & 0x7F) << (7 * k))
+
+
+def _zigzag(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d >= 0, 2 * d, -2 * d - 1)
+
+
+def _unzigzag(z: torch.Tensor) -> torch.Tensor:
+    return torch.where(z % 2 == 0, z // 2, -(z + 1) // 2)
+
+
+# ------------------------------------------------------------------------------------- one tensor
+def _nibbles(words: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return (words[positions >> 3].to(torch.int64) >> (4 * (positions & 7))) & 0xF
+
+
+def diff_units(old: torch.Tensor, new: torch.Tensor, nibble: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, changes) of the units that differ: sorted int64 positions (code index for packed words,
+    element index otherwise) and each unit's change (code: (new - old) mod 16; element: bit difference)."""
+    a, b = _bits(old), _bits(new)
+    words = (a != b).nonzero().flatten()
+    if not nibble:
+        return words, b[words].to(torch.int64) - a[words].to(torch.int64)
+    positions = (words.unsqueeze(1) * 8 + torch.arange(8)).flatten()
+    changes = (_nibbles(b, positions) - _nibbles(a, positions)) & 0xF
+    keep = changes != 0
+    return positions[keep], changes[keep]
+
+
+def apply_units(base: torch.Tensor, positions: torch.Tensor, changes: torch.Tensor, nibble: bool) -> torch.Tensor:
+    """A new tensor: `base` with `changes` applied at `positions` (the inverse of `diff_units`)."""
+    out = base.detach().clone().contiguous()
+    bits = _bits(out)
+    if positions.numel() and int(positions.max()) >= bits.numel() * (8 if nibble else 1):
+        raise WeightDeltaMismatch(f"delta position {int(positions.max())} is outside a tensor of {bits.numel()} "
+                                  f"{'words' if nibble else 'elements'}")
+    width = 8 * out.element_size()
+    if nibble:
+        shift = 4 * (positions & 7)
+        old = _nibbles(bits, positions)
+        flips = (old ^ ((old + changes) & 0xF)) << shift  # the codes of one word are disjoint bit ranges
+        words = positions >> 3
+        mask = torch.zeros(bits.numel(), dtype=torch.int64).index_add_(0, words, flips)
+        touched = torch.unique(words)
+        value = (bits[touched].to(torch.int64) & 0xFFFFFFFF) ^ mask[touched]
+        bits[touched] = _signed(value, 32).to(bits.dtype)
+        return out
+    value = (bits[positions].to(torch.int64) + changes) & ((1 << width) - 1)
+    bits[positions] = (value if width == 8 else _signed(value, width)).to(bits.dtype)
+    return out
+
+
+def _signed(value: torch.Tensor, width: int) -> torch.Tensor:
+    """Unsigned `width`-bit values as the two's-complement signed ints of that width (int64)."""
+    return torch.where(value >= (1 << (width - 1)), value - (1 << width), value)
+
+
+# ---------------------------------------------------------------------------------------- batches
+_DENSE_FRACTION = 1 / 8  # an element tensor with more changed: every element's change, no positions
+DELTA_WORTH_FRACTION = 1 / 4  # a tensor with more changed units is sent whole (see `worth_a_delta`)
+
+
+@dataclass(frozen=True)
+class DeltaEntry:
+    """One tensor's delta in a batch header. ``dense``: changes of all units in order, no positions;
+    ``signs``: every change is a code moving by +-1, one bit each."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nibble: bool
+    dense: bool
+    signs: bool
+    count: int
+    position_bytes: int
+    change_bytes: int
+    base_crc: int
+    new_crc: int
+
+
+@dataclass
+class TensorDelta:
+    """One tensor's delta before encoding: sorted changed positions and their changes."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nibble: bool
+    positions: torch.Tensor
+    changes: torch.Tensor
+    base_crc: int
+    new_crc: int
+
+    @property
+    def units(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * 8 if self.nibble else n
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.positions.numel() / max(self.units, 1)
+
+
+def worth_a_delta(delta: TensorDelta) -> bool:
+    """Whether sending `delta` beats sending its tensor whole: a changed unit costs about a byte in a delta
+    (position + change, compressed), a whole tensor 0.5 (a code) to 2 (a bf16 element) bytes per unit, so a
+    delta listing more than a quarter of the units is no longer clearly smaller."""
+    return delta.changed_fraction <= DELTA_WORTH_FRACTION
+
+
+def tensor_delta(name: str, old: torch.Tensor, new: torch.Tensor, *, base_crc: int | None = None
+                 ) -> TensorDelta | None:
+    """The delta from `old` to `new` (same shape and dtype), or None when nothing changed."""
+    if old.shape != new.shape or old.dtype != new.dtype:
+        raise ValueError(f"{name}: a delta needs the same shape and dtype ({tuple(old.shape)} {old.dtype} -> "
+                         f"{tuple(new.shape)} {new.dtype})")
+    nibble = is_nibble_tensor(name, new)
+    positions, changes = diff_units(old, new, nibble)
+    if positions.numel() == 0:
+        return None
+    return TensorDelta(name, tuple(new.shape), new.dtype, nibble, positions, changes,
+                       tensor_crc32(old) if base_crc is None else base_crc, tensor_crc32(new))
+
+
+def _width(dtype: torch.dtype) -> int:
+    return 8 * torch.empty((), dtype=dtype).element_size()
+
+
+def _encode(delta: TensorDelta) -> tuple[DeltaEntry, bytes, bytes]:
+    """(header entry, position bytes, change bytes) of one delta, before compression."""
+    import numpy as np
+
+    count = int(delta.positions.numel())
+    dense = not delta.nibble and delta.changed_fraction > _DENSE_FRACTION
+    signs = delta.nibble and bool(((delta.changes == 1) | (delta.changes == 15)).all())
+    if dense:
+        changes = torch.zeros(delta.units, dtype=torch.int64).index_copy_(0, delta.positions, delta.changes)
+        positions, count = b"", delta.units
+    else:
+        positions, changes = varint_encode(_gaps(delta.positions)), delta.changes
+    if signs:  # +1 -> 0, -1 (15 mod 16) -> 1, eight to a byte
+        change_bytes = np.packbits((changes == 15).numpy()).tobytes()
+    elif delta.nibble:
+        change_bytes = changes.to(torch.uint8).numpy().tobytes()
+    else:
+        width = _width(delta.dtype)
+        change_bytes = varint_encode(_zigzag(_signed(changes & ((1 << width) - 1), width)))
+    entry = DeltaEntry(delta.name, delta.shape, str(delta.dtype).removeprefix("torch."), delta.nibble, dense, signs,
+                       count, len(positions), len(change_bytes), delta.base_crc, delta.new_crc)
+    return entry, positions, change_bytes
+
+
+def _decode_changes(entry: DeltaEntry, raw: memoryview) -> torch.Tensor:
+    import numpy as np
+
+    if entry.signs:
+        bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), count=entry.count)
+        return torch.from_numpy(bits.astype(np.int64)) * 14 + 1  # 0 -> +1, 1 -> 15
+    if entry.nibble:
+        if len(raw) != entry.count:
+            raise ValueError(f"{len(raw)} code changes for {entry.count} positions")
+        return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).astype(np.int64))
+    return _unzigzag(varint_decode(raw, entry.count))
+
+
+def _gaps(positions: torch.Tensor) -> torch.Tensor:
+    return positions - torch.cat([torch.full((1,), -1, dtype=torch.int64), positions[:-1]]) - 1
+
+
+class DeltaBatch:
+    """Several tensors' deltas as ONE compressed byte string (what crosses the wire), for the engine
+    weight version `base_version`. ``payload`` = magic, base version, the zlib-compressed JSON entries,
+    then the zlib-compressed positions and changes of all entries back to back."""
+
+    def __init__(self, payload: bytes):
+        if payload[:4] != _MAGIC:
+            raise WeightDeltaMismatch("not a weight-delta payload (bad magic)")
+        self.payload = payload
+        try:
+            self.base_version, header_len = struct.unpack_from("<qQ", payload, 4)
+            header = json.loads(zlib.decompress(payload[20:20 + header_len]))
+        except (struct.error, zlib.error, ValueError) as err:
+            raise WeightDeltaMismatch(f"weight-delta header unreadable: {err}") from None
+        try:
+            self.entries = [DeltaEntry(e[0], tuple(e[1]), *e[2:]) for e in header]
+        except (TypeError, ValueError) as err:
+            raise WeightDeltaMismatch(f"weight-delta header malformed: {err}") from None
+        self._body = 20 + header_len
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.payload)
+
+    @property
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries]
+
+    @classmethod
+    def encode(cls, deltas: list[TensorDelta], base_version: int) -> "DeltaBatch":
+        entries, positions, changes = zip(*(_encode(d) for d in deltas)) if deltas else ((), (), ())
+        header = [[e.name, list(e.shape), *astuple(e)[2:]] for e in entries]
+        head = zlib.compress(json.dumps(header, separators=(",", ":")).encode(), _ZLIB_LEVEL)
+        # positions and changes apart: each stream's bytes follow one distribution, which Huffman codes best
+        body = zlib.compress(b"".join(positions), _ZLIB_LEVEL) + zlib.compress(b"".join(changes), _ZLIB_LEVEL)
+        return cls(_MAGIC + struct.pack("<qQ", base_version, len(head)) + head + body)
+
+    def decoded(self) -> Iterator[tuple[DeltaEntry, torch.Tensor, torch.Tensor]]:
+        """(entry, positions, changes) per tensor; a damaged payload raises WeightDeltaMismatch."""
+        try:
+            stream = zlib.decompressobj()
+            positions = memoryview(stream.decompress(self.payload[self._body:]))
+            changes = memoryview(zlib.decompress(stream.unused_data))
+        except zlib.error as err:
+            raise WeightDeltaMismatch(f"weight-delta body unreadable: {err}") from None
+        if (len(positions), len(changes)) != (sum(e.position_bytes for e in self.entries),
+                                              sum(e.change_bytes for e in self.entries)):
+            raise WeightDeltaMismatch("weight-delta body length differs from its header")
+        at_pos = at_change = 0
+        for e in self.entries:
+            try:
+                change = _decode_changes(e, changes[at_change:at_change + e.change_bytes])
+                if e.dense:
+                    position = torch.arange(e.count)
+                else:
+                    position = torch.cumsum(varint_decode(positions[at_pos:at_pos + e.position_bytes], e.count) + 1,
+                                            0) - 1
+            except ValueError as err:
+                raise WeightDeltaMismatch(f"{e.name}: {err}") from None
+            at_pos += e.position_bytes
+            at_change += e.change_bytes
+            yield e, position, change
+
+
+def apply_delta_batch(batch: DeltaBatch, held: dict[str, torch.Tensor], held_crc: dict[str, int],
+                      version: int) -> Iterator[tuple[str, torch.Tensor, int]]:
+    """(name, new tensor, its crc32) for every delta of `batch` applied to the engine's `held` tensors;
+    raises WeightDeltaMismatch at the first delta that does not apply exactly (see the module doc)."""
+    if batch.base_version != version:
+        raise WeightDeltaMismatch(f"delta for weight version {batch.base_version}, the engine holds {version}")
+    for entry, positions, changes in batch.decoded():
+        base = held.get(entry.name)
+        if base is None:
+            raise WeightDeltaMismatch(f"delta for {entry.name!r}, which the engine does not hold")
+        if held_crc.get(entry.name) != entry.base_crc or tuple(base.shape) != entry.shape:
+            raise WeightDeltaMismatch(f"{entry.name}: the engine's tensor is not the delta's base (crc32 "
+                                      f"{held_crc.get(entry.name)} != {entry.base_crc})")
+        new = apply_units(base, positions, changes, entry.nibble)
+        crc = tensor_crc32(new)
+        if crc != entry.new_crc:
+            raise WeightDeltaMismatch(f"{entry.name}: the delta's result has crc32 {crc}, the trainer's tensor "
+                                      f"{entry.new_crc} (delta damaged in transit)")
+        yield entry.name, new, crc
+
+
+def plan_delta_batches(deltas: Iterable[TensorDelta], max_units: int) -> Iterator[list[TensorDelta]]:
+    """Group deltas into batches of at most `max_units` changed units (a bigger delta: its own batch)."""
+    batch: list[TensorDelta] = []
+    units = 0
+    for d in deltas:
+        n = int(d.positions.numel())
+        if batch and units + n > max_units:
+            yield batch
+            batch, units = [], 0
+        batch.append(d)
+        units += n
+    if batch:
+        yield batch
