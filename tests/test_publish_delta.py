@@ -123,3 +123,83 @@ def test_delta_mode_needs_an_engine_that_applies_deltas(cfg):
     model = build_model(ParallelLayout(), cfg)
     with pytest.raises(ValueError, match="applies weight deltas"):
         WeightPublisher(model, cfg, SCHEMES["w4a16"], engine=RecordingEngine(), mode="delta")
+
+
+# ------------------------------------------------------------------ the vLLM engine process, vLLM faked
+class _FakeLLM:
+    """Records what the server hands vLLM (tests/vllm runs the real one)."""
+
+    def __init__(self):
+        self.reloads: list[dict[str, torch.Tensor]] = []
+
+    def collective_rpc(self, method, kwargs=None):
+        if method == "reload_weights":
+            self.reloads.append(dict(kwargs["weights_iterator"]))
+
+    def reset_prefix_cache(self):
+        pass
+
+
+def _server_over_a_pipe():
+    """A vllm_server.Server (its real ops and wire) serving one end of a pipe in a thread, and a VLLMEngine
+    proxy (its real _call) on the other end."""
+    import threading
+    from multiprocessing import Pipe
+
+    from megatron_qarl.rollout.vllm_engine import VLLMEngine
+    from megatron_qarl.rollout.vllm_server import Server
+
+    server = Server.__new__(Server)  # everything but vLLM's start-up
+    server.llm, server.has_tokenizer = _FakeLLM(), False
+    server.held, server.held_crc, server.changed, server.version = {}, {}, False, 0
+    server.digests, server.in_update = {}, False
+    ours, theirs = Pipe()
+
+    class _Listener:
+        def accept(self):
+            return theirs
+
+    thread = threading.Thread(target=server.serve, args=(_Listener(),), daemon=True)
+    thread.start()
+    proxy = VLLMEngine.__new__(VLLMEngine)
+    proxy._conn, proxy.log_path = ours, None
+    proxy._tail = lambda lines=25: ""
+    return server, proxy, thread
+
+
+def test_the_vllm_server_applies_deltas_over_its_wire_and_reloads_what_it_holds(cfg, monkeypatch):
+    from megatron_qarl.rollout.vllm_server import send_json
+
+    quant_cfg = SCHEMES["w4a16"]
+    model = build_model(ParallelLayout(), cfg)
+    aligned = apply_aligned_quantization(model, quant_cfg)
+    server, proxy, thread = _server_over_a_pipe()
+    try:
+        publisher = WeightPublisher(model, cfg, quant_cfg, quant=aligned, engine=proxy, bucket_bytes=1 << 18,
+                                    verify=True, mode="delta", full_every=100)
+        publisher.publish()
+        for step in range(4):
+            train_steps(model, aligned, steps=1, lr=SMALL_LR, seed=30 + step)
+            metrics = publisher.publish()
+            assert metrics["publish/full"] == 0.0 and metrics["publish/delta_tensors"] > 0
+        want = offline_engine_tensors(model, cfg, quant_cfg)
+        assert _byte_mismatches(server.held, want) == []
+        assert _byte_mismatches(server.llm.reloads[-1], want) == []  # vLLM reloads everything it holds
+        assert len(server.llm.reloads) == 5 and server.version == 5
+
+        encode = delta_module.DeltaBatch.encode  # a damaged delta: refused by the server, repaired in full
+
+        def damaging_encode(deltas, base_version):
+            first = deltas[0]
+            bad = dataclasses.replace(first, changes=torch.cat([(first.changes[:1] + 1) % 16, first.changes[1:]]))
+            return encode([bad] + deltas[1:], base_version)
+
+        monkeypatch.setattr(delta_module.DeltaBatch, "encode", staticmethod(damaging_encode))
+        train_steps(model, aligned, steps=1, lr=SMALL_LR, seed=40)
+        metrics = publisher.publish()
+        assert metrics["publish/delta_fallbacks"] == 1
+        assert _byte_mismatches(server.held, offline_engine_tensors(model, cfg, quant_cfg)) == []
+    finally:
+        send_json(proxy._conn, {"op": "shutdown"})
+        thread.join(timeout=10)
+    assert not thread.is_alive()

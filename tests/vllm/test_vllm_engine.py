@@ -82,6 +82,35 @@ def test_refit_after_optimizer_steps_samples_like_a_fresh_engine_on_the_exported
     assert rows(refit) == rows(fresh)
 
 
+@NEEDS_AMX
+def test_ten_delta_publishes_sample_like_a_fresh_engine_on_the_exported_weights(tmp_path):
+    """publish.mode=delta against the real engine: the int4 codes and scales travel as deltas."""
+    cfg, quant_cfg = tiny_hf_config(), SCHEMES["w4a16"]
+    model = build_model(ParallelLayout(), cfg)
+    aligned = apply_aligned_quantization(model, quant_cfg)
+    start_dir = export_checkpoint(tmp_path / "start", cfg, offline_engine_tensors(model, cfg, quant_cfg), quant_cfg)
+    engine = start(start_dir, "w4a16")
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=10, seed=11, n=2)
+    try:
+        publisher = WeightPublisher(model, cfg, quant_cfg, quant=aligned, engine=engine, bucket_bytes=1 << 20,
+                                    verify=True, mode="delta", full_every=100)
+        publisher.publish()
+        for step in range(10):
+            train_steps(model, aligned, steps=1, lr=0.02, seed=10 + step)
+            metrics = publisher.publish()
+            assert metrics["publish/full"] == 0.0 and metrics["publish/delta_tensors"] > 0
+        refit = engine.generate(PROMPTS, sampling)
+    finally:
+        engine.shutdown()
+    step10 = export_checkpoint(tmp_path / "step10", cfg, offline_engine_tensors(model, cfg, quant_cfg), quant_cfg)
+    fresh_engine = start(step10, "w4a16")
+    try:
+        fresh = fresh_engine.generate(PROMPTS, sampling)
+    finally:
+        fresh_engine.shutdown()
+    assert rows(refit) == rows(fresh)
+
+
 @pytest.fixture(scope="module")
 def bf16_engine(tmp_path_factory):
     cfg, quant_cfg = tiny_hf_config(), SCHEMES["bf16"]
