@@ -27,8 +27,9 @@ import json
 import struct
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from megatron_qarl.rollout.protocol import RolloutEngineError
@@ -64,98 +65,100 @@ def supports_delta(tensor: torch.Tensor) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ varints
-def varint_encode(values: torch.Tensor) -> bytes:
-    """LEB128 bytes of non-negative int64 values (7 bits per byte, high bit = more bytes follow)."""
-    v = values.to(torch.int64)
-    if v.numel() == 0:
+# numpy inside (zero-copy views of the tensors): a publish encodes thousands of small tensors, where
+# torch's per-op overhead was most of the time.
+def varint_encode(values) -> bytes:
+    """LEB128 bytes of non-negative integers (7 bits per byte, high bit = more bytes follow)."""
+    v = np.asarray(values).astype(np.uint64)
+    if v.size == 0:
         return b""
-    if bool((v < 0).any()):
-        raise ValueError("varint_encode takes non-negative values")
-    lengths = torch.ones_like(v)
-    for shift in range(7, 63, 7):
-        lengths += (v >= (1 << shift)).to(torch.int64)
-    owner = torch.repeat_interleave(torch.arange(v.numel()), lengths)
-    first = torch.cumsum(lengths, 0) - lengths
-    k = torch.arange(owner.numel()) - first[owner]
-    out = (v[owner] >> (7 * k)) & 0x7F
-    out |= (k < lengths[owner] - 1).to(torch.int64) << 7
-    return out.to(torch.uint8).numpy().tobytes()
+    if v.max() < 0x80:
+        return v.astype(np.uint8).tobytes()
+    lengths = np.ones(v.size, dtype=np.int64)
+    for shift in range(7, 64, 7):
+        lengths += v >= np.uint64(1 << shift)
+    owner = np.repeat(np.arange(v.size), lengths)
+    k = np.arange(owner.size) - (np.cumsum(lengths) - lengths)[owner]
+    out = (v[owner] >> (7 * k).astype(np.uint64)) & np.uint64(0x7F)
+    out |= (k < lengths[owner] - 1).astype(np.uint64) << np.uint64(7)
+    return out.astype(np.uint8).tobytes()
 
 
-def varint_decode(raw: bytes | memoryview, count: int) -> torch.Tensor:
+def varint_decode(raw: bytes | memoryview, count: int) -> np.ndarray:
     """`count` int64 values back from `varint_encode` bytes."""
-    if count == 0:
-        if len(raw):
-            raise ValueError(f"{len(raw)} varint bytes for 0 values")
-        return torch.zeros(0, dtype=torch.int64)
-    b = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)
+    b = np.frombuffer(raw, dtype=np.uint8)
     last = b < 0x80
-    ends = last.nonzero().flatten()
-    if ends.numel() != count or not bool(last[-1]):
-        raise ValueError(f"varint stream holds {ends.numel()} values, expected {count}")
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), ends[:-1] + 1])
-    owner = torch.cumsum(last.to(torch.int64), 0) - last.to(torch.int64)
-    k = torch.arange(b.numel()) - starts[owner]
-    return torch.zeros(count, dtype=torch.int64).index_add_(0, owner, (b & 0x7F) << (7 * k))
+    ends = np.flatnonzero(last)
+    if ends.size != count or (b.size and not last[-1]):
+        raise ValueError(f"varint stream holds {ends.size} values, expected {count}")
+    if b.size == count:
+        return b.astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    k = np.arange(b.size) - np.repeat(starts, ends - starts + 1)
+    parts = (b & 0x7F).astype(np.uint64) << (7 * k).astype(np.uint64)
+    return np.add.reduceat(parts, starts).astype(np.int64)
 
 
-def _zigzag(d: torch.Tensor) -> torch.Tensor:
-    return torch.where(d >= 0, 2 * d, -2 * d - 1)
+def _zigzag(d: np.ndarray) -> np.ndarray:
+    d = d.astype(np.int64)
+    return ((d << 1) ^ (d >> 63)).astype(np.uint64)
 
 
-def _unzigzag(z: torch.Tensor) -> torch.Tensor:
-    return torch.where(z % 2 == 0, z // 2, -(z + 1) // 2)
+def _unzigzag(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.uint64)
+    return ((z >> np.uint64(1)) ^ (np.uint64(0) - (z & np.uint64(1)))).astype(np.int64)
 
 
 # ------------------------------------------------------------------------------------- one tensor
-def _nibbles(words: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    return (words[positions >> 3].to(torch.int64) >> (4 * (positions & 7))) & 0xF
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+_SIGNED = {1: np.int8, 2: np.int16, 4: np.int32}
+_SHIFTS = np.arange(0, 32, 4, dtype=np.uint32)
+
+
+def _ubits(tensor: torch.Tensor) -> np.ndarray:
+    """The elements' bit patterns as unsigned ints of the same width (a view: writes go to `tensor`)."""
+    return _bits(tensor).numpy().view(_UNSIGNED[tensor.element_size()])
 
 
 def diff_units(old: torch.Tensor, new: torch.Tensor, nibble: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions, changes) of the units that differ: sorted int64 positions (code index for packed words,
-    element index otherwise) and each unit's change (code: (new - old) mod 16; element: bit difference)."""
-    a, b = _bits(old), _bits(new)
-    words = (a != b).nonzero().flatten()
+    element index otherwise) and each unit's change (code: (new - old) mod 16; element: the difference of
+    the bit patterns, wrapped to the element's width and read as signed)."""
+    a, b = _ubits(old), _ubits(new)
+    words = np.flatnonzero(a != b)
     if not nibble:
-        return words, b[words].to(torch.int64) - a[words].to(torch.int64)
-    positions = (words.unsqueeze(1) * 8 + torch.arange(8)).flatten()
-    changes = (_nibbles(b, positions) - _nibbles(a, positions)) & 0xF
-    keep = changes != 0
-    return positions[keep], changes[keep]
+        change = (b[words] - a[words]).view(_SIGNED[old.element_size()]).astype(np.int64)
+        return torch.from_numpy(words), torch.from_numpy(change)
+    codes_a = (a[words, None] >> _SHIFTS) & 0xF
+    codes_b = (b[words, None] >> _SHIFTS) & 0xF
+    change = (codes_b - codes_a) & 0xF
+    keep = change != 0
+    positions = (words[:, None] * 8 + np.arange(8))[keep]
+    return torch.from_numpy(positions.astype(np.int64)), torch.from_numpy(change[keep].astype(np.int64))
 
 
 def apply_units(base: torch.Tensor, positions: torch.Tensor, changes: torch.Tensor, nibble: bool) -> torch.Tensor:
     """A new tensor: `base` with `changes` applied at `positions` (the inverse of `diff_units`)."""
     out = base.detach().clone().contiguous()
-    bits = _bits(out)
-    if positions.numel() and int(positions.max()) >= bits.numel() * (8 if nibble else 1):
-        raise WeightDeltaMismatch(f"delta position {int(positions.max())} is outside a tensor of {bits.numel()} "
+    bits = _ubits(out)
+    pos, change = np.asarray(positions, dtype=np.int64), np.asarray(changes, dtype=np.int64)
+    if pos.size and (pos.min() < 0 or pos.max() >= bits.size * (8 if nibble else 1)):
+        raise WeightDeltaMismatch(f"delta position {int(pos.max())} is outside a tensor of {bits.size} "
                                   f"{'words' if nibble else 'elements'}")
-    width = 8 * out.element_size()
-    if nibble:
-        shift = 4 * (positions & 7)
-        old = _nibbles(bits, positions)
-        flips = (old ^ ((old + changes) & 0xF)) << shift  # the codes of one word are disjoint bit ranges
-        words = positions >> 3
-        mask = torch.zeros(bits.numel(), dtype=torch.int64).index_add_(0, words, flips)
-        touched = torch.unique(words)
-        value = (bits[touched].to(torch.int64) & 0xFFFFFFFF) ^ mask[touched]
-        bits[touched] = _signed(value, 32).to(bits.dtype)
+    if not nibble:
+        bits[pos] += change.astype(bits.dtype)  # unsigned: wraps like the encoder's subtraction
         return out
-    value = (bits[positions].to(torch.int64) + changes) & ((1 << width) - 1)
-    bits[positions] = (value if width == 8 else _signed(value, width)).to(bits.dtype)
+    words, shift = pos >> 3, ((pos & 7) * 4).astype(np.uint32)
+    old = (bits[words] >> shift) & 0xF
+    flips = (old ^ ((old + change.astype(np.uint32)) & 0xF)) << shift
+    touched, first = np.unique(words, return_index=True)
+    bits[touched] ^= np.add.reduceat(flips, first)  # the codes of one word are disjoint bit ranges: sum = or
     return out
-
-
-def _signed(value: torch.Tensor, width: int) -> torch.Tensor:
-    """Unsigned `width`-bit values as the two's-complement signed ints of that width (int64)."""
-    return torch.where(value >= (1 << (width - 1)), value - (1 << width), value)
 
 
 # ---------------------------------------------------------------------------------------- batches
 _DENSE_FRACTION = 1 / 8  # an element tensor with more changed: every element's change, no positions
-DELTA_WORTH_FRACTION = 1 / 4  # a tensor with more changed units is sent whole (see `worth_a_delta`)
+DELTA_WORTH_FRACTION = 1 / 4  # packed codes with more flips are sent whole (see `worth_a_delta`)
 
 
 @dataclass(frozen=True)
@@ -202,10 +205,12 @@ class TensorDelta:
 
 
 def worth_a_delta(delta: TensorDelta) -> bool:
-    """Whether sending `delta` beats sending its tensor whole: a changed unit costs about a byte in a delta
-    (position + change, compressed), a whole tensor 0.5 (a code) to 2 (a bf16 element) bytes per unit, so a
-    delta listing more than a quarter of the units is no longer clearly smaller."""
-    return delta.changed_fraction <= DELTA_WORTH_FRACTION
+    """Whether sending `delta` beats sending its tensor whole. Codes: a changed code costs about a byte in a
+    delta (position + change, compressed) and half a byte whole, so a delta listing more than a quarter of
+    them is no longer clearly smaller. Elements: past 1/8 changed the delta holds every element's change
+    (no positions), which an optimizer step keeps to a few ulps: ~2 bits per bf16 scale compressed, never
+    much more than the element itself."""
+    return not delta.nibble or delta.changed_fraction <= DELTA_WORTH_FRACTION
 
 
 def tensor_delta(name: str, old: torch.Tensor, new: torch.Tensor, *, base_crc: int | None = None
@@ -222,49 +227,37 @@ def tensor_delta(name: str, old: torch.Tensor, new: torch.Tensor, *, base_crc: i
                        tensor_crc32(old) if base_crc is None else base_crc, tensor_crc32(new))
 
 
-def _width(dtype: torch.dtype) -> int:
-    return 8 * torch.empty((), dtype=dtype).element_size()
-
-
 def _encode(delta: TensorDelta) -> tuple[DeltaEntry, bytes, bytes]:
     """(header entry, position bytes, change bytes) of one delta, before compression."""
-    import numpy as np
-
-    count = int(delta.positions.numel())
+    positions, changes = np.asarray(delta.positions, dtype=np.int64), np.asarray(delta.changes, dtype=np.int64)
+    count = int(positions.size)
     dense = not delta.nibble and delta.changed_fraction > _DENSE_FRACTION
-    signs = delta.nibble and bool(((delta.changes == 1) | (delta.changes == 15)).all())
+    signs = delta.nibble and bool(((changes == 1) | (changes == 15)).all())
     if dense:
-        changes = torch.zeros(delta.units, dtype=torch.int64).index_copy_(0, delta.positions, delta.changes)
-        positions, count = b"", delta.units
+        every = np.zeros(delta.units, dtype=np.int64)
+        every[positions] = changes
+        position_bytes, changes, count = b"", every, delta.units
     else:
-        positions, changes = varint_encode(_gaps(delta.positions)), delta.changes
+        position_bytes = varint_encode(np.diff(positions, prepend=-1) - 1)
     if signs:  # +1 -> 0, -1 (15 mod 16) -> 1, eight to a byte
-        change_bytes = np.packbits((changes == 15).numpy()).tobytes()
+        change_bytes = np.packbits(changes == 15).tobytes()
     elif delta.nibble:
-        change_bytes = changes.to(torch.uint8).numpy().tobytes()
+        change_bytes = changes.astype(np.uint8).tobytes()
     else:
-        width = _width(delta.dtype)
-        change_bytes = varint_encode(_zigzag(_signed(changes & ((1 << width) - 1), width)))
+        change_bytes = varint_encode(_zigzag(changes))
     entry = DeltaEntry(delta.name, delta.shape, str(delta.dtype).removeprefix("torch."), delta.nibble, dense, signs,
-                       count, len(positions), len(change_bytes), delta.base_crc, delta.new_crc)
-    return entry, positions, change_bytes
+                       count, len(position_bytes), len(change_bytes), delta.base_crc, delta.new_crc)
+    return entry, position_bytes, change_bytes
 
 
-def _decode_changes(entry: DeltaEntry, raw: memoryview) -> torch.Tensor:
-    import numpy as np
-
+def _decode_changes(entry: DeltaEntry, raw: memoryview) -> np.ndarray:
     if entry.signs:
-        bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), count=entry.count)
-        return torch.from_numpy(bits.astype(np.int64)) * 14 + 1  # 0 -> +1, 1 -> 15
+        return np.unpackbits(np.frombuffer(raw, dtype=np.uint8), count=entry.count).astype(np.int64) * 14 + 1
     if entry.nibble:
         if len(raw) != entry.count:
             raise ValueError(f"{len(raw)} code changes for {entry.count} positions")
-        return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).astype(np.int64))
+        return np.frombuffer(raw, dtype=np.uint8).astype(np.int64)
     return _unzigzag(varint_decode(raw, entry.count))
-
-
-def _gaps(positions: torch.Tensor) -> torch.Tensor:
-    return positions - torch.cat([torch.full((1,), -1, dtype=torch.int64), positions[:-1]]) - 1
 
 
 class DeltaBatch:
@@ -298,13 +291,14 @@ class DeltaBatch:
     @classmethod
     def encode(cls, deltas: list[TensorDelta], base_version: int) -> "DeltaBatch":
         entries, positions, changes = zip(*(_encode(d) for d in deltas)) if deltas else ((), (), ())
-        header = [[e.name, list(e.shape), *astuple(e)[2:]] for e in entries]
+        header = [[e.name, list(e.shape), e.dtype, e.nibble, e.dense, e.signs, e.count, e.position_bytes,
+                   e.change_bytes, e.base_crc, e.new_crc] for e in entries]
         head = zlib.compress(json.dumps(header, separators=(",", ":")).encode(), _ZLIB_LEVEL)
         # positions and changes apart: each stream's bytes follow one distribution, which Huffman codes best
         body = zlib.compress(b"".join(positions), _ZLIB_LEVEL) + zlib.compress(b"".join(changes), _ZLIB_LEVEL)
         return cls(_MAGIC + struct.pack("<qQ", base_version, len(head)) + head + body)
 
-    def decoded(self) -> Iterator[tuple[DeltaEntry, torch.Tensor, torch.Tensor]]:
+    def decoded(self) -> Iterator[tuple[DeltaEntry, np.ndarray, np.ndarray]]:
         """(entry, positions, changes) per tensor; a damaged payload raises WeightDeltaMismatch."""
         try:
             stream = zlib.decompressobj()
@@ -320,10 +314,9 @@ class DeltaBatch:
             try:
                 change = _decode_changes(e, changes[at_change:at_change + e.change_bytes])
                 if e.dense:
-                    position = torch.arange(e.count)
+                    position = np.arange(e.count)
                 else:
-                    position = torch.cumsum(varint_decode(positions[at_pos:at_pos + e.position_bytes], e.count) + 1,
-                                            0) - 1
+                    position = np.cumsum(varint_decode(positions[at_pos:at_pos + e.position_bytes], e.count) + 1) - 1
             except ValueError as err:
                 raise WeightDeltaMismatch(f"{e.name}: {err}") from None
             at_pos += e.position_bytes

@@ -2,8 +2,8 @@
 
     <venv-vllm>/bin/python -m megatron_qarl.rollout.vllm_server --model DIR --port P [--dtype bfloat16] ...
 
-Of this package it imports only the rollout value types and ``rollout.payload`` (torch only: the vLLM venv has
-vLLM's pins, not ours), so it is the same process a user runs next to a GPU vLLM install. The trainer side
+Of this package it imports only the rollout value types, ``rollout.payload`` and ``rollout.delta`` (torch,
+zlib and numpy only: the vLLM venv has vLLM's pins, not ours), so it is the same process a user runs next to a GPU vLLM install. The trainer side
 is ``rollout.vllm_engine``.
 
 Transport (one TCP connection, ``multiprocessing.connection`` with an HMAC handshake on the key in the

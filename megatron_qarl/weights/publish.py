@@ -631,12 +631,13 @@ class WeightPublisher:
 
 
 def _changed_codes(previous: torch.Tensor, current: torch.Tensor, kind: str) -> int:
+    words = previous != current  # one pass; only the changed words (a few % per step) are looked into
     if kind != "int4":
-        return int((previous != current).sum())
-    diff = previous ^ current  # packed int32: 8 codes of 4 bits each
+        return int(words.sum())
+    diff = (previous[words] ^ current[words]).to(torch.int64) & 0xFFFFFFFF  # packed: 8 codes of 4 bits each
     # one flag bit per changed nibble (bit 4i), then the 8 flags summed into the top nibble by a multiply
     flags = (diff | (diff >> 1) | (diff >> 2) | (diff >> 3)) & 0x11111111
-    return int(((flags.to(torch.int64) * 0x11111111) >> 28 & 0xF).sum())
+    return int(((flags * 0x11111111) >> 28 & 0xF).sum())
 
 
 # ----------------------------------------------------------------------------- planning (meta shapes)
