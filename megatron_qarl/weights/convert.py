@@ -6,8 +6,11 @@
   checkpoint's tokenizer source (a training run records model.tokenizer / model.hf_path / "char").
 * mcore-to-hf: any-layout dist checkpoint (or a trainer run checkpoint step_XXXXXXXX/) -> HF safetensors.
 * export: HF dir or checkpoint -> engine-layout checkpoint (W4A16 compressed-tensors / FP8 block / bf16).
-  From an HF dir it streams: one input tensor at a time, output shards flushed as they fill.
 * inspect: format, layout, parameter counts, quantization config, completeness.
+
+mcore-to-hf and export stream, output shards flushed as they fill: from an HF dir one input tensor at a time,
+from a megatron checkpoint READ_BYTES of parameters per dist_checkpointing.load (McoreTensors); never the
+whole model in memory.
 
 Every output is written to a temp dir beside the target and renamed into place only when complete.
 Outputs carry the tokenizer next to the weights: `--tokenizer PATH|char`, else the checkpoint's recorded
@@ -378,11 +381,17 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _build_model(hf_config, layout):
+def _build_model(hf_config, layout, *, meta: bool = False):
+    """The fp32 model at `layout`; meta=True: on the meta device (shapes and megatron's sharded_state_dict, no
+    memory): CPU initialization so megatron passes no explicit CUDA device, no init kernels to run."""
     from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, check_divisibility
 
     check_divisibility(hf_config, layout.tp, layout.ep, layout.expert_tp)
-    return build_qwen3_moe_model(hf_config, layout, params_dtype=torch.float32)
+    if not meta:
+        return build_qwen3_moe_model(hf_config, layout, params_dtype=torch.float32)
+    with torch.device("meta"):
+        return build_qwen3_moe_model(hf_config, layout, params_dtype=torch.float32,
+                                     config_overrides=dict(use_cpu_initialization=True, perform_initialization=False))
 
 
 def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1, ep: int = 1,
@@ -485,21 +494,68 @@ def open_mcore_checkpoint(path: str | os.PathLike) -> McoreSource:
                        extra.get("source_dtype", "bf16"), extra.get(TOKENIZER_SOURCE_KEY))
 
 
+# fp32 bytes of model tensors one dist_checkpointing.load call reads: what a streamed conversion from a megatron
+# checkpoint holds at once (a tenth of a Qwen3-30B-A3B layer's 2.5 GB fp32), in calls few enough (~500 for the
+# 30B model) that their fixed cost (megatron re-reads metadata.json and common.pt each call) stays small.
+READ_BYTES = 256 * 1024**2
+_READ_FIX = "re-copy or re-create the checkpoint"
+
+
+@dataclass
+class McoreTensors:
+    """The HF-named fp32 weights of a megatron checkpoint, streamed (mcore-to-hf, export --ckpt): `read_bytes`
+    of mcore parameters are loaded at a time and renamed/split by the adapter's `mcore_to_hf`, never the whole
+    model. Order: gather_full_state's (natural order of the full names), so outputs fill their shards exactly as
+    the whole-model load did. Reads are this process's alone (no collective): under torchrun only rank 0 reads."""
+
+    hf_config: object
+    reader: object  # checkpointing.ModelTensorReader
+    names: list[str]
+    read_bytes: int = READ_BYTES
+
+    @classmethod
+    def open(cls, src: McoreSource, read_bytes: int | None = None) -> "McoreTensors":
+        """Checks the checkpoint (complete, file sizes) and locates every parameter; reads no weight yet."""
+        from megatron_qarl.checkpointing import ModelTensorReader
+        from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_mcore_shapes, validate_state
+        from megatron_qarl.weights.sharding import _natural_key
+
+        # TP1/EP1: the meta model's parameter names are the full (global expert id) names the adapter maps, and
+        # its sharded_state_dict asks for whole global tensors, whatever TP/EP saved them
+        model = _build_model(src.hf_config, _init_world(), meta=True)
+        params = dict(model.named_parameters())
+        validate_state(params, expected_mcore_shapes(src.hf_config), "mcore state")
+        reader = ModelTensorReader(src.path, model.sharded_state_dict(), fix=_READ_FIX)
+        return cls(src.hf_config, reader, sorted(params, key=_natural_key), read_bytes or READ_BYTES)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.reader.nbytes(n) for n in self.names)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from megatron_qarl.models.qwen3_moe.state_dict_adapter import mcore_to_hf
+
+        for group in _read_groups(self.names, self.reader.nbytes, self.read_bytes):
+            # the loaded dict lives only inside mcore_to_hf; its tensors go as the caller takes them
+            yield from _drain(mcore_to_hf(self.hf_config, self.reader.read(group), validate=False))
+
+
+def _read_groups(names: list[str], nbytes, budget: int) -> Iterator[list[str]]:
+    """Consecutive runs of `names` of at most `budget` bytes each (a larger tensor alone)."""
+    group, size = [], 0
+    for name in names:
+        if group and size + nbytes(name) > budget:
+            yield group
+            group, size = [], 0
+        group.append(name)
+        size += nbytes(name)
+    if group:
+        yield group
+
+
 def load_mcore_full_hf_state(src: McoreSource) -> dict[str, torch.Tensor]:
-    """Full HF-named state of a checkpoint, loaded at TP1/EP1 in this process (megatron reshards on load)."""
-    from megatron_qarl.models.qwen3_moe.state_dict_adapter import mcore_to_hf
-    from megatron_qarl.weights.sharding import gather_full_state
-
-    layout = _init_world()
-    model = _build_model(src.hf_config, layout)
-    _load_model_weights(model, src)
-    return mcore_to_hf(src.hf_config, gather_full_state(model))
-
-
-def _load_model_weights(model, src: McoreSource) -> None:
-    from megatron_qarl.checkpointing import load_checkpoint
-
-    load_checkpoint(src.path, model, fix="re-copy or re-create the checkpoint")
+    """Full HF-named fp32 state of a checkpoint in memory (small models, tests); conversions stream McoreTensors."""
+    return dict(McoreTensors.open(src))
 
 
 def mcore_to_hf_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str | None = None,
@@ -513,18 +569,16 @@ def mcore_to_hf_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, d
     if dtype not in DTYPES:
         raise ConversionError(f"unknown --dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     tok = plan_tokenizer(src.side_files, explicit=tokenizer, recorded=src.tokenizer_source, out=out)
-    state = load_mcore_full_hf_state(src)
+    stream = McoreTensors.open(src)  # every rank: it joins the (torchrun) world, then only rank 0 reads
     if not _is_rank0():
         return out
     torch_dtype = DTYPES[dtype]
-    for name, tensor in state.items():  # before any output exists
-        check_weight(name, tensor)
     remove_stale_outputs(out)
+    # streamed: a bad tensor is found mid-write; atomic_dir then drops the temp dir (nothing at --out)
     with atomic_dir(check_output(out, force, [ckpt])) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
-        with progress(sum(_nbytes(t) for t in state.values()), "mcore-to-hf") as bar:
-            for name in list(state):
-                tensor = state.pop(name)
+        with progress(stream.total_bytes, "mcore-to-hf") as bar:
+            for name, tensor in checked(stream):
                 writer.add(name, tensor.to(torch_dtype))
                 bar.update(_nbytes(tensor))
         writer.finish()
@@ -643,15 +697,13 @@ def export_checkpoint(out: str | os.PathLike, *, hf: str | os.PathLike | None = 
     msrc = open_mcore_checkpoint(ckpt)
     _check_quantizable(msrc.hf_config, quant_cfg)
     tok = plan_tokenizer(msrc.side_files, explicit=tokenizer, recorded=msrc.tokenizer_source, out=out)
-    state = load_mcore_full_hf_state(msrc)
+    stream = McoreTensors.open(msrc)  # every rank: it joins the (torchrun) world, then only rank 0 reads
     if not _is_rank0():
         return out
-    for name, tensor in state.items():  # before any output exists
-        check_weight(name, tensor)
     remove_stale_outputs(out)
-    total = sum(_nbytes(t) for t in state.values())
-    return write_engine_checkpoint(out, msrc.hf_config, _drain(state), total, quant_cfg, msrc.side_files,
-                                   max_shard_bytes=max_shard_bytes, force=force, tokenizer=tok)
+    # streamed like --hf: a bad tensor is found mid-write; the sink then drops its temp dir
+    return write_engine_checkpoint(out, msrc.hf_config, checked(stream), stream.total_bytes, quant_cfg,
+                                   msrc.side_files, max_shard_bytes=max_shard_bytes, force=force, tokenizer=tok)
 
 
 def _drain(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
