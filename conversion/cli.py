@@ -6,6 +6,9 @@
     qarl-convert inspect DIR
 Every writing command refuses an existing --out unless --force. Outputs carry the tokenizer next to the weights:
 --tokenizer, else the one the source recorded (a training run's model.tokenizer / hf_path / char tokenizer).
+mcore-to-hf and export stream their source (an HF dir or a megatron checkpoint of any layout, in one process):
+they hold at most a few hundred MB of input at a time plus the output shard being filled (--max-shard-bytes),
+never the whole model.
 """
 from __future__ import annotations
 
