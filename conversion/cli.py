@@ -7,8 +7,8 @@
 Every writing command refuses an existing --out unless --force. Outputs carry the tokenizer next to the weights:
 --tokenizer, else the one the source recorded (a training run's model.tokenizer / hf_path / char tokenizer).
 mcore-to-hf and export stream their source (an HF dir or a megatron checkpoint of any layout, in one process):
-they hold one read of input at a time (256 MiB of parameters, or one larger tensor such as the embedding) plus
-the output shard being filled (--max-shard-bytes), never the whole model.
+they hold one read of input at a time (a tensor of the HF dir; 256 MiB of the checkpoint's parameters, or one
+larger tensor such as the embedding) plus the output shard being filled (--max-shard-bytes), never the whole model.
 """
 from __future__ import annotations
 
