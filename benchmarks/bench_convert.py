@@ -99,7 +99,8 @@ def run(argv: list[str]) -> subprocess.CompletedProcess:
     return proc
 
 
-def measure(work: Path, path: str, src: str, layer_bytes: int) -> str:
+def measure(work: Path, path: str, src: str, layer_bytes: int) -> tuple[str, float]:
+    """One path in a child process: its table row, and its peak RSS growth in layer sizes."""
     out = work / f"out-{path.replace(' ', '').replace('-', '')}"
     r = json.loads(run([sys.executable, "-c", CHILD, path, str(work / src), str(out)]).stdout.strip().splitlines()[-1])
     growth = (r["peak_kb"] - r["base_kb"]) * 1024 / layer_bytes
@@ -107,7 +108,8 @@ def measure(work: Path, path: str, src: str, layer_bytes: int) -> str:
     shutil.rmtree(out, ignore_errors=True)
     verdict = "PASS" if growth <= TARGET else "FAIL"
     return (f"{r['seconds']:7.1f} {layer_bytes / 1e6 / r['seconds']:8.1f} {out_bytes / layer_bytes:9.3f}x "
-            f"{growth:7.2f}x  (peak {r['peak_kb'] / 1e6:.2f} GB, baseline {r['base_kb'] / 1e6:.2f} GB)  {verdict}")
+            f"{growth:7.2f}x  (peak {r['peak_kb'] / 1e6:.2f} GB, baseline {r['base_kb'] / 1e6:.2f} GB)  {verdict}",
+            growth)
 
 
 def main() -> None:
@@ -128,8 +130,11 @@ def main() -> None:
         print(f"P4 one Qwen3-30B-A3B layer ({args.experts} experts x 3 x 2048x768 + attention), peak RSS growth "
               f"over the post-import baseline, in layer sizes ({layer_bytes / 1e6:.1f} MB), target <= {TARGET}x:")
         print(f"  {'path':<22} {'seconds':>7} {'MB/s':>8} {'output':>10} {'growth':>8}")
+        growths = {}
         for path, fmt, src in PATHS:
-            print(f"  {path + ' ' + fmt:<22} {measure(work, path, src, layer_bytes)}", flush=True)
+            row, growths[f"{path} {fmt}"] = measure(work, path, src, layer_bytes)
+            print(f"  {path + ' ' + fmt:<22} {row}", flush=True)
+        print("RESULT " + json.dumps({"P4": growths}), flush=True)  # read by benchmarks/run_all.py
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
