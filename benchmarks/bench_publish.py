@@ -157,10 +157,10 @@ def main() -> None:
     parser.add_argument("--init", default=None, help="an SFT checkpoint of the tiny config (default: run the SFT)")
     parser.add_argument("--skip-p5", action="store_true")
     args = parser.parse_args()
-    p1()
-    p2(args.repeats, args.hidden, args.experts, args.moe_inter)
+    result = {"P1": p1(), "P2": p2(args.repeats, args.hidden, args.experts, args.moe_inter)}
     if not args.skip_p5:
-        p5(args.p5_steps, args.init)
+        result["P5"] = p5(args.p5_steps, args.init)
+    print("RESULT " + json.dumps(result), flush=True)  # read by benchmarks/run_all.py
 
 
 if __name__ == "__main__":

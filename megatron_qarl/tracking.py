@@ -34,7 +34,8 @@ PLOTTED_PREFIXES = ("eval/",)
 # The console line: the handful of numbers that say whether a QaRL step went well, and what it cost
 # (then any eval/ metric of the row; a row with eval metrics is always printed).
 PROGRESS_METRICS = (("reward/mean", "reward"), ("loss/value", "loss"), ("mismatch/k3", "k3"),
-                    ("tbpo/kept_frac", "kept"), ("publish/code_flip_frac", "flips"), ("time/step_s", "s/step"))
+                    ("tbpo/kept_frac", "kept"), ("publish/code_flip_frac", "flips"),
+                    ("publish/quantized_bytes_frac", "sent"), ("time/step_s", "s/step"))
 
 # What wandb.init(mode=...) and the WANDB_MODE variable accept; dryrun is offline, run and shared are online.
 WANDB_MODES = ("offline", "online", "disabled", "dryrun", "run", "shared")
