@@ -104,3 +104,62 @@ def test_engine_tensors_fp8_layout():
     assert tuple(tensors[f"{prefix}.weight_scale_inv"].shape) == (2, 3)
     router = engine_tensors_for_linear("model.layers.1.mlp.gate", torch.randn(8, 256), cfg)
     assert list(router) == ["model.layers.1.mlp.gate.weight"] and router["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+
+
+def unfused_block_rule(w, block=128, weight_dtype=torch.bfloat16):
+    """The docstring's rule op by op (cast, pad, fp32 amax, divide, clamp, cast; dequant q.float() x scale):
+    the fused quantizer must give the same bits."""
+    n, k = w.shape
+    x = w.to(weight_dtype).float()
+    nb, kb = -(-n // block), -(-k // block)
+    padded = torch.nn.functional.pad(x, (0, kb * block - k, 0, nb * block - n))
+    tiles = padded.reshape(nb, block, kb, block)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax == 0, torch.ones_like(amax), amax / torch.tensor(FP8_MAX))
+    q = (tiles / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(E4M3)
+    q = q.reshape(nb * block, kb * block)[:n, :k]
+    scale_full = scale_inv.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return q, scale_inv, q.float() * scale_full
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300), (7, 130), (128, 256)])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_fused_quantize_dequantize_bitwise_equal_to_the_unfused_rule(shape, weight_dtype):
+    from megatron_qarl.quant.fp8 import quantize_dequantize_fp8
+
+    g = torch.Generator().manual_seed(shape[1])
+    w = torch.randn(shape, generator=g) * torch.logspace(-42, 1, shape[0]).unsqueeze(1)  # down to subnormals
+    w[:2] = 0
+    w[2, :50] = -0.0
+    w[3, :5] = -1e-30  # rounds to e4m3 -0 (the code keeps the sign)
+    q_ref, s_ref, deq_ref = unfused_block_rule(w, weight_dtype=weight_dtype)
+    q, deq = quantize_dequantize_fp8(w, weight_dtype=weight_dtype)
+    bits = lambda t: t.view(torch.uint8)  # noqa: E731  (bitwise: -0 and NaN payloads count)
+    assert torch.equal(bits(q.qweight), bits(q_ref)) and torch.equal(bits(q.scale_inv), bits(s_ref))
+    assert torch.equal(bits(deq), bits(deq_ref))
+    assert torch.equal(bits(quantize_fp8_block(w, weight_dtype=weight_dtype).qweight), bits(q_ref))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(bits(dequantize_fp8_block(q.qweight, q.scale_inv, dtype=dtype)), bits(deq_ref.to(dtype)))
+
+
+def test_e4m3_table_is_the_cast_for_every_code():
+    from megatron_qarl.quant.fp8 import _e4m3_values
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3)
+    finite = torch.isfinite(codes.float())
+    assert torch.equal(_e4m3_values(codes)[finite].view(torch.int32), codes.float()[finite].view(torch.int32))
+    assert torch.isnan(_e4m3_values(codes)[~finite]).all()
+
+
+def test_fused_clamp_of_a_block_whose_scale_underflows():
+    # fp32 weights: amax 1e-44 / 448 rounds to a zero scale_inv and w / 0 = inf: the clamp (and, on torch
+    # versions whose cast saturates, the cast too) makes it 448.
+    from megatron_qarl.quant.fp8 import quantize_dequantize_fp8
+
+    w = torch.zeros(128, 256)
+    w[0, 0], w[0, 1], w[5, 200] = 1e-44, -1e-44, 1.0
+    q, deq = quantize_dequantize_fp8(w, weight_dtype=torch.float32)
+    q_ref, s_ref, deq_ref = unfused_block_rule(w, weight_dtype=torch.float32)
+    assert q.scale_inv[0, 0].item() == 0 and q.qweight[0, :2].float().tolist() == [448.0, -448.0]
+    assert torch.equal(q.qweight.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(deq.view(torch.uint8), deq_ref.view(torch.uint8))

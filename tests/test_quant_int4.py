@@ -7,6 +7,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
 from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
 
+from megatron_qarl.quant.int4 import int4_group_scales
 from megatron_qarl.quant import (
     QuantConfig,
     QuantizationError,
@@ -168,3 +169,51 @@ def test_byte_order_independent_packer_gives_the_same_words():
     codes = torch.randint(-8, 8, (64, 256), generator=gen, dtype=torch.int8)
     codes[0], codes[1] = -8, 7  # all-zero nibbles and all-ones words (sign bit set)
     assert torch.equal(_pack_words_arithmetic(codes), pack_int4_groupwise(codes))
+
+
+def edge_case_weight(shape, seed):
+    """Rows that hit every branch of the rule: all-zero groups, -0 and tiny negatives (round to -0),
+    an exact +amax (7.5 -> 8, clamped to 7), subnormal magnitudes (subnormal scales, the -8 clamp)."""
+    w = random_weight(shape, seed).to(torch.bfloat16)
+    w[0] = 0
+    w[1, :64] = -0.0
+    w[2, 0], w[2, 1:] = 7.5, -0.01  # -0.01 / 1.0 rounds to -0
+    w[3] = w[3] * 1e-38  # amax / 7.5 is subnormal in bf16
+    w[4] = torch.linspace(-8.2e-40, 3e-40, shape[1])
+    return w
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_dequantized_weight_bitwise_equal_to_library(shape):
+    from megatron_qarl.quant.int4 import quantize_dequantize_int4
+
+    weight = edge_case_weight(shape, seed=sum(shape) + 1)
+    q, dequantized = quantize_dequantize_int4(weight)
+    scale, codes, _, decompressed = ct_reference(weight)
+    assert_bitwise(q.scales, scale)
+    assert torch.equal(q.codes, codes)
+    assert_bitwise(dequantized, decompressed)  # +0, never -0, where the code is 0
+    assert torch.equal(quantize_int4_groupwise(weight).codes, q.codes)
+
+
+def test_subnormal_scales_need_the_lower_clamp():
+    # Without the -8 clamp some codes of these groups would be below -8 (the scale lost relative precision).
+    weight = torch.linspace(-8.2e-40, 3e-40, 128).reshape(1, 128).to(torch.bfloat16)
+    scale = int4_group_scales(weight)
+    assert torch.round(weight.float() / scale.float()).min() < -8
+    scale_ref, codes, _, _ = ct_reference(weight)
+    assert torch.equal(quantize_int4_groupwise(weight).codes, codes) and codes.min() == -8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_abs_amax_has_the_bits_of_abs_then_amax(dtype):
+    from megatron_qarl.quant.int4 import abs_amax
+
+    finfo = torch.finfo(dtype)
+    x = (torch.randn(64, 4, 32, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
+    x[0] = -0.0
+    x[1, 0, 0], x[1, 1, 3], x[1, 2, 5] = -float("inf"), finfo.tiny / 4, -finfo.max
+    x[2] = -x[2].abs()
+    for dims in (-1, (1, 2)):
+        expected = x.abs().amax(dims)
+        assert torch.equal(abs_amax(x, dims).view(torch.uint8), expected.view(torch.uint8))

@@ -64,14 +64,104 @@ def _check_2d_grouped(shape: torch.Size, group_size: int, what: str) -> None:
         )
 
 
+# Signed integers of the same width as each float dtype (bit-pattern views for `abs_amax`, `changed_bytes`).
+_SAME_WIDTH_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+                   torch.float64: torch.int64}
+
+
+def _magnitude_bits(x: torch.Tensor) -> torch.Tensor | None:
+    """|x| as bit patterns (x's same-width integer view, sign bit cleared) in a new buffer; None for a dtype
+    without one. For IEEE floats non-negative patterns sort like the values they encode."""
+    as_int = _SAME_WIDTH_INT.get(x.dtype)
+    if as_int is None:
+        return None
+    return torch.bitwise_and(x.view(as_int), torch.iinfo(as_int).max)  # max: every bit but the sign bit
+
+
+def abs_amax(x: torch.Tensor, dim) -> torch.Tensor:
+    """``x.abs().amax(dim)`` in x's dtype, with the same bits for every non-NaN x.
+
+    Why not abs + amax: on CPU a bf16 max-reduction is ~5x slower than an integer one, and abs writes a
+    temporary anyway. The integer max of the sign-cleared patterns is the pattern of max |x| (-0 -> +0, as
+    abs gives). A NaN pattern sorts above inf, so a NaN still wins (its payload may differ).
+    """
+    bits = _magnitude_bits(x)
+    return x.abs().amax(dim) if bits is None else bits.amax(dim).view(x.dtype)
+
+
+def changed_bytes(new: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K * itemsize]: nonzero exactly in the bytes where `new` and `previous` differ bitwise.
+
+    Bitwise, not ``!=``: -0 vs +0 or a changed NaN payload change the codes' bits too, and an XOR then an
+    unsigned byte max per group is the cheapest exact test torch offers on CPU.
+    """
+    if new.shape != previous.shape or new.dtype != previous.dtype:
+        raise QuantizationError(f"changed_bytes: {tuple(new.shape)} {new.dtype} vs {tuple(previous.shape)} "
+                                f"{previous.dtype}")
+    as_int = _SAME_WIDTH_INT.get(new.dtype, None)
+    if as_int is None:
+        raise QuantizationError(f"changed_bytes: no integer view for {new.dtype}")
+    return torch.bitwise_xor(new.view(as_int), previous.view(as_int)).view(torch.uint8)
+
+
+def _scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    scales = amax / _INT4_HALF_RANGE
+    eps = torch.finfo(scales.dtype).eps
+    return torch.where(scales == 0, torch.tensor(eps, dtype=scales.dtype, device=scales.device), scales)
+
+
 def int4_group_scales(weight: torch.Tensor, group_size: int = 128) -> torch.Tensor:
     """Per-group scales [N, K / group_size] in weight's dtype (compressed-tensors `calculate_qparams`)."""
     _check_2d_grouped(weight.shape, group_size, "int4_group_scales")
     groups = weight.unflatten(-1, (weight.shape[-1] // group_size, group_size))
-    amax = groups.abs().amax(dim=-1)
-    scales = amax / _INT4_HALF_RANGE
+    return _scales_from_amax(abs_amax(groups, -1))
+
+
+def _lower_clamp_is_a_no_op(scales: torch.Tensor) -> bool:
+    """Whether ``round(w / scale) >= INT4_MIN`` holds for every element without clamping.
+
+    A normal scale is amax / 7.5 rounded (relative error <= eps) and w / scale is rounded again, so
+    |w / scale| <= 7.5 (1 + eps) / (1 - eps) < 8.5 and rounding cannot reach -9. A subnormal scale has no
+    such relative precision. On an accelerator the check would cost a host sync; there the clamp is cheap.
+    """
     eps = torch.finfo(scales.dtype).eps
-    return torch.where(scales == 0, torch.tensor(eps, dtype=scales.dtype, device=scales.device), scales)
+    if _INT4_HALF_RANGE * (1 + eps) / (1 - eps) >= -INT4_MIN + 0.5 or scales.device.type != "cpu":
+        return False
+    return bool(scales.amin() >= torch.finfo(scales.dtype).tiny)
+
+
+def _code_values(groups: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The codes as integer values in the weight dtype, written into `out` (the shape of `groups`).
+
+    Rounding before clamping is the spec's round(clamp(x)): round is monotone and keeps the integer bounds.
+    """
+    torch.div(groups, scales.unsqueeze(-1), out=out)  # in the weight dtype (bf16), as the library divides
+    out.round_()  # half to even
+    out.clamp_max_(INT4_MAX)  # +amax can round to 8
+    if not _lower_clamp_is_a_no_op(scales):
+        out.clamp_min_(INT4_MIN)
+    return out
+
+
+def quantize_int4_groups(groups: torch.Tensor, dequantize: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The spec on groups [..., group_size] already in the weight dtype: (int8 codes [..., group_size],
+    scales [...], dequantized weight [..., group_size] in the weight dtype, or None).
+
+    One pass each for amax, divide, round, clamp, int8 cast and (optionally) the dequantizing multiply, all
+    in one working buffer: the integer values of the codes times the scale ARE ``code.to(bf16) * scale``, so
+    the buffer is multiplied in place instead of converting the int8 codes back.
+    """
+    magnitudes = _magnitude_bits(groups)
+    if magnitudes is None:
+        raise QuantizationError(f"int4 quantization: unsupported weight dtype {groups.dtype}")
+    scales = _scales_from_amax(magnitudes.amax(-1).view(groups.dtype))
+    values = _code_values(groups, scales, out=magnitudes.view(groups.dtype))  # reuse the buffer
+    codes = values.to(torch.int8)
+    if not dequantize:
+        return codes, scales, None
+    # + 0 turns the -0 that round() keeps (w / scale = -0.3 -> -0) into the +0 an int8 code 0 dequantizes to.
+    return codes, scales, values.add_(0).mul_(scales.unsqueeze(-1))
 
 
 def quantize_int4_groupwise(
@@ -81,13 +171,23 @@ def quantize_int4_groupwise(
 
     `w` is cast to `weight_dtype` (the dtype the engine stores, bf16) before anything else.
     """
+    return _quantize_int4(w, group_size, weight_dtype, dequantize=False)[0]
+
+
+def quantize_dequantize_int4(
+    w: torch.Tensor, group_size: int = 128, weight_dtype: torch.dtype = torch.bfloat16
+) -> tuple[Int4Weight, torch.Tensor]:
+    """`quantize_int4_groupwise` and the dequantized weight [N, K] (weight_dtype) from the same pass."""
+    return _quantize_int4(w, group_size, weight_dtype, dequantize=True)
+
+
+def _quantize_int4(w, group_size, weight_dtype, dequantize):
     _check_2d_grouped(w.shape, group_size, "quantize_int4_groupwise")
-    weight = w.detach().to(weight_dtype)
-    scales = int4_group_scales(weight, group_size)
+    weight = w.detach().to(weight_dtype).contiguous()
     groups = weight.unflatten(-1, (weight.shape[-1] // group_size, group_size))
-    scaled = groups / scales.unsqueeze(-1)
-    codes = torch.round(torch.clamp(scaled, INT4_MIN, INT4_MAX)).flatten(-2).to(torch.int8)
-    return Int4Weight(codes=codes, scales=scales, group_size=group_size)
+    codes, scales, dequantized = quantize_int4_groups(groups, dequantize)
+    qweight = Int4Weight(codes=codes.flatten(-2), scales=scales, group_size=group_size)
+    return qweight, (dequantized.flatten(-2) if dequantize else None)
 
 
 def dequantize_int4_groupwise(
