@@ -23,9 +23,10 @@ import torch
 
 from megatron_qarl.quant.config import SCOPES, QuantConfig, is_routed_expert
 from megatron_qarl.quant.errors import QuantizationError
-from megatron_qarl.quant.fp8 import Fp8Weight, dequantize_fp8_block, quantize_fp8_block
+from megatron_qarl.quant.fp8 import Fp8Weight, dequantize_fp8_block, quantize_dequantize_fp8, quantize_fp8_block
 from megatron_qarl.quant.int4 import (
-    Int4Weight, dequantize_int4_groupwise, pack_int4_groupwise, quantize_int4_groupwise, unpack_int4_groupwise,
+    Int4Weight, dequantize_int4_groupwise, pack_int4_groupwise, quantize_dequantize_int4, quantize_int4_groupwise,
+    unpack_int4_groupwise,
 )
 
 QuantizedWeight = Union[Int4Weight, Fp8Weight]
@@ -67,6 +68,16 @@ def quantize_weight(master_weight: torch.Tensor, quant_cfg: QuantConfig) -> Quan
     if quant_cfg.scheme == "fp8":
         return quantize_fp8_block(master_weight, quant_cfg.block_size)
     raise QuantizationError(f"quantize_weight: scheme {quant_cfg.scheme!r} has no low-bit weight")
+
+
+def quantize_dequantize_weight(master_weight: torch.Tensor, quant_cfg: QuantConfig
+                               ) -> tuple[QuantizedWeight, torch.Tensor]:
+    """`quantize_weight` and the spec-dequantized weight (in the entry's `exact_dtype`) from one fused pass."""
+    if quant_cfg.scheme == "w4a16":
+        return quantize_dequantize_int4(master_weight, quant_cfg.group_size)
+    if quant_cfg.scheme == "fp8":
+        return quantize_dequantize_fp8(master_weight, quant_cfg.block_size)
+    raise QuantizationError(f"quantize_dequantize_weight: scheme {quant_cfg.scheme!r} has no low-bit weight")
 
 
 # ---------------------------------------------------------------- encode

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_qarl.quant.errors import QuantizationError
-from megatron_qarl.quant.int4 import abs_amax
+from megatron_qarl.quant.int4 import abs_amax, changed_bytes
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
@@ -156,6 +156,41 @@ def _quantize_fp8(w, block, weight_dtype, dequantize):
     q, scale_inv, dequantized = quantize_fp8_tiles(tiles, (1, 3), dequantize)
     qweight = Fp8Weight(qweight=_untile(q, n, k), scale_inv=scale_inv, block=block)
     return qweight, (_untile(dequantized, n, k) if dequantize else None)
+
+
+def changed_fp8_blocks(weight: torch.Tensor, previous: torch.Tensor, block: int) -> torch.Tensor | None:
+    """bool [N / block, K / block]: the blocks whose bits differ between `weight` and `previous` (both
+    [N, K] in the weight dtype); None when N or K is not a multiple of block (partial edge blocks are not
+    tracked: such a weight is requantized whole). A block's codes, scale and dequantized values are a
+    function of its own elements alone."""
+    n, k = weight.shape
+    if n % block or k % block:
+        return None
+    diff = changed_bytes(weight, previous).view(n // block, block, k // block, -1)
+    return diff.amax(dim=(1, 3)) != 0
+
+
+def requantize_fp8_blocks(weight: torch.Tensor, qweight: Fp8Weight, dequantized: torch.Tensor,
+                          changed: torch.Tensor) -> tuple[Fp8Weight, torch.Tensor]:
+    """`quantize_dequantize_fp8(weight)` (dequantized in `dequantized`'s dtype), given the quantization
+    `qweight` / `dequantized` of a weight that differs from `weight` only in the `changed` blocks.
+
+    Returns new tensors: the old ones may still be held by a caller (a publisher, an autograd graph).
+    """
+    b = qweight.block
+
+    def tiled(t):
+        return t.view(t.shape[0] // b, b, t.shape[1] // b, b)
+
+    i, j = changed.nonzero(as_tuple=True)
+    q, scale_inv, values = quantize_fp8_tiles(tiled(weight)[i, :, j, :], (1, 2))  # blocks [M, b, b]
+    new_q = qweight.qweight.clone()
+    tiled(new_q.view(torch.uint8))[i, :, j, :] = q.view(torch.uint8)  # no index_put for float8 on CPU
+    new_scale_inv = qweight.scale_inv.clone()
+    new_scale_inv[i, j] = scale_inv
+    new_dequantized = dequantized.clone()
+    tiled(new_dequantized)[i, :, j, :] = values.to(dequantized.dtype)
+    return Fp8Weight(qweight=new_q, scale_inv=new_scale_inv, block=b), new_dequantized
 
 
 def dequantize_fp8_block(

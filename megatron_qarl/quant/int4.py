@@ -190,6 +190,33 @@ def _quantize_int4(w, group_size, weight_dtype, dequantize):
     return qweight, (dequantized.flatten(-2) if dequantize else None)
 
 
+def changed_int4_groups(weight: torch.Tensor, previous: torch.Tensor, group_size: int) -> torch.Tensor:
+    """bool [N, K / group_size]: the groups whose bits differ between `weight` and `previous` (both [N, K]
+    in the weight dtype). Only those groups' codes, scales and dequantized values can differ: each is a
+    function of its own group's elements alone."""
+    n, k = weight.shape
+    return changed_bytes(weight, previous).view(n, k // group_size, -1).amax(-1) != 0
+
+
+def requantize_int4_groups(weight: torch.Tensor, qweight: Int4Weight, dequantized: torch.Tensor,
+                           changed: torch.Tensor) -> tuple[Int4Weight, torch.Tensor]:
+    """`quantize_dequantize_int4(weight)` (dequantized in `dequantized`'s dtype), given the quantization
+    `qweight` / `dequantized` of a weight that differs from `weight` only in the `changed` groups [N, G].
+
+    Returns new tensors: the old ones may still be held by a caller (a publisher, an autograd graph).
+    """
+    group_size = qweight.group_size
+    rows = changed.flatten().nonzero().squeeze(1)  # flat group ids
+    codes, scales, values = quantize_int4_groups(weight.reshape(-1, group_size).index_select(0, rows))
+    new_codes = qweight.codes.clone()
+    new_codes.view(-1, group_size).index_copy_(0, rows, codes)
+    new_scales = qweight.scales.clone()
+    new_scales.view(-1).index_copy_(0, rows, scales)
+    new_dequantized = dequantized.clone()
+    new_dequantized.view(-1, group_size).index_copy_(0, rows, values.to(dequantized.dtype))
+    return Int4Weight(codes=new_codes, scales=new_scales, group_size=group_size), new_dequantized
+
+
 def dequantize_int4_groupwise(
     codes: torch.Tensor,
     scales: torch.Tensor,
