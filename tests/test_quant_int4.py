@@ -217,3 +217,23 @@ def test_abs_amax_has_the_bits_of_abs_then_amax(dtype):
     for dims in (-1, (1, 2)):
         expected = x.abs().amax(dims)
         assert torch.equal(abs_amax(x, dims).view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_every_subnormal_amax_keeps_rounded_quotients_within_int8_and_matches_library():
+    # The int8 codes are clamped after the cast, so every round(w / scale) must fit int8: the derivation in
+    # `_int8_holds_rounded_quotients` says |w / scale| <= 7.5 * 1.5 for subnormal scales. Check every bf16
+    # subnormal amax (patterns 1..127) and the smallest normals, with both signs at the amax.
+    patterns = torch.arange(1, 160, dtype=torch.int32).to(torch.int16)
+    amax = patterns.view(torch.bfloat16).unsqueeze(1)
+    fractions = torch.linspace(-1, 1, 128).to(torch.bfloat16)
+    weight = (amax * fractions).to(torch.bfloat16)
+    weight[:, 0], weight[:, 1] = amax[:, 0], -amax[:, 0]
+    scales = int4_group_scales(weight)
+    quotients = torch.round((weight / scales).float())
+    assert quotients.abs().max() <= 7.5 * 1.5
+    _, codes, _, decompressed = ct_reference(weight)
+    q = quantize_int4_groupwise(weight)
+    assert torch.equal(q.codes, codes)
+    from megatron_qarl.quant.int4 import quantize_dequantize_int4
+
+    assert_bitwise(quantize_dequantize_int4(weight)[1], decompressed)

@@ -117,30 +117,16 @@ def int4_group_scales(weight: torch.Tensor, group_size: int = 128) -> torch.Tens
     return _scales_from_amax(abs_amax(groups, -1))
 
 
-def _lower_clamp_is_a_no_op(scales: torch.Tensor) -> bool:
-    """Whether ``round(w / scale) >= INT4_MIN`` holds for every element without clamping.
+def _int8_holds_rounded_quotients(dtype: torch.dtype) -> bool:
+    """Whether every ``round(w / scale)`` of finite weights fits int8, so the spec's clamp can run there.
 
-    A normal scale is amax / 7.5 rounded (relative error <= eps) and w / scale is rounded again, so
-    |w / scale| <= 7.5 (1 + eps) / (1 - eps) < 8.5 and rounding cannot reach -9. A subnormal scale has no
-    such relative precision. On an accelerator the check would cost a host sync; there the clamp is cheap.
+    A normal scale is amax / 7.5 rounded (relative error <= eps), so |w / scale| <= 7.5 (1 + eps) / (1 - eps).
+    A subnormal scale is at least the subnormal spacing d and off by at most d / 2, so amax / 7.5 <= 1.5
+    scale and |w / scale| <= 11.25. A zero scale becomes eps, and then amax / 7.5 underflowed: |w / eps| ~ 0.
     """
-    eps = torch.finfo(scales.dtype).eps
-    if _INT4_HALF_RANGE * (1 + eps) / (1 - eps) >= -INT4_MIN + 0.5 or scales.device.type != "cpu":
-        return False
-    return bool(scales.amin() >= torch.finfo(scales.dtype).tiny)
-
-
-def _code_values(groups: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The codes as integer values in the weight dtype, written into `out` (the shape of `groups`).
-
-    Rounding before clamping is the spec's round(clamp(x)): round is monotone and keeps the integer bounds.
-    """
-    torch.div(groups, scales.unsqueeze(-1), out=out)  # in the weight dtype (bf16), as the library divides
-    out.round_()  # half to even
-    out.clamp_max_(INT4_MAX)  # +amax can round to 8
-    if not _lower_clamp_is_a_no_op(scales):
-        out.clamp_min_(INT4_MIN)
-    return out
+    eps = torch.finfo(dtype).eps
+    bound = max(_INT4_HALF_RANGE * (1 + eps) / (1 - eps), _INT4_HALF_RANGE * 1.5)
+    return bound * (1 + eps) + 0.5 < torch.iinfo(torch.int8).max
 
 
 def quantize_int4_groups(groups: torch.Tensor, dequantize: bool = True
@@ -148,20 +134,21 @@ def quantize_int4_groups(groups: torch.Tensor, dequantize: bool = True
     """The spec on groups [..., group_size] already in the weight dtype: (int8 codes [..., group_size],
     scales [...], dequantized weight [..., group_size] in the weight dtype, or None).
 
-    One pass each for amax, divide, round, clamp, int8 cast and (optionally) the dequantizing multiply, all
-    in one working buffer: the integer values of the codes times the scale ARE ``code.to(bf16) * scale``, so
-    the buffer is multiplied in place instead of converting the int8 codes back.
+    Few passes, one working buffer: amax on the bit patterns (`abs_amax`), the division into that buffer,
+    round in place, and the clamp on the int8 codes (1 B/elem; round(clamp(x)) == clamp(round(x)) for
+    integer bounds, and int8 holds every rounded quotient: `_int8_holds_rounded_quotients`). The clamped
+    codes are copied back into the buffer (code 0 -> +0, as the library's int8 -> bf16 cast gives, where
+    round() would keep -0.3 -> -0) and multiplied by the scales there: ``code.to(bf16) * scale``.
     """
     magnitudes = _magnitude_bits(groups)
-    if magnitudes is None:
+    if magnitudes is None or not _int8_holds_rounded_quotients(groups.dtype):
         raise QuantizationError(f"int4 quantization: unsupported weight dtype {groups.dtype}")
     scales = _scales_from_amax(magnitudes.amax(-1).view(groups.dtype))
-    values = _code_values(groups, scales, out=magnitudes.view(groups.dtype))  # reuse the buffer
-    codes = values.to(torch.int8)
+    values = torch.div(groups, scales.unsqueeze(-1), out=magnitudes.view(groups.dtype))  # as the library divides
+    codes = values.round_().to(torch.int8).clamp_(INT4_MIN, INT4_MAX)  # round: half to even; +amax -> 8 -> 7
     if not dequantize:
         return codes, scales, None
-    # + 0 turns the -0 that round() keeps (w / scale = -0.3 -> -0) into the +0 an int8 code 0 dequantizes to.
-    return codes, scales, values.add_(0).mul_(scales.unsqueeze(-1))
+    return codes, scales, values.copy_(codes).mul_(scales.unsqueeze(-1))
 
 
 def quantize_int4_groupwise(
