@@ -7,11 +7,13 @@ tensor (when the delta would not be smaller). The unit of change is what the eng
 * in every other tensor (bf16 weights and scales, fp8 codes, fp32 block scales) one element.
 
 Encoding, chosen for what an optimizer step does to codes: positions are the gaps between changed units
-(LEB128 varints), values are the change of each unit (a code: (new - old) mod 16; an element: the
-difference of its bit patterns as a zigzag varint). An Adam step moves a flipped code by +-1 and a
-changed bf16 scale by a few ulps, so both streams are mostly a few small byte values, which zlib's
-Huffman stage codes near their entropy. One batch is compressed as a whole (headers included): at the
-tiny model's 2% flips per step the delta is ~4% of the int4 payload (benchmarks/bench_publish.py, P5).
+(LEB128 varints), values are the change of each unit (a code: (new - old) mod 16, one bit when every
+change of the tensor is +-1; an element: the difference of its bit patterns as a zigzag varint, for every
+element once more than 1/8 of them moved). An Adam step moves a flipped code by +-1 and a changed bf16
+scale by a few ulps, so both streams are mostly a few small byte values, which zlib's Huffman stage codes
+near their entropy. One batch is compressed as a whole (headers included): at the tiny model's 2% flips
+per step the delta is ~5% of the int4 payload, close to the entropy of the flip positions
+(benchmarks/bench_publish.py, P5; docs/publish.md).
 
 Every delta carries the crc32 of the tensor it applies to and of the result, and a batch the engine
 weight version it applies to: an engine that holds another version or other bytes, or that computes a
@@ -26,7 +28,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -326,7 +328,8 @@ class DeltaBatch:
 
 def apply_delta_batch(batch: DeltaBatch, held: dict[str, torch.Tensor], held_crc: dict[str, int],
                       version: int) -> Iterator[tuple[str, torch.Tensor, int]]:
-    """(name, new tensor, its crc32) for every delta of `batch` applied to the engine's `held` tensors;
+    """(name, new tensor, its crc32) for every delta of `batch` applied to the engine's `held` tensors
+    (`held_crc`: their crc32s where known; a missing one is computed and stored);
     raises WeightDeltaMismatch at the first delta that does not apply exactly (see the module doc)."""
     if batch.base_version != version:
         raise WeightDeltaMismatch(f"delta for weight version {batch.base_version}, the engine holds {version}")
@@ -334,27 +337,14 @@ def apply_delta_batch(batch: DeltaBatch, held: dict[str, torch.Tensor], held_crc
         base = held.get(entry.name)
         if base is None:
             raise WeightDeltaMismatch(f"delta for {entry.name!r}, which the engine does not hold")
-        if held_crc.get(entry.name) != entry.base_crc or tuple(base.shape) != entry.shape:
+        if entry.name not in held_crc:  # computed on first need: a tensor never patched never pays for one
+            held_crc[entry.name] = tensor_crc32(base)
+        if held_crc[entry.name] != entry.base_crc or tuple(base.shape) != entry.shape:
             raise WeightDeltaMismatch(f"{entry.name}: the engine's tensor is not the delta's base (crc32 "
-                                      f"{held_crc.get(entry.name)} != {entry.base_crc})")
+                                      f"{held_crc[entry.name]} != {entry.base_crc})")
         new = apply_units(base, positions, changes, entry.nibble)
         crc = tensor_crc32(new)
         if crc != entry.new_crc:
             raise WeightDeltaMismatch(f"{entry.name}: the delta's result has crc32 {crc}, the trainer's tensor "
                                       f"{entry.new_crc} (delta damaged in transit)")
         yield entry.name, new, crc
-
-
-def plan_delta_batches(deltas: Iterable[TensorDelta], max_units: int) -> Iterator[list[TensorDelta]]:
-    """Group deltas into batches of at most `max_units` changed units (a bigger delta: its own batch)."""
-    batch: list[TensorDelta] = []
-    units = 0
-    for d in deltas:
-        n = int(d.positions.numel())
-        if batch and units + n > max_units:
-            yield batch
-            batch, units = [], 0
-        batch.append(d)
-        units += n
-    if batch:
-        yield batch

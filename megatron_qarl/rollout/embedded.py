@@ -26,7 +26,7 @@ import torch
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_state_from_model, transformers_tensor
 from megatron_qarl.quant.config import is_routed_expert
 from megatron_qarl.quant.engine_layout import PARTS, EngineLayoutError, dequantize_linear, engine_part
-from megatron_qarl.rollout.delta import DeltaBatch, apply_delta_batch, tensor_crc32
+from megatron_qarl.rollout.delta import DeltaBatch, apply_delta_batch
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.payload import tensor_sha256
 
@@ -176,7 +176,10 @@ class EmbeddedEngine:
             self._target(hf_name)  # an unknown linear is refused now, not at the end of the update
             self._dirty[hf_name[: -len(".weight")]] = kind
         self._held[name] = tensor.detach().clone()  # a bucket's view: keep our own bytes
-        self._held_crc[name] = tensor_crc32(tensor) if crc is None else crc
+        if crc is None:  # computed by apply_delta_batch when a delta first needs it
+            self._held_crc.pop(name, None)
+        else:
+            self._held_crc[name] = crc
 
     def _dequantize_into_model(self, prefix: str, kind: str) -> None:
         parts = {part: self._held[f"{prefix}.{part}"] for part in PARTS[kind]}

@@ -161,12 +161,14 @@ class Server:
                 "version": self.version}
 
     def keep(self, name: str, tensor, crc: int | None = None) -> None:
-        from megatron_qarl.rollout.delta import tensor_crc32
         from megatron_qarl.rollout.payload import tensor_sha256
 
         self.digests[name] = tensor_sha256(tensor)  # what the publisher's verify compares with
         self.held[name] = tensor
-        self.held_crc[name] = tensor_crc32(tensor) if crc is None else crc
+        if crc is None:  # computed by apply_delta_batch when a delta first needs it
+            self.held_crc.pop(name, None)
+        else:
+            self.held_crc[name] = crc
         self.changed = True
 
     def apply_deltas(self, raw: bytes) -> dict:

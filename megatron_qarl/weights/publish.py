@@ -120,13 +120,14 @@ class PushStats:
 
 def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = False,
-                       live: LiveBytes | None = None) -> PushStats:
+                       live: LiveBytes | None = None, sent: dict[str, str] | None = None) -> PushStats:
     """Stream engine-layout tensors into flattened buckets and send each to `engine` (None: count only).
 
     One begin/end update around all buckets; with `verify` the engine's per-tensor checksums are compared
-    with what was sent afterwards (PublishVerificationError names the first bad tensor).
+    with what was sent afterwards (PublishVerificationError names the first bad tensor). `sent`: sha256s of
+    tensors the caller sent in the same update by other means (deltas), verified with the rest.
     """
-    stats, sent = PushStats(), {}
+    stats, sent = PushStats(), ({} if sent is None else sent)
     if engine is not None:
         engine.begin_weight_update()
     try:
@@ -202,6 +203,20 @@ class EngineCopy:
     def empty(cls) -> "EngineCopy":
         return cls({}, {})
 
+    def keep(self, name: str, tensor: torch.Tensor, crc: int | None = None) -> None:
+        """`tensor` is what the engine holds under `name` now; its crc32 if known (else computed when a
+        delta first needs it: bf16 tensors, always sent whole, never pay for one)."""
+        self.held[name] = tensor
+        if crc is None:
+            self.crc.pop(name, None)
+        else:
+            self.crc[name] = crc
+
+    def crc_of(self, name: str) -> int:
+        if name not in self.crc:
+            self.crc[name] = tensor_crc32(self.held[name])
+        return self.crc[name]
+
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.held.values())
@@ -210,16 +225,16 @@ class EngineCopy:
 def push_changes(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], copy: EngineCopy, *, full: bool,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = False,
                  live: LiveBytes | None = None) -> PushStats:
-    """One begin/end update that sends each tensor whole, as a delta against `copy` (a quantized part whose
-    delta is worth it), or not at all (unchanged); `copy` is updated to the new tensors as they stream.
-    `full`: send everything whole (and refill `copy`). A WeightDeltaMismatch from the engine propagates
-    with the update closed; the caller falls back to a full publish from `copy` (`publish_from_copy`)."""
-    stats, sent, pending = PushStats(), {}, []
+    """One begin/end update (`push_named_tensors`) that sends each tensor whole, as a delta against `copy`
+    (a quantized part whose delta is worth it), or not at all (unchanged); `copy` is updated to the new
+    tensors as they stream. `full`: send everything whole (and refill `copy`). A WeightDeltaMismatch from
+    the engine propagates with the update closed; the caller falls back to a full publish from `copy`
+    (`publish_from_copy`)."""
+    stats, delta_sent, pending = PushStats(), {}, []
 
     def send_deltas() -> None:
         batch = DeltaBatch.encode(pending, copy.version)
         engine.apply_weight_deltas(batch)
-        stats.bytes += batch.nbytes
         stats.delta_bytes += batch.nbytes
         stats.quantized_bytes += batch.nbytes
         stats.delta_tensors += len(pending)
@@ -236,11 +251,10 @@ def push_changes(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], copy
             if delta is False:  # unchanged: the engine already holds these bytes
                 stats.unchanged_tensors += 1
                 continue
-            copy.held[name] = new
-            copy.crc[name] = delta.new_crc if delta is not None else tensor_crc32(new)
-            if verify:
-                sent[name] = tensor_sha256(new)
+            copy.keep(name, new, None if delta is None else delta.new_crc)
             if delta is not None and worth_a_delta(delta):
+                if verify:
+                    delta_sent[name] = tensor_sha256(new)
                 pending.append(delta)
                 units += delta.positions.numel()
                 if units >= MAX_DELTA_UNITS:
@@ -253,21 +267,10 @@ def push_changes(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], copy
         if pending:
             send_deltas()
 
-    engine.begin_weight_update()
-    try:
-        for bucket in iter_buckets(whole_tensors(), bucket_bytes):
-            if live is not None:
-                live.hold(bucket, bucket.nbytes)
-            stats.bytes += bucket.nbytes
-            stats.num_buckets += 1
-            stats.num_tensors += len(bucket.metadata)
-            engine.update_weights(bucket)
-    except BaseException:
-        _close_quietly(engine)
-        raise
-    engine.end_weight_update()
-    if verify:
-        verify_engine_checksums(engine, sent)
+    whole = push_named_tensors(engine, whole_tensors(), bucket_bytes=bucket_bytes, verify=verify, live=live,
+                               sent=delta_sent)
+    stats.bytes = whole.bytes + stats.delta_bytes
+    stats.num_tensors, stats.num_buckets = whole.num_tensors, whole.num_buckets
     return stats
 
 
@@ -276,7 +279,7 @@ def _delta_against(copy: EngineCopy, name: str, new: torch.Tensor) -> TensorDelt
     old = copy.held.get(name)
     if old is None or old.shape != new.shape or old.dtype != new.dtype or not supports_delta(new):
         return None
-    delta = tensor_delta(name, old, new, base_crc=copy.crc[name])
+    delta = tensor_delta(name, old, new, base_crc=copy.crc_of(name))
     return False if delta is None else delta
 
 
@@ -605,8 +608,7 @@ class WeightPublisher:
             fallbacks = 0
         except WeightDeltaMismatch as mismatch:
             for name, tensor in stream:  # this step's remaining tensors, into the copy (the gathers run anyway)
-                self.copy.held[name] = tensor.detach().contiguous().clone()
-                self.copy.crc[name] = tensor_crc32(self.copy.held[name])
+                self.copy.keep(name, tensor.detach().contiguous().clone())
             reason, fallbacks = f"the engine refused a delta: {mismatch}", 1
             stats = publish_from_copy(self.engine, self.copy, bucket_bytes=self.bucket_bytes, verify=self.verify,
                                       live=live)
