@@ -378,3 +378,13 @@ def test_dry_run_on_a_login_node_checks_the_configs_own_world(monkeypatch, capsy
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert train_main(["--config", q30, "--dry-run"]) == 2
     assert "parallel.world_size=8 ranks but runs on 4" in capsys.readouterr().err
+
+
+def test_publish_mode_delta_is_refused_with_sglang_and_full_every_must_be_positive():
+    with pytest.raises(ConfigError, match="publish.mode=delta with rollout.engine=sglang"):
+        load_config(None, ["publish.mode=delta", "rollout.engine=sglang"])
+    with pytest.raises(ConfigError, match="publish.mode"):
+        load_config(None, ["publish.mode=sparse"])
+    with pytest.raises(ConfigError, match="publish.full_every"):
+        load_config(None, ["publish.mode=delta", "publish.full_every=0"])
+    assert load_config(None, ["publish.mode=delta", "rollout.engine=embedded"]).publish.mode == "delta"
