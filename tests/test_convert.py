@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 from aligned_common import mcore_logits, seeded_hf_state, tokens  # noqa: E402
+from convert_common import read_safetensors_dir as read_dir  # noqa: E402
 
 from conversion.cli import main  # noqa: E402
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config  # noqa: E402
@@ -56,14 +56,6 @@ def hf_dir(tmp_path_factory, source_state):
     model.save_pretrained(str(path))
     (path / "tokenizer_config.json").write_text(json.dumps(TOKENIZER))
     return path
-
-
-def read_dir(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as fh:
-            out.update({n: fh.get_tensor(n) for n in fh.keys()})
-    return out
 
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 from aligned_common import seeded_hf_state  # noqa: E402
+from convert_common import read_safetensors_dir as read_dir, run_convert_cli as run_cli  # noqa: E402
 
 from megatron_qarl.models.qwen3_moe import tiny_hf_config  # noqa: E402
 from megatron_qarl.weights import convert  # noqa: E402
@@ -30,28 +30,11 @@ def _world(world_of_one):
     yield
 
 
-def run_cli(*argv) -> tuple[int, str]:
-    """qarl-convert in its own process, as users run it (megatron's checkpoint writer starts processes)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "conversion.cli", *map(str, argv)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    return proc.returncode, proc.stderr
-
-
 def run_script(script: str, *args) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def read_dir(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as fh:
-            out.update({n: fh.get_tensor(n) for n in fh.keys()})
-    return out
 
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:

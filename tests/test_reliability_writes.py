@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 from aligned_common import seeded_hf_state  # noqa: E402
+from convert_common import run_convert_cli as run_cli  # noqa: E402
 
 from conversion.cli import main  # noqa: E402
 from megatron_qarl.models.qwen3_moe import tiny_hf_config  # noqa: E402
@@ -28,15 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(*argv) -> int:
     return main([str(a) for a in argv])
-
-
-def run_cli(*argv) -> tuple[int, str]:
-    """qarl-convert in its own process (megatron's dist-checkpoint save/load cannot run inside pytest)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "conversion.cli", *map(str, argv)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    return proc.returncode, proc.stderr
 
 
 def tree_digest(path: Path) -> dict[str, str]:
