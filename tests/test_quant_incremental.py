@@ -3,6 +3,8 @@ cached entry is bitwise the from-scratch quantization, and the groups it reused 
 import pytest
 import torch
 
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
 from megatron_qarl.quant import QuantCache, QuantConfig
 from megatron_qarl.quant.fp8 import quantize_dequantize_fp8
 from megatron_qarl.quant.int4 import quantize_dequantize_int4
@@ -19,6 +21,9 @@ def assert_from_scratch(entry, master, cfg, dequant_dtype=None):
     if cfg.scheme == "w4a16":
         q, deq = quantize_dequantize_int4(master, cfg.group_size)
         assert torch.equal(entry.qweight.codes, q.codes) and torch.equal(bits(entry.qweight.scales), bits(q.scales))
+        # the words the publisher sends (made by the quantizing pass, patched group-wise when incremental)
+        assert entry.qweight.packed_codes is not None
+        assert torch.equal(entry.qweight.packed_codes, pack_to_int32(q.codes, 4))
     else:
         q, deq = quantize_dequantize_fp8(master, cfg.block_size)
         assert torch.equal(bits(entry.qweight.qweight), bits(q.qweight))
@@ -151,12 +156,13 @@ def test_old_entry_tensors_are_never_written():
     cache = QuantCache(INT4, incremental=True)
     old = cache.entry(master, "w")
     codes, scales, deq = old.qweight.codes.clone(), old.qweight.scales.clone(), old.dequantized.clone()
+    packed = old.qweight.packed().clone()
     master.data[3, :128] *= 2
     cache.invalidate()
     new = cache.entry(master, "w")
     assert not torch.equal(new.qweight.codes, codes) or not torch.equal(new.qweight.scales, scales)
     assert torch.equal(old.qweight.codes, codes) and torch.equal(old.qweight.scales, scales)
-    assert torch.equal(old.dequantized, deq)
+    assert torch.equal(old.dequantized, deq) and torch.equal(old.qweight.packed(), packed)
 
 
 def test_mostly_changed_requantizes_from_scratch():

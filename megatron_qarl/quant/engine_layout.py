@@ -16,6 +16,8 @@ Scope (which linears are low-bit) is `QuantConfig.quantizes`; the numbers are in
 """
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Union
 
@@ -88,7 +90,7 @@ def linear_parts(qweight: QuantizedWeight | None, weight: torch.Tensor | None = 
     whole groups / blocks, so shards concatenate: int4 packed codes + scales, fp8 codes + block scales,
     or the bf16 `weight` when `qweight` is None. ``weight_shape`` is added by `engine_tensors`."""
     if isinstance(qweight, Int4Weight):
-        return {"weight_packed": pack_int4_groupwise(qweight.codes), "weight_scale": qweight.scales}
+        return {"weight_packed": qweight.packed(), "weight_scale": qweight.scales}
     if isinstance(qweight, Fp8Weight):
         return {"weight": qweight.qweight, "weight_scale_inv": qweight.scale_inv}
     return {"weight": weight.detach().to(torch.bfloat16)}
@@ -203,6 +205,7 @@ def engine_part(name: str, tensor: torch.Tensor | None = None) -> tuple[str, str
     return name, "bf16", "weight"
 
 
+@functools.lru_cache(maxsize=1 << 18)  # asked for every tensor of every publish; a model has a fixed set of names
 def is_expert_engine_name(name: str) -> bool:
     """Routed-expert tensor in engine layout (any of its W4A16 / FP8 / bf16 component names)."""
     return is_routed_expert(engine_part(name)[0])

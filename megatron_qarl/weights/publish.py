@@ -35,6 +35,8 @@ previous publish, counted by every sending rank on its LOCAL codes against its o
 """
 from __future__ import annotations
 
+import functools
+
 import math
 import time
 from collections.abc import Iterable, Iterator
@@ -343,6 +345,7 @@ class _Topology:
     a leader. Groups without a leader (DP replicas of a group that has one) send nothing."""
 
     coords: Any
+    rank: int
     n_local: int
     tp_leaders: list[int]  # the engine leaders in this rank's TP group
     ep_leaders: list[int]  # ... in this rank's EP group
@@ -366,7 +369,7 @@ class _Topology:
         tp, etp, ep = (ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
                        ps.get_expert_model_parallel_group())
         replica = ps.get_expert_tensor_and_model_parallel_group()  # etp x ep: one copy of the experts (pp=1)
-        return cls(coords=RankCoords.from_parallel_state(), n_local=num_local_experts(model),
+        return cls(coords=RankCoords.from_parallel_state(), rank=dist.get_rank(), n_local=num_local_experts(model),
                    tp_leaders=leaders_in(tp), ep_leaders=leaders_in(ep),
                    expert_replica_has_leader=bool(leaders_in(replica)),
                    counts_dense=ps.get_data_parallel_rank(with_context_parallel=True) == 0,
@@ -385,12 +388,6 @@ def _gather_parts(parts: dict[str, torch.Tensor], rule, group, size: int,
         shards = _all_gather(part, group, size) if leaders is None else _gather_to_leaders(part, group, size, leaders)
         out[key] = None if shards is None else join_shards(shards, rule)
     return None if any(v is None for v in out.values()) else out
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank()
 
 
 def _full_shape(local_shape, rule, size: int) -> tuple[int, ...]:
@@ -500,7 +497,7 @@ class WeightPublisher:
             shape = _full_shape(shape, rule, c.etp_size if rule.expert else c.tp_size)
             if parts is None:
                 return []
-        me = _rank()
+        me = topo.rank
         if not rule.expert:  # gathered (or replicated) on this TP group's leaders
             return [FullParam(name, kind, parts, shape)] if me in topo.tp_leaders else []
         if not topo.ep_leaders:
@@ -524,9 +521,11 @@ class WeightPublisher:
         previous = self._previous_codes.get(name)
         total = current.numel() * (8 if kind == "int4" else 1)
         if previous is not None:
-            flips[0] += _changed_codes(previous, current, kind)
+            flips[0] += 0 if previous is current else _changed_codes(previous, current, kind)
             flips[1] += total
-        self._previous_codes[name] = current.clone()
+        # A reference, not a copy: the parts are new tensors of this step that nothing writes in place
+        # (cache entries, `Int4Weight.packed()`, a fresh quantization); a new step makes new ones.
+        self._previous_codes[name] = current
 
     def _stream(self, topo: _Topology, flips: list, live: LiveBytes) -> Iterator[tuple[str, torch.Tensor]]:
         """Engine-layout named tensors on the engine leaders (the other ranks only take part in gathers)."""
@@ -633,13 +632,18 @@ class WeightPublisher:
 
 
 def _changed_codes(previous: torch.Tensor, current: torch.Tensor, kind: str) -> int:
-    words = previous != current  # one pass; only the changed words (a few % per step) are looked into
     if kind != "int4":
-        return int(words.sum())
-    diff = (previous[words] ^ current[words]).to(torch.int64) & 0xFFFFFFFF  # packed: 8 codes of 4 bits each
-    # one flag bit per changed nibble (bit 4i), then the 8 flags summed into the top nibble by a multiply
-    flags = (diff | (diff >> 1) | (diff >> 2) | (diff >> 3)) & 0x11111111
-    return int(((flags * 0x11111111) >> 28 & 0xF).sum())
+        return int((previous != current).sum())
+    diff = (previous ^ current).view(-1)  # one pass; only the changed words (a few % per step) are looked into
+    changed_bytes = diff[diff != 0].view(torch.uint8)  # packed: 2 codes per byte
+    return int(_nibbles_changed(changed_bytes.device).index_select(0, changed_bytes.int()).sum(dtype=torch.int64))
+
+
+@functools.lru_cache(maxsize=None)
+def _nibbles_changed(device: torch.device) -> torch.Tensor:
+    """[256]: how many of a byte's two nibbles are non-zero (a changed byte of an XOR of packed codes)."""
+    byte = torch.arange(256, device=device)
+    return ((byte & 0xF) != 0).to(torch.uint8) + ((byte >> 4) != 0).to(torch.uint8)
 
 
 # ----------------------------------------------------------------------------- planning (meta shapes)
