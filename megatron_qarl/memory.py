@@ -10,9 +10,10 @@ Trainer memory per GPU (bytes), for the parameters a rank holds under TP / EP / 
   - bf16 compute copy (2 B/param) when model.dtype is bfloat16, for weights the aligned forward does NOT
     take from the quantized cache;
   - quantized cache (QaRL aligned learner only): W4A16 int8 codes (1 B/elem, the spec keeps one code per
-    byte) + bf16 group scales (2 B per group) + the int32-packed codes the publisher sends (0.5 B/elem); FP8 e4m3 (1 B/elem) + fp32 block scale_inv (4 B per
-    128x128 block); plus per element 2 B (`reference`: dequantized bf16 weight), 0.5 B (`marlin`:
-    repacked int4 copy) or 1 B (`te`: column-wise FP8 copy for the backward);
+    byte) + bf16 group scales (2 B per group) + the int32-packed codes the publisher sends (0.5 B/elem);
+    FP8 e4m3 (1 B/elem) + fp32 block scale_inv (4 B per 128x128 block); plus per element 2 B (`reference`:
+    dequantized bf16 weight), 0.5 B (`marlin`: repacked int4 copy) or 1 B (`te`: column-wise FP8 copy for
+    the backward);
   - one publish bucket (publish.bucket_mb) in flight, and last step's low-bit codes of the quantized scope
     (W4A16 packed 0.5 B/elem, FP8 1 B/elem), which the publisher compares with to count code flips;
   - activations of one micro-batch of T = micro_batch_size x (max_prompt_len + max_new_tokens) tokens (the
@@ -107,7 +108,8 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
 
     optimizer = _optimizer_bytes(local, cfg.train.optim)
 
-    cached = sum(local[g] for g in in_scope) if aligned else 0.0
+    quantized_local = sum(local[g] for g in in_scope)  # 0 without a scheme: nothing is in scope
+    cached = quantized_local if aligned else 0.0
     compute_copy = 2.0 * (local_total - cached) if cfg.model.dtype == "bfloat16" else 0.0
     quant_cache = 0.0
     if cached:
@@ -116,8 +118,7 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
         if quant.scheme == "w4a16":  # the int32 words the publisher sends, made by the same fused pass
             quant_cache += 0.5 * cached
     # the publisher keeps last step's codes of every quantized local weight to count code flips
-    quantized_local = sum(local[g] for g in in_scope) if quant.scheme != "none" else 0.0
-    flip_reference = quantized_local * (0.5 if quant.scheme == "w4a16" else 1.0)
+    prev_codes = quantized_local * (0.5 if quant.scheme == "w4a16" else 1.0)
     act = _activation_bytes(cfg, shape, tp, etp)
     trainer = {
         "master_fp32": 4.0 * local_total,
@@ -126,7 +127,7 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
         "compute_copy_bf16": compute_copy,
         "quant_cache": quant_cache,
         "publish_bucket": cfg.publish.bucket_mb * 1024.0 ** 2,
-        "publish_prev_codes": flip_reference,
+        "publish_prev_codes": prev_codes,
         "activations": act["layers"],
         "logits": act["logits"],
     }

@@ -17,7 +17,6 @@ Scope (which linears are low-bit) is `QuantConfig.quantizes`; the numbers are in
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Union
 
@@ -27,7 +26,7 @@ from megatron_qarl.quant.config import SCOPES, QuantConfig, is_routed_expert
 from megatron_qarl.quant.errors import QuantizationError
 from megatron_qarl.quant.fp8 import Fp8Weight, dequantize_fp8_block, quantize_dequantize_fp8, quantize_fp8_block
 from megatron_qarl.quant.int4 import (
-    Int4Weight, dequantize_int4_groupwise, pack_int4_groupwise, quantize_dequantize_int4, quantize_int4_groupwise,
+    Int4Weight, dequantize_int4_groupwise, quantize_dequantize_int4, quantize_int4_groupwise,
     unpack_int4_groupwise,
 )
 

@@ -36,7 +36,6 @@ previous publish, counted by every sending rank on its LOCAL codes against its o
 from __future__ import annotations
 
 import functools
-
 import math
 import time
 from collections.abc import Iterable, Iterator
