@@ -261,6 +261,10 @@ class PublishConfig:
     # Each engine leader keeps a host copy of what its engine holds.
     mode: str = "full"
     full_every: int = 50  # delta mode: every this many publishes everything is sent whole (1 = always)
+    # full mode: also report publish/code_flip_frac (keeps last step's codes, 0.5 B per int4 weight / 1 B per fp8,
+    # and compares every code each publish: about as long as the rest of a cached publish). Delta mode always
+    # reports it, from the diff its encoder makes anyway.
+    code_flips: bool = False
 
 
 @dataclass

@@ -14,8 +14,9 @@ Trainer memory per GPU (bytes), for the parameters a rank holds under TP / EP / 
     FP8 e4m3 (1 B/elem) + fp32 block scale_inv (4 B per 128x128 block); plus per element 2 B (`reference`:
     dequantized bf16 weight), 0.5 B (`marlin`: repacked int4 copy) or 1 B (`te`: column-wise FP8 copy for
     the backward);
-  - one publish bucket (publish.bucket_mb) in flight, and last step's low-bit codes of the quantized scope
-    (W4A16 packed 0.5 B/elem, FP8 1 B/elem), which the publisher compares with to count code flips;
+  - one publish bucket (publish.bucket_mb) in flight, and, for a full-mode publisher with
+    publish.code_flips, last step's low-bit codes of the quantized scope (W4A16 packed 0.5 B/elem, FP8
+    1 B/elem), which it compares with to count code flips (delta mode counts against the engine copy);
   - activations of one micro-batch of T = micro_batch_size x (max_prompt_len + max_new_tokens) tokens (the
     widest micro-batch the trainer forms), bf16, TP/SP-sharded, balanced routing:
       attention per layer and token: 2 B x (2H + (2 n_heads + 2 n_kv) x head_dim) / TP
@@ -117,8 +118,9 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
             _BACKEND_EXTRA_BYTES_PER_ELEM.get(quant.backend, 0.0) * cached
         if quant.scheme == "w4a16":  # the int32 words the publisher sends, made by the same fused pass
             quant_cache += 0.5 * cached
-    # the publisher keeps last step's codes of every quantized local weight to count code flips
-    prev_codes = quantized_local * (0.5 if quant.scheme == "w4a16" else 1.0)
+    # a full-mode publisher that counts code flips keeps last step's codes of every quantized local weight
+    counts_locally = cfg.publish.mode == "full" and cfg.publish.code_flips
+    prev_codes = quantized_local * (0.5 if quant.scheme == "w4a16" else 1.0) if counts_locally else 0.0
     act = _activation_bytes(cfg, shape, tp, etp)
     trainer = {
         "master_fp32": 4.0 * local_total,

@@ -145,7 +145,7 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     publisher = WeightPublisher(
         model, hf_config, cfg.quant, quant=quant, engine=engine, leaders=topology.leaders,
         bucket_bytes=cfg.publish.bucket_mb * 1024 * 1024, verify=cfg.publish.verify,
-        mode=cfg.publish.mode, full_every=cfg.publish.full_every,
+        mode=cfg.publish.mode, full_every=cfg.publish.full_every, count_flips=cfg.publish.code_flips,
     )
     ctx = RunContext(
         cfg=cfg, hf_config=hf_config, model=ddp, optimizer=optimizer, quant=quant, publisher=publisher, engine=engine,

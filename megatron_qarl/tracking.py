@@ -218,7 +218,9 @@ def _truncate_jsonl(path: Path, start_step: int) -> None:
 def progress_line(step: int, total: int | None, metrics: dict[str, Any]) -> str:
     """'step k/N' and the PROGRESS_METRICS, then the eval/ metrics, of those the row has (an eval-only row
     has no training keys)."""
-    parts = [f"{label} {metrics[k]:.4g}" for k, label in PROGRESS_METRICS if _is_number(metrics.get(k))]
+    # NaN = not measured this step (e.g. code flips of a full-mode publisher that does not count them)
+    parts = [f"{label} {metrics[k]:.4g}" for k, label in PROGRESS_METRICS
+             if _is_number(metrics.get(k)) and not math.isnan(metrics[k])]
     parts += [f"{k} {v:.4g}" for k, v in sorted(metrics.items()) if k.startswith("eval/") and _is_number(v)]
     return f"[qarl] step {step + 1}/{total if total is not None else '?'}  " + "  ".join(parts)
 

@@ -109,7 +109,7 @@ def test_tiny_w4a16_reference_memory_hand_computed():
     # int8 codes 1 B + bf16 scale per 128 + reference backend's dequantized bf16 weight 2 B + packed words 0.5 B
     assert mem["quant_cache"] == TINY_EXPERTS * (1 + 2 / 128 + 2 + 0.5) == 11_059_200
     assert mem["publish_bucket"] == 16 * 2 ** 20
-    assert mem["publish_prev_codes"] == TINY_EXPERTS * 0.5  # last step's packed words, to count flips
+    assert mem["publish_prev_codes"] == 0  # a full-mode publisher counts no code flips by default
     # T = 4 x (16 + 8) = 96 tokens; per layer and token: attention 2*(2*256 + (2*4 + 2*2)*64) = 2,560;
     # MoE 2*2*256 + 8*8 + 2*2*(256 + 3*256) = 5,184 -> 7,744 x 2 layers x 96 tokens
     assert est["tokens_per_micro_batch"] == 96
@@ -124,7 +124,7 @@ def test_gpu_backends_cache_their_own_copy():
     # codes, scales, Marlin int4 repack, the packed words the publisher sends
     assert marlin["quant_cache"] == TINY_EXPERTS * (1 + 2 / 128 + 0.5 + 0.5)
     te = estimate_memory(_tiny("quant.scheme=fp8", "quant.scope=all-linears", "quant.backend=te",
-                               "quant.block_size=64"))
+                               "quant.block_size=64", "publish.code_flips=true"))
     linears = TINY_EXPERTS + TINY_ATTENTION
     # e4m3 row-wise 1 B + fp32 scale per 64x64 block + column-wise e4m3 copy 1 B
     assert te["trainer_per_gpu"]["quant_cache"] == linears * 2 + 4 * linears / 64 ** 2
@@ -133,10 +133,15 @@ def test_gpu_backends_cache_their_own_copy():
 
 def test_bf16_learner_arm_has_no_cache_and_full_bf16_copy():
     mem = estimate_memory(_tiny("quant.scheme=w4a16", "quant.learner_aligned=false", "model.dtype=bfloat16",
-                                "train.optim.bf16=true"))["trainer_per_gpu"]
+                                "train.optim.bf16=true", "publish.code_flips=true"))["trainer_per_gpu"]
     assert mem["quant_cache"] == 0
     assert mem["compute_copy_bf16"] == 2 * TINY_TOTAL
-    assert mem["publish_prev_codes"] == TINY_EXPERTS * 0.5  # the publisher still quantizes and compares
+    assert mem["publish_prev_codes"] == TINY_EXPERTS * 0.5  # last step's packed words, to count flips
+
+
+def test_delta_mode_counts_flips_without_keeping_last_steps_codes():
+    delta = estimate_memory(_tiny("quant.scheme=w4a16", "publish.mode=delta", "publish.code_flips=true"))
+    assert delta["trainer_per_gpu"]["publish_prev_codes"] == 0  # its encoder compares with the engine copy
 
 
 def test_sharding_and_muon_state():

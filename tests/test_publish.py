@@ -54,7 +54,7 @@ def test_tp1_publish_is_bitwise_the_offline_conversion(cfg, key, aligned_on):
     assert metrics["publish/num_tensors"] == len(want)
     assert metrics["publish/bytes"] == sum(t.numel() * t.element_size() for t in want.values())
     assert metrics["publish/num_buckets"] == engine.calls.count("update") > 1
-    assert math.isnan(metrics["publish/code_flip_frac"])  # nothing to compare with on the first publish
+    assert math.isnan(metrics["publish/code_flip_frac"])  # full mode counts no flips by default
 
 
 def test_aligned_publish_ships_the_cached_codes_without_requantizing(cfg):
@@ -84,8 +84,8 @@ def test_refit_after_steps_samples_like_an_engine_loaded_from_the_exported_check
     aligned = apply_aligned_quantization(model, quant_cfg) if quant_cfg.enabled else None
     engine = EmbeddedEngine.from_hf_config(cfg, seed=3)
     publisher = WeightPublisher(model, cfg, quant_cfg, quant=aligned, engine=engine, bucket_bytes=1 << 20,
-                                verify=True)
-    publisher.publish()
+                                verify=True, count_flips=True)
+    assert math.isnan(publisher.publish()["publish/code_flip_frac"])  # nothing to compare with yet
     before = engine.hf_state()
     for _ in range(3):
         train_steps(model, aligned, steps=1, lr=0.5)
@@ -107,11 +107,22 @@ def test_code_flip_frac_zero_without_a_step_positive_after_a_large_lr(cfg):
     quant_cfg = SCHEMES["w4a16"]
     model = build_model(ParallelLayout(), cfg)
     aligned = apply_aligned_quantization(model, quant_cfg)
-    publisher = WeightPublisher(model, cfg, quant_cfg, quant=aligned, engine=None)
+    publisher = WeightPublisher(model, cfg, quant_cfg, quant=aligned, engine=None, count_flips=True)
     publisher.publish()
     assert publisher.publish()["publish/code_flip_frac"] == 0.0
     train_steps(model, aligned, steps=1, lr=5.0)
     assert publisher.publish()["publish/code_flip_frac"] > 0.05
+
+
+def test_full_mode_without_count_flips_keeps_no_codes_and_reports_nan(cfg):
+    quant_cfg = SCHEMES["w4a16"]
+    model = build_model(ParallelLayout(), cfg)
+    aligned = apply_aligned_quantization(model, quant_cfg)
+    publisher = WeightPublisher(model, cfg, quant_cfg, quant=aligned, engine=None)
+    publisher.publish()
+    train_steps(model, aligned, steps=1, lr=5.0)
+    assert math.isnan(publisher.publish()["publish/code_flip_frac"])
+    assert publisher._previous_codes == {}
 
 
 def test_changed_codes_equals_a_hand_count_on_packed_words():

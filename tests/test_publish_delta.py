@@ -3,6 +3,7 @@ a full publish of the same weights sends (reference: the offline conversion of t
 a second engine that received only full publishes); every doubt (damaged delta, engine restart, every
 K-th publish) ends in a full publish."""
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
-from publish_common import SCHEMES, RecordingEngine, build_model, offline_engine_tensors, train_steps  # noqa: E402
+from publish_common import (  # noqa: E402
+    SCHEMES, RecordingEngine, build_model, full_codes, hand_flip_frac, offline_engine_tensors, train_steps,
+)
 
 from megatron_qarl.models.aligned import apply_aligned_quantization  # noqa: E402
 from megatron_qarl.models.qwen3_moe import tiny_hf_config  # noqa: E402
@@ -203,3 +206,20 @@ def test_the_vllm_server_applies_deltas_over_its_wire_and_reloads_what_it_holds(
         send_json(proxy._conn, {"op": "shutdown"})
         thread.join(timeout=10)
     assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("key", ["w4a16", "fp8"])
+def test_delta_mode_code_flip_frac_is_the_hand_count_on_delta_and_full_publishes(cfg, key):
+    """Delta mode takes the flip count from its encoder (delta publishes) or from comparing with the engine
+    copy (every K-th, full publish); both equal the count made by hand on the spec's codes of the gathered
+    masters before and after the step."""
+    quant_cfg, model, aligned, _, publisher = _setup(cfg, key, full_every=3)
+    assert math.isnan(publisher.publish()["publish/code_flip_frac"])  # nothing to compare with yet
+    for step in range(3):  # publishes 2, 3 (deltas) and 4 (full: every 3rd after the first)
+        before = full_codes(model, cfg, quant_cfg)
+        train_steps(model, aligned, steps=1, lr=SMALL_LR, seed=30 + step)
+        metrics = publisher.publish()
+        hand = hand_flip_frac(before, full_codes(model, cfg, quant_cfg))
+        assert metrics["publish/full"] == float(step == 2)
+        assert hand > 0 and metrics["publish/code_flip_frac"] == pytest.approx(hand, rel=0, abs=1e-12)
+    assert publisher._previous_codes == {}  # no second copy of the codes next to the engine copy

@@ -303,3 +303,8 @@ def test_samples_off_writes_no_samples_file(tmp_path):
 def test_progress_line_of_a_row_without_training_keys():
     assert progress_line(9, 10, {"eval/pass@1": 0.5}) == "[qarl] step 10/10  eval/pass@1 0.5"
     assert progress_line(0, None, {}) == "[qarl] step 1/?  "
+
+
+def test_progress_line_leaves_out_what_was_not_measured():
+    line = progress_line(2, 5, {"reward/mean": 0.25, "publish/code_flip_frac": float("nan")})
+    assert line == "[qarl] step 3/5  reward 0.25"

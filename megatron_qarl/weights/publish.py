@@ -30,8 +30,12 @@ Codes equal the offline conversion (gather masters -> ``mcore_to_hf`` -> ``engin
     codes differ from the ones the aligned trainer computed with.
 
 ``code_flip_frac``: fraction of int4 codes (fp8 bytes) of the quantized sites that changed since the
-previous publish, counted by every sending rank on its LOCAL codes against its own previous codes
-(stored packed: 0.5 byte per int4 weight) and all-reduced; NaN on the first publish (nothing to compare).
+previous publish; NaN when nothing was compared (the first publish, a full-mode publisher that does not
+count). Delta mode takes it from the delta encoder, which diffs every code tensor against the engine's copy
+anyway (the first engine leader's count: every leader holds the whole model). Full mode counts only with
+``count_flips`` (``publish.code_flips``): every sending rank compares its LOCAL codes with its own previous
+ones (kept: 0.5 byte per int4 weight) and the counts are all-reduced; without it a cached publish does no
+work but the gathers and the copy into buckets (the count cost about half of it: docs/publish.md, P2).
 """
 from __future__ import annotations
 
@@ -50,7 +54,8 @@ from megatron_qarl.quant.engine_layout import (
     as_quant_config, engine_tensors, kind_of, linear_parts, meta_linear_parts, quantize_weight,
 )
 from megatron_qarl.rollout.delta import (
-    DeltaBatch, TensorDelta, WeightDeltaMismatch, supports_delta, tensor_crc32, tensor_delta, worth_a_delta,
+    DeltaBatch, TensorDelta, WeightDeltaMismatch, is_nibble_tensor, supports_delta, tensor_crc32, tensor_delta,
+    worth_a_delta,
 )
 from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, TensorMeta, iter_buckets, plan_buckets, tensor_sha256
 
@@ -117,6 +122,8 @@ class PushStats:
     unchanged_tensors: int = 0
     quantized_bytes: int = 0  # bytes sent for the quantized linears' tensors (whole or as deltas)
     quantized_full_bytes: int = 0  # ... what sending them whole costs: the P5 denominator
+    codes_changed: int = 0  # int4 codes / fp8 bytes that differ from the engine's copy (delta mode)
+    codes_compared: int = 0  # ... of this many codes that had a copy to compare with
 
 
 def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
@@ -249,6 +256,7 @@ def push_changes(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], copy
             if quantized:
                 stats.quantized_full_bytes += new.nbytes
             delta = _delta_against(copy, name, new) if not full and quantized else None
+            _count_code_changes(stats, copy, name, new, delta)
             if delta is False:  # unchanged: the engine already holds these bytes
                 stats.unchanged_tensors += 1
                 continue
@@ -273,6 +281,33 @@ def push_changes(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], copy
     stats.bytes = whole.bytes + stats.delta_bytes
     stats.num_tensors, stats.num_buckets = whole.num_tensors, whole.num_buckets
     return stats
+
+
+def _code_count(name: str, tensor: torch.Tensor) -> int:
+    """How many low-bit codes an engine tensor holds: 8 per int4 packed word, 1 per fp8 byte, 0 otherwise."""
+    if is_nibble_tensor(name, tensor):
+        return 8 * tensor.numel()
+    return tensor.numel() if tensor.dtype == torch.float8_e4m3fn else 0
+
+
+def _count_code_changes(stats: PushStats, copy: EngineCopy, name: str, new: torch.Tensor,
+                        delta: TensorDelta | None | bool) -> None:
+    """Code flips of one engine tensor for ``publish/code_flip_frac``: a delta's units are its changed codes;
+    a tensor sent whole (a full publish) is compared with the copy here, once every `full_every` publishes."""
+    total = _code_count(name, new)
+    old = copy.held.get(name)
+    if not total or old is None or old.shape != new.shape or old.dtype != new.dtype:
+        return
+    if delta is False:
+        changed = 0
+    elif delta is not None:
+        changed = delta.positions.numel()
+    else:
+        nibble = is_nibble_tensor(name, new)
+        changed = _changed_codes(old if nibble else old.view(torch.uint8), new if nibble else new.view(torch.uint8),
+                                 "int4" if nibble else "fp8")
+    stats.codes_changed += changed
+    stats.codes_compared += total
 
 
 def _delta_against(copy: EngineCopy, name: str, new: torch.Tensor) -> TensorDelta | None | bool:
@@ -408,6 +443,9 @@ class WeightPublisher:
     rollout group, `parallel.RolloutTopology.leaders`; default [0]). `engine`: this rank's engine on a
     leader, None elsewhere (None on a leader too: plan and count only).
 
+    `count_flips`: full mode also reports ``publish/code_flip_frac`` (keeps last step's local codes and
+    compares every code each publish); delta mode always reports it, from its delta encoder.
+
     `mode="delta"`: each leader keeps a copy of what its engine holds (`EngineCopy`, host memory: the
     engine payload, 16.8 GiB of W4A16 experts at 30B-A3B) and sends the quantized linears' changed codes
     and scales as deltas (`rollout.delta`); everything is sent whole on the first publish, every
@@ -417,7 +455,8 @@ class WeightPublisher:
     """
 
     def __init__(self, model, hf_config, quant_cfg, *, quant=None, engine=None, leaders: list[int] | None = None,
-                 bucket_bytes: int = 512 << 20, verify: bool = False, mode: str = "full", full_every: int = 50):
+                 bucket_bytes: int = 512 << 20, verify: bool = False, mode: str = "full", full_every: int = 50,
+                 count_flips: bool = False):
         from megatron_qarl.weights.sharding import unwrap_model
 
         if bucket_bytes <= 0:
@@ -440,6 +479,7 @@ class WeightPublisher:
                              f"{type(engine).__name__} does not (use mode 'full')")
         self.mode = mode
         self.full_every = full_every
+        self.count_local_flips = count_flips and mode == "full"  # delta mode counts in its encoder
         self.copy = EngineCopy.empty()  # delta mode, on a leader: what its engine holds
         if quant is not None and quant.quant_cfg != self.quant_cfg:
             raise ValueError(f"quant_cfg {self.quant_cfg} differs from the aligned model's {quant.quant_cfg}; "
@@ -484,7 +524,7 @@ class WeightPublisher:
         if not (topo.expert_replica_has_leader if rule.expert else topo.tp_leaders):
             return []  # a replica no engine leader takes its weights from
         kind, parts = self._local(name, param)
-        if kind != "bf16" and (topo.counts_experts if rule.expert else topo.counts_dense):
+        if self.count_local_flips and kind != "bf16" and (topo.counts_experts if rule.expert else topo.counts_dense):
             self._count_flips(name, kind, parts, flips)
         c = topo.coords
         shape = tuple(param.shape)
@@ -556,6 +596,8 @@ class WeightPublisher:
             try:
                 if self.mode == "delta" and self.engine is not None:
                     stats, full_reason, fallbacks = self._push_delta(stream, live)
+                    if dist.get_rank() == self.leaders[0]:  # every leader diffed the whole model: count one
+                        flips[:] = [stats.codes_changed, stats.codes_compared]
                 else:
                     stats = push_named_tensors(self.engine, stream, bucket_bytes=self.bucket_bytes, verify=self.verify,
                                                live=live)

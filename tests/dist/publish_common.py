@@ -8,7 +8,7 @@ import torch
 
 from aligned_common import seeded_hf_state, tokens
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
-from megatron_qarl.quant import QuantConfig
+from megatron_qarl.quant import QuantConfig, quantize_weight
 from megatron_qarl.rollout.payload import unflatten_bucket
 from megatron_qarl.quant.engine_layout import engine_named_tensors
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore, mcore_to_hf
@@ -68,6 +68,22 @@ def mismatches(got: dict, want: dict) -> list[str]:
                                                                        if b.element_size() == 1 else b):
             bad.append(name)
     return bad
+
+
+def full_codes(model, cfg, quant_cfg) -> dict:
+    """Spec codes (fp8: bytes) of every in-scope linear of the gathered HF model (the hand count's input)."""
+    hf = mcore_to_hf(cfg, gather_full_state(model))
+    out = {}
+    for name, w in hf.items():
+        if quant_cfg.quantizes(name):
+            q = quantize_weight(w, quant_cfg)
+            out[name] = q.codes if quant_cfg.scheme == "w4a16" else q.qweight.view(torch.uint8)
+    return out
+
+
+def hand_flip_frac(before: dict, after: dict) -> float:
+    changed = sum(int((before[n] != after[n]).sum()) for n in before)
+    return changed / sum(t.numel() for t in before.values())
 
 
 def train_steps(model, aligned, steps: int, lr: float, vocab: int = 128, seed: int = 5):

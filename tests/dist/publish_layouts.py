@@ -14,30 +14,13 @@ import torch
 import torch.distributed as dist
 
 from _common import write_result
-from publish_common import SCHEMES, RecordingEngine, build_model, mismatches, offline_engine_tensors
+from publish_common import (
+    SCHEMES, RecordingEngine, build_model, full_codes, hand_flip_frac, mismatches, offline_engine_tensors,
+)
 from megatron_qarl.models.qwen3_moe import tiny_hf_config
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
-from megatron_qarl.quant import quantize_weight
 from megatron_qarl.models.aligned import apply_aligned_quantization
-from megatron_qarl.models.qwen3_moe.state_dict_adapter import mcore_to_hf
 from megatron_qarl.weights.publish import WeightPublisher
-from megatron_qarl.weights.sharding import gather_full_state
-
-
-def full_codes(model, cfg, quant_cfg) -> dict:
-    """Spec codes (fp8: bytes) of every in-scope linear of the gathered HF model (the hand count's input)."""
-    hf = mcore_to_hf(cfg, gather_full_state(model))
-    out = {}
-    for name, w in hf.items():
-        if quant_cfg.quantizes(name):
-            q = quantize_weight(w, quant_cfg)
-            out[name] = q.codes if quant_cfg.scheme == "w4a16" else q.qweight.view(torch.uint8)
-    return out
-
-
-def hand_flip_frac(before: dict, after: dict) -> float:
-    changed = sum(int((before[n] != after[n]).sum()) for n in before)
-    return changed / sum(t.numel() for t in before.values())
 
 
 def perturb(model, lr: float, seed: int):
@@ -59,7 +42,8 @@ def check_scheme(layout, key, aligned_on, cfg):
     model = build_model(layout, cfg)
     aligned = apply_aligned_quantization(model, quant_cfg) if aligned_on else None
     engine = RecordingEngine() if dist.get_rank() == 0 else None
-    publisher = WeightPublisher(model, cfg, quant_cfg, quant=aligned, engine=engine, bucket_bytes=256 << 10)
+    publisher = WeightPublisher(model, cfg, quant_cfg, quant=aligned, engine=engine, bucket_bytes=256 << 10,
+                                count_flips=True)
     metrics = publisher.publish()
     want = offline_engine_tensors(model, cfg, quant_cfg)  # collective
     res = dict(bytes=metrics["publish/bytes"], num_tensors=metrics["publish/num_tensors"],
