@@ -318,6 +318,7 @@ class SFTConfig:
     operators: str = "+"
     style: str = "plain"
     digit_order: str = "msd_first"  # "lsd_first": answers written least-significant digit first
+    terms: int = 2  # operands per problem; > 2 with style "chain" (the response writes the running sums)
     # Evaluation on held-out prompts: greedy and temperature-1 sampled exact match.
     eval_every: int = 25  # steps; 0 = only at the end (an eval of 128 prompts costs ~0.3 s)
     eval_prompts: int = 128
@@ -361,7 +362,8 @@ class SFTConfig:
     def task_config(self, seed: int | None = None) -> ArithmeticTaskConfig:
         return ArithmeticTaskConfig(min_digits=self.min_digits, max_digits=self.max_digits,
                                     operations=tuple(self.operators), style=self.style,
-                                    digit_order=self.digit_order, seed=self.seed if seed is None else seed)
+                                    digit_order=self.digit_order, terms=self.terms,
+                                    seed=self.seed if seed is None else seed)
 
 
 @dataclass

@@ -18,6 +18,7 @@ import time
 import torch.distributed as dist
 
 from megatron_qarl.parallel import raise_if_any_rank_failed, sum_over_ranks
+from megatron_qarl.rl.repetition import is_repetitive
 from megatron_qarl.rollout.dispatch import generate_request, plan_requests
 from megatron_qarl.rollout.protocol import RolloutEngineError
 
@@ -68,6 +69,7 @@ def evaluate(ctx) -> dict:
         f"eval/pass@{k}": total.get("passk", 0.0) / prompts,
         "eval/mean_reward": total.get("reward", 0.0) / rows,
         "eval/response_length_mean": total.get("length", 0.0) / rows,
+        "eval/repetitive_frac": total.get("repetitive", 0.0) / rows,  # looping responses (rl.repetition)
         "eval/prompts": total.get("prompts", 0.0),
         "eval/time_s": time.perf_counter() - t0,
     }
@@ -86,7 +88,7 @@ def _evaluate_share(ctx) -> dict:
         max_new_tokens=cfg.eval.max_new_tokens if cfg.eval.max_new_tokens is not None
         else ctx.sampling.max_new_tokens)
     group = topo.group_of(dist.get_rank())
-    out = {"prompts": 0.0, "rows": 0.0, "pass1": 0.0, "passk": 0.0, "reward": 0.0, "length": 0.0}
+    out = {"prompts": 0.0, "rows": 0.0, "pass1": 0.0, "passk": 0.0, "reward": 0.0, "length": 0.0, "repetitive": 0.0}
     for request in plan_requests(len(rows_prompt_ids), n, cfg.rollout.request_prompts, topo.engines):
         if request.engine != group:
             continue
@@ -103,4 +105,5 @@ def _evaluate_share(ctx) -> dict:
         out["rows"] += len(results)
         out["reward"] += float(sum(rewards))
         out["length"] += float(sum(len(res.token_ids) for res in results))
+        out["repetitive"] += float(sum(is_repetitive(res.token_ids) for res in results))
     return out

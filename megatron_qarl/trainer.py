@@ -33,6 +33,7 @@ from megatron_qarl.rl.advantages import group_normalized_advantages
 from megatron_qarl.rl.batch import RolloutBatch, build_rollout_batch
 from megatron_qarl.rl.losses import compute_loss, compute_loss_normalizer
 from megatron_qarl.rl.metrics import reduce_metrics
+from megatron_qarl.rl.repetition import is_repetitive
 from megatron_qarl.rollout.protocol import RolloutEngineError
 
 
@@ -166,6 +167,7 @@ def serve_requests(ctx, step: int, prompts, pending: list, owned: dict, partial:
             "rows": len(results), "reward_sum": float(rewards.sum()),
             "length_sum": float(sum(len(r.token_ids) for r in results)),
             "truncated": float(sum(r.finish_reason == "length" for r in results)),
+            "repetitive": float(sum(is_repetitive(r.token_ids) for r in results)),
             "groups": float(adv.num_groups), "degenerate_groups": float(adv.num_degenerate_groups),
             "requests": 1.0, "request_retries": float(retries),
         })
@@ -205,6 +207,7 @@ def rollout_metrics(t: dict) -> dict:
         "reward/mean": t.get("reward_sum", 0.0) / rows,
         "response/length_mean": t.get("length_sum", 0.0) / rows,
         "response/truncated_frac": t.get("truncated", 0.0) / rows,
+        "response/repetitive_frac": t.get("repetitive", 0.0) / rows,  # looping responses (rl.repetition)
         "adv/groups": groups, "adv/degenerate_groups": t.get("degenerate_groups", 0.0),
         "adv/degenerate_frac": t.get("degenerate_groups", 0.0) / max(groups, 1.0),
         "rollout/requests": t.get("requests", 0.0), "rollout/request_retries": t.get("request_retries", 0.0),

@@ -42,7 +42,7 @@ ALLOWED: dict[str, set[str]] = {
     # The run: builders (run_context) and the two loops (trainer for RL, sft for the warm-up) may use
     # every room below them; the CLIs sit on top.
     # held-out evaluation: a phase of the RL loop, over the engines and the collectives
-    "megatron_qarl.evaluation": {"megatron_qarl.parallel", "megatron_qarl.rollout"},
+    "megatron_qarl.evaluation": {"megatron_qarl.parallel", "megatron_qarl.rollout", "megatron_qarl.rl.repetition"},
     # the config reference generator reads the config dataclasses
     "megatron_qarl.config_reference": {"megatron_qarl.config", "megatron_qarl.fileio"},
     "megatron_qarl.run_context": {"*"},

@@ -184,6 +184,32 @@ def test_lsd_first_answers_are_the_digits_reversed_and_sign_first():
         ArithmeticTaskConfig(digit_order="backwards")
 
 
+def test_chain_problems_write_every_operand_and_running_sum_checked_by_hand():
+    rows = generate_arithmetic_rows(ArithmeticTaskConfig(num_rows=200, min_digits=2, max_digits=2, style="chain",
+                                                         terms=4, digit_order="lsd_first", seed=3))
+    for row in rows:
+        operands = [int(v) for v in row["prompt"].rstrip("=").split("+")]
+        assert len(operands) == 4 and all(10 <= v <= 99 for v in operands)
+        steps = [step.split(":") for step in row["answer"].split(",")]
+        assert [int(v) for v, _ in steps] == operands[1:]
+        assert [int(s[::-1]) for _, s in steps] == [sum(operands[:i + 1]) for i in range(1, 4)]  # LSD first
+    assert generate_arithmetic_rows(ArithmeticTaskConfig(num_rows=1, min_digits=2, max_digits=2, style="chain",
+                                                         terms=3, seed=0))[0]["answer"].count(":") == 2
+    # responses of 16+ tokens (one per character, with EOS): what the Table 1 runs need
+    assert min(len(r["answer"]) for r in rows) >= 17
+    assert reward_kind_for_style("chain") == "exact_match"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(style="chain", terms=2), "terms >= 3"),
+    (dict(style="chain", terms=4, operations=("+", "*")), "operations"),
+    (dict(style="plain", terms=3), "need style 'chain'"),
+])
+def test_chain_settings_that_cannot_work_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ArithmeticTaskConfig(**kwargs)
+
+
 def test_shipped_demo_data_matches_generator():
     """configs/_base_tiny.yaml's RL prompts are the generator's (its comment says how to regenerate)."""
     rows = [json.loads(line) for line in (REPO / "data" / "arith_2digit_lsd.jsonl").read_text().splitlines()]

@@ -1,9 +1,15 @@
 """Synthetic arithmetic task for the CPU demo and the experiments.
 
-Two prompt styles:
+Three prompt styles:
 - ``plain`` (demo default, short enough for the tiny char-level model): prompt ``123+456=``, expected
   response ``579`` then EOS, scored with the exact-match reward;
-- ``boxed`` (realism): ``What is 123+456? Put the answer in \\boxed{}.`` scored with math-verify.
+- ``boxed`` (realism): ``What is 123+456? Put the answer in \\boxed{}.`` scored with math-verify;
+- ``chain`` (long responses for the Table 1 experiment): ``terms`` operands, prompt ``12+34+56+78=``; the
+  response takes the operands after the first one by one, writing each and the running sum after it
+  (``34:46,56:102,78:180``), scored by exact match on the whole chain. Copying the next operand is what
+  an induction head does, and each sum needs only the operand just written and the previous sum, so a
+  tiny model learns it; a few steps of the same skill make responses of 17+ tokens, so sequence-level
+  importance ratios compound over many tokens (what TBPO's sequence-level band is about).
 
 Two digit orders for the answer: ``msd_first`` (the usual ``579``) and ``lsd_first`` (``975``: least
 significant digit first, a sign stays in front). Written LSD first, each answer digit depends only on the
@@ -27,7 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_qarl.fileio import atomic_write_bytes
 
-STYLES = ("plain", "boxed")
+STYLES = ("plain", "boxed", "chain")
 DIGIT_ORDERS = ("msd_first", "lsd_first")
 OPERATIONS = ("+", "-", "*")
 BOXED_TEMPLATE = "What is {expr}? Put the answer in \\boxed{{}}."
@@ -44,6 +50,7 @@ class ArithmeticTaskConfig:
     # For '-': when False the larger operand comes first so answers are never negative.
     allow_negative: bool = False
     digit_order: str = "msd_first"  # how the answer is written: "msd_first" (579) or "lsd_first" (975)
+    terms: int = 2  # operands per problem; more than 2 only with style "chain" (running sums, '+' only)
 
     def __post_init__(self) -> None:
         self.operations = tuple(self.operations)
@@ -58,11 +65,18 @@ class ArithmeticTaskConfig:
             raise ValueError(f"unknown digit_order {self.digit_order!r}; use one of {', '.join(DIGIT_ORDERS)}")
         if self.num_rows < 1:
             raise ValueError("num_rows must be >= 1")
+        if self.style == "chain":
+            if self.operations != ("+",) or self.terms < 3:
+                raise ValueError(f"style 'chain' writes running sums: it needs operations ('+',) and terms >= 3, "
+                                 f"got {self.operations} and terms={self.terms}")
+        elif self.terms != 2:
+            raise ValueError(f"terms={self.terms}: problems of more than two operands need style 'chain' "
+                             f"(the {self.style!r} style asks for one binary operation)")
 
 
 def reward_kind_for_style(style: str) -> str:
     """The reward that scores a style: exact match on the digits (plain) or math-verify (boxed)."""
-    return "exact_match" if style == "plain" else "math_verify"
+    return "math_verify" if style == "boxed" else "exact_match"
 
 
 def _operand(rng: random.Random, cfg: ArithmeticTaskConfig) -> int:
@@ -77,7 +91,20 @@ def write_number(value: int, digit_order: str) -> str:
     return sign + (digits[::-1] if digit_order == "lsd_first" else digits)
 
 
+def make_chain_problem(rng: random.Random, cfg: ArithmeticTaskConfig) -> Dict[str, str]:
+    """``a+b+c+...=`` -> ``b:a+b,c:a+b+c,...``: each operand after the first, then the running sum written in
+    ``cfg.digit_order``."""
+    operands = [_operand(rng, cfg) for _ in range(cfg.terms)]
+    steps, total = [], operands[0]
+    for value in operands[1:]:
+        total += value
+        steps.append(f"{value}:{write_number(total, cfg.digit_order)}")
+    return {"prompt": "+".join(map(str, operands)) + "=", "answer": ",".join(steps)}
+
+
 def make_problem(rng: random.Random, cfg: ArithmeticTaskConfig) -> Dict[str, str]:
+    if cfg.style == "chain":
+        return make_chain_problem(rng, cfg)
     a, b = _operand(rng, cfg), _operand(rng, cfg)
     op = rng.choice(cfg.operations)
     if op == "-" and not cfg.allow_negative and b > a:
@@ -127,11 +154,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--style", choices=STYLES, default="plain")
     p.add_argument("--digit-order", choices=DIGIT_ORDERS, default="msd_first",
                    help="how answers are written: 579 (msd_first) or 975 (lsd_first)")
+    p.add_argument("--terms", type=int, default=2, help="operands per problem (> 2: style chain)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     cfg = ArithmeticTaskConfig(num_rows=args.rows, min_digits=args.min_digits, max_digits=args.max_digits,
                                operations=tuple(args.ops), style=args.style, seed=args.seed,
-                               digit_order=args.digit_order)
+                               digit_order=args.digit_order, terms=args.terms)
     out = write_arithmetic_dataset(args.out, cfg)
     print(f"wrote {cfg.num_rows} rows to {out} (reward: {reward_kind_for_style(cfg.style)})")
 

@@ -1,0 +1,186 @@
+"""The Table 1 report, built only from the runs' metrics.jsonl (no number is typed in by hand).
+
+Per run: held-out pass@1 at the start, at the end and at its best evaluation; the reward curve's area (mean
+training reward over the steps); sampler<->learner k3 (mean over steps); the TBPO masked fraction (TBPO
+arms); the looping-response rate (rl.repetition) of the training samples and of the last evaluation; the
+median step time. Per arm: mean +- sample std over its seeds. Plots: reward and k3 against the step, the
+seed mean with a band from the lowest to the highest seed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+
+COLUMNS = (  # (key in the per-run summary, column title, format)
+    ("pass1_start", "pass@1 start", "{:.3f}"),
+    ("pass1_final", "pass@1 final", "{:.3f}"),
+    ("pass1_best", "pass@1 best", "{:.3f}"),
+    ("reward_area", "reward area", "{:.3f}"),
+    ("k3", "k3 sampler-learner", "{:.2e}"),
+    ("masked", "TBPO masked", "{:.3f}"),
+    ("repetitive", "looping (train)", "{:.4f}"),
+    ("repetitive_eval", "looping (eval, last)", "{:.4f}"),
+    ("step_s", "step s", "{:.2f}"),
+)
+
+
+def load_rows(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
+    return statistics.fmean(values) if values else math.nan
+
+
+def summarize_run(rows: list[dict]) -> dict:
+    train = sorted((r for r in rows if "reward/mean" in r), key=lambda r: r["step"])
+    evals = sorted((r for r in rows if "eval/pass@1" in r), key=lambda r: r["step"])
+    return {
+        "steps": len(train),
+        "pass1_start": evals[0]["eval/pass@1"] if evals else math.nan,
+        "pass1_final": evals[-1]["eval/pass@1"] if evals else math.nan,
+        "pass1_best": max((r["eval/pass@1"] for r in evals), default=math.nan),
+        "reward_area": _mean(train, "reward/mean"),
+        "k3": _mean(train, "mismatch/k3"),
+        "masked": _mean(train, "tbpo/masked_frac"),
+        "repetitive": _mean(train, "response/repetitive_frac"),
+        "repetitive_eval": evals[-1].get("eval/repetitive_frac", math.nan) if evals else math.nan,
+        "step_s": statistics.median(r["time/step_s"] for r in train) if train else math.nan,
+        "curves": {"step": [r["step"] for r in train], "reward": [r.get("reward/mean", math.nan) for r in train],
+                   "k3": [r.get("mismatch/k3", math.nan) for r in train]},
+    }
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
+
+
+def _cell(values: list[float], fmt: str) -> str:
+    mean, std = mean_std(values)
+    if math.isnan(mean):
+        return "-"
+    return fmt.format(mean) + ("" if math.isnan(std) else " ± " + fmt.format(std))
+
+
+def _git_commit(repo: Path) -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _plots(summaries: dict, labels: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    for key, title, log in (("reward", "training reward (mean of the step's samples)", False),
+                            ("k3", "sampler-learner k3", True)):
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=80)
+        for arm, runs in summaries.items():
+            curves = [r["curves"] for r in runs if r["curves"]["step"]]
+            if not curves:
+                continue
+            n = min(len(c["step"]) for c in curves)
+            steps = curves[0]["step"][:n]
+            per_step = list(zip(*(c[key][:n] for c in curves)))
+            mean = [statistics.fmean(v) for v in per_step]
+            line, = ax.plot(steps, mean, label=labels[arm])
+            if len(curves) > 1:
+                ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step],
+                                color=line.get_color(), alpha=0.15)
+        ax.set_xlabel("RL step")
+        ax.set_title(title + " (band: lowest to highest seed)")
+        if log:
+            ax.set_yscale("log")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        name = f"table1_{key}.png"
+        fig.savefig(out / name)
+        plt.close(fig)
+        names.append(name)
+    return names
+
+
+def findings(summaries: dict, labels: dict) -> list[str]:
+    """Statements computed from the numbers: the k3 ratio aligned vs unaligned, and the pass@1 ordering
+    with each arm's seed spread."""
+    out = []
+    k3 = {arm: mean_std([r["k3"] for r in runs])[0] for arm, runs in summaries.items()}
+    if "qarl_w4a16_tbpo" in k3 and "w4a16_rollout_grpo_tis" in k3 and k3["w4a16_rollout_grpo_tis"] > 0:
+        ratio = k3["qarl_w4a16_tbpo"] / k3["w4a16_rollout_grpo_tis"]
+        out.append(f"- Sampler-learner k3, aligned W4A16 learner / unaligned (BF16 learner, same W4A16 sampler): "
+                   f"**{ratio:.3f}** (the paper's claim, with a real int4 sampler: <= 0.1). Sampler here: the "
+                   "embedded engine (our dequantized arithmetic), not a real int4 kernel.")
+    final = {arm: mean_std([r["pass1_final"] for r in runs]) for arm, runs in summaries.items()}
+    ranked = sorted((a for a in final if not math.isnan(final[a][0])), key=lambda a: -final[a][0])
+    if ranked:
+        parts = [f"{labels[a]} {final[a][0]:.3f}" + ("" if math.isnan(final[a][1]) else f" ± {final[a][1]:.3f}")
+                 for a in ranked]
+        out.append("- Final held-out pass@1, best first: " + "; ".join(parts) + ".")
+        spread = [final[a][1] for a in ranked if not math.isnan(final[a][1])]
+        gaps = [final[ranked[i]][0] - final[ranked[i + 1]][0] for i in range(len(ranked) - 1)]
+        if spread and gaps:
+            separated = sum(g > max(spread) for g in gaps)
+            out.append(f"- Neighbouring arms differ by {min(gaps):.3f}-{max(gaps):.3f}; the largest seed std is "
+                       f"{max(spread):.3f}: {separated} of {len(gaps)} neighbouring gaps exceed it.")
+    return out
+
+
+def write_report(out: Path, arms: list[tuple[str, str]], seeds: list[int], docs: Path | None = None) -> str:
+    """Markdown report of the finished runs under `out` (also to `docs`/results.md with its plots in
+    `docs`/results/ when given). Returns the markdown."""
+    labels = dict(arms)
+    summaries, missing = {}, []
+    for arm, _ in arms:
+        runs = []
+        for seed in seeds:
+            run = out / "runs" / arm / f"seed{seed}"
+            if (run / "DONE").exists():
+                runs.append(summarize_run(load_rows(run)))
+            else:
+                missing.append(f"{arm}/seed{seed}")
+        if runs:
+            summaries[arm] = runs
+    plot_dir = (docs / "results") if docs is not None else (out / "report")
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    plots = _plots(summaries, labels, plot_dir) if summaries else []
+    sft = out / "sft_log" / "sft_metrics.json"
+    warm = json.loads(sft.read_text()) if sft.exists() else {}
+    steps = sorted({r["steps"] for runs in summaries.values() for r in runs})
+    lines = [
+        "# Table 1 at CPU scale (generated by `experiments/table1_tiny/run.py`; do not edit by hand)",
+        "",
+        f"Runs: {', '.join(f'`{a}`' for a in summaries)}; seeds {seeds}; {steps} RL steps; commit "
+        f"{_git_commit(out)}; CPU {platform.processor() or platform.machine()}.",
+        f"Warm start: SFT {warm.get('step', '?')} steps, held-out sampled accuracy "
+        f"{warm.get('eval/sampled_accuracy', math.nan):.3f} (greedy {warm.get('eval/greedy_accuracy', math.nan):.3f}).",
+        "",
+        "| arm | seeds | " + " | ".join(c[1] for c in COLUMNS) + " |",
+        "|---|---|" + "---|" * len(COLUMNS),
+    ]
+    for arm, runs in summaries.items():
+        lines.append(f"| {labels[arm]} | {len(runs)} | "
+                     + " | ".join(_cell([r[key] for r in runs], fmt) for key, _, fmt in COLUMNS) + " |")
+    lines += ["", "Mean ± sample std over seeds. Computed:", "", *findings(summaries, labels), ""]
+    if missing:
+        lines += [f"Not run (yet): {', '.join(missing)}.", ""]
+    rel = "results" if docs is not None else "report"
+    lines += [f"![{p}]({rel}/{p})" for p in plots]
+    text = "\n".join(lines) + "\n"
+    (out / "results.md").write_text(text)
+    if docs is not None:
+        (docs / "results.md").write_text(text)
+    return text

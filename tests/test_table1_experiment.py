@@ -1,0 +1,65 @@
+"""experiments/table1_tiny: every arm's config loads with the shared task, and the report's numbers are
+the hand-computed ones of made-up metrics."""
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_qarl.config import load_config
+
+EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "table1_tiny"
+sys.path.insert(0, str(EXPERIMENT))
+import report  # noqa: E402
+import run  # noqa: E402
+
+
+@pytest.mark.parametrize("arm", run.ARMS, ids=lambda a: a.name)
+def test_every_arm_loads_with_the_shared_task_and_differs_only_in_what_defines_it(arm, tmp_path):
+    sweep = run.Sweep(out=tmp_path, steps=3, seeds=[0], arms=[arm], eval_every=1, eval_prompts=4)
+    cfg = load_config(str(run.REPO / arm.config), [*sweep.task_overrides(), *arm.overrides,
+                                                    f"train.optim.lr={run.LR}"])
+    assert cfg.sft.style == "chain" and cfg.sft.terms == run.TERMS
+    assert cfg.rollout.max_new_tokens == run.MAX_NEW_TOKENS and cfg.train.optim.lr == run.LR
+    if arm.name == "qarl_w4a16_tbpo_no_neg_band":  # no negative sequence is ever outside the band
+        assert cfg.train.loss.neg_seq_clip_ratio_low >= 1.0 and cfg.train.loss.neg_seq_clip_ratio_high >= 1e9
+
+
+def test_task_data_has_long_answers_and_held_out_prompts_never_trained_on(tmp_path):
+    run.write_task_data(tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    held = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert len(held) == run.EVAL_ROWS and not {r["prompt"] for r in rows} & {r["prompt"] for r in held}
+    assert min(len(r["answer"]) for r in rows + held) >= 17  # + EOS: every response >= 18 tokens
+
+
+def _write_run(out: Path, arm: str, seed: int, rewards, k3, evals):
+    run_dir = out / "runs" / arm / f"seed{seed}"
+    run_dir.mkdir(parents=True)
+    rows = [{"step": i + 1, "reward/mean": r, "mismatch/k3": k, "time/step_s": 1.0 + i,
+             "response/repetitive_frac": 0.0} for i, (r, k) in enumerate(zip(rewards, k3))]
+    for step, pass1 in evals:
+        rows.append({"step": step, "eval/pass@1": pass1, "eval/repetitive_frac": 0.25})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "DONE").write_text("1\n")
+
+
+def test_report_numbers_are_the_hand_computed_ones(tmp_path):
+    _write_run(tmp_path, "a", 0, [0.1, 0.3], [1e-3, 3e-3], [(0, 0.2), (1, 0.5), (2, 0.4)])
+    _write_run(tmp_path, "a", 1, [0.3, 0.5], [2e-3, 2e-3], [(0, 0.2), (2, 0.6)])
+    _write_run(tmp_path, "b", 0, [0.0, 0.2], [1e-5, 1e-5], [(0, 0.2), (2, 0.1)])
+    text = report.write_report(tmp_path, [("a", "Arm A"), ("b", "Arm B")], [0, 1])
+    row_a = next(line for line in text.splitlines() if line.startswith("| Arm A"))
+    cells = [c.strip() for c in row_a.strip("|").split("|")]
+    # pass@1 final: seeds 0.4 and 0.6 -> 0.5 +- 0.1414; best: 0.5, 0.6 -> 0.55 +- 0.0707
+    assert cells[1] == "2" and cells[3] == "0.500 ± 0.141" and cells[4] == "0.550 ± 0.071"
+    # reward area 0.2 and 0.4 -> 0.3 +- 0.141; k3 2e-3 both -> 2.00e-03 +- 0; step time median 1.5
+    assert cells[5] == "0.300 ± 0.141" and cells[6] == "2.00e-03 ± 0.00e+00" and cells[10] == "1.50 ± 0.00"
+    assert cells[7] == "-"  # no TBPO metric in these runs
+    row_b = next(line for line in text.splitlines() if line.startswith("| Arm B"))
+    assert "0.100 |" in row_b and "±" not in row_b.split("|")[4]  # one seed: no spread
+    assert "Not run (yet): b/seed1" in text
+    assert (tmp_path / "report" / "table1_reward.png").stat().st_size > 0
+    summary = report.summarize_run(report.load_rows(tmp_path / "runs" / "a" / "seed0"))
+    assert summary["pass1_start"] == 0.2 and math.isclose(summary["k3"], 2e-3)
