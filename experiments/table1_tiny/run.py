@@ -5,10 +5,12 @@
     python experiments/table1_tiny/run.py --quick         # main arms, one seed, few steps (a smoke run)
     python experiments/table1_tiny/run.py --report-only   # rebuild the report from finished runs
 
-Task (a regime meant to show the effect, `../shared/notes/science-probe.md`): 2-digit chains of `TERMS`
+Task (a regime meant to show the effect, `../shared/notes/science-probe.md`): chains of `TERMS` one-digit
 operands; the response writes each operand after the first and the running sum, least-significant digit
-first (`12+34+56+78=` -> `34:64,56:201,78:081`), exact match on the whole chain: responses of 18-21
-tokens with EOS, so sequence-level importance ratios compound over many tokens. Held-out prompts never seen in training; pass@1 of `eval.n` samples at T=1.
+first (`6+4+6+7+9=` -> `4:01,6:61,7:32,9:23`), exact match on the whole chain: responses of 16-20 tokens
+with EOS, so sequence-level importance ratios compound over many tokens. (Two-digit operands made the
+tiny model's warm start plateau at ~4% sampled accuracy after 1,500 SFT steps: its carries were wrong.)
+Held-out prompts never seen in training; pass@1 of `eval.n` samples at T=1.
 
 Every arm runs `qarl-train` (the real trainer, embedded engine) from the same SFT checkpoint with the same
 data, steps, batch, learning rate and per-seed RNG seeds; only what defines the arm differs (ARMS). Each
@@ -34,11 +36,11 @@ from report import write_report  # noqa: E402
 from megatron_qarl.lifecycle import die_with_parent  # noqa: E402
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig, generate_arithmetic_rows, write_rows  # noqa: E402
 
-TERMS = 4  # 3 steps like "34:64": 17-20 characters + EOS, every response >= 18 tokens
-DIGITS = 2
+TERMS = 5  # 4 steps like "4:01": 15-19 characters + EOS, every response >= 16 tokens
+DIGITS = 1
 TRAIN_ROWS, EVAL_ROWS = 4000, 64
-MAX_PROMPT_LEN = 16  # "12+34+56+78=" is 12 characters + BOS
-MAX_NEW_TOKENS = 28  # the longest chain answer is 20 characters + EOS; the rest is room to loop
+MAX_PROMPT_LEN = 16  # "6+4+6+7+9=" is 10 characters + BOS
+MAX_NEW_TOKENS = 28  # the longest chain answer is 19 characters + EOS; the rest is room to loop
 LR = 1e-4  # one learning rate for every arm (science-probe: >= 2e-4 collapses every arm at this scale)
 
 
