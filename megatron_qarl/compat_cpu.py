@@ -9,7 +9,6 @@ only on the megatron-core versions they were checked against, and only once.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import logging
 import os
@@ -217,32 +216,6 @@ def alltoall_dispatcher_streams() -> list[Patch]:
     return patches
 
 
-def _sequence_parallel_torch_norm_new(original_new: Callable) -> Callable:
-    def __new__(cls, config, hidden_size, *args, **kwargs):
-        if not config.sequence_parallel:
-            return original_new(cls, config, hidden_size, *args, **kwargs)
-        unsp_config = copy.copy(config)
-        unsp_config.sequence_parallel = False
-        norm = original_new(cls, unsp_config, hidden_size, *args, **kwargs)
-        for param in norm.parameters():
-            # finalize_model_grads all-reduces grads of params marked this way over TP, as for TE norms.
-            param.sequence_parallel = True
-        return norm
-
-    return __new__
-
-
-@_workaround
-def sequence_parallel_torch_norm() -> list[Patch]:
-    """``transformer/torch_norm.py`` ``WrappedTorchNorm`` asserts "sequence parallel not supported by
-    torch LayerNorm". The local (Layer/RMS)Norm is per token, so it is correct on a sequence shard; its
-    weights are marked ``sequence_parallel`` so megatron sums their grads over TP like TE's norm."""
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    replacement = staticmethod(_sequence_parallel_torch_norm_new(WrappedTorchNorm.__new__))
-    return [_set(WrappedTorchNorm, "__new__", replacement)]
-
-
 @_workaround
 def cuda_synchronize_noop() -> list[Patch]:
     """``torch.cuda.synchronize()`` in dist_checkpointing (fully_parallel, filesystem_async, async_utils,
@@ -383,7 +356,6 @@ _PATCHED_MODULES = (
     "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.transformer.moe.router",
     "megatron.core.transformer.moe.moe_layer",
-    "megatron.core.transformer.torch_norm",
     "megatron.core.fusions.fused_softmax",
     "megatron.core.optimizer",
     "megatron.core.optimizer.distrib_optimizer",

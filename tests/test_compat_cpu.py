@@ -72,7 +72,7 @@ def tiny_gpt(**overrides):
 def test_registry_lists_every_workaround_and_all_are_applied():
     expected = {
         "current_device_is_cpu", "cpu_rng_tracker", "router_gemm_without_te", "alltoall_dispatcher_streams",
-        "sequence_parallel_torch_norm", "cuda_synchronize_noop", "gloo_uneven_gather",
+        "cuda_synchronize_noop", "gloo_uneven_gather",
         "optimizer_cuda_tensors", "clip_grad_cpu", "moe_metrics_cuda_tensors", "default_causal_mask_cpu",
     }
     assert set(compat_cpu.WORKAROUNDS) == expected
@@ -229,24 +229,6 @@ def test_alltoall_dispatcher_moe_layer_matches_hand_computed_experts():
     torch.testing.assert_close(out.reshape(-1, 64), expected, rtol=1e-5, atol=1e-5)
     with reverted("alltoall_dispatcher_streams"), pytest.raises(Exception, match="CUDA"):
         _moe_layer()
-
-
-def test_sequence_parallel_torch_norm_builds_a_marked_rmsnorm():
-    from compat_tiny_gpt import tiny_moe_config
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    config = tiny_moe_config(True, tensor_model_parallel_size=2)  # megatron allows SP only with TP
-    norm = WrappedTorchNorm(config, 64, eps=1e-6)
-    assert isinstance(norm, torch.nn.RMSNorm) and config.sequence_parallel, "config must stay untouched"
-    assert norm.weight.sequence_parallel is True
-    with torch.no_grad():
-        norm.weight.copy_(torch.linspace(0.5, 1.5, 64))
-    x = torch.randn(3, 64)
-    expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.detach()
-    torch.testing.assert_close(norm(x), expected)
-    assert not hasattr(WrappedTorchNorm(tiny_moe_config(False), 64).weight, "sequence_parallel")
-    with reverted("sequence_parallel_torch_norm"), pytest.raises(AssertionError, match="sequence parallel not supported"):
-        WrappedTorchNorm(config, 64)
 
 
 def test_dist_checkpoint_save_load_round_trip(tmp_path):

@@ -1,4 +1,5 @@
-"""Qwen3-MoE config mapping, parameter counts, and mcore == transformers at TP1 / TP2+SP / EP2 / TP2xEP2."""
+"""Qwen3-MoE config mapping, parameter counts, the model build's SP norm, and mcore == transformers at TP1 /
+TP2+SP / EP2 / TP2xEP2 (the TP2+SP build has no CPU compat patch for its norms: the model build owns them)."""
 import pytest
 import torch
 
@@ -90,6 +91,44 @@ def test_layout_that_does_not_divide_heads_raises():
         transformer_config_from_hf(tiny_hf_config(vocab_size=130, num_key_value_heads=4), ParallelLayout(tp=4))
     with pytest.raises(ValueError, match=r"num_experts=8 is not divisible by EP=3"):
         transformer_config_from_hf(tiny_hf_config(), ParallelLayout(ep=3))
+
+
+def _sp_config(sequence_parallel: bool):
+    return transformer_config_from_hf(tiny_hf_config(), ParallelLayout(tp=2) if sequence_parallel else None)
+
+
+def test_model_norm_runs_on_a_sequence_shard_and_marks_its_weights_for_the_tp_grad_sum():
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_qarl.models.qwen3_moe.model import SequenceParallelTorchNorm
+
+    config = _sp_config(True)  # TP2 + SP (a config only: no process group is needed to build a norm)
+    assert config.sequence_parallel
+    with pytest.raises(AssertionError, match="sequence parallel not supported"):
+        WrappedTorchNorm(config, 64)  # megatron's own local norm: why no TP > 1 layout built on a GPU
+    norm = SequenceParallelTorchNorm(config, 64, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and config.sequence_parallel, "the config must stay untouched"
+    assert norm.weight.sequence_parallel is True
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 64))
+    x = torch.randn(3, 64)
+    expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.detach()
+    torch.testing.assert_close(norm(x), expected)
+    assert not hasattr(SequenceParallelTorchNorm(_sp_config(False), 64).weight, "sequence_parallel")
+
+
+def test_every_norm_the_local_model_builds_takes_sequence_parallel(world_of_one):
+    """No norm of the local build falls back to megatron's choice (TE, apex or the SP-refusing torch norm):
+    the layer norms, the q/k norms and the block's final norm."""
+    from megatron_qarl.models.qwen3_moe.model import SequenceParallelTorchNorm, qwen3_moe_block_spec
+
+    cfg = tiny_hf_config()
+    block = qwen3_moe_block_spec(_sp_config(True), cfg)
+    assert block.layer_norm is SequenceParallelTorchNorm and len(block.layer_specs) == cfg.num_hidden_layers
+    for layer in block.layer_specs:
+        attention = layer.submodules.self_attention.submodules
+        assert {layer.submodules.input_layernorm, layer.submodules.pre_mlp_layernorm, attention.q_layernorm,
+                attention.k_layernorm} == {SequenceParallelTorchNorm}
 
 
 # One torchrun per layout does logits + loss + grad norm + per-tensor grads + bitwise export

@@ -1,4 +1,5 @@
-"""Tiny Qwen3-MoE-shaped megatron GPTModel for the compat tests (local spec, fp32, CPU init)."""
+"""Tiny Qwen3-MoE-shaped megatron GPTModel for the compat tests (local spec as the model build makes it, fp32,
+CPU init)."""
 import torch
 
 
@@ -22,12 +23,14 @@ def tiny_moe_config(sequence_parallel: bool, **overrides):
 
 
 def tiny_moe_gpt(config, vocab_size=128, max_seq=64):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from types import SimpleNamespace
 
-    spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
-    )
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_qarl.models.qwen3_moe.model import qwen3_moe_block_spec
+
+    # megatron's local spec with the model build's norms (megatron's own refuses sequence parallelism)
+    spec = qwen3_moe_block_spec(config, SimpleNamespace(num_experts=config.num_moe_experts))
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=vocab_size, max_sequence_length=max_seq,
         position_embedding_type="rope", rotary_base=1000000, share_embeddings_and_output_weights=False,

@@ -5,6 +5,7 @@ The mcore model built here computes the same function as transformers' `Qwen3Moe
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -86,8 +87,34 @@ def transformer_config_from_hf(hf_config, layout=None, *, params_dtype=torch.flo
     return TransformerConfig(**kwargs)
 
 
+class SequenceParallelTorchNorm:
+    """megatron's local norm (torch RMSNorm / LayerNorm, megatron-core 0.16.1 ``transformer/torch_norm.py``
+    ``WrappedTorchNorm``) without its ``assert not config.sequence_parallel`` (torch_norm.py:32).
+
+    The local spec is what runs without TransformerEngine (every CPU, a GPU without TE), and sequence
+    parallelism is mandatory for MoE at TP > 1, so with the stock norm no TP > 1 layout builds. A norm works
+    per token, so it is exact on a sequence shard. Its weights are replicated over TP and each rank sees
+    only its shard of the tokens (or, for the q/k norms, of the heads), so they are marked
+    ``sequence_parallel`` as TE's norm marks them: ``finalize_model_grads`` sums their grads over TP
+    (``distributed/finalize_model_grads.py:354``)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        local = copy.copy(config)
+        local.sequence_parallel = False
+        norm = WrappedTorchNorm(local, hidden_size, eps=eps, persist_layer_norm=persist_layer_norm,
+                                zero_centered_gamma=zero_centered_gamma, normalization=normalization)
+        if config.sequence_parallel:
+            for param in norm.parameters():
+                param.sequence_parallel = True
+        return norm
+
+
 def qwen3_moe_layer_spec(hf_config, *, use_te: bool = False):
-    """Layer spec for Qwen3-MoE. The local spec runs anywhere; the TE spec is the GPU seam."""
+    """Layer spec for Qwen3-MoE. The local spec runs anywhere (its norms: `SequenceParallelTorchNorm`);
+    the TE spec is the GPU seam."""
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -95,9 +122,26 @@ def qwen3_moe_layer_spec(hf_config, *, use_te: bool = False):
             num_experts=hf_config.num_experts, moe_grouped_gemm=True, qk_layernorm=True)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(
+    spec = get_gpt_layer_local_spec(
         num_experts=hf_config.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
         normalization="RMSNorm")
+    layer, attention = spec.submodules, spec.submodules.self_attention.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelTorchNorm
+    attention.q_layernorm = attention.k_layernorm = SequenceParallelTorchNorm
+    return spec
+
+
+def qwen3_moe_block_spec(config, hf_config, *, use_te: bool = False):
+    """The decoder block: the layer spec for every layer this stage builds and the final norm. Given
+    explicitly because megatron picks the final norm of a block built from a layer spec by what is
+    installed (``transformer_block.py:61-69``: TE, apex, else the SP-refusing torch norm)."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    layer = qwen3_moe_layer_spec(hf_config, use_te=use_te)
+    if use_te:
+        return layer
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelTorchNorm)
 
 
 def build_qwen3_moe_model(hf_config, layout=None, *, params_dtype=torch.float32, use_te: bool = False,
@@ -114,7 +158,7 @@ def build_qwen3_moe_model(hf_config, layout=None, *, params_dtype=torch.float32,
                                         **(config_overrides or {}))
     return GPTModel(
         config=config,
-        transformer_layer_spec=qwen3_moe_layer_spec(hf_config, use_te=use_te),
+        transformer_layer_spec=qwen3_moe_block_spec(config, hf_config, use_te=use_te),
         vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,
