@@ -113,9 +113,9 @@ def setup_world(device: str) -> dict:
     out = {"backend": dist.get_backend(), "world_size": dist.get_world_size(), "tp": layout.tp, "ep": layout.ep}
     # megatron-core 0.16.1 without TransformerEngine: moe_utils imports te_general_gemm only inside its TE
     # try-block, but RouterGatingLinearFunction tests `te_general_gemm is not None` -> NameError in every
-    # MoE router forward. megatron_qarl.compat_cpu.router_gemm_without_te fixes exactly this, but
-    # apply_cpu_workarounds() applies nothing when CUDA is present. The first GPU run of this script
-    # (docs/gpu-runs.md) failed there; apply the same one-attribute fix here unless --no-router-fix.
+    # MoE router forward. The first GPU run of this script (docs/gpu-runs.md) failed there, when the fix
+    # lived in compat_cpu (not applied with CUDA); the model build now applies it on every device
+    # (models/qwen3_moe/model.py define_router_gemm_without_te), so --no-router-fix no longer shows the crash.
     if not NO_ROUTER_FIX:
         from megatron.core.transformer.moe import moe_utils
 

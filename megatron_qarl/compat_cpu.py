@@ -170,18 +170,6 @@ def cpu_rng_tracker() -> list[Patch]:
     ]
 
 
-@_workaround
-def router_gemm_without_te() -> list[Patch]:
-    """``transformer/moe/moe_utils.py`` (0.16.1) imports ``te_general_gemm`` only inside its
-    TransformerEngine try-block but ``RouterGatingLinearFunction`` tests ``te_general_gemm is not None``:
-    NameError in the router without TE. Defining it as None selects the torch.mm path."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if hasattr(moe_utils, "te_general_gemm"):
-        return []
-    return [_set(moe_utils, "te_general_gemm", None)]
-
-
 class _NoStream:
     """Placeholder for the alltoall dispatcher's class-level DtoH stream (never used on CPU)."""
 

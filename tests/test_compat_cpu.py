@@ -71,7 +71,7 @@ def tiny_gpt(**overrides):
 
 def test_registry_lists_every_workaround_and_all_are_applied():
     expected = {
-        "current_device_is_cpu", "cpu_rng_tracker", "router_gemm_without_te", "alltoall_dispatcher_streams",
+        "current_device_is_cpu", "cpu_rng_tracker", "alltoall_dispatcher_streams",
         "cuda_synchronize_noop", "gloo_uneven_gather",
         "optimizer_cuda_tensors", "clip_grad_cpu", "moe_metrics_cuda_tensors", "default_causal_mask_cpu",
     }
@@ -186,25 +186,14 @@ def test_cpu_rng_tracker_forks_seeded_streams_without_touching_the_default_one()
     tensor_parallel.model_parallel_cuda_manual_seed(1234, force_reset_rng=True)
 
 
-def test_router_gating_linear_without_transformer_engine():
-    from megatron.core.transformer.moe import moe_utils
-
-    inp = torch.randn(5, 8, requires_grad=True)
-    weight = torch.randn(3, 8, requires_grad=True)
-    out = moe_utils.router_gating_linear(inp, weight, None, torch.float32)
-    out.sum().backward()
-    torch.testing.assert_close(out, inp.detach() @ weight.detach().T)
-    torch.testing.assert_close(inp.grad, torch.ones(5, 3) @ weight.detach())
-    torch.testing.assert_close(weight.grad, torch.ones(5, 3).T @ inp.detach())
-    with reverted("router_gemm_without_te"), pytest.raises(NameError, match="te_general_gemm"):
-        moe_utils.router_gating_linear(inp, weight, None, torch.float32)
-
-
 def _moe_layer():
     from compat_tiny_gpt import tiny_moe_config
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
+    from megatron_qarl.models.qwen3_moe.model import define_router_gemm_without_te
+
+    define_router_gemm_without_te()  # what the model build does (megatron's router without TE)
     config = tiny_moe_config(False)
     spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm")
     return build_module(spec.submodules.mlp, config=config)

@@ -131,6 +131,26 @@ def test_every_norm_the_local_model_builds_takes_sequence_parallel(world_of_one)
                 attention.k_layernorm} == {SequenceParallelTorchNorm}
 
 
+def test_router_gemm_runs_without_transformer_engine_once_the_model_build_defines_it(monkeypatch):
+    """Without TE megatron's fp32 router GEMM reads a name it never bound (NameError on every device);
+    the model build binds it, and the router then computes x @ W^T with the matching grads."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_qarl.models.qwen3_moe.model import define_router_gemm_without_te
+
+    inp = torch.randn(5, 8, requires_grad=True)
+    weight = torch.randn(3, 8, requires_grad=True)
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)  # what a machine without TE has
+    with pytest.raises(NameError, match="te_general_gemm"):
+        moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+    define_router_gemm_without_te()
+    out = moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+    out.sum().backward()
+    torch.testing.assert_close(out, inp.detach() @ weight.detach().T)
+    torch.testing.assert_close(inp.grad, torch.ones(5, 3) @ weight.detach())
+    torch.testing.assert_close(weight.grad, torch.ones(5, 3).T @ inp.detach())
+
+
 # One torchrun per layout does logits + loss + grad norm + per-tensor grads + bitwise export
 # (tests/dist/model_layout.py asserts; the JSON carries the numbers). Aux loss is off on both sides.
 @pytest.mark.dist

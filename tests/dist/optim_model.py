@@ -1,5 +1,7 @@
 """A tiny Qwen3-MoE-shaped megatron GPTModel (local spec, SequentialMLP experts) for the optimizer
 workers, wrapped in megatron DDP, plus one forward/backward that fills ``main_grad``."""
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 
@@ -10,8 +12,9 @@ SEQ = 16
 def build_ddp_model(tp: int, seed: int = 1234, ep: int = 1, etp: int | None = None):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
+
+    from megatron_qarl.models.qwen3_moe.model import qwen3_moe_block_spec
     from megatron.core import tensor_parallel
 
     config = TransformerConfig(
@@ -25,7 +28,7 @@ def build_ddp_model(tp: int, seed: int = 1234, ep: int = 1, etp: int | None = No
         sequence_parallel=tp > 1, use_cpu_initialization=True, params_dtype=torch.float32,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, init_method_std=0.02)
-    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm")
+    spec = qwen3_moe_block_spec(config, SimpleNamespace(num_experts=4))  # the local spec, as the model build makes it
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",

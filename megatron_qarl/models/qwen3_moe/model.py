@@ -112,6 +112,18 @@ class SequenceParallelTorchNorm:
         return norm
 
 
+def define_router_gemm_without_te() -> None:
+    """megatron-core 0.16.1 ``transformer/moe/moe_utils.py`` binds ``te_general_gemm`` only inside its
+    TransformerEngine import block (lines 30-39), yet ``RouterGatingLinearFunction`` (lines 1192, 1225)
+    tests ``te_general_gemm is not None`` whenever ``moe_router_dtype`` is set (ours: fp32, as HF's router):
+    a NameError in every router forward without TE, on any device (docs/gpu-runs.md F1). Binding the name
+    to None selects megatron's own torch.mm path; with TE installed the name exists and nothing changes."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def qwen3_moe_layer_spec(hf_config, *, use_te: bool = False):
     """Layer spec for Qwen3-MoE. The local spec runs anywhere (its norms: `SequenceParallelTorchNorm`);
     the TE spec is the GPU seam."""
@@ -134,9 +146,11 @@ def qwen3_moe_layer_spec(hf_config, *, use_te: bool = False):
 def qwen3_moe_block_spec(config, hf_config, *, use_te: bool = False):
     """The decoder block: the layer spec for every layer this stage builds and the final norm. Given
     explicitly because megatron picks the final norm of a block built from a layer spec by what is
-    installed (``transformer_block.py:61-69``: TE, apex, else the SP-refusing torch norm)."""
+    installed (``transformer_block.py:61-69``: TE, apex, else the SP-refusing torch norm). Also binds the
+    router GEMM name megatron leaves undefined without TE (`define_router_gemm_without_te`)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    define_router_gemm_without_te()
     layer = qwen3_moe_layer_spec(hf_config, use_te=use_te)
     if use_te:
         return layer
