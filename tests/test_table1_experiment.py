@@ -63,3 +63,14 @@ def test_report_numbers_are_the_hand_computed_ones(tmp_path):
     assert (tmp_path / "report" / "table1_reward.png").stat().st_size > 0
     summary = report.summarize_run(report.load_rows(tmp_path / "runs" / "a" / "seed0"))
     assert summary["pass1_start"] == 0.2 and math.isclose(summary["k3"], 2e-3)
+
+
+def test_paired_findings_compare_the_gap_with_the_seed_spread(tmp_path):
+    for seed, final in ((0, 0.6), (1, 0.8)):
+        _write_run(tmp_path, "bf16_grpo_tis", seed, [0.1], [1e-5], [(0, 0.2), (1, final)])
+    for seed in (0, 1):
+        _write_run(tmp_path, "w4a16_rollout_grpo_tis", seed, [0.1], [1e-4], [(0, 0.2), (1, 0.5)])
+    text = report.write_report(tmp_path, [("bf16_grpo_tis", "B"), ("w4a16_rollout_grpo_tis", "W")], [0, 1])
+    # 0.7 - 0.5 = +0.2 against the larger std sqrt(0.02) = 0.141; k3 1e-5 / 1e-4 is no aligned arm: not reported
+    assert "(BF16 minus W4A16 rollout): +0.200 final pass@1 (larger than the seed std, std 0.141)" in text
+    assert "aligned W4A16 learner / unaligned" not in text

@@ -158,6 +158,37 @@ def findings(summaries: dict, labels: dict) -> list[str]:
             separated = sum(g > max(spread) for g in gaps)
             out.append(f"- Neighbouring arms differ by {min(gaps):.3f}-{max(gaps):.3f}; the largest seed std is "
                        f"{max(spread):.3f}: {separated} of {len(gaps)} neighbouring gaps exceed it.")
+    out += _paired_findings(final, summaries, labels)
+    return out
+
+
+def _gap(final: dict, a: str, b: str) -> tuple[float, float] | None:
+    """(mean of a - mean of b, the larger of the two seed stds) of final pass@1, when both arms ran."""
+    if a not in final or b not in final:
+        return None
+    spread = max((v for v in (final[a][1], final[b][1]) if not math.isnan(v)), default=math.nan)
+    return final[a][0] - final[b][0], spread
+
+
+def _paired_findings(final: dict, summaries: dict, labels: dict) -> list[str]:
+    """The comparisons that isolate one cause each: the quantized sampler (BF16 vs W4A16 rollout, both
+    GRPO+TIS), alignment + TBPO vs the quantized sampler alone, and the objective at fixed alignment
+    (QaRL + TBPO vs QaRL + GRPO)."""
+    out = []
+    for a, b, what in (("bf16_grpo_tis", "w4a16_rollout_grpo_tis", "cost of the W4A16 sampler (BF16 minus W4A16 rollout)"),
+                       ("qarl_w4a16_tbpo", "w4a16_rollout_grpo_tis", "QaRL + TBPO minus W4A16 rollout"),
+                       ("qarl_w4a16_tbpo", "qarl_w4a16_grpo", "TBPO minus GRPO, both on the aligned W4A16 learner")):
+        gap = _gap(final, a, b)
+        if gap is None:
+            continue
+        diff, spread = gap
+        verdict = ("within seed noise" if not math.isnan(spread) and abs(diff) <= spread
+                   else "larger than the seed std" if not math.isnan(spread) else "one seed: no spread")
+        out.append(f"- {what}: {diff:+.3f} final pass@1 ({verdict}, std {spread:.3f}).")
+    masked = [r["masked"] for runs in summaries.values() for r in runs if not math.isnan(r["masked"])]
+    if masked:
+        out.append(f"- TBPO's trust band masked {statistics.fmean(masked):.0%} of the sequences on average (paper "
+                   "Table 2 bands); a masked sequence contributes no gradient that step.")
     return out
 
 
