@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -24,23 +23,12 @@ from pathlib import Path
 
 from megatron_qarl.tracking import first_last_means
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_description  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 WINDOW = 5  # steps averaged at each end of the run, as the demo's summary line does
 TARGET_GAIN = 0.15  # what "visibly learns" means (issue: last-5 mean >= first-5 mean + 0.15)
-
-
-def cpu_description() -> str:
-    model, flags = platform.processor() or "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in ("unknown", "", "x86_64"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{model} ({os.cpu_count()} cores; {', '.join(isa) or 'no AVX2'})"
 
 
 def _run(cmd: list[str], log: Path, env: dict) -> float:
