@@ -303,9 +303,8 @@ def _count_code_changes(stats: PushStats, copy: EngineCopy, name: str, new: torc
     elif delta is not None:
         changed = delta.positions.numel()
     else:
-        nibble = is_nibble_tensor(name, new)
-        changed = _changed_codes(old if nibble else old.view(torch.uint8), new if nibble else new.view(torch.uint8),
-                                 "int4" if nibble else "fp8")
+        kind = "int4" if is_nibble_tensor(name, new) else "fp8"  # bytes: packed words XOR bytewise alike
+        changed = _changed_codes(old.view(torch.uint8), new.view(torch.uint8), kind)
     stats.codes_changed += changed
     stats.codes_compared += total
 
