@@ -27,6 +27,20 @@ def test_no_correct_chain_answer_is_flagged():
     assert not [r["answer"] for r in rows if is_repetitive(tok.encode(r["answer"], add_special_tokens=False))]
 
 
+def test_a_correct_one_digit_chain_is_flagged_exactly_when_it_adds_zero_three_times_to_a_one_digit_sum():
+    """`4:7,0:7,0:7,0:7` repeats a 4-token step; with a two-digit sum (`0:21,`) the step is 5 tokens long."""
+    rows = generate_arithmetic_rows(ArithmeticTaskConfig(num_rows=20_000, min_digits=1, max_digits=1, style="chain",
+                                                         terms=5, digit_order="lsd_first", seed=0))
+    flagged = 0
+    for row in rows:  # one character per token: characters compare as the token ids do
+        operands = [int(v) for v in row["prompt"].rstrip("=").split("+")]
+        sums = [sum(operands[:i + 1]) for i in range(len(operands))]
+        loop = any(operands[i:i + 3] == [0, 0, 0] and sums[i] < 10 for i in range(1, len(operands) - 2))
+        assert is_repetitive(list(row["answer"])) is loop, row
+        flagged += loop
+    assert 0 < flagged / len(rows) < 0.002  # the floor the docstring quotes (0.125%)
+
+
 def test_settings_that_flag_everything_are_refused():
     with pytest.raises(ValueError, match="must be >= 2"):
         is_repetitive([1, 2], max_run=1)

@@ -60,6 +60,7 @@ def test_report_numbers_are_the_hand_computed_ones(tmp_path):
     row_b = next(line for line in text.splitlines() if line.startswith("| Arm B"))
     assert "0.100 |" in row_b and "±" not in row_b.split("|")[4]  # one seed: no spread
     assert "Not run (yet): b/seed1" in text
+    assert "looping detector flags" not in text  # no task data under this out dir: no floor to state
     assert (tmp_path / "report" / "table1_reward.png").stat().st_size > 0
     summary = report.summarize_run(report.load_rows(tmp_path / "runs" / "a" / "seed0"))
     assert summary["pass1_start"] == 0.2 and math.isclose(summary["k3"], 2e-3)
@@ -74,3 +75,8 @@ def test_paired_findings_compare_the_gap_with_the_seed_spread(tmp_path):
     # 0.7 - 0.5 = +0.2 against the larger std sqrt(0.02) = 0.141; k3 1e-5 / 1e-4 is no aligned arm: not reported
     assert "(BF16 minus W4A16 rollout): +0.200 final pass@1 (larger than the seed std, std 0.141)" in text
     assert "aligned W4A16 learner / unaligned" not in text
+    (tmp_path / "data").mkdir()  # 1 of 4 correct answers repeats a step: the floor is 25%
+    (tmp_path / "data" / "train.jsonl").write_text("".join(
+        json.dumps({"prompt": "", "answer": a}) + "\n" for a in ("4:7,0:7,0:7,0:7", "1:3", "2:5,3:8", "0:1")))
+    text = report.write_report(tmp_path, [("bf16_grpo_tis", "B")], [0, 1])
+    assert "The looping detector flags 25.000% of this task's correct answers" in text

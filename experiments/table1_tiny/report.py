@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import platform
 import statistics
 import subprocess
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from machine import cpu_description  # noqa: E402
+
+from megatron_qarl.rl.repetition import is_repetitive  # noqa: E402
 
 COLUMNS = (  # (key in the per-run summary, column title, format)
     ("pass1_start", "pass@1 start", "{:.3f}"),
@@ -64,6 +68,16 @@ def summarize_run(rows: list[dict]) -> dict:
     }
 
 
+def looping_floor(out: Path) -> float:
+    """The fraction of the task's correct training answers the looping detector flags (NaN without data).
+    The char tokenizer makes one token per character, so characters compare as the token ids do."""
+    path = out / "data" / "train.jsonl"
+    if not path.exists():
+        return math.nan
+    answers = [json.loads(line)["answer"] for line in path.read_text().splitlines() if line.strip()]
+    return sum(is_repetitive(list(a)) for a in answers) / max(len(answers), 1)
+
+
 def mean_std(values: list[float]) -> tuple[float, float]:
     values = [v for v in values if not math.isnan(v)]
     if not values:
@@ -76,21 +90,6 @@ def _cell(values: list[float], fmt: str) -> str:
     if math.isnan(mean):
         return "-"
     return fmt.format(mean) + ("" if math.isnan(std) else " ± " + fmt.format(std))
-
-
-def cpu_description() -> str:
-    """The CPU model and the instruction sets that change kernels (int4 vLLM needs AMX)."""
-    model, flags = platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-    return f"{model}, {os.cpu_count()} cores, {', '.join(isa) or 'no AVX2'}"
 
 
 def _git_commit(repo: Path) -> str:
@@ -230,7 +229,13 @@ def write_report(out: Path, arms: list[tuple[str, str]], seeds: list[int], docs:
     for arm, runs in summaries.items():
         lines.append(f"| {labels[arm]} | {len(runs)} | "
                      + " | ".join(_cell([r[key] for r in runs], fmt) for key, _, fmt in COLUMNS) + " |")
-    lines += ["", "Mean ± sample std over seeds. Computed:", "", *findings(summaries, labels), ""]
+    lines += ["", "Mean ± sample std over seeds. Computed:", "", *findings(summaries, labels)]
+    floor = looping_floor(out)
+    if not math.isnan(floor):
+        lines.append(f"- The looping detector flags {floor:.3%} of this task's correct answers (a chain that adds "
+                     "zero three times to a one-digit sum repeats one step): looping rates near that are that "
+                     "floor, not loops.")
+    lines.append("")
     if missing:
         lines += [f"Not run (yet): {', '.join(missing)}.", ""]
     rel = "results" if docs is not None else "report"

@@ -2,10 +2,11 @@
 responses that fall into repeating tokens.
 
 A response counts as repetitive when it loops: one token ``max_run`` times in a row, or a block of 2 to
-``max_period`` tokens ``min_repeats`` times back to back. The defaults flag ``7777`` and ``12,12,12,`` and
-never a correct answer of the synthetic tasks (a chain's running sums strictly increase; a sum has at most
-a few digits). The trainer logs the fraction of a step's sampled responses that loop
-(``response/repetitive_frac``).
+``max_period`` tokens ``min_repeats`` times back to back. The defaults flag ``7777`` and ``12,12,12,``. A
+correct answer of the synthetic tasks is flagged only when a chain adds a zero three times in a row to a
+one-digit sum (``4:7,0:7,0:7,0:7``: one 4-token step repeated): 0.125% of the one-digit, five-operand chain
+task's answers, a floor under which a measured rate says nothing (experiments/table1_tiny reports it). The trainer logs the
+fraction of a step's sampled responses that loop (``response/repetitive_frac``).
 """
 from __future__ import annotations
 
