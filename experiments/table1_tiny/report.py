@@ -34,6 +34,11 @@ COLUMNS = (  # (key in the per-run summary, column title, format)
 )
 
 
+def run_dir(out: Path, arm: str, seed: int) -> Path:
+    """Where one arm's run for one seed keeps its metrics, config and log (written by run.py)."""
+    return out / "runs" / arm / f"seed{seed}"
+
+
 def load_rows(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -200,7 +205,7 @@ def write_report(out: Path, arms: list[tuple[str, str]], seeds: list[int], docs:
     for arm, _ in arms:
         runs = []
         for seed in seeds:
-            run = out / "runs" / arm / f"seed{seed}"
+            run = run_dir(out, arm, seed)
             if (run / "DONE").exists():
                 runs.append(summarize_run(load_rows(run)))
             else:

@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import write_report  # noqa: E402
+from report import run_dir, write_report  # noqa: E402
 
 from megatron_qarl.lifecycle import die_with_parent  # noqa: E402
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig, generate_arithmetic_rows, write_rows  # noqa: E402
@@ -137,12 +137,8 @@ def warm_start(sweep: Sweep) -> Path:
     return checkpoint
 
 
-def run_dir(out: Path, arm: Arm, seed: int) -> Path:
-    return out / "runs" / arm.name / f"seed{seed}"
-
-
 def run_arm(sweep: Sweep, arm: Arm, seed: int, init: Path) -> None:
-    out = run_dir(sweep.out, arm, seed)
+    out = run_dir(sweep.out, arm.name, seed)
     if (out / "DONE").exists():
         print(f"[table1] {arm.name} seed {seed}: done before, kept", flush=True)
         return
