@@ -94,16 +94,19 @@ def test_aligned_weight_value_and_identity_backward():
         assert aligned_weight(master, deq) is deq
 
 
-def test_fp8_forward_matches_manual_tile_and_block_math():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp8_forward_matches_manual_tile_and_block_math(dtype):
+    """The reference FP8 GEMM runs in the activation dtype: exact FP8 arithmetic in fp32; with bf16
+    activations both dequantized operands round to bf16 and the GEMM is bf16 (never fp32)."""
     master = make_master(n=256, k=384, seed=1)
     qw = quantize_fp8_block(master)
-    x = torch.randn(9, 384, dtype=torch.bfloat16) * 3
+    x = (torch.randn(9, 384) * 3).to(dtype)
     y = aligned_linear(x, master, qw)
-    x_fq = manual_fp8_tile_fake_quant(x)
-    w_deq = qw.qweight.float() * qw.scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)
-    expected = x_fq @ w_deq.t()  # fp32, then the layer casts to bf16
-    assert y.dtype == torch.bfloat16
-    bound = fp32_gemm_then_cast_bound(expected, x_fq.abs() @ w_deq.abs().t(), x.shape[-1], torch.bfloat16)
+    x_fq = manual_fp8_tile_fake_quant(x).to(dtype).float()
+    w_deq = (qw.qweight.float() * qw.scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(dtype).float()
+    expected = x_fq @ w_deq.t()  # products of the (rounded) operands are exact in fp32; the sum in fp32
+    assert y.dtype == dtype
+    bound = fp32_gemm_then_cast_bound(expected, x_fq.abs() @ w_deq.abs().t(), x.shape[-1], dtype)
     assert bool(((y.float() - expected).abs() <= bound).all())
     # the check bites: without the activation's FP8 quantization the output is outside the bound
     assert bool(((x.float() @ w_deq.t() - expected).abs() > bound).any())

@@ -109,6 +109,68 @@ def test_bf16_params_run_aligned_in_bf16_and_grads_reach_bf16_masters(hf_state):
     assert grad is not None and grad.dtype == torch.bfloat16 and float(grad.abs().sum()) > 0
 
 
+class RecordingBackend:
+    """A test backend: the reference GEMM, recording every prepare and GEMM (which weight, with which
+    prepared form) so a test can see the model route its sites through the configured backend."""
+
+    def __init__(self):
+        from megatron_qarl.quant.backends import ReferenceBackend
+        self.reference, self.prepared, self.gemms = ReferenceBackend(), [], []
+
+    def prepare(self, qweight, dequantized):
+        token = object()
+        self.prepared.append((qweight, token))
+        return token
+
+    def forward(self, x, qweight, prepared, dequantized):
+        self.gemms.append((qweight, prepared))
+        return self.reference.forward(x, qweight, None, dequantized)
+
+
+@pytest.fixture
+def recording_backend():
+    from megatron_qarl.quant.backends import get_backend, register_backend, unregister_backend
+
+    register_backend("recording", RecordingBackend, schemes=("w4a16", "fp8"))
+    yield get_backend("recording")
+    unregister_backend("recording")
+
+
+@pytest.mark.parametrize("scheme,scope,block", [("w4a16", "experts+attention", 128), ("fp8", "all-linears", 64)])
+def test_every_site_runs_the_configured_backends_gemm_on_what_it_prepared(hf_state, recording_backend, scheme,
+                                                                          scope, block):
+    """quant.backend chooses the GEMM of every in-scope site (a registered backend sees one GEMM per site and
+    its outputs are the model's); each site is prepared once per optimizer step, by its first GEMM, and
+    nothing is prepared that no GEMM uses (a publish-only lookup prepares nothing)."""
+    cfg = tiny_hf_config()
+    quant = dict(scheme=scheme, scope=scope, group_size=block, block_size=block)
+    reference = build(hf_state)
+    apply_aligned_quantization(reference, QuantConfig(**quant))
+    model = build(hf_state)
+    aligned = apply_aligned_quantization(model, QuantConfig(**quant, backend="recording"))
+    ids = tokens(cfg.vocab_size)
+    logits = mcore_logits(model, ids)
+    assert torch.equal(logits, mcore_logits(reference, ids))  # the recording backend returns reference numerics
+    site_codes = {name: aligned.entry(name).qweight for name in aligned.sites}
+    gemm_weights = {id(q) for q, _ in recording_backend.gemms}
+    assert gemm_weights == {id(q) for q in site_codes.values()}  # every site, through the backend, nothing else
+    with torch.no_grad():  # a second micro-batch of the same step
+        mcore_logits(model, ids)
+    assert len(recording_backend.gemms) == 2 * len(aligned.sites)
+    assert len(recording_backend.prepared) == len(aligned.sites)  # once per site and step, not per GEMM
+    used = {id(p) for _, p in recording_backend.gemms}
+    assert all(id(token) in used for _, token in recording_backend.prepared)  # nothing prepared goes unused
+
+    logits.float().logsumexp(-1).mean().backward()
+    assert all(m.weight.grad is not None for m in aligned.sites.values())  # the STE grad reaches the masters
+    aligned.invalidate()  # an optimizer step
+    for name in aligned.sites:  # the publisher reads the new codes: no GEMM, so nothing to prepare
+        aligned.entry(name)
+    assert len(recording_backend.prepared) == len(aligned.sites)
+    mcore_logits(model, ids)
+    assert len(recording_backend.prepared) == 2 * len(aligned.sites)
+
+
 def test_cache_quantizes_once_per_optimizer_step(hf_state):
     cfg = tiny_hf_config()
     model = build(hf_state)
@@ -254,32 +316,35 @@ def test_bad_configs_fail_clearly(hf_state):
         apply_aligned_quantization(model, QuantConfig(scheme="w4a16"))
 
 
-def test_fp8_site_forward_is_block_weight_times_tile_quantized_input(hf_state):
-    """FP8 (block 64, so the tiny heads hold whole blocks): a wrapped megatron linear computes, in fp32,
-    dequant(fp8 block weight) @ dequant(fp8 1x64-tile input), cast back; the grad reaches the master."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp8_site_forward_is_block_weight_times_tile_quantized_input(hf_state, dtype):
+    """FP8 (block 64, so the tiny heads hold whole blocks): a wrapped megatron linear computes
+    dequant(fp8 block weight) @ dequant(fp8 1x64-tile input) in the activation dtype -- exactly the FP8
+    GEMM in fp32; a bf16 GEMM of the operands rounded to bf16 on a bf16 model (no fp32 GEMM on a bf16
+    learner); the grad reaches the master."""
     from megatron_qarl.quant import (dequantize_fp8_activation, dequantize_fp8_block, quantize_fp8_activation,
                                      quantize_fp8_block)
 
-    model = build(hf_state, dtype=torch.bfloat16)
+    model = build(hf_state, dtype=dtype)
     aligned = apply_aligned_quantization(model, QuantConfig(scheme="fp8", scope="all-linears", block_size=64))
     assert len(aligned.sites) == 36
     for name in ("decoder.layers.0.self_attention.linear_proj.weight",
                  "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight"):
         module = aligned.sites[name]
-        x = torch.randn(5, 1, module.weight.shape[1], generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        x = torch.randn(5, 1, module.weight.shape[1], generator=torch.Generator().manual_seed(3)).to(dtype)
         y, _ = module(x)
         wq = quantize_fp8_block(module.weight.detach(), 64)
-        w = dequantize_fp8_block(wq.qweight, wq.scale_inv, 64, dtype=torch.float32)
+        w = dequantize_fp8_block(wq.qweight, wq.scale_inv, 64, dtype=torch.float32).to(dtype).float()
         xq, xs = quantize_fp8_activation(x, 64)
-        x_deq = dequantize_fp8_activation(xq, xs, 64, dtype=torch.float32)
-        ref = x_deq @ w.t()  # fp32: the FP8 GEMM's products are exact, its sum in fp32
-        assert y.dtype == torch.bfloat16
-        bound = fp32_gemm_then_cast_bound(ref, x_deq.abs() @ w.abs().t(), w.shape[1], torch.bfloat16)
+        x_deq = dequantize_fp8_activation(xq, xs, 64, dtype=torch.float32).to(dtype).float()
+        ref = x_deq @ w.t()  # products of fp32-exact (fp32) or bf16 operands are exact in fp32, the sum in fp32
+        assert y.dtype == dtype
+        bound = fp32_gemm_then_cast_bound(ref, x_deq.abs() @ w.abs().t(), w.shape[1], dtype)
         assert bool(((y.float() - ref).abs() <= bound).all()), name
         # the check bites: the same GEMM without the FP8 activation quantization (W8A16) is outside it
         assert bool(((x.float() @ w.t() - ref).abs() > bound).any()), name
         y.float().sum().backward()
-        assert module.weight.grad is not None and module.weight.grad.dtype == torch.bfloat16
+        assert module.weight.grad is not None and module.weight.grad.dtype == dtype
 
 
 # ---------------------------------------------------------------------------------------- mismatch probe

@@ -49,7 +49,7 @@ def test_report_numbers_are_the_hand_computed_ones(tmp_path):
     _write_run(tmp_path, "a", 0, [0.1, 0.3], [1e-3, 3e-3], [(0, 0.2), (1, 0.5), (2, 0.4)])
     _write_run(tmp_path, "a", 1, [0.3, 0.5], [2e-3, 2e-3], [(0, 0.2), (2, 0.6)])
     _write_run(tmp_path, "b", 0, [0.0, 0.2], [1e-5, 1e-5], [(0, 0.2), (2, 0.1)])
-    text = report.write_report(tmp_path, [("a", "Arm A"), ("b", "Arm B")], [0, 1])
+    text = report.write_report(tmp_path, [report.Section("S", [("a", "a", "Arm A"), ("b", "b", "Arm B")])], [0, 1])
     row_a = next(line for line in text.splitlines() if line.startswith("| Arm A"))
     cells = [c.strip() for c in row_a.strip("|").split("|")]
     # pass@1 final: seeds 0.4 and 0.6 -> 0.5 +- 0.1414; best: 0.5, 0.6 -> 0.55 +- 0.0707
@@ -61,7 +61,7 @@ def test_report_numbers_are_the_hand_computed_ones(tmp_path):
     assert "0.100 |" in row_b and "±" not in row_b.split("|")[4]  # one seed: no spread
     assert "Not run (yet): b/seed1" in text
     assert "looping detector flags" not in text  # no task data under this out dir: no floor to state
-    assert (tmp_path / "report" / "table1_reward.png").stat().st_size > 0
+    assert (tmp_path / "report" / "table1_1_reward.png").stat().st_size > 0
     summary = report.summarize_run(report.load_rows(tmp_path / "runs" / "a" / "seed0"))
     assert summary["pass1_start"] == 0.2 and math.isclose(summary["k3"], 2e-3)
 
@@ -71,12 +71,34 @@ def test_paired_findings_compare_the_gap_with_the_seed_spread(tmp_path):
         _write_run(tmp_path, "bf16_grpo_tis", seed, [0.1], [1e-5], [(0, 0.2), (1, final)])
     for seed in (0, 1):
         _write_run(tmp_path, "w4a16_rollout_grpo_tis", seed, [0.1], [1e-4], [(0, 0.2), (1, 0.5)])
-    text = report.write_report(tmp_path, [("bf16_grpo_tis", "B"), ("w4a16_rollout_grpo_tis", "W")], [0, 1])
+    text = report.write_report(tmp_path, [report.Section("S", [("bf16_grpo_tis", "bf16_grpo_tis", "B"),
+                                                                ("w4a16_rollout_grpo_tis", "w4a16_rollout_grpo_tis", "W")])],
+                               [0, 1])
     # 0.7 - 0.5 = +0.2 against the larger std sqrt(0.02) = 0.141; k3 1e-5 / 1e-4 is no aligned arm: not reported
     assert "(BF16 minus W4A16 rollout): +0.200 final pass@1 (larger than the seed std, std 0.141)" in text
     assert "aligned W4A16 learner / unaligned" not in text
     (tmp_path / "data").mkdir()  # 1 of 4 correct answers repeats a step: the floor is 25%
     (tmp_path / "data" / "train.jsonl").write_text("".join(
         json.dumps({"prompt": "", "answer": a}) + "\n" for a in ("4:7,0:7,0:7,0:7", "1:3", "2:5,3:8", "0:1")))
-    text = report.write_report(tmp_path, [("bf16_grpo_tis", "B")], [0, 1])
+    text = report.write_report(tmp_path, [report.Section("S", [("bf16_grpo_tis", "bf16_grpo_tis", "B")])], [0, 1])
     assert "The looping detector flags 25.000% of this task's correct answers" in text
+
+
+def test_the_attention_regime_reruns_the_w4a16_arms_with_attention_quantized_and_shares_the_bf16_control(tmp_path):
+    attention = [a for a in run.ARMS if a.regime == "attention"]
+    assert {a.name for a in attention} == {"attn_w4a16_rollout_grpo_tis", "attn_qarl_w4a16_tbpo", "attn_qarl_w4a16_grpo"}
+    for arm in attention:
+        cfg = load_config(str(run.REPO / arm.config), [*run.Sweep(out=tmp_path, steps=1, seeds=[0], arms=[arm],
+                                                                  eval_every=1, eval_prompts=4).task_overrides(),
+                                                        *arm.overrides])
+        assert cfg.quant.scope == "experts+attention"
+    sections = run.report_sections(list(run.ARMS))
+    assert [s.title for s in sections] == list(run.REGIMES.values())
+    roles = [[role for role, _, _ in s.rows] for s in sections]
+    assert roles[1] == ["bf16_grpo_tis", "w4a16_rollout_grpo_tis", "qarl_w4a16_tbpo", "qarl_w4a16_grpo"]
+    assert sections[1].rows[0][1] == "bf16_grpo_tis" and sections[1].rows[2][1] == "attn_qarl_w4a16_tbpo"
+    # the paired findings of the second section compare the attention runs under the roles they know
+    for arm, k3 in (("bf16_grpo_tis", 1e-5), ("attn_w4a16_rollout_grpo_tis", 1e-3), ("attn_qarl_w4a16_tbpo", 5e-5)):
+        _write_run(tmp_path, arm, 0, [0.1], [k3], [(0, 0.2), (1, 0.5)])
+    text = report.write_report(tmp_path, sections[1:], [0])
+    assert "aligned W4A16 learner / unaligned (BF16 learner, same W4A16 sampler): **0.050**" in text

@@ -1,15 +1,16 @@
 """Apply the aligned low-bit forward to a megatron-core GPTModel (no module subclassing).
 
-For every targeted `ColumnParallelLinear` / `RowParallelLinear`, the instance's `_forward_impl` (which
-receives `weight=`) is wrapped so the weight it multiplies with is this step's cached, spec-dequantized
-low-bit weight with a straight-through gradient into the master (`QuantCache.aligned_weight`). Megatron's
-own TP / SP / expert communication stays untouched because only the weight (and for FP8 the input
-values) change, never the call structure.
+For every targeted `ColumnParallelLinear` / `RowParallelLinear`, the instance's `_forward_impl` is
+replaced: it keeps megatron's input communication (the same autograd functions megatron's
+`linear_with_grad_accumulation_and_async_allreduce` runs, mcore 0.16.1 `tensor_parallel/layers.py:629`:
+the sequence-parallel all-gather with a reduce-scatter backward, or the identity with an all-reduce of the
+input grad) and hands the local GEMM to the configured backend (`QuantCache.linear`: this step's cached
+codes, the backend's kernel, a straight-through gradient into the master). The output communication
+(`forward()`'s reduce-scatter / all-reduce, the experts' all-to-all) stays megatron's, untouched.
 
-* W4A16: the int4 group-wise weight, dequantized, in the activation dtype.
-* FP8:   the block-128 weight (fp32, exact) and the input fake-quantized per 1x128 tile (STE); the GEMM
-         runs in fp32 and the output is cast back to the activation dtype (what a block-scaled FP8 GEMM
-         with fp32 accumulation computes).
+* W4A16: the int4 group-wise weight; `reference` multiplies with it dequantized, in the activation dtype.
+* FP8:   block-128 weights, the input quantized per 1x128 tile; `reference` computes in the activation
+         dtype (exact FP8 arithmetic with fp32 activations, a bf16 GEMM with bf16 ones).
 
 Codes are computed per local shard. They equal the engine's codes (computed on the gathered HF weight)
 only if every shard holds whole groups / blocks, so `apply_aligned_quantization` checks that for every
@@ -23,7 +24,6 @@ from typing import Callable, Optional
 import torch
 
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_linear_name, is_expert_param
-from megatron_qarl.quant.aligned import fp8_fake_quant_activation
 from megatron_qarl.quant.cache import CacheEntry, QuantCache
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.quant.errors import QuantizationError
@@ -159,17 +159,23 @@ def site_geometry(name: str, module: torch.nn.Module) -> SiteGeometry:
 
 # ------------------------------------------------------------------------------------- wrapping
 
-def _aligned_forward_impl(original: Callable, cache: QuantCache, name: str, quant_cfg: QuantConfig) -> Callable:
-    if quant_cfg.scheme == "w4a16":
-        def forward_impl(input, weight, *args, **kwargs):
-            return original(input, cache.aligned_weight(weight, name, dtype=input.dtype), *args, **kwargs)
-    else:
-        block = quant_cfg.block_size
+def _aligned_forward_impl(cache: QuantCache, name: str) -> Callable:
+    """Megatron's `_forward_impl` for one site, its GEMM the backend's. Megatron calls it with these
+    keywords (mcore 0.16.1 `tensor_parallel/layers.py:1022-1035` column, `:1274-1283` row)."""
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region)
 
-        def forward_impl(input, weight, *args, **kwargs):
-            x_q = fp8_fake_quant_activation(input, block)  # fp32, exact e4m3 * scale values
-            out = original(x_q, cache.aligned_weight(weight, name, dtype=torch.float32), *args, **kwargs)
-            return out.to(input.dtype)
+    def forward_impl(input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
+                     sequence_parallel=False, grad_output_buffer=None, wgrad_deferral_limit=None,
+                     async_grad_allreduce=None, tp_group=None):
+        if grad_output_buffer is not None:
+            raise QuantizationError(f"{name}: deferred wgrad (defer_embedding_wgrad_compute) is megatron's GEMM's "
+                                    "feature; the aligned sites do not support it")
+        if sequence_parallel:  # column-parallel with SP: the full sequence in, the input grad reduce-scattered
+            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+        elif allreduce_dgrad:  # column-parallel at TP>1 without SP: the input grad all-reduced
+            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        return cache.linear(input, weight, name, bias=bias)
     return forward_impl
 
 
@@ -177,9 +183,12 @@ def _install(module: torch.nn.Module, name: str, cache: QuantCache, quant_cfg: Q
     if _WRAPPED_MARK in module.__dict__:
         raise QuantizationError(f"{name}: the aligned forward is already installed on this module "
                                 f"(apply_aligned_quantization was called twice on the same model)")
-    # The class method, bound: wrapping the instance attribute only affects this module.
-    original = type(module)._forward_impl.__get__(module)
-    module._forward_impl = _aligned_forward_impl(original, cache, name, quant_cfg)
+    if getattr(module, "gradient_accumulation_fusion", False):
+        raise QuantizationError(f"{name}: gradient_accumulation_fusion writes the weight grad into main_grad "
+                                "inside megatron's GEMM, which the aligned GEMM replaces; build the model with "
+                                "gradient_accumulation_fusion=False (the straight-through grad reaches .grad)")
+    # An instance attribute: only this module's forward changes.
+    module._forward_impl = _aligned_forward_impl(cache, name)
     module.__dict__[_WRAPPED_MARK] = name
 
 
@@ -210,9 +219,9 @@ def apply_aligned_quantization(model: torch.nn.Module, quant_cfg: QuantConfig) -
                                 "modules like decoder.layers.0.mlp.experts.local_experts.0.linear_fc1")
     for name, module in sites.items():
         check_site_geometry(site_geometry(name, module), quant_cfg)
-    # W4A16 dequantizes exactly into bf16; keep it in the params (= activation) dtype so the per-call
-    # cast is a no-op. FP8's dequantized weight is only exact in fp32.
-    dequant_dtype = _model_params_dtype(model) if quant_cfg.scheme == "w4a16" else torch.float32
+    # Kept in the params (= activation) dtype, the GEMM's: W4A16 is exact in bf16; FP8 is exact in fp32
+    # (the CPU twin) and rounds to bf16 on a bf16 learner (reference_fp8_forward).
+    dequant_dtype = _model_params_dtype(model)
     cache = QuantCache(quant_cfg, dequant_dtype=dequant_dtype)
     for name, module in sites.items():
         _install(module, name, cache, quant_cfg)

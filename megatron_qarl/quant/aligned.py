@@ -7,15 +7,15 @@ Forward numerics (reference backend):
 * W4A16: ``y = x @ W_deq^T`` with ``W_deq`` the int4 weight dequantized per the spec (bf16) and cast
   to x's dtype; the matmul runs in x's dtype (bf16 on the learner, like the engine's W4A16 GEMM whose
   output is bf16 with fp32 accumulation inside the kernel).
-* FP8: x is quantized per 1x128 tile (spec rule), both operands are dequantized to fp32 and the product
-  is accumulated in fp32, then cast to x's dtype -- what a block-scaled FP8 GEMM computes (products of
-  e4m3 values are exact in fp32; the scales are applied in fp32).
+* FP8: x is quantized per 1x128 tile (spec rule), both operands are dequantized to x's dtype and
+  multiplied in it: with fp32 activations that is what a block-scaled FP8 GEMM computes (products of e4m3
+  values are exact in fp32; the scales are applied in fp32); with bf16 activations a bf16 GEMM.
 
 Backward (straight-through estimator, identical for every backend):
 * grad of the master weight == grad w.r.t. the dequantized weight the forward used
   (``g^T @ x_used``, x_used = x for W4A16, the fake-quantized x for FP8), cast to the master's dtype;
 * grad of x == ``g @ W_deq`` (the activation quantizer of FP8 is straight-through too).
-Backward runs in the activation dtype (W4A16) or fp32 (FP8); only the forward is rollout-aligned.
+Backward runs in the activation dtype; only the forward is rollout-aligned.
 """
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_qarl.quant.aligned import aligned_weight
+from megatron_qarl.quant.config import BACKEND_SCHEMES
 from megatron_qarl.quant.errors import QuantizationError
 from megatron_qarl.quant.fp8 import Fp8Weight, dequantize_fp8_activation, quantize_fp8_activation
 from megatron_qarl.quant.int4 import Int4Weight, pack_int4_groupwise
@@ -50,9 +51,14 @@ def reference_w4a16_forward(x: torch.Tensor, dequantized: torch.Tensor) -> torch
 
 
 def reference_fp8_forward(x: torch.Tensor, dequantized: torch.Tensor, tile: int) -> torch.Tensor:
+    """W8A8 in the activation dtype: x quantized per 1x`tile` (the engine's rule), both operands
+    dequantized to x's dtype, one GEMM. With fp32 activations (the CPU twin) the product is the FP8
+    GEMM's exactly (e4m3 x e4m3 products and the scales are exact in fp32); with bf16 activations (a GPU
+    learner) it is a bf16 GEMM, never an fp32 one: the dequantized operands round to bf16 (<= 2^-9
+    relative), the price of running at bf16 speed with the `reference` backend."""
     q, s = quantize_fp8_activation(x, tile)
-    x_deq = dequantize_fp8_activation(q, s, tile, dtype=torch.float32)
-    return torch.nn.functional.linear(x_deq, dequantized.float()).to(x.dtype)
+    x_deq = dequantize_fp8_activation(q, s, tile, dtype=x.dtype)
+    return torch.nn.functional.linear(x_deq, dequantized.to(x.dtype))
 
 
 class ReferenceBackend:
@@ -215,6 +221,23 @@ _BACKENDS = {
 _INSTANCES: dict[str, Any] = {}
 
 
+def register_backend(name: str, factory, schemes: tuple[str, ...]) -> None:
+    """Make `quant.backend: <name>` choose `factory()`'s GEMMs for `schemes` (a backend outside this module,
+    e.g. one a test records calls with). The object needs `prepare(qweight, dequantized)` (run once per
+    step, on the step's first GEMM of that weight) and `forward(x, qweight, prepared, dequantized)`."""
+    _BACKENDS[name] = factory
+    BACKEND_SCHEMES[name] = tuple(schemes)
+    _INSTANCES.pop(name, None)
+
+
+def unregister_backend(name: str) -> None:
+    if name in ("reference", "marlin", "te", "modelopt"):
+        raise QuantizationError(f"the built-in backend {name!r} cannot be unregistered")
+    _BACKENDS.pop(name, None)
+    BACKEND_SCHEMES.pop(name, None)
+    _INSTANCES.pop(name, None)
+
+
 def get_backend(backend) -> Any:
     """Backend object for a name (or pass an object through)."""
     if not isinstance(backend, str):
@@ -292,13 +315,13 @@ class AlignedLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, dequantized = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
+        # in the activation dtype like the forward (bf16 on a GPU learner: no fp32 GEMMs)
+        compute_dtype = x.dtype
         if ctx.fp8_tile is None:
-            compute_dtype = x.dtype
             x_used = x
         else:
-            compute_dtype = torch.float32
             q, s = quantize_fp8_activation(x, ctx.fp8_tile)
-            x_used = dequantize_fp8_activation(q, s, ctx.fp8_tile, dtype=torch.float32)
+            x_used = dequantize_fp8_activation(q, s, ctx.fp8_tile, dtype=compute_dtype)
         # 2-D torch.mm: on CPU bf16, matmul() with a transposed operand can be ~10x slower than mm().
         g = grad_out.to(compute_dtype).reshape(-1, grad_out.shape[-1])
         w = dequantized.to(compute_dtype)
@@ -312,6 +335,9 @@ class AlignedLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, None, grad_b, None, None
 
 
+_UNPREPARED = object()  # `aligned_linear` without a prepared weight prepares one (None is a valid form)
+
+
 def aligned_linear(
     x: torch.Tensor,
     master_weight: torch.Tensor,
@@ -319,7 +345,7 @@ def aligned_linear(
     backend=None,
     bias: Optional[torch.Tensor] = None,
     dequantized: Optional[torch.Tensor] = None,
-    prepared=None,
+    prepared=_UNPREPARED,
 ) -> torch.Tensor:
     """Aligned linear for one weight.
 
@@ -332,7 +358,7 @@ def aligned_linear(
     backend = get_backend(backend or "reference")
     if dequantized is None:
         dequantized = qweight.dequantize(qweight.exact_dtype)
-    if prepared is None:
+    if prepared is _UNPREPARED:
         prepared = backend.prepare(qweight, dequantized)
     forward_fn = lambda inp: backend.forward(inp, qweight, prepared, dequantized)  # noqa: E731
     fp8_tile = getattr(qweight, "block", None)

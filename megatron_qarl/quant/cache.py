@@ -1,15 +1,15 @@
 """Per-optimizer-step cache of quantized weights.
 
 Master weights change only at `optimizer.step()`, so each weight is quantized once per step and the
-result (codes + scales, the spec-dequantized weight, the backend's prepared form) is reused by every
-micro-batch's forward and by the weight publisher. An entry is stale when
+result (codes + scales, the spec-dequantized weight) is reused by every micro-batch's forward and by the
+weight publisher. The backend's own form of the weight (e.g. a kernel's repacked layout) is made on the
+step's first GEMM of that weight (`linear`), never for a weight that is only published. An entry is stale when
 * `invalidate()` was called (hooked to `optimizer.step()` by `attach_to_optimizer`), or
 * the master tensor's `_version` counter or storage changed since it was quantized (any in-place
   update, e.g. an optimizer not hooked, or a checkpoint load).
 
-Wiring into megatron: `ColumnParallelLinear.forward(x, weight=cache.aligned_weight(layer.weight, name))`
-(it accepts an explicit weight); for `RowParallelLinear` pass the same tensor as `weight=` to
-`_forward_impl`. TP/SP communication stays megatron's. Megatron's model params are bf16 copies of
+Wiring into megatron: `models/aligned.py` replaces each site's `_forward_impl` by megatron's input
+communication followed by `cache.linear` (the configured backend's GEMM). Megatron's model params are bf16 copies of
 the fp32 masters, and the spec's first step is the cast to bf16, so quantizing the bf16 param gives
 the same codes as quantizing the fp32 master. With `gradient_accumulation_fusion` megatron writes
 wgrad into `weight.main_grad` of the tensor it is given; keep that fusion off for aligned layers
@@ -67,10 +67,11 @@ class _StepWrapper:
 class CacheEntry:
     qweight: QuantizedWeight
     dequantized: torch.Tensor
-    prepared: Any
     version: int
     data_ptr: int
     generation: int
+    prepared: Any = None  # the backend's form of the weight, made by the step's first GEMM (`linear`)
+    is_prepared: bool = False
 
 
 @dataclass
@@ -164,14 +165,12 @@ class QuantCache:
             return entry
         with torch.no_grad():
             qweight, dequantized = self._quantize(key, master, stale=entry)
-            if entry is not None and qweight is entry.qweight:  # nothing changed: keep the backend's form too
-                prepared = entry.prepared
-            else:
-                prepared = self._backend.prepare(qweight, dequantized)
         self.counters.quantize_calls += 1
-        entry = CacheEntry(qweight, dequantized, prepared, master._version, master.data_ptr(), self._generation)
-        self._entries[key] = entry
-        return entry
+        fresh = CacheEntry(qweight, dequantized, master._version, master.data_ptr(), self._generation)
+        if entry is not None and qweight is entry.qweight:  # nothing changed: keep the backend's form too
+            fresh.prepared, fresh.is_prepared = entry.prepared, entry.is_prepared
+        self._entries[key] = fresh
+        return fresh
 
     def _quantize(self, key, master: torch.Tensor, stale: Optional[CacheEntry]):
         if not self.incremental:
@@ -224,6 +223,10 @@ class QuantCache:
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Aligned linear through the configured backend with this step's cached weight."""
         entry = self.entry(master, name)
+        if not entry.is_prepared:
+            with torch.no_grad():
+                entry.prepared = self._backend.prepare(entry.qweight, entry.dequantized)
+            entry.is_prepared = True
         return aligned_linear(x, master, entry.qweight, self._backend, bias=bias,
                               dequantized=entry.dequantized, prepared=entry.prepared)
 

@@ -25,7 +25,7 @@ __all__ = ["QuantConfig", "QuantConfigError", "SCHEMES", "SCOPES", "SCOPE_GROUPS
 
 SCHEMES = ("none", "w4a16", "fp8")
 SCOPES = ("experts", "experts+attention", "all-linears")
-BACKENDS = ("reference", "marlin", "te", "modelopt")
+BACKENDS = ("reference", "marlin", "te", "modelopt")  # built in; `backends.register_backend` adds more
 BACKEND_SCHEMES = {
     "reference": ("w4a16", "fp8"),
     "marlin": ("w4a16",),
@@ -74,8 +74,8 @@ class QuantConfig:
             raise QuantConfigError(f"unknown quant scheme {self.scheme!r}; choose one of {SCHEMES}")
         if self.scope not in SCOPES:
             raise QuantConfigError(f"unknown quant scope {self.scope!r}; choose one of {SCOPES}")
-        if self.backend not in BACKENDS:
-            raise QuantConfigError(f"unknown quant backend {self.backend!r}; choose one of {BACKENDS}")
+        if self.backend not in BACKEND_SCHEMES:
+            raise QuantConfigError(f"unknown quant backend {self.backend!r}; choose one of {tuple(BACKEND_SCHEMES)}")
         for name in ("group_size", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0 or value % 8 != 0:
