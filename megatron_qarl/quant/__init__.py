@@ -1,5 +1,5 @@
 """Low-bit numerics spec (int4 W4A16, FP8 block), aligned linear with STE, per-step cache, backends."""
-from megatron_qarl.quant.aligned import aligned_weight, fp8_fake_quant_activation
+from megatron_qarl.quant.aligned import aligned_weight
 from megatron_qarl.quant.backends import (
     AlignedLinearFunction,
     BackendUnavailableError,
@@ -32,7 +32,7 @@ from megatron_qarl.quant.int4 import (
 
 __all__ = [
     "AlignedLinearFunction", "BackendUnavailableError", "CacheCounters", "CacheEntry", "QuantCache",
-    "aligned_linear", "aligned_weight", "fp8_fake_quant_activation", "get_backend",
+    "aligned_linear", "aligned_weight", "get_backend",
     "install_spec_weight_quantizers",
     "FP8_MAX", "Fp8Weight", "Int4Weight", "QuantConfig", "QuantConfigError", "QuantizationError",
     "dequantize_fp8_activation", "dequantize_fp8_block", "dequantize_int4_groupwise",

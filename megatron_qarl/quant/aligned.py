@@ -1,7 +1,7 @@
 """Aligned weights: the low-bit value in the forward (the engine's arithmetic), straight-through backward.
 
 This module holds the straight-through pieces the model's aligned forward plugs into megatron's linears
-(`aligned_weight`, `fp8_fake_quant_activation`); `backends.py` holds the GEMMs and `aligned_linear`.
+(`aligned_weight`); `backends.py` holds the GEMMs and `aligned_linear`.
 
 Forward numerics (reference backend):
 * W4A16: ``y = x @ W_deq^T`` with ``W_deq`` the int4 weight dequantized per the spec (bf16) and cast
@@ -23,7 +23,6 @@ from typing import Optional
 
 import torch
 
-from megatron_qarl.quant.fp8 import dequantize_fp8_activation, quantize_fp8_activation
 
 
 class _StraightThroughWeight(torch.autograd.Function):
@@ -40,17 +39,6 @@ class _StraightThroughWeight(torch.autograd.Function):
         return grad.to(ctx.master_dtype), None
 
 
-class _StraightThroughFp8Activation(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, tile: int) -> torch.Tensor:
-        q, scale_inv = quantize_fp8_activation(x, tile)
-        return dequantize_fp8_activation(q, scale_inv, tile, dtype=torch.float32)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
 def aligned_weight(master_weight: torch.Tensor, dequantized: torch.Tensor) -> torch.Tensor:
     """STE weight for plugging into any linear implementation that takes a `weight` tensor
     (e.g. megatron's `ColumnParallelLinear._forward_impl`): value = `dequantized`, d/d(master) = identity.
@@ -64,8 +52,3 @@ def aligned_weight(master_weight: torch.Tensor, dequantized: torch.Tensor) -> to
     if not (torch.is_grad_enabled() and master_weight.requires_grad):
         return dequantized
     return _StraightThroughWeight.apply(master_weight, dequantized)
-
-
-def fp8_fake_quant_activation(x: torch.Tensor, tile: int = 128) -> torch.Tensor:
-    """Per-1x`tile` FP8 fake quantization of activations (fp32 output) with identity backward."""
-    return _StraightThroughFp8Activation.apply(x, tile)
