@@ -64,7 +64,22 @@ def _human(n_bytes: float) -> str:
     return f"{n_bytes:.0f} B"
 
 
-def format_dry_run(cfg, world_size: int) -> str:
+def fit_verdict(trainer: dict, gpu_gib: float) -> str:
+    """Whether the trainer's per-GPU estimate fits `gpu_gib`, and if not, by how much and its largest terms."""
+    total, capacity = trainer["total"], gpu_gib * 1024 ** 3
+    if total <= capacity:
+        return f"fits a {gpu_gib:g} GiB GPU: {_human(total)} estimated, {_human(capacity - total)} left"
+    largest = sorted(((v, k) for k, v in trainer.items() if k != "total"), reverse=True)[:3]
+    hint = ""
+    if largest[0][1] == "attention_scores":
+        hint = ("; the scores are megatron's unfused local attention (O(L^2) per layer): shorten "
+                "data.max_prompt_len + rollout.max_new_tokens or train.micro_batch_size (a fused-attention spec "
+                "is not wired yet)")
+    return (f"does NOT fit a {gpu_gib:g} GiB GPU: {_human(total)} estimated, {_human(total - capacity)} over; "
+            "largest terms " + ", ".join(f"{k} {_human(v)}" for v, k in largest) + hint)
+
+
+def format_dry_run(cfg, world_size: int, gpu_gib: float = 79.0) -> str:
     """Resolved config + parallel layout + memory estimate, as `qarl-train --dry-run` prints it."""
     from megatron_qarl.config import rollout_topology, to_yaml, validate_config
     from megatron_qarl.memory import estimate_memory
@@ -87,6 +102,7 @@ def format_dry_run(cfg, world_size: int) -> str:
              "",
              f"# trainer memory per GPU (micro-batch of {est['tokens_per_micro_batch']} tokens)"]
     lines += [f"{k:<20}{_human(v):>14}" for k, v in tr.items()]
+    lines.append(fit_verdict(tr, gpu_gib))
     lines += ["", "# rollout engine weights",
               f"published ({cfg.quant.scheme}) total {_human(eng['published_total'])}, bf16 would be "
               f"{_human(eng['bf16_total'])}; per engine GPU ({eng['engine_gpus']} GPUs per engine) "
@@ -105,6 +121,9 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=None,
                    help="--dry-run only: check the layout for this many ranks (default: WORLD_SIZE if set, "
                         "else parallel.world_size, else the smallest world the layout fits)")
+    p.add_argument("--gpu-gib", type=float, default=79.0,
+                   help="--dry-run only: the GPU memory the trainer estimate must fit (default 79: what torch "
+                        "sees of an H100 80 GB)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20")
     return p
 
@@ -131,7 +150,7 @@ def train_main(argv=None) -> int:
 
         if args.dry_run:
             cfg = load_config(args.config, args.overrides)
-            print(format_dry_run(cfg, dry_run_world_size(cfg, args.world_size)))
+            print(format_dry_run(cfg, dry_run_world_size(cfg, args.world_size), args.gpu_gib))
             return 0
         if args.world_size is not None:
             raise UserError("--world-size is a --dry-run option; a run's world size is the launcher's "

@@ -9,11 +9,13 @@ Trainer memory per GPU (bytes), for the parameters a rank holds under TP / EP / 
     Not sharded over DP: megatron_qarl.optim does not use megatron's distributed optimizer;
   - bf16 compute copy (2 B/param) when model.dtype is bfloat16, for weights the aligned forward does NOT
     take from the quantized cache;
-  - quantized cache (QaRL aligned learner only): W4A16 int8 codes (1 B/elem, the spec keeps one code per
-    byte) + bf16 group scales (2 B per group) + the int32-packed codes the publisher sends (0.5 B/elem);
-    FP8 e4m3 (1 B/elem) + fp32 block scale_inv (4 B per 128x128 block); plus per element 2 B (`reference`:
-    dequantized bf16 weight), 0.5 B (`marlin`: repacked int4 copy) or 1 B (`te`: column-wise FP8 copy for
-    the backward);
+  - quantized cache (QaRL aligned learner only), what `QuantCache` keeps per local in-scope element:
+    W4A16 int8 codes (1 B, the spec keeps one code per byte) + bf16 group scales (2 B per group) + the
+    int32-packed codes the publisher sends (0.5 B); FP8 e4m3 (1 B) + fp32 block scale_inv (4 B per block);
+    the spec-dequantized weight in the params dtype (2 B bf16, 4 B fp32), which every backend keeps for
+    the straight-through backward; plus the backend's own form, made on the step's first GEMM:
+    `reference` nothing, `marlin` the Marlin repack (0.5 B) + its permuted bf16 scales (2 B per group),
+    `te` the `te.Linear` it builds per site (a bf16 weight, 2 B);
   - one publish bucket (publish.bucket_mb) in flight, and, for a full-mode publisher with
     publish.code_flips, last step's low-bit codes of the quantized scope (W4A16 packed 0.5 B/elem, FP8
     1 B/elem), which it compares with to count code flips (delta mode counts against the engine copy);
@@ -23,6 +25,13 @@ Trainer memory per GPU (bytes), for the parameters a rank holds under TP / EP / 
         (layernorm in/out, q/k/v and attention output saved for the flash-attention backward)
       MoE per layer and token:       2 B x 2H / TP + 8 B x E (fp32 router logits + probs)
                                      + top_k x 2 B x (H + 3 F / ETP) / TP (permuted input, fc1 out, act out)
+      attention scores (megatron's unfused local DotProductAttention, masked_softmax_fusion off, softmax
+        in fp32): per layer b x heads/TP x L^2 x 6 B saved for the backward (the fp32 softmax output and
+        its bf16 cast), b = micro_batch_size, L = max_prompt_len + max_new_tokens, plus one layer's
+        6 B transient (the bf16 scores and their fp32 upcast) -- O(L^2): ~16 GB per layer at L = 18k, TP4;
+      aligned attention sites at TP>1 (scope with attention): the aligned qkv GEMM saves its sequence-
+        parallel all-gathered input, 2 B x H x (1 - 1/TP) per layer and token more than megatron's own
+        GEMM (which re-gathers in the backward);
       with train.recompute_activations: 2 B x H / TP per layer and token (layer inputs) plus ONE layer's
       full activations during its recompute;
       logits: T x V / TP x 6 B (bf16 logits + fp32 log-softmax), not chunked.
@@ -47,9 +56,14 @@ GIB = 1024 ** 3
 # Memory
 # --------------------------------------------------------------------------------------------------
 
-# What a backend keeps per cached weight element besides the spec's codes + scales: `reference` the
-# dequantized bf16 weight, `marlin` its repacked int4 copy, `te` the column-wise FP8 copy for dgrad.
-_BACKEND_EXTRA_BYTES_PER_ELEM = {"reference": 2.0, "marlin": 0.5, "te": 1.0}
+def _backend_form_bytes(numel: float, quant) -> float:
+    """The backend's own form of `numel` cached weight elements (backends.py `prepare`): Marlin's repacked
+    int4 words and permuted bf16 scales; TE's `te.Linear` bf16 weight; nothing for `reference`."""
+    if quant.backend == "marlin":
+        return 0.5 * numel + 2.0 * numel / quant.group_size
+    if quant.backend == "te":
+        return 2.0 * numel
+    return 0.0
 
 
 def _local_params(groups: ParamGroups, tp: int, ep: int, etp: int) -> dict[str, float]:
@@ -76,19 +90,24 @@ def _optimizer_bytes(local: dict[str, float], optim) -> float:
     return 4.0 * muon + 8.0 * (sum(local.values()) - muon)
 
 
-def _activation_bytes(cfg, shape: ModelShape, tp: int, etp: int) -> dict[str, float]:
-    t = cfg.train.micro_batch_size * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+def _activation_bytes(cfg, shape: ModelShape, tp: int, etp: int, aligned_attention: bool) -> dict[str, float]:
+    b, seq = cfg.train.micro_batch_size, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    t = b * seq
     h, hd, f = shape.hidden_size, shape.head_dim, shape.moe_intermediate_size
     attn = 2.0 * (2 * h + (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads) * hd) / tp
+    if aligned_attention:
+        attn += 2.0 * h * (1 - 1 / tp)
     moe = 2.0 * 2 * h / tp + 8.0 * shape.num_experts + \
         shape.num_experts_per_tok * 2.0 * (h + 3 * f / etp) / tp
     per_layer_token = attn + moe
+    saved_layers = 1 if cfg.train.recompute_activations else shape.num_hidden_layers
     if cfg.train.recompute_activations:
         layers = t * (2.0 * h / tp * shape.num_hidden_layers + per_layer_token)
     else:
         layers = t * per_layer_token * shape.num_hidden_layers
+    scores = b * shape.num_attention_heads / tp * seq ** 2 * 6.0 * (saved_layers + 1)
     logits = t * shape.vocab_size / tp * 6.0
-    return {"tokens_per_micro_batch": t, "layers": layers, "logits": logits}
+    return {"tokens_per_micro_batch": t, "layers": layers, "attention_scores": scores, "logits": logits}
 
 
 def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
@@ -114,14 +133,14 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     compute_copy = 2.0 * (local_total - cached) if cfg.model.dtype == "bfloat16" else 0.0
     quant_cache = 0.0
     if cached:
-        quant_cache = _low_bit_bytes(cached, quant, packed=False) + \
-            _BACKEND_EXTRA_BYTES_PER_ELEM.get(quant.backend, 0.0) * cached
+        dequantized = (2.0 if cfg.model.dtype == "bfloat16" else 4.0) * cached
+        quant_cache = _low_bit_bytes(cached, quant, packed=False) + dequantized + _backend_form_bytes(cached, quant)
         if quant.scheme == "w4a16":  # the int32 words the publisher sends, made by the same fused pass
             quant_cache += 0.5 * cached
     # a full-mode publisher that counts code flips keeps last step's codes of every quantized local weight
     counts_locally = cfg.publish.mode == "full" and cfg.publish.code_flips
     prev_codes = quantized_local * (0.5 if quant.scheme == "w4a16" else 1.0) if counts_locally else 0.0
-    act = _activation_bytes(cfg, shape, tp, etp)
+    act = _activation_bytes(cfg, shape, tp, etp, aligned_attention=aligned and "attention" in in_scope)
     trainer = {
         "master_fp32": 4.0 * local_total,
         "grads_fp32": 4.0 * local_total,
@@ -131,6 +150,7 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
         "publish_bucket": cfg.publish.bucket_mb * 1024.0 ** 2,
         "publish_prev_codes": prev_codes,
         "activations": act["layers"],
+        "attention_scores": act["attention_scores"],
         "logits": act["logits"],
     }
     trainer["total"] = sum(trainer.values())

@@ -115,20 +115,45 @@ def test_tiny_w4a16_reference_memory_hand_computed():
     assert est["tokens_per_micro_batch"] == 96
     assert mem["activations"] == 96 * 7_744 * 2 == 1_486_848
     assert mem["logits"] == 96 * 128 * 6 == 73_728
+    # unfused attention: b 4 x 4 heads x L 24^2 x 6 B, saved in both layers plus one layer's transient
+    assert mem["attention_scores"] == 4 * 4 * 24 ** 2 * 6 * (2 + 1) == 165_888
     parts = [v for k, v in mem.items() if k != "total"]
     assert mem["total"] == sum(parts)
 
 
 def test_gpu_backends_cache_their_own_copy():
+    """The cache: codes + scales, the dequantized weight in the params dtype (fp32 here, the tiny default),
+    and the backend's own form (backends.py prepare)."""
     marlin = estimate_memory(_tiny("quant.scheme=w4a16", "quant.backend=marlin"))["trainer_per_gpu"]
-    # codes, scales, Marlin int4 repack, the packed words the publisher sends
-    assert marlin["quant_cache"] == TINY_EXPERTS * (1 + 2 / 128 + 0.5 + 0.5)
+    # int8 codes 1 B + bf16 scale per 128, fp32 dequantized 4 B, Marlin repack 0.5 B + its permuted scales,
+    # the packed words the publisher sends 0.5 B
+    assert marlin["quant_cache"] == TINY_EXPERTS * (1 + 2 / 128 + 4 + 0.5 + 2 / 128 + 0.5)
     te = estimate_memory(_tiny("quant.scheme=fp8", "quant.scope=all-linears", "quant.backend=te",
-                               "quant.block_size=64", "publish.code_flips=true"))
+                               "quant.block_size=64", "publish.code_flips=true", "model.dtype=bfloat16",
+                               "train.optim.bf16=true"))
     linears = TINY_EXPERTS + TINY_ATTENTION
-    # e4m3 row-wise 1 B + fp32 scale per 64x64 block + column-wise e4m3 copy 1 B
-    assert te["trainer_per_gpu"]["quant_cache"] == linears * 2 + 4 * linears / 64 ** 2
+    # e4m3 1 B + fp32 scale per 64x64 block + bf16 dequantized 2 B + the te.Linear's bf16 weight 2 B
+    assert te["trainer_per_gpu"]["quant_cache"] == linears * (1 + 2 + 2) + 4 * linears / 64 ** 2
     assert te["trainer_per_gpu"]["publish_prev_codes"] == linears  # last step's e4m3 codes
+
+
+def test_attention_scores_are_quadratic_and_aligned_qkv_saves_its_gathered_input():
+    """30B shapes at the paper's sequence length: ~16 GB of scores per layer at L = 18k, TP4 (hand count);
+    an aligned attention scope at TP2 keeps the gathered qkv input: 2 B x H x 1/2 more per layer and token."""
+    cfg = load_config(None, ["model.preset=qwen3-30b-a3b", "parallel.tp=4", "parallel.ep=8", "parallel.etp=1",
+                             "data.max_prompt_len=2048", "rollout.max_new_tokens=16384", "train.micro_batch_size=1"],
+                      world_size=8)
+    mem = estimate_memory(cfg, world_size=8)["trainer_per_gpu"]
+    per_layer = 1 * (32 // 4) * 18_432 ** 2 * 6
+    assert per_layer == 16_307_453_952  # ~15.2 GiB
+    assert mem["attention_scores"] == per_layer * (48 + 1)
+    experts = _tiny("quant.scheme=fp8", "quant.scope=all-linears", "quant.block_size=64", "parallel.tp=2",
+                    "quant.learner_aligned=false", world_size=2)
+    aligned = _tiny("quant.scheme=fp8", "quant.scope=all-linears", "quant.block_size=64", "parallel.tp=2",
+                    world_size=2)
+    extra = estimate_memory(aligned, 2)["trainer_per_gpu"]["activations"] - \
+        estimate_memory(experts, 2)["trainer_per_gpu"]["activations"]
+    assert extra == 96 * 2 * (2 * 256 * (1 - 1 / 2))  # tokens x layers x bytes
 
 
 def test_bf16_learner_arm_has_no_cache_and_full_bf16_copy():
@@ -197,3 +222,16 @@ def test_format_dry_run_reports_layout_params_and_memory():
     assert "7.77 MiB" in text
 
     assert "preset: tiny" in text  # the resolved config is part of it
+
+
+def test_dry_run_says_whether_the_trainer_fits_the_gpu_and_what_does_not():
+    from megatron_qarl.cli import fit_verdict
+
+    assert "fits a 79 GiB GPU" in format_dry_run(_tiny(), world_size=1)
+    trainer = {"a": 50 * 2 ** 30, "attention_scores": 40 * 2 ** 30, "b": 1.0, "c": 2.0}
+    trainer["total"] = sum(trainer.values())
+    verdict = fit_verdict(trainer, 80)
+    assert verdict.startswith("does NOT fit a 80 GiB GPU: 90.00 GiB estimated, 10.00 GiB over")
+    assert "largest terms a 50.00 GiB, attention_scores 40.00 GiB, c 2 B" in verdict
+    assert "unfused local attention" not in verdict  # the hint names the scores only when they lead
+    assert "fits a 100 GiB GPU" in fit_verdict(trainer, 100)
