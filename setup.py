@@ -30,8 +30,7 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    # modelopt runs its quantizer plumbing on CPU: the test of the `modelopt` backend uses it.
-    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "nvidia-modelopt==0.47.0"],
+    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0"],
     # GPU-only pieces, never installed on CPU machines: the pins of requirements/gpu.txt beyond the shared
     # ones. TransformerEngine's PyTorch extension is not here: it is an sdist that must be compiled against
     # the installed torch, a second step (pip install --no-build-isolation -r requirements/gpu-te.txt).
@@ -40,7 +39,6 @@ EXTRAS = {
         "numpy==2.3.5",
         "sglang==0.5.23",
         "transformer-engine[core_cu13]==2.11.0",
-        "nvidia-modelopt==0.47.0",
         "wheel==0.48.0",  # imported by transformer-engine-torch's setup.py in the second step
     ],
 }

@@ -129,7 +129,7 @@ def setup_world(device: str) -> dict:
 def versions() -> dict:
     out = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
     for mod in ("megatron.core", "transformers", "compressed_tensors", "omegaconf", "transformer_engine",
-                "apex", "sgl_kernel", "sglang", "flash_attn", "modelopt"):
+                "apex", "sgl_kernel", "sglang", "flash_attn"):
         try:
             m = __import__(mod, fromlist=["__version__"])
             out[mod] = getattr(m, "__version__", "?")

@@ -198,7 +198,7 @@ report, te_file = sys.argv[1:]
 chosen = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in json.load(open(report))["install"]}
 key = ["torch", "triton", "torchvision", "torchaudio", "sglang", "sglang-kernel", "flashinfer-python",
        "transformers", "compressed-tensors", "numpy", "megatron-core", "transformer-engine",
-       "transformer-engine-cu12", "transformer-engine-cu13", "nvidia-modelopt", "onnx", "onnxscript"]
+       "transformer-engine-cu12", "transformer-engine-cu13", "onnx", "onnxscript"]
 print(f"resolved {len(chosen)} packages; " + ", ".join(f"{k} {chosen[k]}" for k in key if k in chosen))
 if te_file != "-":
     te_version = next(l.split("==")[1].split()[0] for l in open(te_file) if l.startswith("transformer-engine-torch=="))

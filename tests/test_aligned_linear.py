@@ -9,7 +9,6 @@ from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales
 from conftest import fp32_gemm_then_cast_bound
 from megatron_qarl.quant import (
     aligned_linear,
-    aligned_weight,
     quantize_fp8_block,
     quantize_int4_groupwise,
 )
@@ -76,23 +75,6 @@ def test_w4a16_input_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda inp: aligned_linear(inp, master.detach(), q), (x,))
 
 
-def test_aligned_weight_value_and_identity_backward():
-    master = make_master()
-    deq = library_dequantized_int4(master)
-    w = aligned_weight(master, deq)
-    assert torch.equal(w, deq)
-    x = torch.randn(6, 256, dtype=torch.bfloat16)
-    g = torch.randn(6, 64, dtype=torch.bfloat16)
-    F.linear(x, w).backward(g)
-    assert master.grad.dtype == torch.float32
-    # grad w.r.t. the bf16 weight (a bf16 GEMM, fp32-accumulated), cast to fp32
-    exact = g.t().float() @ x.float()
-    bound = fp32_gemm_then_cast_bound(exact, g.t().float().abs() @ x.float().abs(), g.shape[0], torch.bfloat16)
-    assert bool(((master.grad - exact).abs() <= bound).all())
-    with torch.no_grad():
-        assert aligned_weight(master, deq) is deq
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fp8_forward_matches_manual_tile_and_block_math(dtype):
     """The reference FP8 GEMM runs in the activation dtype: exact FP8 arithmetic in fp32; with bf16
@@ -124,6 +106,3 @@ def test_fp8_backward_is_straight_through_for_weight_and_activation():
     assert torch.allclose(master.grad, g.t() @ x_fq, rtol=1e-5, atol=1e-5)
 
 
-def test_aligned_weight_shape_mismatch_is_an_error():
-    with pytest.raises(ValueError, match="shape"):
-        aligned_weight(make_master(), torch.zeros(64, 128))

@@ -32,9 +32,8 @@ SGLANG_0_5_23_REQUIRES = [
 # mistral_common 1.11.5 .. 1.13.1 (every release sglang admits) declare this on the GPU machines' Python.
 MISTRAL_COMMON_NUMPY = 'numpy<2.4,>=1.25; python_version <= "3.12"'
 GPU_PYTHON = "3.12"
-# Packages both stacks install on purpose: torch and numpy (different versions), and ModelOpt, whose
-# quantizer plumbing the CPU tests use.
-IN_BOTH_STACKS = {"torch", "numpy", "nvidia-modelopt"}
+# Packages both stacks install on purpose: torch and numpy (different versions).
+IN_BOTH_STACKS = {"torch", "numpy"}
 
 
 def read_reqs(path: Path) -> dict:
@@ -180,7 +179,7 @@ def test_no_gpu_only_package_in_the_cpu_stack(cpu, gpu, setup_reqs):
     assert not gpu_only & cpu_side, f"GPU-only packages in the CPU stack: {sorted(gpu_only & cpu_side)}"
     for name, req in cpu.items():
         assert not name.startswith(("sglang", "sgl-", "transformer-engine", "flashinfer", "cuda-")), name
-        assert not name.startswith("nvidia-") or name == "nvidia-modelopt", name
+        assert not name.startswith("nvidia-"), name
         assert pinned(req).local is None, f"{req}: a local build tag (+cuXXX) does not belong in cpu.txt"
 
 

@@ -1,11 +1,9 @@
 """Low-bit numerics spec (int4 W4A16, FP8 block), aligned linear with STE, per-step cache, backends."""
-from megatron_qarl.quant.aligned import aligned_weight
 from megatron_qarl.quant.backends import (
     AlignedLinearFunction,
     BackendUnavailableError,
     aligned_linear,
     get_backend,
-    install_spec_weight_quantizers,
 )
 from megatron_qarl.quant.cache import CacheCounters, CacheEntry, QuantCache
 from megatron_qarl.quant.config import QuantConfig
@@ -32,8 +30,7 @@ from megatron_qarl.quant.int4 import (
 
 __all__ = [
     "AlignedLinearFunction", "BackendUnavailableError", "CacheCounters", "CacheEntry", "QuantCache",
-    "aligned_linear", "aligned_weight", "get_backend",
-    "install_spec_weight_quantizers",
+    "aligned_linear", "get_backend",
     "FP8_MAX", "Fp8Weight", "Int4Weight", "QuantConfig", "QuantConfigError", "QuantizationError",
     "dequantize_fp8_activation", "dequantize_fp8_block", "dequantize_int4_groupwise",
     "engine_tensors_for_linear",

@@ -2,7 +2,7 @@
 
 Every backend consumes the spec's codes/scales (never re-derives its own from the master weight):
 
-* `reference` -- pure torch dequantize-then-matmul (CPU and GPU), see `aligned.py` for the exact rule.
+* `reference` -- pure torch dequantize-then-matmul (CPU and GPU), the rule below.
 * `marlin`    -- W4A16 GEMM of SGLang's kernel package (`gptq_marlin_gemm` via SGLang's
                  `apply_gptq_marlin_linear`), fed the spec's packed codes transposed to the GPTQ layout
                  and repacked exactly as SGLang's `CompressedTensorsWNA16.process_weights_after_loading`
@@ -13,11 +13,20 @@ Every backend consumes the spec's codes/scales (never re-derives its own from th
                  re-quantization reproduces the spec codes (each block is e4m3 values times one scale and
                  its amax maps to 448; bf16 rounding moves values by <= 2^-9 relative, far below half an
                  e4m3 step) with scales equal to the spec's within 2^-8 relative. CUDA only.
-* `modelopt`  -- the forward math of `reference`; `install_spec_weight_quantizers` swaps the weight
-                 quantizers that `modelopt.torch.quantization.quantize` inserted into a model for ones that
-                 apply the spec (modelopt's own INT4 rule maps amax to 7, not 7.5, so its codes differ).
 
-Backward is the straight-through rule of `AlignedLinearFunction` for all backends.
+Forward numerics (reference backend):
+* W4A16: ``y = x @ W_deq^T`` with ``W_deq`` the int4 weight dequantized per the spec (bf16) and cast
+  to x's dtype; the matmul runs in x's dtype (bf16 on the learner, like the engine's W4A16 GEMM whose
+  output is bf16 with fp32 accumulation inside the kernel).
+* FP8: x is quantized per 1x128 tile (spec rule), both operands are dequantized to x's dtype and
+  multiplied in it: with fp32 activations that is what a block-scaled FP8 GEMM computes (products of e4m3
+  values are exact in fp32; the scales are applied in fp32); with bf16 activations a bf16 GEMM.
+
+Backward (straight-through estimator, identical for every backend):
+* grad of the master weight == grad w.r.t. the dequantized weight the forward used
+  (``g^T @ x_used``, x_used = x for W4A16, the fake-quantized x for FP8), cast to the master's dtype;
+* grad of x == ``g @ W_deq`` (the activation quantizer of FP8 is straight-through too).
+Backward runs in the activation dtype; only the forward is rollout-aligned.
 """
 from __future__ import annotations
 
@@ -27,7 +36,6 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_qarl.quant.aligned import aligned_weight
 from megatron_qarl.quant.config import BACKEND_SCHEMES
 from megatron_qarl.quant.errors import QuantizationError
 from megatron_qarl.quant.fp8 import Fp8Weight, dequantize_fp8_activation, quantize_fp8_activation
@@ -206,17 +214,10 @@ class TransformerEngineBackend:
             return layer(x)
 
 
-class ModeloptBackend(ReferenceBackend):
-    """Spec numerics inside modelopt-quantized models (see `install_spec_weight_quantizers`)."""
-
-    name = "modelopt"
-
-
 _BACKENDS = {
     "reference": ReferenceBackend,
     "marlin": MarlinBackend,
     "te": TransformerEngineBackend,
-    "modelopt": ModeloptBackend,
 }
 _INSTANCES: dict[str, Any] = {}
 
@@ -231,7 +232,7 @@ def register_backend(name: str, factory, schemes: tuple[str, ...]) -> None:
 
 
 def unregister_backend(name: str) -> None:
-    if name in ("reference", "marlin", "te", "modelopt"):
+    if name in ("reference", "marlin", "te"):
         raise QuantizationError(f"the built-in backend {name!r} cannot be unregistered")
     _BACKENDS.pop(name, None)
     BACKEND_SCHEMES.pop(name, None)
@@ -247,46 +248,6 @@ def get_backend(backend) -> Any:
     if backend not in _INSTANCES:
         _INSTANCES[backend] = _BACKENDS[backend]()
     return _INSTANCES[backend]
-
-
-class SpecWeightQuantizer(torch.nn.Module):
-    """Drop-in for a modelopt `weight_quantizer`: returns the spec-dequantized weight with STE backward.
-
-    With a `QuantCache` the weight is quantized once per optimizer step.
-    """
-
-    def __init__(self, quant_cfg, cache=None, name: Optional[str] = None):
-        super().__init__()
-        self.quant_cfg = quant_cfg
-        self.cache = cache
-        self.param_name = name
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        from megatron_qarl.quant.engine_layout import quantize_weight
-
-        if self.cache is not None:
-            return self.cache.aligned_weight(weight, name=self.param_name, dtype=weight.dtype)
-        qweight = quantize_weight(weight, self.quant_cfg)
-        deq = qweight.dequantize(qweight.exact_dtype).to(weight.dtype)
-        return aligned_weight(weight, deq)
-
-
-def install_spec_weight_quantizers(model: torch.nn.Module, quant_cfg, cache=None) -> int:
-    """Replace every enabled modelopt `weight_quantizer` in `model` by `SpecWeightQuantizer`.
-
-    Returns the number replaced. Call after `modelopt.torch.quantization.quantize(model, ...)`.
-    """
-    replaced = 0
-    for module_name, module in model.named_modules():
-        quantizer = getattr(module, "weight_quantizer", None)
-        if quantizer is None or isinstance(quantizer, SpecWeightQuantizer):
-            continue
-        if not getattr(quantizer, "is_enabled", True):
-            continue
-        name = f"{module_name}.weight" if module_name else "weight"
-        module.weight_quantizer = SpecWeightQuantizer(quant_cfg, cache, name)
-        replaced += 1
-    return replaced
 
 
 # ------------------------------------------------------------------ the aligned linear through a backend

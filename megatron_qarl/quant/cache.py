@@ -32,7 +32,6 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_qarl.quant.aligned import aligned_weight
 from megatron_qarl.quant.backends import aligned_linear, get_backend
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.quant.engine_layout import QuantizedWeight, engine_tensors_for_linear, quantize_dequantize_weight
@@ -212,13 +211,6 @@ class QuantCache:
         return _requantize_groups(weight, stale.qweight, stale.dequantized, changed)
 
     # -- uses ------------------------------------------------------------------------------------
-    def aligned_weight(self, master: torch.Tensor, name: Optional[str] = None,
-                       dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """STE weight (value: spec-dequantized, grad: into `master`) for any linear taking `weight`."""
-        entry = self.entry(master, name)
-        deq = entry.dequantized if dtype is None else entry.dequantized.to(dtype)
-        return aligned_weight(master, deq)
-
     def linear(self, x: torch.Tensor, master: torch.Tensor, name: Optional[str] = None,
                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Aligned linear through the configured backend with this step's cached weight."""

@@ -25,12 +25,11 @@ __all__ = ["QuantConfig", "QuantConfigError", "SCHEMES", "SCOPES", "SCOPE_GROUPS
 
 SCHEMES = ("none", "w4a16", "fp8")
 SCOPES = ("experts", "experts+attention", "all-linears")
-BACKENDS = ("reference", "marlin", "te", "modelopt")  # built in; `backends.register_backend` adds more
+BACKENDS = ("reference", "marlin", "te")  # built in; `backends.register_backend` adds more
 BACKEND_SCHEMES = {
     "reference": ("w4a16", "fp8"),
     "marlin": ("w4a16",),
     "te": ("fp8",),
-    "modelopt": ("w4a16", "fp8"),
 }
 SCHEME_SCOPES = {"w4a16": SCOPES, "fp8": ("all-linears",)}
 
@@ -64,7 +63,7 @@ class QuantConfig:
     scope: str = "experts"  # which linears are low-bit: experts | experts+attention | all-linears
     group_size: int = 128  # w4a16: input-dim elements per scale
     block_size: int = 128  # fp8: square weight block per scale (activations per 1 x block_size)
-    backend: str = "reference"  # the learner's low-bit GEMM: reference | marlin | te | modelopt
+    backend: str = "reference"  # the learner's low-bit GEMM: reference | marlin | te
 
     def __post_init__(self) -> None:
         self.validate()
