@@ -171,6 +171,79 @@ def test_every_site_runs_the_configured_backends_gemm_on_what_it_prepared(hf_sta
     assert len(recording_backend.prepared) == 2 * len(aligned.sites)
 
 
+class RecordingExpertsBackend(RecordingBackend):
+    """A backend that runs whole MoE layers (like `marlin`'s fused_marlin_moe), here in plain torch from the
+    dequantized codes: out = prob * fc2(silu(gate) * up) per dispatched token, the kernel's formula."""
+
+    def __init__(self):
+        super().__init__()
+        self.expert_prepares, self.expert_calls = [], []
+
+    def prepare_experts(self, fc1, fc2):
+        form = ([q.dequantize(torch.float32) for q in fc1], [q.dequantize(torch.float32) for q in fc2])
+        self.expert_prepares.append((fc1, fc2))
+        return form
+
+    def experts_forward(self, x, tokens_per_expert, probs, prepared):
+        outs = []
+        for w1, w2, tokens, p in zip(*prepared, x.split(tokens_per_expert), probs.split(tokens_per_expert)):
+            gate, up = (tokens.float() @ w1.t()).chunk(2, dim=-1)
+            outs.append(((torch.nn.functional.silu(gate) * up) @ w2.t()) * p.float().unsqueeze(-1))
+        y = torch.cat(outs).to(x.dtype)
+        self.expert_calls.append((sum(tokens_per_expert), y))
+        return y
+
+
+@pytest.fixture
+def experts_backend():
+    from megatron_qarl.quant.backends import get_backend, register_backend, unregister_backend
+
+    register_backend("recording-experts", RecordingExpertsBackend, schemes=("w4a16",))
+    yield get_backend("recording-experts")
+    unregister_backend("recording-experts")
+
+
+def test_a_backend_with_a_moe_kernel_runs_each_moe_layer_in_one_call_with_straight_through_grads(hf_state,
+                                                                                              experts_backend):
+    """A backend with experts_forward (marlin: SGLang's fused_marlin_moe) gets every MoE layer's dispatched
+    tokens in one call, its output is the layer's value, its weights are prepared once per layer and step;
+    without grad the per-expert GEMMs do not run at all; with grad logits and master grads still match
+    transformers holding the engine's weights (the straight-through gradient of the reference GEMMs)."""
+    cfg, quant_cfg = tiny_hf_config(), QuantConfig(scheme="w4a16", scope="experts", backend="recording-experts")
+    model = build(hf_state)
+    aligned = apply_aligned_quantization(model, quant_cfg)
+    assert sorted(aligned.expert_layers) == [f"decoder.layers.{i}.mlp.experts" for i in range(cfg.num_hidden_layers)]
+    outputs = []
+    for layer in aligned.expert_layers.values():
+        layer.register_forward_hook(lambda module, args, out: outputs.append(out[0]))
+    ids = tokens(cfg.vocab_size)
+    with torch.no_grad():
+        mcore_logits(model, ids)
+    calls = experts_backend.expert_calls
+    assert len(calls) == cfg.num_hidden_layers and not experts_backend.gemms  # no per-expert GEMM without grad
+    assert all(n == ids.numel() * cfg.num_experts_per_tok for n, _ in calls)  # every routed token, EP 1
+    assert all(out is y for out, (_, y) in zip(outputs, calls))  # the layer's output is the kernel's
+
+    logits = mcore_logits(model, ids)
+    assert len(experts_backend.expert_prepares) == cfg.num_hidden_layers  # once per layer and step
+    assert torch.equal(outputs[-1], calls[-1][1])  # with grad too, the value is the kernel's
+    ref_model = hf_model(cfg, w4a16_dequantized_state(hf_state, QuantConfig(scheme="w4a16", scope="experts")))
+    ref_logits = ref_model(input_ids=ids).logits
+    assert float((logits - ref_logits).abs().max()) <= 1e-4
+    logits.float().logsumexp(-1).mean().backward()
+    ref_logits.float().logsumexp(-1).mean().backward()
+    ref_grads = hf_grads_as_mcore(cfg, ref_model)
+    worst = max(float((aligned.sites[n].weight.grad - ref_grads[n]).abs().max()) for n in aligned.sites)
+    assert worst <= 1e-5 * max(1.0, max(float(ref_grads[n].abs().max()) for n in aligned.sites))
+
+    aligned.invalidate()  # an optimizer step: new codes, prepared again on the next forward
+    with torch.no_grad():
+        mcore_logits(model, ids)
+    assert len(experts_backend.expert_prepares) == 2 * cfg.num_hidden_layers
+    aligned.remove()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
 def test_cache_quantizes_once_per_optimizer_step(hf_state):
     cfg = tiny_hf_config()
     model = build(hf_state)

@@ -43,6 +43,8 @@ class AlignedQuantization:
     quant_cfg: QuantConfig
     cache: QuantCache
     sites: dict[str, torch.nn.Module] = field(default_factory=dict)
+    # the SequentialMLPs whose local experts run in one backend call (a backend with experts_forward)
+    expert_layers: dict[str, torch.nn.Module] = field(default_factory=dict)
 
     def invalidate(self) -> None:
         """The masters changed (call after every optimizer.step()): the next forward re-quantizes once."""
@@ -59,7 +61,9 @@ class AlignedQuantization:
         for module in self.sites.values():
             module.__dict__.pop("_forward_impl", None)
             module.__dict__.pop(_WRAPPED_MARK, None)
-        self.sites = {}
+        for module in self.expert_layers.values():
+            module.__dict__.pop("forward", None)
+        self.sites, self.expert_layers = {}, {}
 
 
 # ------------------------------------------------------------------------------------- site selection
@@ -179,6 +183,63 @@ def _aligned_forward_impl(cache: QuantCache, name: str) -> Callable:
     return forward_impl
 
 
+class _KernelValue(torch.autograd.Function):
+    """The kernel's output as the value, the reference computation's graph for the gradient."""
+
+    @staticmethod
+    def forward(ctx, reference: torch.Tensor, kernel: torch.Tensor) -> torch.Tensor:
+        return kernel.view_as(kernel)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _local_expert_pairs(layer: str, experts: torch.nn.Module, fc: str) -> list[tuple[torch.Tensor, str]]:
+    return [(getattr(e, fc).weight, f"{layer}.local_experts.{i}.{fc}.weight") for i, e in enumerate(experts.local_experts)]
+
+
+def _whole_experts_forward(experts: torch.nn.Module, layer: str, cache: QuantCache) -> Callable:
+    """SequentialMLP.forward (mcore 0.16.1 `transformer/moe/experts.py:876`) with one backend call for the
+    layer's local experts. Without grad (log-probs of the old policy, evaluation) that call is all; with
+    grad megatron's per-expert loop also runs on the aligned sites (reference GEMMs with the same cached
+    dequantized weights) to give the straight-through gradient, and the kernel's output is the value."""
+    per_expert = type(experts).forward.__get__(experts)
+    fc1, fc2 = _local_expert_pairs(layer, experts, "linear_fc1"), _local_expert_pairs(layer, experts, "linear_fc2")
+
+    def forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        prepared = cache.experts(layer, fc1, fc2)
+        counts = [int(n) for n in tokens_per_expert.tolist()]
+        y = cache.experts_forward(permuted_local_hidden_states, counts, permuted_probs, prepared)
+        if not torch.is_grad_enabled():
+            return y, None
+        reference, bias = per_expert(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        return _KernelValue.apply(reference, y.to(reference.dtype)), bias
+    return forward
+
+
+def _install_whole_experts(model: torch.nn.Module, sites: dict, cache: QuantCache) -> dict[str, torch.nn.Module]:
+    """Every SequentialMLP whose local experts are all aligned sites runs them through the backend at once."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    layers = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, SequentialMLP):
+            continue
+        pairs = _local_expert_pairs(name, module, "linear_fc1") + _local_expert_pairs(name, module, "linear_fc2")
+        if not all(n in sites for _, n in pairs):
+            continue
+        config = module.config
+        if (config.moe_apply_probs_on_input or not config.gated_linear_unit or config.add_bias_linear
+                or config.activation_func is not torch.nn.functional.silu):
+            raise QuantizationError(f"{name}: the backend's MoE kernel computes fc2(silu(gate) * up) * prob without "
+                                    "biases; this model's experts differ (moe_apply_probs_on_input, activation, "
+                                    "gated_linear_unit or add_bias_linear). Use quant.backend=reference")
+        module.forward = _whole_experts_forward(module, name, cache)
+        layers[name] = module
+    return layers
+
+
 def _install(module: torch.nn.Module, name: str, cache: QuantCache, quant_cfg: QuantConfig) -> None:
     if _WRAPPED_MARK in module.__dict__:
         raise QuantizationError(f"{name}: the aligned forward is already installed on this module "
@@ -225,4 +286,5 @@ def apply_aligned_quantization(model: torch.nn.Module, quant_cfg: QuantConfig) -
     cache = QuantCache(quant_cfg, dequant_dtype=dequant_dtype)
     for name, module in sites.items():
         _install(module, name, cache, quant_cfg)
-    return AlignedQuantization(quant_cfg=quant_cfg, cache=cache, sites=sites)
+    expert_layers = _install_whole_experts(model, sites, cache) if cache.runs_whole_experts else {}
+    return AlignedQuantization(quant_cfg=quant_cfg, cache=cache, sites=sites, expert_layers=expert_layers)

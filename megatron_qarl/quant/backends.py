@@ -3,10 +3,11 @@
 Every backend consumes the spec's codes/scales (never re-derives its own from the master weight):
 
 * `reference` -- pure torch dequantize-then-matmul (CPU and GPU), the rule below.
-* `marlin`    -- W4A16 GEMM of SGLang's kernel package (`gptq_marlin_gemm` via SGLang's
-                 `apply_gptq_marlin_linear`), fed the spec's packed codes transposed to the GPTQ layout
-                 and repacked exactly as SGLang's `CompressedTensorsWNA16.process_weights_after_loading`
-                 does. CUDA only.
+* `marlin`    -- W4A16 routed experts through SGLang's own MoE kernel (`fused_marlin_moe`), one call per
+                 MoE layer over the tokens dispatched to this rank, on the spec's cached codes repacked
+                 exactly as SGLang's `CompressedTensorsWNA16MoE.process_weights_after_loading` does.
+                 A backend with `experts_forward` runs whole MoE layers; the others run per linear.
+                 CUDA only.
 * `te`        -- TransformerEngine FP8 with `Float8BlockScaling` (128x128 weights, 1x128 activations),
                  fp32 (non power-of-two) scales -- the recipe's QParams are set to power_2_scale=False
                  (and `NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1` for later imports) to match amax/448; TE is given the spec-dequantized weight in bf16, whose
@@ -39,7 +40,7 @@ import torch
 from megatron_qarl.quant.config import BACKEND_SCHEMES
 from megatron_qarl.quant.errors import QuantizationError
 from megatron_qarl.quant.fp8 import Fp8Weight, dequantize_fp8_activation, quantize_fp8_activation
-from megatron_qarl.quant.int4 import Int4Weight, pack_int4_groupwise
+from megatron_qarl.quant.int4 import Int4Weight
 
 
 class BackendUnavailableError(QuantizationError):
@@ -83,76 +84,118 @@ class ReferenceBackend:
         raise QuantizationError(f"reference backend: unsupported quantized weight {type(qweight).__name__}")
 
 
-@dataclass
-class MarlinWeight:
-    """Marlin-repacked weight and the side tensors `apply_gptq_marlin_linear` needs."""
+# ----------------------------------------------------------- W4A16 routed experts: SGLang's fused Marlin MoE
 
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    workspace: torch.Tensor
-    empty: torch.Tensor
-    size_n: int
-    size_k: int
+def sglang_wna16_moe_layout(fc1: list[Int4Weight], fc2: list[Int4Weight]) -> dict[str, torch.Tensor]:
+    """One MoE layer's local experts as SGLang 0.5.23's `CompressedTensorsWNA16MoE` holds them after its
+    loader and before `process_weights_after_loading`: the loader transposes compressed-tensors'
+    `weight_packed` [N, K/8] to [K/8, N] (`is_transposed`, `compressed_tensors_wNa16_moe.py:112-144`) and
+    puts gate then up along N for w13, which megatron's fc1 rows already are ([gate; up], also per
+    expert-TP shard). Shapes: w13_weight_packed [E, K/8, 2N] int32, w13_weight_scale [E, K/g, 2N] bf16,
+    w2_weight_packed [E, N/8, K], w2_weight_scale [E, N/g, K]."""
+    return {
+        "w13_weight_packed": torch.stack([q.packed().t() for q in fc1]).contiguous(),
+        "w13_weight_scale": torch.stack([q.scales.t() for q in fc1]).contiguous(),
+        "w2_weight_packed": torch.stack([q.packed().t() for q in fc2]).contiguous(),
+        "w2_weight_scale": torch.stack([q.scales.t() for q in fc2]).contiguous(),
+    }
 
 
-def _sglang_marlin():
+def _sglang_marlin_moe():
+    """SGLang's Marlin MoE pieces. Without CUDA SGLang's module imports but leaves its kernel out
+    (`fused_marlin_moe.py:16-23` import `moe_wna16_marlin_gemm` only `if _is_cuda`), so that, not an
+    ImportError, is what tells a machine without the kernel."""
     try:
+        from sglang.srt.hardware_backend.gpu.quantization import gptq_kernels
+        from sglang.srt.layers.moe.fused_moe_triton import fused_marlin_moe as fused
         from sglang.srt.layers.quantization import marlin_utils
-    except ImportError as exc:  # pragma: no cover - GPU-only dependency
-        raise BackendUnavailableError(
-            "quant backend 'marlin' needs sglang with its CUDA kernel package (sgl_kernel) installed"
-        ) from exc
-    try:
-        from sglang.kernels.ops.quantization.gptq_marlin_repack import gptq_marlin_repack
-    except ImportError:  # older sglang: the op lives in sgl_kernel
-        from sgl_kernel import gptq_marlin_repack
-    try:
-        from sglang.srt.layers.quantization.utils import get_scalar_types
+    except ImportError as exc:
+        raise BackendUnavailableError("quant backend 'marlin' needs sglang==0.5.23 with its CUDA kernels "
+                                      "(sgl_kernel) installed") from exc
+    return gptq_kernels, fused, marlin_utils
 
-        _, scalar_types = get_scalar_types()
-    except ImportError:
-        from sgl_kernel.scalar_type import scalar_types
-    return marlin_utils, gptq_marlin_repack, scalar_types
+
+@dataclass
+class MarlinMoeWeights:
+    """One MoE layer's local experts in the Marlin layout `fused_marlin_moe` takes."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scales: torch.Tensor
+    w2_scales: torch.Tensor
+    no_act_order: torch.Tensor  # [E, 0] int32: g_idx and sort indices of a checkpoint without act-order
+    workspace: torch.Tensor
+
+
+def marlin_moe_weights(layout: dict[str, torch.Tensor], group_size: int) -> MarlinMoeWeights:
+    """`CompressedTensorsWNA16MoE.process_weights_after_loading` (sglang 0.5.23
+    `compressed_tensors_wNa16_moe.py:282-404`) for symmetric int4 without act-order, argument for argument:
+    the same repack and scale permutation of the same tensors, so the kernel sees what the engine's does."""
+    gptq_kernels, _, marlin_utils = _sglang_marlin_moe()
+    w13p, w2p = layout["w13_weight_packed"], layout["w2_weight_packed"]
+    w13s, w2s = layout["w13_weight_scale"], layout["w2_weight_scale"]
+    empty = torch.empty((w13p.shape[0], 0), dtype=torch.int32, device=w13p.device)
+    w13 = gptq_kernels.gptq_marlin_moe_repack(w13p, empty, w13p.shape[1] * 8, w13p.shape[2], 4)
+    w2 = gptq_kernels.gptq_marlin_moe_repack(w2p, empty, w2p.shape[1] * 8, w2p.shape[2], 4)
+    # size_k as SGLang passes it (`:368-381`): the repacked w13's last dim, and w2's scale rows x group
+    w13_scales = marlin_utils.marlin_moe_permute_scales(w13s, w13.shape[2], w13s.shape[2], group_size)
+    w2_scales = marlin_utils.marlin_moe_permute_scales(w2s, w2s.shape[1] * group_size, w2s.shape[2], group_size)
+    workspace = marlin_utils.marlin_make_workspace(w13p.device, 4)
+    return MarlinMoeWeights(w13, w2, w13_scales, w2_scales, empty, workspace)
+
+
+def fused_marlin_moe_args(x: torch.Tensor, tokens_per_expert: list[int], probs: torch.Tensor,
+                          weights: MarlinMoeWeights) -> dict:
+    """Keyword arguments of `fused_marlin_moe` for tokens already dispatched to this rank's experts
+    (megatron's permuted tokens, grouped by local expert): top-1 per row, the row's expert its group,
+    weighted by its router prob -- as SGLang's `apply_weights` calls it (`:473-494`) with top-k ids and
+    weights. The kernel applies the weight to fc2's output (`mul_topk_weights`), megatron's MLP to fc2's
+    input: the same product for a linear fc2."""
+    experts = torch.arange(len(tokens_per_expert), dtype=torch.int32, device=x.device)
+    counts = torch.as_tensor(tokens_per_expert, device=x.device)
+    topk_ids = torch.repeat_interleave(experts, counts).unsqueeze(1)
+    topk_weights = probs.reshape(-1, 1).float()
+    return dict(hidden_states=x.contiguous(), w1=weights.w13, w2=weights.w2, w1_scale=weights.w13_scales,
+                w2_scale=weights.w2_scales, gating_output=topk_weights, topk_weights=topk_weights,
+                topk_ids=topk_ids, g_idx1=weights.no_act_order, g_idx2=weights.no_act_order,
+                sort_indices1=weights.no_act_order, sort_indices2=weights.no_act_order,
+                workspace=weights.workspace, num_bits=4, is_k_full=True)
 
 
 class MarlinBackend:
-    """W4A16 through SGLang's Marlin GEMM, consuming the spec's packed codes and bf16 scales."""
+    """W4A16 routed experts through SGLang's own MoE kernel (`fused_marlin_moe`) on the spec's cached codes.
+
+    The kernel gives the forward's values; gradients are the straight-through ones of the per-expert
+    reference GEMMs with the same dequantized weights (`models/aligned.py` runs both and keeps the kernel's
+    value). On sm90 `fused_marlin_moe` reduces with bf16 atomics (`use_atomic_add`, `fused_marlin_moe.py`
+    ~line 300): its output is not bitwise reproducible run to run -- the engine's is not either, and the
+    learner keeps the engine's kernel rather than a deterministic twin. Per-linear sites (none under
+    `scope: experts`, the only scope SGLang refits in place) fall back to the reference GEMM."""
 
     name = "marlin"
 
-    def prepare(self, qweight, dequantized: torch.Tensor) -> MarlinWeight:
+    def prepare(self, qweight, dequantized: torch.Tensor) -> None:
         if not isinstance(qweight, Int4Weight):
             raise QuantizationError("marlin backend implements W4A16 only")
-        _require_cuda(self.name, qweight.codes, "SGLang Marlin int4 GEMM")
-        marlin_utils, gptq_marlin_repack, _ = _sglang_marlin()
-        n, k = qweight.codes.shape
-        device = qweight.codes.device
-        # compressed-tensors weight_packed [N, K/8] transposed is the GPTQ qweight [K/8, N] (same nibble
-        # order along K, same +8 offset = uint4b8); SGLang transposes the same way before repacking.
-        gptq_qweight = pack_int4_groupwise(qweight.codes).t().contiguous()
-        empty = marlin_utils.marlin_make_empty_g_idx(device)
-        repacked = gptq_marlin_repack(gptq_qweight, perm=empty, size_k=k, size_n=n, num_bits=4)
-        scales = marlin_utils.marlin_permute_scales(
-            qweight.scales.t().contiguous(), size_k=k, size_n=n, group_size=qweight.group_size
-        )
-        return MarlinWeight(repacked, scales, marlin_utils.marlin_make_workspace(device), empty, n, k)
+        return None
 
-    def forward(self, x, qweight, prepared: MarlinWeight, dequantized) -> torch.Tensor:
-        _require_cuda(self.name, x, "SGLang Marlin int4 GEMM")
-        marlin_utils, _, scalar_types = _sglang_marlin()
-        return marlin_utils.apply_gptq_marlin_linear(
-            input=x,
-            weight=prepared.qweight,
-            weight_scale=prepared.scales,
-            weight_zp=prepared.empty,
-            g_idx=prepared.empty,
-            g_idx_sort_indices=prepared.empty,
-            workspace=prepared.workspace,
-            wtype=scalar_types.uint4b8,
-            output_size_per_partition=prepared.size_n,
-            input_size_per_partition=prepared.size_k,
-            is_k_full=True,
-        )
+    def forward(self, x, qweight, prepared, dequantized) -> torch.Tensor:
+        return reference_w4a16_forward(x, dequantized)
+
+    def prepare_experts(self, fc1: list[Int4Weight], fc2: list[Int4Weight]) -> MarlinMoeWeights:
+        _require_cuda(self.name, fc1[0].codes, "SGLang's fused Marlin MoE kernel")
+        return marlin_moe_weights(sglang_wna16_moe_layout(fc1, fc2), fc1[0].group_size)
+
+    def experts_forward(self, x: torch.Tensor, tokens_per_expert: list[int], probs: torch.Tensor,
+                        prepared: MarlinMoeWeights) -> torch.Tensor:
+        _require_cuda(self.name, x, "SGLang's fused Marlin MoE kernel")
+        _, fused, _ = _sglang_marlin_moe()
+        if not hasattr(fused, "moe_wna16_marlin_gemm"):
+            raise BackendUnavailableError("quant backend 'marlin': sglang imported without its CUDA MoE kernel "
+                                          "(sgl_kernel missing or not a CUDA build)")
+        if x.shape[0] == 0:
+            return x.new_zeros(x.shape)
+        return fused.fused_marlin_moe(**fused_marlin_moe_args(x, tokens_per_expert, probs, prepared))
 
 
 TE_FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
@@ -225,7 +268,9 @@ _INSTANCES: dict[str, Any] = {}
 def register_backend(name: str, factory, schemes: tuple[str, ...]) -> None:
     """Make `quant.backend: <name>` choose `factory()`'s GEMMs for `schemes` (a backend outside this module,
     e.g. one a test records calls with). The object needs `prepare(qweight, dequantized)` (run once per
-    step, on the step's first GEMM of that weight) and `forward(x, qweight, prepared, dequantized)`."""
+    step, on the step's first GEMM of that weight) and `forward(x, qweight, prepared, dequantized)`; a
+    backend that runs whole MoE layers also has `prepare_experts(fc1_codes, fc2_codes)` (once per layer
+    and step) and `experts_forward(x, tokens_per_expert, probs, prepared)`."""
     _BACKENDS[name] = factory
     BACKEND_SCHEMES[name] = tuple(schemes)
     _INSTANCES.pop(name, None)

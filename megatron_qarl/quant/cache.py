@@ -27,6 +27,7 @@ copy cost ~40% of a fused pass when nothing can be reused. So the default is the
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -117,6 +118,7 @@ class QuantCache:
             raise QuantizationError("QuantCache needs a quantizing scheme; got scheme='none'")
         self._entries: dict[Any, CacheEntry] = {}
         self._previous: dict[Any, torch.Tensor] = {}  # incremental: the bf16 cast each entry was made from
+        self._experts: dict[Any, tuple[tuple, Any]] = {}  # per MoE layer: (weakrefs to its codes, backend form)
         self._generation = 0
         self._backend = get_backend(self.quant_cfg.backend)
 
@@ -129,6 +131,7 @@ class QuantCache:
     def clear(self) -> None:
         self._entries.clear()
         self._previous.clear()
+        self._experts.clear()
         self.invalidate()
 
     def attach_to_optimizer(self, optimizer):
@@ -221,6 +224,28 @@ class QuantCache:
             entry.is_prepared = True
         return aligned_linear(x, master, entry.qweight, self._backend, bias=bias,
                               dequantized=entry.dequantized, prepared=entry.prepared)
+
+    @property
+    def runs_whole_experts(self) -> bool:
+        """Whether the backend runs a MoE layer's local experts in one call (`experts`)."""
+        return hasattr(self._backend, "experts_forward")
+
+    def experts(self, key: str, fc1: list[tuple[torch.Tensor, str]], fc2: list[tuple[torch.Tensor, str]]):
+        """The backend's form of one MoE layer's local experts (`prepare_experts`), made once per step from
+        this step's cached codes of the (master, name) pairs and remade only when a code tensor is new."""
+        codes1 = [self.entry(master, name).qweight for master, name in fc1]
+        codes2 = [self.entry(master, name).qweight for master, name in fc2]
+        codes = codes1 + codes2
+        held = self._experts.get(key)
+        # weak references: an id() could be reused by the next step's codes once the old ones are freed
+        if held is None or len(held[0]) != len(codes) or any(ref() is not q for ref, q in zip(held[0], codes)):
+            with torch.no_grad():
+                held = (tuple(weakref.ref(q) for q in codes), self._backend.prepare_experts(codes1, codes2))
+            self._experts[key] = held
+        return held[1]
+
+    def experts_forward(self, x: torch.Tensor, tokens_per_expert: list[int], probs: torch.Tensor, prepared):
+        return self._backend.experts_forward(x, tokens_per_expert, probs, prepared)
 
     def engine_tensors(self, prefix: str, master: torch.Tensor, name: Optional[str] = None) -> dict:
         """Engine-layout tensors for publishing, from the cached codes (never re-quantizes if fresh)."""

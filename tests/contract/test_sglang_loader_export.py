@@ -16,26 +16,8 @@ pytestmark = pytest.mark.contract
 
 sglang = pytest.importorskip("sglang", reason="contract tests need sglang (launch/run_contract_tests.sh)")
 
-import test_sglang_loader as harness  # noqa: E402 - pytest puts tests/contract on sys.path
 from test_sglang_loader import (  # noqa: E402
     check_loaded, fill_sentinels, hf_config, hf_weights, push_through_sglang_buckets)
-
-
-@pytest.fixture(scope="module")
-def sglang_runtime():
-    """The harness's SGLang CPU runtime, reused when the harness module already started it (this file
-    sorts after test_sglang_loader.py; the harness's fixture asserts SGLang's groups are not yet there,
-    and tearing them down needs server-only imports)."""
-    from sglang.srt.distributed import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        yield
-        return
-    gen = harness.sglang_runtime.__wrapped__() if hasattr(harness.sglang_runtime, "__wrapped__") else None
-    if gen is None:
-        pytest.skip("cannot reuse the harness runtime fixture")
-    next(gen)
-    yield
 
 
 def _read_dir(path: Path) -> dict:
