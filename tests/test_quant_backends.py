@@ -97,18 +97,24 @@ def test_marlin_moe_kernel_on_the_spec_codes_matches_the_reference_experts():
     probs = torch.rand(sum(counts), device="cuda")
     y = backend.experts_forward(x, counts, probs, backend.prepare_experts(fc1, fc2))
     refs, bounds = [], []
-    u = torch.finfo(torch.bfloat16).eps / 2
+    u, u32 = torch.finfo(torch.bfloat16).eps / 2, torch.finfo(torch.float32).eps / 2
     for w1, w2, tokens, p in zip(fc1, fc2, x.split(counts), probs.split(counts)):
-        gate, up = (tokens.float() @ w1.dequantize(torch.float32).t()).chunk(2, dim=-1)
+        w1f, w2f = w1.dequantize(torch.float32), w2.dequantize(torch.float32)
+        gate, up = (tokens.float() @ w1f.t()).chunk(2, dim=-1)
+        abs_gate, abs_up = (tokens.float().abs() @ w1f.abs().t()).chunk(2, dim=-1)
         act = torch.nn.functional.silu(gate) * up
-        w2f = w2.dequantize(torch.float32)
         out = act @ w2f.t() * p.unsqueeze(-1)
         refs.append(out)
-        # fc1 output and activation each rounded to bf16 (<= 2u relative each, 2u more through silu's
-        # slope <= 1.1), fp32 sums, the bf16 output: a first-order bound
-        bounds.append(6 * u * (act.abs() @ w2f.abs().t()) * p.unsqueeze(-1) + 2 * u * out.abs())
+        # fc1 outputs: fp32 sums over `hidden` then one bf16 rounding; through silu(g) * up (slope of
+        # silu: sigmoid(g) * (1 + g * (1 - sigmoid(g)))); the activation's bf16 rounding; fc2's fp32 sum
+        # over `inter`, the prob, the bf16 output
+        d_gate, d_up = u * gate.abs() + hidden * u32 * abs_gate, u * up.abs() + hidden * u32 * abs_up
+        sig = torch.sigmoid(gate)
+        d_act = (sig * (1 + gate * (1 - sig))).abs() * up.abs() * d_gate + (gate * sig).abs() * d_up + u * act.abs()
+        bound = (d_act @ w2f.abs().t() + inter * u32 * (act.abs() @ w2f.abs().t())) * p.unsqueeze(-1)
+        bounds.append(bound * (1 + 4 * u) + u * out.abs())  # first order; the products' second order
     ref, bound = torch.cat(refs), torch.cat(bounds)
-    assert bool(((y.float() - ref).abs() <= bound + 1e-6).all())
+    assert bool(((y.float() - ref).abs() <= bound).all())
 
 
 @pytest.mark.gpu
