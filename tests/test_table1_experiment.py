@@ -102,3 +102,7 @@ def test_the_attention_regime_reruns_the_w4a16_arms_with_attention_quantized_and
         _write_run(tmp_path, arm, 0, [0.1], [k3], [(0, 0.2), (1, 0.5)])
     text = report.write_report(tmp_path, sections[1:], [0])
     assert "aligned W4A16 learner / unaligned (BF16 learner, same W4A16 sampler): **0.050**" in text
+    _write_run(tmp_path, "w4a16_rollout_grpo_tis", 0, [0.1], [2e-4], [(0, 0.2), (1, 0.5)])
+    text = report.write_report(tmp_path, sections, [0])
+    assert "the unaligned (BF16 learner) sampler-learner k3 is 1.00e-03 against 2.00e-04" in text and "(x5.0)" in text
+    assert "BF16 minus W4A16 rollout" in text.split("## Across the regimes")[1]

@@ -206,6 +206,25 @@ def _paired_findings(final: dict, summaries: dict, labels: dict) -> list[str]:
     return out
 
 
+def regime_comparison(per_section: list[tuple[Section, dict]]) -> list[str]:
+    """How each later regime moves the sampler-learner k3 of the W4A16 arms and the sampler's cost in
+    final pass@1, against the first regime."""
+    (first, base), out = per_section[0], []
+    for section, summaries in per_section[1:]:
+        for role, what in (("w4a16_rollout_grpo_tis", "unaligned (BF16 learner)"), ("qarl_w4a16_tbpo", "aligned (QaRL)")):
+            if role in base and role in summaries:
+                a, b = (mean_std([r["k3"] for r in runs])[0] for runs in (base[role], summaries[role]))
+                out.append(f"- {section.title}: the {what} sampler-learner k3 is {b:.2e} against {a:.2e} in "
+                           f"{first.title} (x{b / a:.1f}).")
+        for name, summ in ((first.title, base), (section.title, summaries)):
+            gap = _gap({k: mean_std([r["pass1_final"] for r in v]) for k, v in summ.items()},
+                       "bf16_grpo_tis", "w4a16_rollout_grpo_tis")
+            if gap is not None:
+                out.append(f"- BF16 minus W4A16 rollout, {name}: {gap[0]:+.3f} final pass@1 (larger seed std "
+                           f"{gap[1]:.3f}).")
+    return out
+
+
 def _summaries(out: Path, section: Section, seeds: list[int]) -> tuple[dict, list[str]]:
     """{role: [per-seed summary]} of the section's finished runs, and the runs not finished."""
     summaries, missing = {}, []
@@ -244,8 +263,10 @@ def write_report(out: Path, sections: list[Section], seeds: list[int], docs: Pat
         lines.append(f"The looping detector flags {floor:.3%} of this task's correct answers (a chain that adds "
                      "zero three times to a one-digit sum repeats one step): looping rates near that are that "
                      "floor, not loops.")
+    per_section = []
     for number, section in enumerate(sections, 1):
         summaries, missing = _summaries(out, section, seeds)
+        per_section.append((section, summaries))
         labels = {role: label for role, _, label in section.rows}
         steps = sorted({r["steps"] for runs in summaries.values() for r in runs})
         lines += ["", f"## {number}. {section.title}", "",
@@ -261,6 +282,8 @@ def write_report(out: Path, sections: list[Section], seeds: list[int], docs: Pat
             lines += [f"Not run (yet): {', '.join(missing)}.", ""]
         plots = _plots(summaries, labels, plot_dir, prefix=f"table1_{number}_") if summaries else []
         lines += [f"![{p}]({rel}/{p})" for p in plots]
+    if len(per_section) > 1:
+        lines += ["", "## Across the regimes", "", *regime_comparison(per_section)]
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
     if docs is not None:

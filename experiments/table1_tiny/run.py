@@ -1,7 +1,7 @@
 """The paper's Table 1 arms at CPU scale: one shared warm start, the real trainer, several seeds per arm.
 
     . .venv/bin/activate
-    python experiments/table1_tiny/run.py                 # every arm x seeds 0 1 2 (docs/results.md)
+    python experiments/table1_tiny/run.py                 # every arm, both regimes, x seeds 0 1 2 (docs/results.md)
     python experiments/table1_tiny/run.py --quick         # main arms, one seed, few steps (a smoke run)
     python experiments/table1_tiny/run.py --report-only   # rebuild the report from finished runs
 
