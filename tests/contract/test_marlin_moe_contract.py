@@ -21,6 +21,7 @@ pytestmark = pytest.mark.contract
 
 sglang = pytest.importorskip("sglang", reason="contract tests need sglang (launch/run_contract_tests.sh)")
 
+from sglang_stubs import sglang_runtime  # noqa: E402,F401 - the fixture
 from test_sglang_loader import SCHEMES, build_model, hf_weights, push_through_sglang_buckets  # noqa: E402
 
 from megatron_qarl.quant import quantize_int4_groupwise  # noqa: E402

@@ -21,6 +21,8 @@ pytestmark = pytest.mark.contract
 sglang = pytest.importorskip("sglang", reason="contract tests need sglang (launch/run_contract_tests.sh)")
 
 
+from sglang_stubs import sglang_runtime  # noqa: E402,F401 - the fixture
+
 from megatron_qarl.quant import QuantConfig  # noqa: E402
 from megatron_qarl.rollout.payload import iter_buckets  # noqa: E402
 from megatron_qarl.quant.engine_layout import (  # noqa: E402

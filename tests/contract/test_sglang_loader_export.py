@@ -16,6 +16,7 @@ pytestmark = pytest.mark.contract
 
 sglang = pytest.importorskip("sglang", reason="contract tests need sglang (launch/run_contract_tests.sh)")
 
+from sglang_stubs import sglang_runtime  # noqa: E402,F401 - the fixture
 from test_sglang_loader import (  # noqa: E402
     check_loaded, fill_sentinels, hf_config, hf_weights, push_through_sglang_buckets)
 
