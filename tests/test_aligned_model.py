@@ -420,6 +420,37 @@ def test_fp8_site_forward_is_block_weight_times_tile_quantized_input(hf_state, d
         assert module.weight.grad is not None and module.weight.grad.dtype == dtype
 
 
+def test_fp8_aligned_learner_computes_what_the_embedded_w8a8_sampler_does(hf_state):
+    """FP8 (block 64): the embedded engine runs SGLang's W8A8 (block weights, inputs quantized per 1x64
+    tile, both expert GEMMs included), and the aligned megatron learner computes the same thing: its
+    distance to that sampler is a rare e4m3 flip of an activation (the two add in different orders), a
+    thousandth of its distance to the same weights without the activation quantization (W8A16).
+    Masters are bf16 values, as the engine holds its unquantized tensors (norms, router, embeddings)."""
+    from megatron_qarl.quant.engine_layout import engine_named_tensors
+    from megatron_qarl.rollout.embedded import EmbeddedEngine
+
+    cfg, quant_cfg = tiny_hf_config(), QuantConfig(scheme="fp8", scope="all-linears", block_size=64)
+    state = {n: t.bfloat16().float() for n, t in hf_state.items()}
+    model = build(state)
+    apply_aligned_quantization(model, quant_cfg)
+    ids = tokens(cfg.vocab_size)
+    engine = EmbeddedEngine.from_hf_config(cfg, dtype="float32")
+    engine.begin_weight_update()
+    engine.update_weights(engine_named_tensors(state.items(), quant_cfg))
+    engine.end_weight_update()
+    with torch.no_grad():
+        learner = torch.log_softmax(mcore_logits(model, ids).double(), -1)
+        w8a8 = torch.log_softmax(engine.model(input_ids=ids).logits.double(), -1)
+        w8a16 = torch.log_softmax(hf_model(cfg, engine.hf_state())(input_ids=ids).logits.double(), -1)
+
+    def kl(p_log, q_log):
+        return float((p_log.exp() * (p_log - q_log)).sum(-1).mean())
+
+    aligned, unaligned = kl(w8a8, learner), kl(w8a16, learner)
+    print(f"KL(sampler || aligned FP8 learner): W8A8 sampler {aligned:.2e}, W8A16 weights {unaligned:.2e}")
+    assert aligned * 1000 < unaligned
+
+
 # ---------------------------------------------------------------------------------------- mismatch probe
 
 def test_mismatch_stats_hand_values():

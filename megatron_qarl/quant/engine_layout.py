@@ -228,9 +228,15 @@ def dequantize_linear(hf_name: str, kind: str, parts: Mapping[str, torch.Tensor]
     if kind == "fp8":
         qweight, scale_inv = parts["weight"], parts["weight_scale_inv"]
         n, k = qweight.shape
-        block = _fp8_block_size(n, k, scale_inv.shape, hf_name)
-        return dequantize_fp8_block(qweight, scale_inv, block=block, dtype=dtype)
+        return dequantize_fp8_block(qweight, scale_inv, block=fp8_block_size(hf_name, parts), dtype=dtype)
     return parts["weight"].to(dtype)
+
+
+def fp8_block_size(hf_name: str, parts: Mapping[str, torch.Tensor]) -> int:
+    """The block of an FP8 linear's engine parts, read from its scale grid as an engine loading it does
+    (also the activation tile of its W8A8 GEMM)."""
+    n, k = parts["weight"].shape
+    return _fp8_block_size(n, k, parts["weight_scale_inv"].shape, hf_name)
 
 
 def _fp8_block_size(n: int, k: int, grid: torch.Size, name: str) -> int:

@@ -11,6 +11,11 @@ transformers 5.19 keeps a Qwen3-MoE layer's experts fused in memory:
 ``mlp.experts.gate_up_proj`` [E, 2I, H] (rows [0, I) = gate_proj, [I, 2I) = up_proj) and
 ``mlp.experts.down_proj`` [E, H, I]; per-expert checkpoint names are mapped into those slices.
 
+FP8 linears run W8A8 as SGLang's block-FP8 methods do: besides the dequantized block weights, each FP8
+linear's input is quantized per 1 x block tile (`quantize_fp8_activation`, the rule of SGLang's
+`per_token_group_quant_fp8`) -- for the experts, both GEMMs' inputs, as SGLang's block-FP8 MoE quantizes
+the hidden states and the activation output.
+
 Sampled-token logprobs are ``log_softmax(logits / temperature)`` at the sampled token, computed in
 fp32 BEFORE top-k/top-p truncation — the definition vLLM and SGLang use for their returned logprobs.
 """
@@ -25,12 +30,45 @@ import torch
 
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_state_from_model, transformers_tensor
 from megatron_qarl.quant.config import is_routed_expert
-from megatron_qarl.quant.engine_layout import PARTS, EngineLayoutError, dequantize_linear, engine_part
+from megatron_qarl.quant.engine_layout import PARTS, EngineLayoutError, dequantize_linear, engine_part, fp8_block_size
+from megatron_qarl.quant.fp8 import dequantize_fp8_activation, quantize_fp8_activation
 from megatron_qarl.rollout.delta import DeltaBatch, apply_delta_batch
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.payload import tensor_sha256
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def _fp8_activations(x: torch.Tensor, tile: int) -> torch.Tensor:
+    q, scale_inv = quantize_fp8_activation(x, tile)
+    return dequantize_fp8_activation(q, scale_inv, tile, dtype=x.dtype)
+
+
+def _w8a8_linear_hook(tile: int):
+    def quantize_input(module, args):
+        return (_fp8_activations(args[0], tile), *args[1:])
+    return quantize_input
+
+
+def _w8a8_experts_forward(experts: torch.nn.Module, tile: int):
+    """transformers 5.19 `Qwen3MoeExperts.forward` (`modeling_qwen3_moe.py:221-245`) with both GEMMs'
+    inputs quantized per 1 x `tile` (the hidden states once: tiles run along each token's row)."""
+    def forward(hidden_states, top_k_index, top_k_weights):
+        final = torch.zeros_like(hidden_states)
+        states = _fp8_activations(hidden_states, tile)
+        with torch.no_grad():
+            mask = torch.nn.functional.one_hot(top_k_index, num_classes=experts.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert in hit[:, 0].tolist():
+            if expert == experts.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(mask[expert])
+            gate, up = torch.nn.functional.linear(states[token_idx], experts.gate_up_proj[expert]).chunk(2, dim=-1)
+            inner = _fp8_activations(experts.act_fn(gate) * up, tile)
+            out = torch.nn.functional.linear(inner, experts.down_proj[expert]) * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+    return forward
 
 
 class EngineWeightError(ValueError):
@@ -80,6 +118,7 @@ class EmbeddedEngine:
         self._received_digests: dict[str, str] = {}
         self.updates_applied = 0
         self._version = 0  # completed weight updates since start / restart
+        self._w8a8: dict[str, int] = {}  # modules whose inputs are FP8-quantized -> their tile
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -188,6 +227,25 @@ class EmbeddedEngine:
         except EngineLayoutError as err:
             raise EngineWeightError(str(err)) from None
         self._write(f"{prefix}.weight", weight)
+        if kind == "fp8":
+            self._quantize_inputs(prefix, fp8_block_size(f"{prefix}.weight", parts))
+
+    def _quantize_inputs(self, prefix: str, tile: int) -> None:
+        """Make the module computing linear `prefix` quantize its inputs (W8A8); the fused experts module
+        once for all its experts."""
+        experts = prefix.rsplit(".", 2)[0] if ".mlp.experts." in prefix else None
+        name = experts or prefix
+        if name in self._w8a8:
+            if self._w8a8[name] != tile:
+                raise EngineWeightError(f"{prefix}: FP8 block {tile} differs from the {self._w8a8[name]} of the "
+                                        "module's other linears")
+            return
+        module = self.model.get_submodule(name)
+        if experts:
+            module.forward = _w8a8_experts_forward(module, tile)
+        else:
+            module.register_forward_pre_hook(_w8a8_linear_hook(tile))
+        self._w8a8[name] = tile
 
     def _write(self, hf_name: str, value: torch.Tensor) -> None:
         target = self._target(hf_name)
@@ -244,6 +302,7 @@ class EmbeddedEngine:
         self._held_crc.clear()
         self._dirty.clear()
         self._received_digests.clear()
+        self._w8a8.clear()
         self._version = 0
 
     @torch.no_grad()
