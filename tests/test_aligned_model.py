@@ -171,36 +171,13 @@ def test_every_site_runs_the_configured_backends_gemm_on_what_it_prepared(hf_sta
     assert len(recording_backend.prepared) == 2 * len(aligned.sites)
 
 
-class RecordingExpertsBackend(RecordingBackend):
-    """A backend that runs whole MoE layers (like `marlin`'s fused_marlin_moe), here in plain torch from the
-    dequantized codes: out = prob * fc2(silu(gate) * up) per dispatched token, the kernel's formula."""
-
-    def __init__(self):
-        super().__init__()
-        self.expert_prepares, self.expert_calls = [], []
-
-    def prepare_experts(self, fc1, fc2):
-        form = ([q.dequantize(torch.float32) for q in fc1], [q.dequantize(torch.float32) for q in fc2])
-        self.expert_prepares.append((fc1, fc2))
-        return form
-
-    def experts_forward(self, x, tokens_per_expert, probs, prepared):
-        outs = []
-        for w1, w2, tokens, p in zip(*prepared, x.split(tokens_per_expert), probs.split(tokens_per_expert)):
-            gate, up = (tokens.float() @ w1.t()).chunk(2, dim=-1)
-            outs.append(((torch.nn.functional.silu(gate) * up) @ w2.t()) * p.float().unsqueeze(-1))
-        y = torch.cat(outs).to(x.dtype)
-        self.expert_calls.append((sum(tokens_per_expert), y))
-        return y
-
-
 @pytest.fixture
 def experts_backend():
-    from megatron_qarl.quant.backends import get_backend, register_backend, unregister_backend
+    from aligned_common import register_torch_moe_backend
+    from megatron_qarl.quant.backends import unregister_backend
 
-    register_backend("recording-experts", RecordingExpertsBackend, schemes=("w4a16",))
-    yield get_backend("recording-experts")
-    unregister_backend("recording-experts")
+    yield register_torch_moe_backend()
+    unregister_backend("torch-moe")
 
 
 def test_a_backend_with_a_moe_kernel_runs_each_moe_layer_in_one_call_with_straight_through_grads(hf_state,
@@ -209,7 +186,7 @@ def test_a_backend_with_a_moe_kernel_runs_each_moe_layer_in_one_call_with_straig
     tokens in one call, its output is the layer's value, its weights are prepared once per layer and step;
     without grad the per-expert GEMMs do not run at all; with grad logits and master grads still match
     transformers holding the engine's weights (the straight-through gradient of the reference GEMMs)."""
-    cfg, quant_cfg = tiny_hf_config(), QuantConfig(scheme="w4a16", scope="experts", backend="recording-experts")
+    cfg, quant_cfg = tiny_hf_config(), QuantConfig(scheme="w4a16", scope="experts", backend="torch-moe")
     model = build(hf_state)
     aligned = apply_aligned_quantization(model, quant_cfg)
     assert sorted(aligned.expert_layers) == [f"decoder.layers.{i}.mlp.experts" for i in range(cfg.num_hidden_layers)]
@@ -530,6 +507,19 @@ def test_aligned_w4a16_layouts_tp1_tp2sp_ep2_agree(torchrun):
         assert r["site_grad_max_abs_diff"] <= 1e-6, spec  # STE grads through megatron's TP/SP/EP comms
         assert r["gathered_sites"] == 36
     assert res["1x2"]["local_sites"] == 20  # 4 local experts x 2 layers x 2 + 2 x (qkv, proj)
+
+
+@pytest.mark.dist
+def test_a_whole_moe_kernel_backend_agrees_at_tp2_sp_and_ep2(torchrun):
+    """The marlin-shaped path (one backend call per MoE layer over the tokens megatron dispatched to the
+    rank) at EP2 (all-to-all dispatch, 4 local experts) and TP2+SP: every MoE layer goes through the
+    kernel, logits and STE grads match transformers with the engine's weights."""
+    res = torchrun(2, "aligned_layout.py", "1x1", "1x2", "2x1", "--scope", "experts", "--moe-kernel")
+    print(json.dumps(res, indent=1))
+    for spec, r in res.items():
+        assert r["moe_kernel_calls"] == 2, spec
+        assert r["hf_logits_max_abs_diff"] <= 1e-4 and r["logits_max_abs_diff_vs_first"] <= 1e-4, spec
+        assert r["site_grad_max_abs_diff"] <= 1e-6, spec
 
 
 @pytest.mark.dist

@@ -83,3 +83,44 @@ def hf_grads_as_mcore(cfg, hf_ref_model) -> dict:
             return {n: p.grad for n, p in self.m.named_parameters()}
 
     return hf_to_mcore(cfg, hf_state_from_model(GradView(hf_ref_model)))
+
+
+class TorchMoeKernelBackend:
+    """A GEMM backend with a whole-MoE-layer kernel, in plain torch (what `marlin` does with SGLang's
+    fused_marlin_moe): out = prob * fc2(silu(gate) * up) per dispatched token, from the dequantized codes.
+    Per-linear GEMMs are the reference's. Records its calls."""
+
+    name = "torch-moe"
+
+    def __init__(self):
+        from megatron_qarl.quant.backends import ReferenceBackend
+
+        self.reference, self.gemms, self.expert_prepares, self.expert_calls = ReferenceBackend(), [], [], []
+
+    def prepare(self, qweight, dequantized):
+        return None
+
+    def forward(self, x, qweight, prepared, dequantized):
+        self.gemms.append(qweight)
+        return self.reference.forward(x, qweight, None, dequantized)
+
+    def prepare_experts(self, fc1, fc2):
+        self.expert_prepares.append((fc1, fc2))
+        return [q.dequantize(torch.float32) for q in fc1], [q.dequantize(torch.float32) for q in fc2]
+
+    def experts_forward(self, x, tokens_per_expert, probs, prepared):
+        outs = [x.new_zeros(0, x.shape[-1], dtype=torch.float32)]
+        for w1, w2, tokens, p in zip(*prepared, x.split(tokens_per_expert), probs.split(tokens_per_expert)):
+            gate, up = (tokens.float() @ w1.t()).chunk(2, dim=-1)
+            outs.append(((torch.nn.functional.silu(gate) * up) @ w2.t()) * p.float().unsqueeze(-1))
+        y = torch.cat(outs).to(x.dtype)
+        self.expert_calls.append((sum(tokens_per_expert), y))
+        return y
+
+
+def register_torch_moe_backend():
+    """Register `TorchMoeKernelBackend` as quant.backend 'torch-moe' (W4A16); returns the instance."""
+    from megatron_qarl.quant.backends import get_backend, register_backend
+
+    register_backend("torch-moe", TorchMoeKernelBackend, schemes=("w4a16",))
+    return get_backend("torch-moe")

@@ -1,8 +1,11 @@
 """The aligned W4A16 mcore model at one layout: logits vs transformers holding the engine's weights, and
 the cached codes/scales (gathered over TP/ETP/EP) vs the spec applied to the full weights.
 
-usage: aligned_layout.py LAYOUT [LAYOUT ...] [--scope SCOPE]     (world size = torchrun nproc)
+usage: aligned_layout.py LAYOUT [LAYOUT ...] [--scope SCOPE] [--moe-kernel]     (world size = torchrun nproc)
        LAYOUT = TPxEP or TPxEPxETP, e.g. 1x1 2x1 1x2 2x2; the first one is the reference (TP1)
+
+--moe-kernel: quant.backend is a backend that runs whole MoE layers (aligned_common.TorchMoeKernelBackend,
+the shape of `marlin`'s fused_marlin_moe path); each MoE layer's forward must go through it.
 
 Layouts run one after another in the same processes (megatron's groups are rebuilt), which saves the
 start-up cost of a torchrun per layout. Rank 0 writes JSON: per layout the logits difference to the first
@@ -15,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from _common import write_result
-from aligned_common import hf_grads_as_mcore, hf_model, mcore_logits, seeded_hf_state, tokens, w4a16_dequantized_state
+from aligned_common import (hf_grads_as_mcore, hf_model, mcore_logits, register_torch_moe_backend, seeded_hf_state, tokens,
+                            w4a16_dequantized_state)
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
 from megatron_qarl.quant import QuantConfig, quantize_int4_groupwise
@@ -68,10 +72,11 @@ def site_grad_diff(cfg, model, aligned, ref_model) -> float:
     return worst
 
 
-def run_layout(tp, ep, etp, scope):
+def run_layout(tp, ep, etp, scope, moe_kernel):
     layout = init_distributed(ParallelLayout(tp=tp, ep=ep, etp=etp), seed=1)
     cfg = tiny_hf_config()
-    quant_cfg = QuantConfig(scheme="w4a16", scope=scope)
+    kernel = register_torch_moe_backend() if moe_kernel else None
+    quant_cfg = QuantConfig(scheme="w4a16", scope=scope, backend="torch-moe" if moe_kernel else "reference")
     hf_state = seeded_hf_state(cfg)
     model = build_qwen3_moe_model(cfg, layout, config_overrides=dict(moe_aux_loss_coeff=0.0))
     from megatron_qarl.weights.sharding import load_full_state_into_model
@@ -81,6 +86,8 @@ def run_layout(tp, ep, etp, scope):
     aligned = apply_aligned_quantization(model, quant_cfg)
     ids = tokens(cfg.vocab_size)
     logits = mcore_logits(model, ids).float()
+    kernel_calls = len(kernel.expert_calls) if kernel else 0
+    assert not kernel or kernel_calls == cfg.num_hidden_layers, f"MoE layers through the kernel: {kernel_calls}"
     ref_model = hf_model(cfg, w4a16_dequantized_state(hf_state, quant_cfg))
     ref = ref_model(input_ids=ids).logits
     hf_diff = float((logits - ref).abs().max())
@@ -109,14 +116,15 @@ def run_layout(tp, ep, etp, scope):
         digest.update(codes[name].numpy().tobytes())
         digest.update(scales[name].view(torch.int16).numpy().tobytes())
     return logits, dict(hf_logits_max_abs_diff=hf_diff, site_grad_max_abs_diff=grad_diff, gathered_sites=len(codes), codes_digest=digest.hexdigest(),
-                        local_sites=len(aligned.sites), quantize_calls=aligned.cache.counters.quantize_calls)
+                        local_sites=len(aligned.sites), quantize_calls=aligned.cache.counters.quantize_calls,
+                        moe_kernel_calls=kernel_calls)
 
 
-def main(layouts, scope):
+def main(layouts, scope, moe_kernel):
     results, reference = {}, None
     for spec in layouts:
         sizes = [int(v) for v in spec.split("x")]
-        logits, res = run_layout(sizes[0], sizes[1], sizes[2] if len(sizes) > 2 else None, scope)
+        logits, res = run_layout(sizes[0], sizes[1], sizes[2] if len(sizes) > 2 else None, scope, moe_kernel)
         reference = logits if reference is None else reference
         res["logits_max_abs_diff_vs_first"] = float((logits - reference).abs().max())
         assert res["logits_max_abs_diff_vs_first"] <= TOL, f"{spec}: logits differ from {layouts[0]}: {res}"
@@ -128,4 +136,4 @@ def main(layouts, scope):
 if __name__ == "__main__":
     argv = sys.argv[1:]
     scope = argv[argv.index("--scope") + 1] if "--scope" in argv else "experts+attention"
-    main([a for a in argv if "x" in a and a[0].isdigit()], scope)
+    main([a for a in argv if "x" in a and a[0].isdigit()], scope, "--moe-kernel" in argv)
