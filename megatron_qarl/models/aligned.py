@@ -210,7 +210,8 @@ def _whole_experts_forward(experts: torch.nn.Module, layer: str, cache: QuantCac
     def forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         prepared = cache.experts(layer, fc1, fc2)
         counts = [int(n) for n in tokens_per_expert.tolist()]
-        y = cache.experts_forward(permuted_local_hidden_states, counts, permuted_probs, prepared)
+        with torch.no_grad():  # the value only (kernels such as fused_marlin_moe have no autograd)
+            y = cache.experts_forward(permuted_local_hidden_states, counts, permuted_probs, prepared)
         if not torch.is_grad_enabled():
             return y, None
         reference, bias = per_expert(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
