@@ -195,7 +195,9 @@ class MarlinBackend:
                                           "(sgl_kernel missing or not a CUDA build)")
         if x.shape[0] == 0:
             return x.new_zeros(x.shape)
-        return fused.fused_marlin_moe(**fused_marlin_moe_args(x, tokens_per_expert, probs, prepared))
+        # the kernel takes activations in its scales' dtype (bf16; `fused_marlin_moe.py` asserts it)
+        args = fused_marlin_moe_args(x.to(prepared.w13_scales.dtype), tokens_per_expert, probs, prepared)
+        return fused.fused_marlin_moe(**args).to(x.dtype)
 
 
 TE_FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
