@@ -216,7 +216,12 @@ def _transformer_engine():
 
 
 def te_fp32_scale_recipe(te_recipe):
-    """`Float8BlockScaling` with exact fp32 (amax/448) scales for inputs, weights and grads."""
+    """`Float8BlockScaling` with exact fp32 (amax/448) scales for inputs, weights and grads.
+
+    Against TransformerEngine 2.11.0 (requirements/gpu.txt), `transformer_engine/common/recipe/__init__.py`:
+    `QParams` (:62-71, power_2_scale / amax_epsilon), `Float8BlockScaling` (:306-345): its QParams default
+    to power-of-two scales unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 at import (:332-337); inputs and
+    grads 1x128 (`x_block_scaling_dim=1`), weights 128x128 (`w_block_scaling_dim=2`) -- the spec's tiles."""
     recipe = te_recipe.Float8BlockScaling()
     exact = te_recipe.QParams(power_2_scale=False, amax_epsilon=0.0)
     for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
@@ -227,6 +232,8 @@ def te_fp32_scale_recipe(te_recipe):
 
 
 def _te_autocast(te, recipe):
+    # TE 2.11 `transformer_engine/pytorch/quantization.py`: `fp8_autocast` (:766) and its successor
+    # `autocast` (:800), both exported by `transformer_engine.pytorch`
     if hasattr(te, "fp8_autocast"):
         return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
     return te.autocast(enabled=True, recipe=recipe)
