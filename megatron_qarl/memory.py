@@ -14,8 +14,8 @@ Trainer memory per GPU (bytes), for the parameters a rank holds under TP / EP / 
     int32-packed codes the publisher sends (0.5 B); FP8 e4m3 (1 B) + fp32 block scale_inv (4 B per block);
     the spec-dequantized weight in the params dtype (2 B bf16, 4 B fp32), which every backend keeps for
     the straight-through backward; plus the backend's own form, made on the step's first GEMM:
-    `reference` nothing, `marlin` the Marlin repack (0.5 B) + its permuted bf16 scales (2 B per group),
-    `te` the `te.Linear` it builds per site (a bf16 weight, 2 B);
+    `reference` and `te` nothing (TE's GEMM reads the cached codes in place), `marlin` the Marlin repack
+    (0.5 B) + its permuted bf16 scales (2 B per group);
   - one publish bucket (publish.bucket_mb) in flight, and, for a full-mode publisher with
     publish.code_flips, last step's low-bit codes of the quantized scope (W4A16 packed 0.5 B/elem, FP8
     1 B/elem), which it compares with to count code flips (delta mode counts against the engine copy);
@@ -57,12 +57,11 @@ GIB = 1024 ** 3
 # --------------------------------------------------------------------------------------------------
 
 def _backend_form_bytes(numel: float, quant) -> float:
-    """The backend's own form of `numel` cached weight elements (backends.py `prepare`): Marlin's repacked
-    int4 words and permuted bf16 scales; TE's `te.Linear` bf16 weight; nothing for `reference`."""
+    """The backend's own form of `numel` cached weight elements (backends.py `prepare` / `prepare_experts`):
+    Marlin's repacked int4 words and permuted bf16 scales; nothing for `reference` and `te` (a view of the
+    cached e4m3 codes, its scales padded to 4 columns: negligible)."""
     if quant.backend == "marlin":
         return 0.5 * numel + 2.0 * numel / quant.group_size
-    if quant.backend == "te":
-        return 2.0 * numel
     return 0.0
 
 

@@ -8,12 +8,10 @@ Every backend consumes the spec's codes/scales (never re-derives its own from th
                  exactly as SGLang's `CompressedTensorsWNA16MoE.process_weights_after_loading` does.
                  A backend with `experts_forward` runs whole MoE layers; the others run per linear.
                  CUDA only.
-* `te`        -- TransformerEngine FP8 with `Float8BlockScaling` (128x128 weights, 1x128 activations),
-                 fp32 (non power-of-two) scales -- the recipe's QParams are set to power_2_scale=False
-                 (and `NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1` for later imports) to match amax/448; TE is given the spec-dequantized weight in bf16, whose
-                 re-quantization reproduces the spec codes (each block is e4m3 values times one scale and
-                 its amax maps to 448; bf16 rounding moves values by <= 2^-9 relative, far below half an
-                 e4m3 step) with scales equal to the spec's within 2^-8 relative. CUDA only.
+* `te`        -- FP8 block W8A8 through TransformerEngine 2.11's block-scaled GEMM (`general_gemm` on
+                 `Float8BlockwiseQTensor`s: 128x128 weight blocks, 1x128 activation tiles), both operands
+                 the spec's codes and fp32 scale_inv (the weight's cached ones; the input quantized by the
+                 spec per tile): no TE quantizer runs, so nothing differs from the engine's codes. CUDA only.
 
 Forward numerics (reference backend):
 * W4A16: ``y = x @ W_deq^T`` with ``W_deq`` the int4 weight dequantized per the spec (bf16) and cast
@@ -31,7 +29,6 @@ Backward runs in the activation dtype; only the forward is rollout-aligned.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -200,47 +197,47 @@ class MarlinBackend:
         return fused.fused_marlin_moe(**args).to(x.dtype)
 
 
-TE_FP32_SCALES_ENV = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"
-
+# ------------------------------------------------- FP8 block W8A8: TransformerEngine's GEMM on the spec's codes
+# Against TransformerEngine 2.11.0 (requirements/gpu.txt); file:line below are that tag's.
 
 def _transformer_engine():
-    # Float8BlockScaling evaluates this env var in its class body (import time); set it early for
-    # any later import, and force the instance fields below in case TE was imported already.
-    os.environ.setdefault(TE_FP32_SCALES_ENV, "1")
     try:
-        import transformer_engine.pytorch as te
-        from transformer_engine.common import recipe as te_recipe
-    except ImportError as exc:  # pragma: no cover - GPU-only dependency
-        raise BackendUnavailableError("quant backend 'te' needs transformer_engine (CUDA build) installed") from exc
-    return te, te_recipe
+        import transformer_engine_torch as tex
+        from transformer_engine.pytorch.cpp_extensions import general_gemm
+        from transformer_engine.pytorch.tensor import Float8BlockQuantizer, Float8BlockwiseQTensor
+    except ImportError as exc:
+        raise BackendUnavailableError("quant backend 'te' needs transformer_engine 2.11 (its CUDA PyTorch "
+                                      "extension: requirements/gpu-te.txt) installed") from exc
+    return tex, general_gemm, Float8BlockQuantizer, Float8BlockwiseQTensor
 
 
-def te_fp32_scale_recipe(te_recipe):
-    """`Float8BlockScaling` with exact fp32 (amax/448) scales for inputs, weights and grads.
-
-    Against TransformerEngine 2.11.0 (requirements/gpu.txt), `transformer_engine/common/recipe/__init__.py`:
-    `QParams` (:62-71, power_2_scale / amax_epsilon), `Float8BlockScaling` (:306-345): its QParams default
-    to power-of-two scales unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 at import (:332-337); inputs and
-    grads 1x128 (`x_block_scaling_dim=1`), weights 128x128 (`w_block_scaling_dim=2`) -- the spec's tiles."""
-    recipe = te_recipe.Float8BlockScaling()
-    exact = te_recipe.QParams(power_2_scale=False, amax_epsilon=0.0)
-    for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
-        setattr(recipe, name, exact)
-    if hasattr(recipe, "use_f32_scales"):
-        recipe.use_f32_scales = True
-    return recipe
+def _pad_last(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -t.shape[-1] % multiple
+    return torch.nn.functional.pad(t, (0, extra)) if extra else t
 
 
-def _te_autocast(te, recipe):
-    # TE 2.11 `transformer_engine/pytorch/quantization.py`: `fp8_autocast` (:766) and its successor
-    # `autocast` (:800), both exported by `transformer_engine.pytorch`
-    if hasattr(te, "fp8_autocast"):
-        return te.fp8_autocast(enabled=True, fp8_recipe=recipe)
-    return te.autocast(enabled=True, recipe=recipe)
+def te_blockwise_tensor(codes: torch.Tensor, scale_inv: torch.Tensor, two_d: bool):
+    """The spec's e4m3 codes and fp32 scale_inv as TE's `Float8BlockwiseQTensor` (rowwise, GEMM_READY),
+    built the way `Float8BlockQuantizer.make_empty` builds one (`tensor/float8_blockwise_tensor.py:226-297`)
+    with the scale layout of its `get_scale_shape` (:125-190): 128x128 weight blocks keep [N/128, K/128]
+    with the inner dim padded to a multiple of 4; 1x128 activation tiles are stored transposed,
+    [K/128, M] with M padded to a multiple of 4. The padding is never read."""
+    tex, _, quantizer_cls, tensor_cls = _transformer_engine()
+    quantizer = quantizer_cls(tex.DType.kFloat8E4M3, rowwise=True, columnwise=False, force_pow_2_scales=False,
+                              block_scaling_dim=2 if two_d else 1)
+    gemm_scales = _pad_last(scale_inv.float(), 4) if two_d else _pad_last(scale_inv.float().t(), 4)
+    return tensor_cls(shape=tuple(codes.shape), dtype=torch.bfloat16, fp8_dtype=tex.DType.kFloat8E4M3,
+                      rowwise_data=codes.contiguous().view(torch.uint8), rowwise_scale_inv=gemm_scales.contiguous(),
+                      columnwise_data=None, columnwise_scale_inv=None, quantizer=quantizer, is_2D_scaled=two_d,
+                      data_format=tex.Float8BlockScaleTensorFormat.GEMM_READY, requires_grad=False)
 
 
 class TransformerEngineBackend:
-    """FP8 block-scaled GEMM through a TE `Linear` under a `Float8BlockScaling` autocast."""
+    """FP8 block W8A8 through TE's block-scaled GEMM, fed the spec's codes on both sides: the weight's
+    cached e4m3 blocks and scale_inv, the input quantized per 1x128 tile by the spec (dividing by amax/448
+    as SGLang's `per_token_group_quant_fp8` does). Nothing is re-quantized by TE, so the codes and scales
+    are the engine's bit for bit; only the GEMM's accumulation order is cuBLAS's. Block 128 only (TE's
+    `block_len`, :54). Rows are padded to a multiple of 128 (TE quantizes only such shapes, :211-219)."""
 
     name = "te"
 
@@ -250,20 +247,20 @@ class TransformerEngineBackend:
         if qweight.block != 128:
             raise QuantizationError(f"te Float8BlockScaling uses 128x128 blocks, config has {qweight.block}")
         _require_cuda(self.name, qweight.qweight, "TransformerEngine FP8 block scaling")
-        te, te_recipe = _transformer_engine()
-        n, k = qweight.qweight.shape
-        layer = te.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device=qweight.qweight.device)
-        with torch.no_grad():
-            layer.weight.copy_(dequantized.to(torch.bfloat16))
-        layer.weight.requires_grad_(False)
-        return layer, te_fp32_scale_recipe(te_recipe)
+        return te_blockwise_tensor(qweight.qweight, qweight.scale_inv, two_d=True)
 
     def forward(self, x, qweight, prepared, dequantized) -> torch.Tensor:
         _require_cuda(self.name, x, "TransformerEngine FP8 block scaling")
-        te, _ = _transformer_engine()
-        layer, recipe = prepared
-        with torch.no_grad(), _te_autocast(te, recipe):
-            return layer(x)
+        _, general_gemm, _, _ = _transformer_engine()
+        rows = x.reshape(-1, x.shape[-1])
+        m = rows.shape[0]
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, -m % 128))
+        codes, scale_inv = quantize_fp8_activation(rows, qweight.block)
+        x_q = te_blockwise_tensor(codes, scale_inv, two_d=False)
+        # layout "TN": out = B @ A^T, as te.Linear's forward calls it (`module/linear.py:324-334`); block
+        # scaling always accumulates with split accumulators (`cpp_extensions/gemm.py:165-168`)
+        out = general_gemm(prepared, x_q, out_dtype=x.dtype, use_split_accumulator=True)[0]
+        return out[:m].reshape(*x.shape[:-1], out.shape[-1])
 
 
 _BACKENDS = {

@@ -4,8 +4,8 @@ Scale rule (one rule for every backend): exact ``scale_inv = amax / 448`` in fp3
 power of two. Why: it is what Qwen3-FP8 / DeepSeek-style block checkpoints store and what SGLang's
 own dynamic activation quantizer (`per_token_group_quant_fp8`, default `scale_ue8m0=False`) computes
 on Hopper, so the engine's activation scales and ours agree. TransformerEngine's `Float8BlockScaling`
-defaults to power-of-two scales; the `te` backend sets `NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1` to
-match this rule.
+defaults to power-of-two scales; the `te` backend therefore never lets TE quantize: it hands TE's GEMM
+the codes and scales made here.
 
 * input: the master weight is first cast to the engine's weight dtype (bf16 by default), then to
   fp32 for the scale computation and division (the engine would quantize its bf16 weight);
