@@ -137,3 +137,10 @@ def test_te_fp8_block_gemm_on_the_spec_codes_is_the_exact_product_up_to_accumula
     ref = x_deq @ w_deq.t()
     bound = fp32_gemm_then_cast_bound(ref, x_deq.abs() @ w_deq.abs().t(), k, torch.bfloat16)
     assert y.dtype == torch.bfloat16 and bool(((y.float() - ref).abs() <= bound).all())
+    # backward: the straight-through rule, the same for every backend
+    grads = []
+    for backend in ("te", "reference"):
+        xb, mb = x.clone().requires_grad_(True), master.clone().requires_grad_(True)
+        aligned_linear(xb, mb, q, backend=backend).float().sum().backward()
+        grads.append((xb.grad, mb.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
