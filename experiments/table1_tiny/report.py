@@ -149,17 +149,22 @@ def _plots(summaries: dict, labels: dict, out: Path, prefix: str) -> list[str]:
     return names
 
 
+def _per_arm(summaries: dict, key: str) -> dict:
+    """{arm: (mean, sample std)} of one per-run summary value over the arm's seeds."""
+    return {arm: mean_std([r[key] for r in runs]) for arm, runs in summaries.items()}
+
+
 def findings(summaries: dict, labels: dict) -> list[str]:
     """Statements computed from the numbers: the k3 ratio aligned vs unaligned, and the pass@1 ordering
     with each arm's seed spread."""
     out = []
-    k3 = {arm: mean_std([r["k3"] for r in runs])[0] for arm, runs in summaries.items()}
+    k3 = {arm: mean for arm, (mean, _) in _per_arm(summaries, "k3").items()}
     if "qarl_w4a16_tbpo" in k3 and "w4a16_rollout_grpo_tis" in k3 and k3["w4a16_rollout_grpo_tis"] > 0:
         ratio = k3["qarl_w4a16_tbpo"] / k3["w4a16_rollout_grpo_tis"]
         out.append(f"- Sampler-learner k3, aligned W4A16 learner / unaligned (BF16 learner, same W4A16 sampler): "
                    f"**{ratio:.3f}** (the paper's claim, with a real int4 sampler: <= 0.1). Sampler here: the "
                    "embedded engine (our dequantized arithmetic), not a real int4 kernel.")
-    final = {arm: mean_std([r["pass1_final"] for r in runs]) for arm, runs in summaries.items()}
+    final = _per_arm(summaries, "pass1_final")
     ranked = sorted((a for a in final if not math.isnan(final[a][0])), key=lambda a: -final[a][0])
     if ranked:
         parts = [f"{labels[a]} {final[a][0]:.3f}" + ("" if math.isnan(final[a][1]) else f" ± {final[a][1]:.3f}")
@@ -213,12 +218,11 @@ def regime_comparison(per_section: list[tuple[Section, dict]]) -> list[str]:
     for section, summaries in per_section[1:]:
         for role, what in (("w4a16_rollout_grpo_tis", "unaligned (BF16 learner)"), ("qarl_w4a16_tbpo", "aligned (QaRL)")):
             if role in base and role in summaries:
-                a, b = (mean_std([r["k3"] for r in runs])[0] for runs in (base[role], summaries[role]))
+                a, b = (_per_arm(s, "k3")[role][0] for s in (base, summaries))
                 out.append(f"- {section.title}: the {what} sampler-learner k3 is {b:.2e} against {a:.2e} in "
                            f"{first.title} (x{b / a:.1f}).")
         for name, summ in ((first.title, base), (section.title, summaries)):
-            gap = _gap({k: mean_std([r["pass1_final"] for r in v]) for k, v in summ.items()},
-                       "bf16_grpo_tis", "w4a16_rollout_grpo_tis")
+            gap = _gap(_per_arm(summ, "pass1_final"), "bf16_grpo_tis", "w4a16_rollout_grpo_tis")
             if gap is not None:
                 out.append(f"- BF16 minus W4A16 rollout, {name}: {gap[0]:+.3f} final pass@1 (larger seed std "
                            f"{gap[1]:.3f}).")

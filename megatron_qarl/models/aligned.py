@@ -199,13 +199,13 @@ def _local_expert_pairs(layer: str, experts: torch.nn.Module, fc: str) -> list[t
     return [(getattr(e, fc).weight, f"{layer}.local_experts.{i}.{fc}.weight") for i, e in enumerate(experts.local_experts)]
 
 
-def _whole_experts_forward(experts: torch.nn.Module, layer: str, cache: QuantCache) -> Callable:
+def _whole_experts_forward(experts: torch.nn.Module, layer: str, cache: QuantCache,
+                           fc1: list[tuple[torch.Tensor, str]], fc2: list[tuple[torch.Tensor, str]]) -> Callable:
     """SequentialMLP.forward (mcore 0.16.1 `transformer/moe/experts.py:876`) with one backend call for the
     layer's local experts. Without grad (log-probs of the old policy, evaluation) that call is all; with
     grad megatron's per-expert loop also runs on the aligned sites (reference GEMMs with the same cached
     dequantized weights) to give the straight-through gradient, and the kernel's output is the value."""
     per_expert = type(experts).forward.__get__(experts)
-    fc1, fc2 = _local_expert_pairs(layer, experts, "linear_fc1"), _local_expert_pairs(layer, experts, "linear_fc2")
 
     def forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         prepared = cache.experts(layer, fc1, fc2)
@@ -227,8 +227,8 @@ def _install_whole_experts(model: torch.nn.Module, sites: dict, cache: QuantCach
     for name, module in model.named_modules():
         if not isinstance(module, SequentialMLP):
             continue
-        pairs = _local_expert_pairs(name, module, "linear_fc1") + _local_expert_pairs(name, module, "linear_fc2")
-        if not all(n in sites for _, n in pairs):
+        fc1, fc2 = _local_expert_pairs(name, module, "linear_fc1"), _local_expert_pairs(name, module, "linear_fc2")
+        if not all(n in sites for _, n in fc1 + fc2):
             continue
         config = module.config
         if (config.moe_apply_probs_on_input or not config.gated_linear_unit or config.add_bias_linear
@@ -236,7 +236,7 @@ def _install_whole_experts(model: torch.nn.Module, sites: dict, cache: QuantCach
             raise QuantizationError(f"{name}: the backend's MoE kernel computes fc2(silu(gate) * up) * prob without "
                                     "biases; this model's experts differ (moe_apply_probs_on_input, activation, "
                                     "gated_linear_unit or add_bias_linear). Use quant.backend=reference")
-        module.forward = _whole_experts_forward(module, name, cache)
+        module.forward = _whole_experts_forward(module, name, cache, fc1, fc2)
         layers[name] = module
     return layers
 

@@ -34,9 +34,9 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_qarl.quant.config import BACKEND_SCHEMES
+from megatron_qarl.quant.config import BACKEND_SCHEMES, BACKENDS
 from megatron_qarl.quant.errors import QuantizationError
-from megatron_qarl.quant.fp8 import Fp8Weight, dequantize_fp8_activation, quantize_fp8_activation
+from megatron_qarl.quant.fp8 import Fp8Weight, fp8_activation_values, quantize_fp8_activation
 from megatron_qarl.quant.int4 import Int4Weight
 
 
@@ -62,9 +62,7 @@ def reference_fp8_forward(x: torch.Tensor, dequantized: torch.Tensor, tile: int)
     GEMM's exactly (e4m3 x e4m3 products and the scales are exact in fp32); with bf16 activations (a GPU
     learner) it is a bf16 GEMM, never an fp32 one: the dequantized operands round to bf16 (<= 2^-9
     relative), the price of running at bf16 speed with the `reference` backend."""
-    q, s = quantize_fp8_activation(x, tile)
-    x_deq = dequantize_fp8_activation(q, s, tile, dtype=x.dtype)
-    return torch.nn.functional.linear(x_deq, dequantized.to(x.dtype))
+    return torch.nn.functional.linear(fp8_activation_values(x, tile), dequantized.to(x.dtype))
 
 
 class ReferenceBackend:
@@ -283,7 +281,7 @@ def register_backend(name: str, factory, schemes: tuple[str, ...]) -> None:
 
 
 def unregister_backend(name: str) -> None:
-    if name in ("reference", "marlin", "te"):
+    if name in BACKENDS:
         raise QuantizationError(f"the built-in backend {name!r} cannot be unregistered")
     _BACKENDS.pop(name, None)
     BACKEND_SCHEMES.pop(name, None)
@@ -329,11 +327,7 @@ class AlignedLinearFunction(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         # in the activation dtype like the forward (bf16 on a GPU learner: no fp32 GEMMs)
         compute_dtype = x.dtype
-        if ctx.fp8_tile is None:
-            x_used = x
-        else:
-            q, s = quantize_fp8_activation(x, ctx.fp8_tile)
-            x_used = dequantize_fp8_activation(q, s, ctx.fp8_tile, dtype=compute_dtype)
+        x_used = x if ctx.fp8_tile is None else fp8_activation_values(x, ctx.fp8_tile, compute_dtype)
         # 2-D torch.mm: on CPU bf16, matmul() with a transposed operand can be ~10x slower than mm().
         g = grad_out.to(compute_dtype).reshape(-1, grad_out.shape[-1])
         w = dequantized.to(compute_dtype)

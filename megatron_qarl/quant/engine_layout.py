@@ -226,9 +226,8 @@ def dequantize_linear(hf_name: str, kind: str, parts: Mapping[str, torch.Tensor]
         codes = unpack_int4_groupwise(parts["weight_packed"], (n, k))
         return dequantize_int4_groupwise(codes, scales, group_size=k // scales.shape[1], dtype=dtype)
     if kind == "fp8":
-        qweight, scale_inv = parts["weight"], parts["weight_scale_inv"]
-        n, k = qweight.shape
-        return dequantize_fp8_block(qweight, scale_inv, block=fp8_block_size(hf_name, parts), dtype=dtype)
+        return dequantize_fp8_block(parts["weight"], parts["weight_scale_inv"], block=fp8_block_size(hf_name, parts),
+                                    dtype=dtype)
     return parts["weight"].to(dtype)
 
 

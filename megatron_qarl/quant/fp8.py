@@ -232,3 +232,10 @@ def dequantize_fp8_activation(q: torch.Tensor, scale_inv: torch.Tensor, tile: in
     k = q.shape[-1]
     scale_full = scale_inv.float().repeat_interleave(tile, -1)[..., :k]
     return (q.float() * scale_full).to(dtype)
+
+
+def fp8_activation_values(x: torch.Tensor, tile: int = 128, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """What a W8A8 GEMM multiplies for input `x`: `x` quantized per 1x`tile` and dequantized, in `dtype`
+    (x's by default). The learner's FP8 GEMMs and the embedded engine's FP8 linears both take it from here."""
+    q, scale_inv = quantize_fp8_activation(x, tile)
+    return dequantize_fp8_activation(q, scale_inv, tile, dtype=x.dtype if dtype is None else dtype)

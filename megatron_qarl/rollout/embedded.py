@@ -12,7 +12,7 @@ transformers 5.19 keeps a Qwen3-MoE layer's experts fused in memory:
 ``mlp.experts.down_proj`` [E, H, I]; per-expert checkpoint names are mapped into those slices.
 
 FP8 linears run W8A8 as SGLang's block-FP8 methods do: besides the dequantized block weights, each FP8
-linear's input is quantized per 1 x block tile (`quantize_fp8_activation`, the rule of SGLang's
+linear's input is quantized per 1 x block tile (`fp8_activation_values`, the rule of SGLang's
 `per_token_group_quant_fp8`) -- for the experts, both GEMMs' inputs, as SGLang's block-FP8 MoE quantizes
 the hidden states and the activation output.
 
@@ -31,7 +31,7 @@ import torch
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_state_from_model, transformers_tensor
 from megatron_qarl.quant.config import is_routed_expert
 from megatron_qarl.quant.engine_layout import PARTS, EngineLayoutError, dequantize_linear, engine_part, fp8_block_size
-from megatron_qarl.quant.fp8 import dequantize_fp8_activation, quantize_fp8_activation
+from megatron_qarl.quant.fp8 import fp8_activation_values
 from megatron_qarl.rollout.delta import DeltaBatch, apply_delta_batch
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.payload import tensor_sha256
@@ -39,14 +39,9 @@ from megatron_qarl.rollout.payload import tensor_sha256
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-def _fp8_activations(x: torch.Tensor, tile: int) -> torch.Tensor:
-    q, scale_inv = quantize_fp8_activation(x, tile)
-    return dequantize_fp8_activation(q, scale_inv, tile, dtype=x.dtype)
-
-
 def _w8a8_linear_hook(tile: int):
     def quantize_input(module, args):
-        return (_fp8_activations(args[0], tile), *args[1:])
+        return (fp8_activation_values(args[0], tile), *args[1:])
     return quantize_input
 
 
@@ -55,7 +50,7 @@ def _w8a8_experts_forward(experts: torch.nn.Module, tile: int):
     inputs quantized per 1 x `tile` (the hidden states once: tiles run along each token's row)."""
     def forward(hidden_states, top_k_index, top_k_weights):
         final = torch.zeros_like(hidden_states)
-        states = _fp8_activations(hidden_states, tile)
+        states = fp8_activation_values(hidden_states, tile)
         with torch.no_grad():
             mask = torch.nn.functional.one_hot(top_k_index, num_classes=experts.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
@@ -64,7 +59,7 @@ def _w8a8_experts_forward(experts: torch.nn.Module, tile: int):
                 continue
             top_k_pos, token_idx = torch.where(mask[expert])
             gate, up = torch.nn.functional.linear(states[token_idx], experts.gate_up_proj[expert]).chunk(2, dim=-1)
-            inner = _fp8_activations(experts.act_fn(gate) * up, tile)
+            inner = fp8_activation_values(experts.act_fn(gate) * up, tile)
             out = torch.nn.functional.linear(inner, experts.down_proj[expert]) * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out.to(final.dtype))
         return final
