@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from megatron_qarl.models.qwen3_moe import PRESETS as MODEL_PRESETS
 from megatron_qarl.optim import OptimConfig
 from megatron_qarl.parallel import ParallelLayout, RolloutTopology, is_loopback_host
+from megatron_qarl.quant.aten_int4 import GROUP_SIZES as ATEN_INT4_GROUP_SIZES, SAMPLER_W4A16_KERNELS
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.rl.losses import LossConfig
 from megatron_qarl.rl.data import BAD_ROWS_MODES, PROBLEM
@@ -169,6 +170,10 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)  # besides EOS and single-token stop strings
     embedded_dtype: str = "float32"  # the embedded engine's compute dtype (float32 | bfloat16)
+    # The embedded engine's W4A16 GEMM: dequantized (the spec's dequantized weight, dense matmul) | aten_int4
+    # (PyTorch's int4 CPU kernel on the published codes: a real int4 kernel with its own accumulation order;
+    # group_size 32/64/128/256)
+    embedded_w4a16_kernel: str = "dequantized"
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
@@ -542,6 +547,7 @@ def _check_choices(cfg: RunConfig) -> list[str]:
     out += _choice("model.dtype", cfg.model.dtype, COMPUTE_DTYPES)
     out += _choice("rollout.engine", cfg.rollout.engine, ENGINES)
     out += _choice("rollout.embedded_dtype", cfg.rollout.embedded_dtype, COMPUTE_DTYPES)
+    out += _choice("rollout.embedded_w4a16_kernel", cfg.rollout.embedded_w4a16_kernel, SAMPLER_W4A16_KERNELS)
     out += _choice("rollout.sglang.mode", cfg.rollout.sglang.mode, SGLANG_MODES)
     out += _choice("rollout.sglang.launch", cfg.rollout.sglang.launch, SGLANG_LAUNCH)
     out += _choice("data.source", cfg.data.source, DATA_SOURCES)
@@ -686,6 +692,14 @@ def _check_engine_quant(cfg: RunConfig) -> list[str]:
         out.append("quant.learner_aligned=false only makes sense with a low-bit rollout; with "
                    "quant.scheme=none the learner and sampler already run the same bf16 arithmetic "
                    "(leave learner_aligned at true)")
+    if r.embedded_w4a16_kernel != "dequantized":
+        if r.engine != "embedded" or q.scheme != "w4a16":
+            out.append(f"rollout.embedded_w4a16_kernel={r.embedded_w4a16_kernel} chooses the embedded engine's "
+                       f"W4A16 GEMM; this run has rollout.engine={r.engine}, quant.scheme={q.scheme}: leave it at "
+                       "dequantized")
+        elif q.group_size not in ATEN_INT4_GROUP_SIZES:
+            out.append(f"rollout.embedded_w4a16_kernel=aten_int4 with quant.group_size={q.group_size}: PyTorch's "
+                       f"int4 CPU kernel takes group sizes {ATEN_INT4_GROUP_SIZES}")
     if r.engine == "sglang" and q.scheme == "w4a16":
         if q.scope != "experts":
             out.append(f"rollout.engine=sglang with quant.scheme=w4a16 and quant.scope={q.scope!r}: SGLang "

@@ -34,6 +34,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from megatron_qarl.quant.aten_int4 import SAMPLER_W4A16_KERNELS
+from megatron_qarl.quant.config import SCOPES
 from megatron_qarl.rl.metrics import k3
 
 
@@ -54,6 +56,8 @@ class ProbeSettings:
     learner_dtype: str = "bfloat16"
     engine: str = "embedded"
     engine_dtype: str = "bfloat16"
+    stop_token_ids: tuple[int, ...] = ()  # generation ends at these (main: the checkpoint tokenizer's EOS)
+    w4a16_kernel: str = "dequantized"  # the embedded engine's W4A16 GEMM (quant.aten_int4.SAMPLER_W4A16_KERNELS)
     backends: tuple[str, ...] = ("reference",)  # the aligned learner's GEMM backends, each scored
 
     def validate(self) -> "ProbeSettings":
@@ -63,6 +67,9 @@ class ProbeSettings:
             raise ProbeError(f"engine {self.engine!r}: use --engine embedded, vllm or sglang")
         if self.engine == "vllm" and self.scheme == "fp8":
             raise ProbeError("--engine vllm samples W4A16 or bf16 here; use --engine embedded or sglang for fp8")
+        if self.w4a16_kernel != "dequantized" and (self.engine != "embedded" or self.scheme != "w4a16"):
+            raise ProbeError(f"--w4a16-kernel {self.w4a16_kernel} chooses the embedded engine's W4A16 GEMM: use it "
+                             "with --engine embedded --scheme w4a16")
         if self.scheme == "fp8" and self.scope != "all-linears":
             raise ProbeError(f"--scheme fp8 quantizes every linear: use --scope all-linears, not {self.scope!r}")
         if "reference" not in self.backends:
@@ -99,7 +106,8 @@ def _sample(hf_config, hf_state, prompts, settings: ProbeSettings, quant_cfg):
     from megatron_qarl.quant.engine_layout import engine_named_tensors
 
     sampling = SamplingParams(temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
-                              seed=settings.seed, n=settings.samples_per_prompt)
+                              seed=settings.seed, n=settings.samples_per_prompt,
+                              stop_token_ids=list(settings.stop_token_ids))
     payload = engine_named_tensors(hf_state.items(), quant_cfg)
     if settings.engine == "vllm":
         return _sample_vllm(hf_config, payload, prompts, settings, quant_cfg, sampling)
@@ -107,7 +115,8 @@ def _sample(hf_config, hf_state, prompts, settings: ProbeSettings, quant_cfg):
         return _sample_sglang(hf_config, payload, prompts, settings, quant_cfg, sampling)
     from megatron_qarl.rollout.embedded import EmbeddedEngine
 
-    engine = EmbeddedEngine.from_hf_config(hf_config, dtype=settings.engine_dtype, seed=settings.seed)
+    engine = EmbeddedEngine.from_hf_config(hf_config, dtype=settings.engine_dtype, seed=settings.seed,
+                                           w4a16_kernel=settings.w4a16_kernel)
     engine.begin_weight_update()
     engine.update_weights(payload)
     engine.end_weight_update()
@@ -121,7 +130,7 @@ def _sample_vllm(hf_config, payload, prompts, settings: ProbeSettings, quant_cfg
     from megatron_qarl.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, check_vllm_machine
     from megatron_qarl.weights.convert import EngineCheckpointSink, hf_checkpoint_files
 
-    check_vllm_machine(None, "cpu", settings.scheme)
+    check_vllm_machine(None, "cpu", quant_cfg)
     with tempfile.TemporaryDirectory(prefix="qarl-probe-") as tmp:
         sink = EngineCheckpointSink(Path(tmp) / "engine", hf_config, quant_cfg, hf_checkpoint_files(hf_config))
         sink.begin_weight_update()
@@ -244,7 +253,8 @@ def probe_mismatch(hf_config, hf_state: Mapping[str, torch.Tensor], prompts: Seq
     for name in learners:
         if name.startswith("aligned:"):  # the GEMM backend's deviation from the reference arithmetic
             out[name]["vs_reference_max_abs_dlogp"] = float((learners[name] - learners["aligned"]).abs().max())
-    out.update(settings={**asdict(settings), "backends": list(settings.backends)}, sequences=len(results))
+    out.update(settings={**asdict(settings), "backends": list(settings.backends),
+                         "stop_token_ids": list(settings.stop_token_ids)}, sequences=len(results))
     if "aligned" in out:
         a, b = out["unaligned"]["k3"], out["aligned"]["k3"]
         out["k3_reduction"] = (1.0 - b / a) if a > 0 else math.nan
@@ -254,6 +264,8 @@ def probe_mismatch(hf_config, hf_state: Mapping[str, torch.Tensor], prompts: Seq
 # ------------------------------------------------------------------------------------------ CLI
 
 def read_prompts(path: str | Path, hf_dir: str | Path, limit: int | None) -> list[list[int]]:
+    """Token ids per row: `prompt_token_ids` as given, or `prompt` text rendered as the trainer renders it by
+    default (the tokenizer's chat template with the generation prompt, when it has one)."""
     path = Path(path)
     if not path.is_file():
         raise ProbeError(f"prompts file {path} does not exist")
@@ -269,8 +281,8 @@ def read_prompts(path: str | Path, hf_dir: str | Path, limit: int | None) -> lis
         if isinstance(row, dict) and "prompt_token_ids" in row:
             prompts.append([int(t) for t in row["prompt_token_ids"]])
         elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
-            tokenizer = tokenizer or _tokenizer(hf_dir)
-            prompts.append(list(tokenizer.encode(row["prompt"], add_special_tokens=False)))
+            tokenizer = tokenizer or checkpoint_tokenizer(hf_dir)
+            prompts.append(_encode_prompt(tokenizer, row["prompt"]))
         else:
             raise ProbeError(f"{path}:{lineno}: a row needs 'prompt_token_ids' (list of ints) or 'prompt' (text)")
         if limit is not None and len(prompts) >= limit:
@@ -280,7 +292,15 @@ def read_prompts(path: str | Path, hf_dir: str | Path, limit: int | None) -> lis
     return prompts
 
 
-def _tokenizer(hf_dir):
+def _encode_prompt(tokenizer, text: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def checkpoint_tokenizer(hf_dir):
+    """The tokenizer saved with the checkpoint, else the demo char tokenizer."""
     if any((Path(hf_dir) / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
         from transformers import AutoTokenizer
 
@@ -288,6 +308,12 @@ def _tokenizer(hf_dir):
     from megatron_qarl.rl.tokenizer import build_char_tokenizer
 
     return build_char_tokenizer()
+
+
+def eos_stop_ids(hf_dir) -> tuple[int, ...]:
+    """Generation ends at the tokenizer's EOS, as in the trainer: tokens sampled past it are no response."""
+    eos = checkpoint_tokenizer(hf_dir).eos_token_id
+    return () if eos is None else (int(eos),)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -302,7 +328,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         help="the aligned learner's GEMM backends to score (reference first; marlin for w4a16, "
                              "te for fp8 need a GPU)")
     parser.add_argument("--engine-dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--scope", default="experts", choices=["experts", "experts+attention", "all-linears"])
+    parser.add_argument("--w4a16-kernel", default="dequantized", choices=list(SAMPLER_W4A16_KERNELS),
+                        help="the embedded engine's W4A16 GEMM: our dequantized matmul, or PyTorch's int4 CPU kernel")
+    parser.add_argument("--scope", default="experts", choices=list(SCOPES))
     parser.add_argument("--block-size", type=int, default=128, help="fp8 weight block (and activation tile)")
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--samples-per-prompt", type=int, default=1)
@@ -320,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     settings = ProbeSettings(scheme=args.scheme, scope=args.scope, samples_per_prompt=args.samples_per_prompt,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                              learner_dtype=args.learner_dtype, engine=args.engine, engine_dtype=args.engine_dtype,
-                             backends=tuple(args.backends), block_size=args.block_size)
+                             w4a16_kernel=args.w4a16_kernel, stop_token_ids=eos_stop_ids(args.hf), backends=tuple(args.backends), block_size=args.block_size)
     report = probe_mismatch(hf_config, hf_state, read_prompts(args.prompts, args.hf, args.num_prompts), settings)
     text = json.dumps(report, indent=2)
     print(text)

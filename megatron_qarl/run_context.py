@@ -107,7 +107,7 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     if cfg.rollout.engine == "vllm":  # the vLLM venv / CPU features: before any process group or model
         from megatron_qarl.rollout.vllm_engine import check_vllm_machine
 
-        check_vllm_machine(cfg.rollout.vllm.venv, cfg.rollout.vllm.device, cfg.quant.scheme)
+        check_vllm_machine(cfg.rollout.vllm.venv, cfg.rollout.vllm.device, cfg.quant)
     layout = init_distributed(cfg.parallel, seed=cfg.train.seed)
     hf_config = resolve_hf_config(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
@@ -383,7 +383,8 @@ def _build_engine(cfg: RunConfig, hf_config, topology: RolloutTopology, start_ch
 
     if cfg.rollout.engine == "embedded":
         return make_engine({"name": "embedded", "hf_config": hf_config, "dtype": cfg.rollout.embedded_dtype,
-                            "seed": cfg.train.seed, "collect_routed_experts": True, "tokenizer": tokenizer})
+                            "seed": cfg.train.seed, "collect_routed_experts": True, "tokenizer": tokenizer,
+                            "w4a16_kernel": cfg.rollout.embedded_w4a16_kernel})
     if cfg.rollout.engine == "sglang":
         from megatron_qarl.rollout.sglang_engine import SGLangEngineConfig
 

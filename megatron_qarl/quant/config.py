@@ -4,10 +4,12 @@ Scopes name sets of linear layers, in HF Qwen3-MoE parameter naming:
 
 * ``experts``            routed experts ``mlp.experts.E.{gate,up,down}_proj`` only;
 * ``experts+attention``  plus ``self_attn.{q,k,v,o}_proj``;
+* ``attention``          ``self_attn.{q,k,v,o}_proj`` only, the experts stay bf16 (the W4A16 scope vLLM-CPU
+                         serves on any x86 CPU: its dense int4 kernel needs no AMX, its MoE one does);
 * ``all-linears``        every linear except the router (``mlp.gate``), embeddings and ``lm_head``
                          (shared experts / dense MLPs included).
 
-Per scheme: W4A16 accepts all three (default ``experts``: the only scope SGLang can refit in place,
+Per scheme: W4A16 accepts all four (default ``experts``: the only scope SGLang can refit in place,
 see DESIGN "Default quantization scope"; the publisher decides whether an engine accepts a wider one).
 FP8 is defined on all linears (block-128, same as Qwen3-FP8 checkpoints), so FP8 requires
 ``all-linears``; asking for an FP8 subset is rejected rather than silently widened.
@@ -24,7 +26,7 @@ __all__ = ["QuantConfig", "QuantConfigError", "SCHEMES", "SCOPES", "SCOPE_GROUPS
            "linear_group"]
 
 SCHEMES = ("none", "w4a16", "fp8")
-SCOPES = ("experts", "experts+attention", "all-linears")
+SCOPES = ("experts", "experts+attention", "attention", "all-linears")
 BACKENDS = ("reference", "marlin", "te")  # built in; `backends.register_backend` adds more
 BACKEND_SCHEMES = {
     "reference": ("w4a16", "fp8"),
@@ -43,6 +45,7 @@ _LINEAR_GROUPS = {
 SCOPE_GROUPS = {
     "experts": ("experts",),
     "experts+attention": ("experts", "attention"),
+    "attention": ("attention",),
     "all-linears": ("experts", "attention", "dense_mlp"),
 }
 
@@ -60,7 +63,7 @@ def is_routed_expert(hf_name: str) -> bool:
 @dataclass
 class QuantConfig:
     scheme: str = "none"  # none (bf16) | w4a16 (int4 weights, group-wise scales) | fp8 (W8A8, block scales)
-    scope: str = "experts"  # which linears are low-bit: experts | experts+attention | all-linears
+    scope: str = "experts"  # which linears are low-bit: experts | experts+attention | attention | all-linears
     group_size: int = 128  # w4a16: input-dim elements per scale
     block_size: int = 128  # fp8: square weight block per scale (activations per 1 x block_size)
     backend: str = "reference"  # the learner's low-bit GEMM: reference | marlin | te

@@ -210,21 +210,26 @@ def is_expert_engine_name(name: str) -> bool:
     return is_routed_expert(engine_part(name)[0])
 
 
+def int4_codes(hf_name: str, parts: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A W4A16 linear's int8 codes [N, K] and scales [N, K / group] from its engine parts, checked."""
+    n, k = (int(v) for v in parts["weight_shape"].tolist())
+    scales = parts["weight_scale"]
+    if scales.dim() != 2 or scales.shape[0] != n or scales.shape[1] == 0 or k % scales.shape[1]:
+        raise EngineLayoutError(f"{hf_name}: weight_scale shape {tuple(scales.shape)} inconsistent with "
+                                f"weight_shape {(n, k)}")
+    if tuple(parts["weight_packed"].shape) != (n, k // 8):
+        raise EngineLayoutError(f"{hf_name}: weight_packed shape {tuple(parts['weight_packed'].shape)} != "
+                                f"{(n, k // 8)}")
+    return unpack_int4_groupwise(parts["weight_packed"], (n, k)), scales
+
+
 def dequantize_linear(hf_name: str, kind: str, parts: Mapping[str, torch.Tensor], dtype: torch.dtype
                       ) -> torch.Tensor:
     """The weight a complete set of one linear's engine `parts` stands for, with the spec's dequantization
     (group size / block size read from the scale shapes, as an engine loading the checkpoint does)."""
     if kind == "int4":
-        n, k = (int(v) for v in parts["weight_shape"].tolist())
-        scales = parts["weight_scale"]
-        if scales.dim() != 2 or scales.shape[0] != n or scales.shape[1] == 0 or k % scales.shape[1]:
-            raise EngineLayoutError(f"{hf_name}: weight_scale shape {tuple(scales.shape)} inconsistent with "
-                                    f"weight_shape {(n, k)}")
-        if tuple(parts["weight_packed"].shape) != (n, k // 8):
-            raise EngineLayoutError(f"{hf_name}: weight_packed shape {tuple(parts['weight_packed'].shape)} != "
-                                    f"{(n, k // 8)}")
-        codes = unpack_int4_groupwise(parts["weight_packed"], (n, k))
-        return dequantize_int4_groupwise(codes, scales, group_size=k // scales.shape[1], dtype=dtype)
+        codes, scales = int4_codes(hf_name, parts)
+        return dequantize_int4_groupwise(codes, scales, group_size=codes.shape[1] // scales.shape[1], dtype=dtype)
     if kind == "fp8":
         return dequantize_fp8_block(parts["weight"], parts["weight_scale_inv"], block=fp8_block_size(hf_name, parts),
                                     dtype=dtype)
@@ -254,9 +259,21 @@ def _w4a16_ignore(scope: str) -> list[str]:
         ignore += ["re:.*self_attn.*", "re:.*shared_expert.*", r"re:.*mlp\.(gate|up|down)_proj$"]
     elif scope == "experts+attention":
         ignore += ["re:.*shared_expert.*", r"re:.*mlp\.(gate|up|down)_proj$"]
+    elif scope == "attention":
+        # vLLM asks about a fused MoE layer by its experts' unfused names (`...mlp.experts.0.gate_proj`)
+        ignore += [r"re:.*mlp\.experts\..*", "re:.*shared_expert.*", r"re:.*mlp\.(gate|up|down)_proj$"]
     elif scope != "all-linears":
         raise EngineLayoutError(f"unknown quantization scope {scope!r}; expected one of {SCOPES}")
     return ignore
+
+
+def w4a16_scope_from_ignore(ignore: list[str]) -> str:
+    """The scope whose `quantization_config.ignore` this is (the inverse of `_w4a16_ignore`)."""
+    for scope in SCOPES:
+        if sorted(_w4a16_ignore(scope)) == sorted(ignore):
+            return scope
+    raise EngineLayoutError(f"quantization_config.ignore {ignore!r} matches no quantization scope {SCOPES}: "
+                            "not a checkpoint qarl-convert wrote")
 
 
 def w4a16_quantization_config(scope: str = "experts", group_size: int = 128) -> dict:

@@ -16,6 +16,10 @@ linear's input is quantized per 1 x block tile (`fp8_activation_values`, the rul
 `per_token_group_quant_fp8`) -- for the experts, both GEMMs' inputs, as SGLang's block-FP8 MoE quantizes
 the hidden states and the activation output.
 
+W4A16 linears compute on the spec's dequantized weight by default; with ``w4a16_kernel="aten_int4"`` they
+run PyTorch's int4 CPU kernel on the received codes instead (``quant.aten_int4``): a real int4 kernel, with
+its own accumulation order, on any x86 CPU.
+
 Sampled-token logprobs are ``log_softmax(logits / temperature)`` at the sampled token, computed in
 fp32 BEFORE top-k/top-p truncation — the definition vLLM and SGLang use for their returned logprobs.
 """
@@ -30,7 +34,11 @@ import torch
 
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_state_from_model, transformers_tensor
 from megatron_qarl.quant.config import is_routed_expert
-from megatron_qarl.quant.engine_layout import PARTS, EngineLayoutError, dequantize_linear, engine_part, fp8_block_size
+from megatron_qarl.quant.aten_int4 import (
+    SAMPLER_W4A16_KERNELS, AtenInt4Weight, aten_int4_linear, pack_aten_int4)
+from megatron_qarl.quant.engine_layout import (
+    PARTS, EngineLayoutError, dequantize_linear, engine_part, fp8_block_size, int4_codes)
+from megatron_qarl.quant.errors import QuantizationError
 from megatron_qarl.quant.fp8 import fp8_activation_values
 from megatron_qarl.rollout.delta import DeltaBatch, apply_delta_batch
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
@@ -45,12 +53,15 @@ def _w8a8_linear_hook(tile: int):
     return quantize_input
 
 
-def _w8a8_experts_forward(experts: torch.nn.Module, tile: int):
-    """transformers 5.19 `Qwen3MoeExperts.forward` (`modeling_qwen3_moe.py:221-245`) with both GEMMs'
-    inputs quantized per 1 x `tile` (the hidden states once: tiles run along each token's row)."""
+def _experts_forward(experts: torch.nn.Module, gate_up, down, quantize_input=None):
+    """transformers 5.19 `Qwen3MoeExperts.forward` (`modeling_qwen3_moe.py:221-245`) with its two GEMMs as
+    `gate_up(expert, x)` / `down(expert, x)` and, for W8A8, both GEMMs' inputs through `quantize_input`
+    (the hidden states once: tiles run along each token's row)."""
+    quantize_input = quantize_input or (lambda t: t)
+
     def forward(hidden_states, top_k_index, top_k_weights):
         final = torch.zeros_like(hidden_states)
-        states = fp8_activation_values(hidden_states, tile)
+        states = quantize_input(hidden_states)
         with torch.no_grad():
             mask = torch.nn.functional.one_hot(top_k_index, num_classes=experts.num_experts + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
@@ -58,11 +69,32 @@ def _w8a8_experts_forward(experts: torch.nn.Module, tile: int):
             if expert == experts.num_experts:
                 continue
             top_k_pos, token_idx = torch.where(mask[expert])
-            gate, up = torch.nn.functional.linear(states[token_idx], experts.gate_up_proj[expert]).chunk(2, dim=-1)
-            inner = fp8_activation_values(experts.act_fn(gate) * up, tile)
-            out = torch.nn.functional.linear(inner, experts.down_proj[expert]) * top_k_weights[token_idx, top_k_pos, None]
+            gate, up = gate_up(expert, states[token_idx]).chunk(2, dim=-1)
+            inner = quantize_input(experts.act_fn(gate) * up)
+            out = down(expert, inner) * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out.to(final.dtype))
         return final
+    return forward
+
+
+def _w8a8_experts_forward(experts: torch.nn.Module, tile: int):
+    return _experts_forward(experts, lambda e, x: torch.nn.functional.linear(x, experts.gate_up_proj[e]),
+                            lambda e, x: torch.nn.functional.linear(x, experts.down_proj[e]),
+                            lambda t: fp8_activation_values(t, tile))
+
+
+def _int4_experts_forward(experts: torch.nn.Module, prefix: str, weights: dict[str, AtenInt4Weight]):
+    """The experts' GEMMs on PyTorch's int4 kernel: gate and up as two GEMMs (the engine layout's linears),
+    concatenated as transformers' fused gate_up_proj rows are."""
+    def gate_up(e, x):
+        return torch.cat([aten_int4_linear(x, weights[f"{prefix}.{e}.{p}_proj"]) for p in ("gate", "up")], dim=-1)
+    return _experts_forward(experts, gate_up, lambda e, x: aten_int4_linear(x, weights[f"{prefix}.{e}.down_proj"]))
+
+
+def _int4_linear_forward(module: torch.nn.Module, prefix: str, weights: dict[str, AtenInt4Weight]):
+    def forward(x):
+        out = aten_int4_linear(x, weights[prefix])
+        return out if module.bias is None else out + module.bias
     return forward
 
 
@@ -82,6 +114,7 @@ class EmbeddedEngineConfig:
     seed: int = 0
     record_checksums: bool = True
     tokenizer: Any = None  # decodes response tails to match SamplingParams.stop strings
+    w4a16_kernel: str = "dequantized"  # a SAMPLER_W4A16_KERNELS entry: how pushed W4A16 linears compute
 
 
 def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -96,7 +129,10 @@ class EmbeddedEngine:
     """transformers Qwen3-MoE held in-process; implements ``RolloutEngine``."""
 
     def __init__(self, model, dtype: torch.dtype = torch.bfloat16, collect_routed_experts: bool = False,
-                 pad_token_id: int = 0, record_checksums: bool = True, tokenizer=None):
+                 pad_token_id: int = 0, record_checksums: bool = True, tokenizer=None,
+                 w4a16_kernel: str = "dequantized"):
+        if w4a16_kernel not in SAMPLER_W4A16_KERNELS:
+            raise ValueError(f"unknown W4A16 kernel {w4a16_kernel!r}; expected one of {SAMPLER_W4A16_KERNELS}")
         self.hf_config = model.config  # what restart() rebuilds from
         self.model = model.to(dtype).eval()
         self.dtype = dtype
@@ -114,6 +150,9 @@ class EmbeddedEngine:
         self.updates_applied = 0
         self._version = 0  # completed weight updates since start / restart
         self._w8a8: dict[str, int] = {}  # modules whose inputs are FP8-quantized -> their tile
+        self.w4a16_kernel = w4a16_kernel
+        self._int4: dict[str, AtenInt4Weight] = {}  # W4A16 linear -> its kernel operands (aten_int4)
+        self._int4_modules: set[str] = set()  # modules whose forward runs on them
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -139,8 +178,12 @@ class EmbeddedEngine:
     @classmethod
     def from_config(cls, cfg: EmbeddedEngineConfig) -> "EmbeddedEngine":
         kw = dict(collect_routed_experts=cfg.collect_routed_experts, pad_token_id=cfg.pad_token_id,
-                  record_checksums=cfg.record_checksums, tokenizer=cfg.tokenizer)
+                  record_checksums=cfg.record_checksums, tokenizer=cfg.tokenizer, w4a16_kernel=cfg.w4a16_kernel)
         if cfg.checkpoint_dir:
+            if cfg.w4a16_kernel != "dequantized":
+                raise ValueError(f"w4a16_kernel={cfg.w4a16_kernel!r} runs on pushed engine-layout weights; a "
+                                 "checkpoint_dir start is decompressed by transformers: start from hf_config "
+                                 "and push the weights (as the trainer does)")
             return cls.from_hf_checkpoint(cfg.checkpoint_dir, cfg.dtype, **kw)
         if cfg.hf_config is None:
             raise ValueError("EmbeddedEngineConfig needs hf_config or checkpoint_dir")
@@ -224,6 +267,26 @@ class EmbeddedEngine:
         self._write(f"{prefix}.weight", weight)
         if kind == "fp8":
             self._quantize_inputs(prefix, fp8_block_size(f"{prefix}.weight", parts))
+        if kind == "int4" and self.w4a16_kernel == "aten_int4":
+            try:
+                self._int4[prefix] = pack_aten_int4(*int4_codes(f"{prefix}.weight", parts), self.dtype, prefix)
+            except QuantizationError as err:
+                raise EngineWeightError(str(err)) from None
+            self._run_on_int4_kernel(prefix)
+
+    def _run_on_int4_kernel(self, prefix: str) -> None:
+        """Make the module computing linear `prefix` run on its int4 kernel operands (looked up per call, so
+        a refit's new codes are used); the fused experts module once for all its experts."""
+        experts = prefix.rsplit(".", 2)[0] if ".mlp.experts." in prefix else None
+        name = experts or prefix
+        if name in self._int4_modules:
+            return
+        module = self.model.get_submodule(name)
+        if experts:
+            module.forward = _int4_experts_forward(module, experts, self._int4)
+        else:
+            module.forward = _int4_linear_forward(module, prefix, self._int4)
+        self._int4_modules.add(name)
 
     def _quantize_inputs(self, prefix: str, tile: int) -> None:
         """Make the module computing linear `prefix` quantize its inputs (W8A8); the fused experts module
@@ -298,6 +361,8 @@ class EmbeddedEngine:
         self._dirty.clear()
         self._received_digests.clear()
         self._w8a8.clear()
+        self._int4.clear()
+        self._int4_modules.clear()
         self._version = 0
 
     @torch.no_grad()

