@@ -106,3 +106,20 @@ def test_the_attention_regime_reruns_the_w4a16_arms_with_attention_quantized_and
     text = report.write_report(tmp_path, sections, [0])
     assert "the unaligned (BF16 learner) sampler-learner k3 is 1.00e-03 against 2.00e-04" in text and "(x5.0)" in text
     assert "BF16 minus W4A16 rollout" in text.split("## Across the regimes")[1]
+
+
+def test_the_kernel_regime_samples_the_w4a16_arms_on_the_int4_kernel_and_says_so(tmp_path):
+    kernel = [a for a in run.ARMS if a.regime == "int4_kernel"]
+    assert {a.name for a in kernel} == {"kernel_w4a16_rollout_grpo_tis", "kernel_qarl_w4a16_tbpo",
+                                        "kernel_qarl_w4a16_grpo"}
+    for arm in kernel:
+        cfg = load_config(str(run.REPO / arm.config), [*run.Sweep(out=tmp_path, steps=1, seeds=[0], arms=[arm],
+                                                                  eval_every=1, eval_prompts=4).task_overrides(),
+                                                        *arm.overrides])
+        assert cfg.rollout.embedded_w4a16_kernel == "aten_int4" and cfg.quant.scope == "experts"
+    section = run.report_sections(list(run.ARMS))[2]
+    assert section.rows[2] == ("qarl_w4a16_tbpo", "kernel_qarl_w4a16_tbpo", "QaRL W4A16 + TBPO")
+    for arm, k3 in (("kernel_w4a16_rollout_grpo_tis", 1e-3), ("kernel_qarl_w4a16_tbpo", 2e-5)):
+        _write_run(tmp_path, arm, 0, [0.1], [k3], [(0, 0.2), (1, 0.5)])
+    text = report.write_report(tmp_path, [section], [0])
+    assert "**0.020** (the paper's claim, with a real int4 sampler: <= 0.1). Sampler here: PyTorch's int4" in text
