@@ -17,8 +17,8 @@ linear's input is quantized per 1 x block tile (`fp8_activation_values`, the rul
 the hidden states and the activation output.
 
 W4A16 linears compute on the spec's dequantized weight by default; with ``w4a16_kernel="aten_int4"`` they
-run PyTorch's int4 CPU kernel on the received codes instead (``quant.aten_int4``): a real int4 kernel, with
-its own accumulation order, on any x86 CPU.
+run PyTorch's int4 CPU kernel on the received codes instead (``quant.aten_int4``): a real int4 kernel on any
+x86 CPU, with its own arithmetic (its accumulation order, and code x scale without the spec's bf16 rounding).
 
 Sampled-token logprobs are ``log_softmax(logits / temperature)`` at the sampled token, computed in
 fp32 BEFORE top-k/top-p truncation — the definition vLLM and SGLang use for their returned logprobs.
