@@ -135,3 +135,10 @@ def test_the_vllm_regime_has_its_own_bf16_control_and_is_skipped_with_the_reason
     monkeypatch.setenv("QARL_VLLM_VENV", str(tmp_path / "no-venv"))
     assert "bash launch/vllm_env.sh" in run.machine_blocker(sweep, vllm[0])
     assert run.machine_blocker(sweep, run.ARMS[0]) is None  # the embedded engine runs anywhere
+
+
+def test_regimes_select_their_arms_and_keep_the_shared_control():
+    names = [a.name for a in run.select_arms(["attention"], quick=False)]
+    assert names == ["bf16_grpo_tis", "attn_w4a16_rollout_grpo_tis", "attn_qarl_w4a16_tbpo", "attn_qarl_w4a16_grpo"]
+    assert {a.regime for a in run.select_arms(list(run.REGIMES), quick=False)} == set(run.REGIMES)
+    assert all(a.main for a in run.select_arms(list(run.REGIMES), quick=True))
