@@ -18,14 +18,17 @@ With `--scheme none` (the BF16 arm) there is no low-bit forward: only the unalig
     python -m megatron_qarl.probe --hf DIR --prompts FILE [--scheme w4a16|fp8|none] [--num-prompts N]
                                   [--max-new-tokens T] [--samples-per-prompt S] [--temperature 1.0]
                                   [--engine embedded|vllm|sglang] [--engine-dtype bfloat16|float32]
+                                  [--scope SCOPE] [--w4a16-kernel dequantized|aten_int4]
                                   [--backends reference marlin|te]
 
-FILE is JSONL; each row has `prompt_token_ids` (list of ints) or `prompt` (text, tokenized with the
-tokenizer saved in DIR, or the project's char tokenizer when DIR has none).
+FILE is JSONL; each row has `prompt_token_ids` (list of ints) or `prompt` (text, rendered with the chat
+template of the tokenizer saved in DIR, as the trainer renders it by default, or the project's char
+tokenizer when DIR has none). Generation stops at that tokenizer's EOS, as in the trainer.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 from dataclasses import asdict, dataclass, replace
@@ -123,48 +126,52 @@ def _sample(hf_config, hf_state, prompts, settings: ProbeSettings, quant_cfg):
     return engine.generate([list(p) for p in prompts], sampling)
 
 
-def _sample_vllm(hf_config, payload, prompts, settings: ProbeSettings, quant_cfg, sampling):
-    """vLLM started from an export of exactly the payload the embedded engine would receive."""
+@contextlib.contextmanager
+def _exported_payload(hf_config, quant_cfg, payload):
+    """A temporary engine checkpoint holding exactly `payload`, the tensors the embedded engine receives
+    (what a server engine starts from); removed on exit."""
     import tempfile
 
-    from megatron_qarl.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, check_vllm_machine
     from megatron_qarl.weights.convert import EngineCheckpointSink, hf_checkpoint_files
 
-    check_vllm_machine(None, "cpu", quant_cfg)
     with tempfile.TemporaryDirectory(prefix="qarl-probe-") as tmp:
-        sink = EngineCheckpointSink(Path(tmp) / "engine", hf_config, quant_cfg, hf_checkpoint_files(hf_config))
+        path = Path(tmp) / "engine"
+        sink = EngineCheckpointSink(path, hf_config, quant_cfg, hf_checkpoint_files(hf_config))
         sink.begin_weight_update()
         sink.update_weights(list(payload))
         sink.end_weight_update()
+        yield path
+
+
+def _generate_and_shut_down(engine, prompts, sampling):
+    try:
+        return engine.generate([list(p) for p in prompts], sampling)
+    finally:
+        engine.shutdown()
+
+
+def _sample_vllm(hf_config, payload, prompts, settings: ProbeSettings, quant_cfg, sampling):
+    """vLLM started from an export of exactly the payload the embedded engine would receive."""
+    from megatron_qarl.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, check_vllm_machine
+
+    check_vllm_machine(None, "cpu", quant_cfg)
+    with _exported_payload(hf_config, quant_cfg, payload) as path:
         max_len = max(len(p) for p in prompts) + settings.max_new_tokens + 8
-        engine = VLLMEngine(VLLMEngineConfig(model_path=str(Path(tmp) / "engine"), dtype=settings.engine_dtype,
+        engine = VLLMEngine(VLLMEngineConfig(model_path=str(path), dtype=settings.engine_dtype,
                                              max_model_len=max_len, seed=settings.seed))
-        try:
-            return engine.generate([list(p) for p in prompts], sampling)
-        finally:
-            engine.shutdown()
+        return _generate_and_shut_down(engine, prompts, sampling)
 
 
 def _sample_sglang(hf_config, payload, prompts, settings: ProbeSettings, quant_cfg, sampling):
     """SGLang (a subprocess on this machine's GPU) started from an export of exactly the payload."""
-    import tempfile
-
     from megatron_qarl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
-    from megatron_qarl.weights.convert import EngineCheckpointSink, hf_checkpoint_files
 
-    with tempfile.TemporaryDirectory(prefix="qarl-probe-") as tmp:
-        sink = EngineCheckpointSink(Path(tmp) / "engine", hf_config, quant_cfg, hf_checkpoint_files(hf_config))
-        sink.begin_weight_update()
-        sink.update_weights(list(payload))
-        sink.end_weight_update()
+    with _exported_payload(hf_config, quant_cfg, payload) as path:
         engine = SGLangEngine(SGLangEngineConfig(
-            mode="subprocess", model_path=str(Path(tmp) / "engine"), quant_scheme=settings.scheme,
-            moe_runner_backend="auto", mem_fraction_static=0.5, log_path=str(Path(tmp) / "sglang_server.log"),
+            mode="subprocess", model_path=str(path), quant_scheme=settings.scheme,
+            moe_runner_backend="auto", mem_fraction_static=0.5, log_path=str(path.parent / "sglang_server.log"),
             cuda_graph="off"))
-        try:
-            return engine.generate([list(p) for p in prompts], sampling)
-        finally:
-            engine.shutdown()
+        return _generate_and_shut_down(engine, prompts, sampling)
 
 
 def tbpo_kept_frac(learner: torch.Tensor, sampler: torch.Tensor, rows: torch.Tensor, num_rows: int) -> float:
@@ -348,7 +355,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     settings = ProbeSettings(scheme=args.scheme, scope=args.scope, samples_per_prompt=args.samples_per_prompt,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                              learner_dtype=args.learner_dtype, engine=args.engine, engine_dtype=args.engine_dtype,
-                             w4a16_kernel=args.w4a16_kernel, stop_token_ids=eos_stop_ids(args.hf), backends=tuple(args.backends), block_size=args.block_size)
+                             w4a16_kernel=args.w4a16_kernel, stop_token_ids=eos_stop_ids(args.hf),
+                             backends=tuple(args.backends), block_size=args.block_size)
     report = probe_mismatch(hf_config, hf_state, read_prompts(args.prompts, args.hf, args.num_prompts), settings)
     text = json.dumps(report, indent=2)
     print(text)

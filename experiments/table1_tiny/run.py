@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import Section, run_dir, write_report  # noqa: E402
+from report import DEQUANTIZED_SAMPLER, Section, run_dir, write_report  # noqa: E402
 
 from megatron_qarl.lifecycle import die_with_parent  # noqa: E402
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig, generate_arithmetic_rows, write_rows  # noqa: E402
@@ -122,9 +122,8 @@ def report_sections(arms: list[Arm]) -> list[Section]:
         prefix = REGIME_ARMS.get(regime, ("",))[0]
         has_control = any(a.name.removeprefix(prefix) == "bf16_grpo_tis" for a in own)
         rows = [a for a in control if a not in own and not has_control] + own
-        sampler = REGIME_SAMPLERS.get(regime)
         sections.append(Section(title, [(a.name.removeprefix(prefix), a.name, a.label) for a in rows],
-                                **({"sampler": sampler} if sampler else {})))
+                                REGIME_SAMPLERS.get(regime, DEQUANTIZED_SAMPLER)))
     return sections
 
 

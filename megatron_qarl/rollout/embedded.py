@@ -98,6 +98,14 @@ def _int4_linear_forward(module: torch.nn.Module, prefix: str, weights: dict[str
     return forward
 
 
+def _module_of(prefix: str) -> tuple[str, bool]:
+    """(the transformers module that computes HF linear `prefix`, whether it is a fused experts module):
+    `...mlp.experts.E.up_proj` lives in `...mlp.experts`, every other linear in its own module."""
+    if ".mlp.experts." in prefix:
+        return prefix.rsplit(".", 2)[0], True
+    return prefix, False
+
+
 class EngineWeightError(ValueError):
     """A pushed tensor has an unknown name, a wrong shape/dtype, or an incomplete quantized group."""
 
@@ -277,13 +285,12 @@ class EmbeddedEngine:
     def _run_on_int4_kernel(self, prefix: str) -> None:
         """Make the module computing linear `prefix` run on its int4 kernel operands (looked up per call, so
         a refit's new codes are used); the fused experts module once for all its experts."""
-        experts = prefix.rsplit(".", 2)[0] if ".mlp.experts." in prefix else None
-        name = experts or prefix
+        name, experts = _module_of(prefix)
         if name in self._int4_modules:
             return
         module = self.model.get_submodule(name)
         if experts:
-            module.forward = _int4_experts_forward(module, experts, self._int4)
+            module.forward = _int4_experts_forward(module, name, self._int4)
         else:
             module.forward = _int4_linear_forward(module, prefix, self._int4)
         self._int4_modules.add(name)
@@ -291,8 +298,7 @@ class EmbeddedEngine:
     def _quantize_inputs(self, prefix: str, tile: int) -> None:
         """Make the module computing linear `prefix` quantize its inputs (W8A8); the fused experts module
         once for all its experts."""
-        experts = prefix.rsplit(".", 2)[0] if ".mlp.experts." in prefix else None
-        name = experts or prefix
+        name, experts = _module_of(prefix)
         if name in self._w8a8:
             if self._w8a8[name] != tile:
                 raise EngineWeightError(f"{prefix}: FP8 block {tile} differs from the {self._w8a8[name]} of the "

@@ -38,11 +38,12 @@ from pathlib import Path
 import torch
 
 from megatron_qarl.lifecycle import die_with_parent, stop_process
+from megatron_qarl.quant.config import SCOPE_GROUPS, QuantConfig
 from megatron_qarl.rollout.delta import DeltaBatch, WeightDeltaMismatch
 from megatron_qarl.rollout.payload import FlattenedBucket, iter_buckets
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
-from megatron_qarl.quant.config import SCOPE_GROUPS, QuantConfig
-from megatron_qarl.rollout.vllm_server import AUTHKEY_ENV, READY_LINE, cpu_w4a16_blocker, bucket_header, recv_json, send_json
+from megatron_qarl.rollout.vllm_server import (
+    AUTHKEY_ENV, READY_LINE, bucket_header, cpu_w4a16_blocker, recv_json, send_json)
 
 log = logging.getLogger(__name__)
 
