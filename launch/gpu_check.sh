@@ -27,28 +27,38 @@ for s in "${schemes[@]}"; do
   "$PY" -m megatron_qarl.rollout.gpu_check --scheme "$s" "$@" || rc=1
 done
 
-# The QaRL claim on this GPU: SGLang samples from the tiny model, the megatron learner (TP1, bf16) scores
+# The QaRL claim on this GPU: SGLang samples from a tiny model, the megatron learner (TP1, bf16) scores
 # the samples unaligned and aligned, once per GEMM backend; the probe prints k3 for each and each backend's
-# largest |dlogprob| from the reference backend (FP8: W8A8, block 64 for the tiny model's 64-wide heads).
+# largest |dlogprob| from the reference backend. FP8 (W8A8) runs on a twin of the tiny model with 128-wide
+# heads: TransformerEngine's block scaling takes 128x128 blocks only, and the learner's fused QKV needs
+# head_dim to be a multiple of the block (the tiny model's heads are 64 wide); its other dims (hidden 256,
+# q 512, kv 256, experts 256) are multiples of 128 already.
 work="$(mktemp -d -t qarl_gpu_learner_XXXX)"
 trap 'rm -rf "$work"' EXIT
 "$PY" - "$work" <<'PYEOF'
 import json, sys
-from megatron_qarl.rollout.gpu_check import master_weights, random_prompts, tiny_hf_config
+from megatron_qarl.models.qwen3_moe.args import tiny_hf_config
+from megatron_qarl.rollout.embedded import EmbeddedEngine
+from megatron_qarl.rollout.gpu_check import random_prompts
 from megatron_qarl.weights.hf_io import write_hf_checkpoint
-out, cfg = sys.argv[1], tiny_hf_config()
-write_hf_checkpoint(f"{out}/hf", cfg, master_weights(seed=2))
+out = sys.argv[1]
+for name, head_dim in (("hf", 64), ("hf_head128", 128)):
+    cfg = tiny_hf_config(head_dim=head_dim, bos_token_id=1, eos_token_id=2)
+    w = EmbeddedEngine.from_hf_config(cfg, dtype="float32", seed=2).hf_state()
+    w["lm_head.weight"] = w["lm_head.weight"] * 8.0  # a peaked next-token distribution (gpu_check.master_weights)
+    write_hf_checkpoint(f"{out}/{name}", cfg, w)
 with open(f"{out}/prompts.jsonl", "w") as f:
     f.writelines(json.dumps({"prompt_token_ids": p}) + "\n" for p in random_prompts(16, cfg.vocab_size))
 PYEOF
 for s in "${schemes[@]}"; do
+  hf="$work/hf"
   case "$s" in
     w4a16) extra=(--backends reference marlin) ;;
-    fp8) extra=(--scope all-linears --block-size 64 --backends reference te) ;;
+    fp8) hf="$work/hf_head128"; extra=(--scope all-linears --block-size 128 --backends reference te) ;;
     *) extra=() ;;
   esac
   echo "=== learner vs SGLang sampler, scheme=$s (python -m megatron_qarl.probe --engine sglang) ==="
-  "$PY" -m megatron_qarl.probe --hf "$work/hf" --prompts "$work/prompts.jsonl" --engine sglang --scheme "$s" \
+  "$PY" -m megatron_qarl.probe --hf "$hf" --prompts "$work/prompts.jsonl" --engine sglang --scheme "$s" \
     --samples-per-prompt 2 --max-new-tokens 32 "${extra[@]}" --out "$work/probe_$s.json" || rc=1
 done
 exit $rc

@@ -46,6 +46,11 @@ class ProbeError(ValueError):
     """Bad probe input (prompts, checkpoint, scheme)."""
 
 
+# TransformerEngine's FP8 block scaling works on 128x128 weight blocks only (quant.backends'
+# TransformerEngineBackend.prepare refuses any other block); checked here before any engine starts.
+TE_FP8_BLOCK = 128
+
+
 @dataclass
 class ProbeSettings:
     scheme: str = "w4a16"
@@ -77,6 +82,10 @@ class ProbeSettings:
             raise ProbeError(f"--scheme fp8 quantizes every linear: use --scope all-linears, not {self.scope!r}")
         if "reference" not in self.backends:
             raise ProbeError(f"--backends {list(self.backends)}: include 'reference', which the others are compared with")
+        if self.scheme == "fp8" and "te" in self.backends and self.block_size != TE_FP8_BLOCK:
+            raise ProbeError(f"--backends te: TransformerEngine's FP8 block scaling uses {TE_FP8_BLOCK}x{TE_FP8_BLOCK} "
+                             f"blocks, not --block-size {self.block_size}; use --block-size {TE_FP8_BLOCK} on a model "
+                             f"whose head_dim and linear dims are multiples of {TE_FP8_BLOCK}")
         if self.scheme != "none":
             from megatron_qarl.quant import QuantConfig, QuantConfigError
 
@@ -102,6 +111,18 @@ def mismatch_stats(learner_logp: torch.Tensor, sampler_logp: torch.Tensor) -> Mi
     delta = learner_logp.double() - sampler_logp.double()
     return MismatchStats(tokens=int(delta.numel()), mean_abs_dlogp=float(delta.abs().mean()),
                          k3=float(k3(delta).mean()))
+
+
+def check_learner_geometry(hf_config, settings: ProbeSettings) -> None:
+    """Refuse, before any engine starts, what the aligned learner would refuse only after sampling: FP8 blocks
+    wider than a head (megatron's fused QKV interleaves heads per query group, models.aligned.check_site_geometry)."""
+    from megatron_qarl.models.qwen3_moe.args import hf_head_dim
+
+    head_dim = hf_head_dim(hf_config)
+    if settings.scheme == "fp8" and head_dim % settings.block_size:
+        raise ProbeError(f"--scheme fp8 --block-size {settings.block_size}: the model's head_dim={head_dim} is not a "
+                         "multiple of the block, so the aligned learner's fused QKV cannot hold whole FP8 blocks; use "
+                         f"a --block-size dividing {head_dim}")
 
 
 def _sample(hf_config, hf_state, prompts, settings: ProbeSettings, quant_cfg):
@@ -236,6 +257,7 @@ def probe_mismatch(hf_config, hf_state: Mapping[str, torch.Tensor], prompts: Seq
         raise ProbeError("probe_mismatch needs at least one prompt, each with at least one token")
     if any(t < 0 or t >= hf_config.vocab_size for p in prompts for t in p):
         raise ProbeError(f"prompt token ids must be in [0, {hf_config.vocab_size}) (the model's vocab)")
+    check_learner_geometry(hf_config, settings)
     quant_cfg = QuantConfig(scheme=settings.scheme, scope=settings.scope, group_size=settings.group_size,
                             block_size=settings.block_size)
     results = _sample(hf_config, hf_state, prompts, settings, quant_cfg)
@@ -368,12 +390,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return report
 
 
-if __name__ == "__main__":
-    from megatron_qarl.quant.backends import BackendUnavailableError
+def cli(argv: Sequence[str] | None = None) -> dict:
+    """`main` for the command line: a refusal (bad input, a quantization / model config the learner or a GEMM
+    backend refuses, an engine or backend this machine cannot run) ends the process with one
+    `probe: error: ...` line and exit code 1, not a traceback."""
+    from megatron_qarl.models.qwen3_moe.args import UnsupportedModelError
+    from megatron_qarl.quant import QuantizationError  # also QuantConfigError, BackendUnavailableError
     from megatron_qarl.rollout.protocol import RolloutEngineError
 
     try:
-        main()
-    except (ProbeError, RolloutEngineError, BackendUnavailableError) as err:  # bad input, or an engine or
-        # GEMM backend this machine cannot run
+        return main(argv)
+    except (ProbeError, QuantizationError, UnsupportedModelError, RolloutEngineError) as err:
         raise SystemExit(f"probe: error: {err}") from None
+
+
+if __name__ == "__main__":
+    cli()
