@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megatron_qarl.models.qwen3_moe import PRESETS as MODEL_PRESETS
+from megatron_qarl.models.qwen3_moe.model import CORE_ATTENTIONS, transformer_engine_problem
 from megatron_qarl.optim import OptimConfig
 from megatron_qarl.parallel import ParallelLayout, RolloutTopology, is_loopback_host
 from megatron_qarl.quant.aten_int4 import GROUP_SIZES as ATEN_INT4_GROUP_SIZES, SAMPLER_W4A16_KERNELS
@@ -75,6 +76,11 @@ class ModelConfig:
     # A preset without hf_path / init_checkpoint trains megatron's random init with the demo tokenizer; a run
     # on a GPU engine (rollout.engine=sglang) refuses that unless it is asked for here (smoke tests).
     random_init: bool = False
+    # The learner's core attention (local spec): sdpa = torch's fused scaled_dot_product_attention, causal,
+    # no L x L tensor kept for backward; unfused = megatron's DotProductAttention (keeps the [b, heads, L, L]
+    # softmax for backward: comparisons, memory measurements); te = TransformerEngine's TEDotProductAttention
+    # (needs TransformerEngine, a GPU install).
+    core_attention: str = "sdpa"
 
 
 @dataclass
@@ -545,6 +551,9 @@ def _check_choices(cfg: RunConfig) -> list[str]:
     if cfg.model.preset is not None:
         out += _choice("model.preset", cfg.model.preset, tuple(MODEL_PRESETS))
     out += _choice("model.dtype", cfg.model.dtype, COMPUTE_DTYPES)
+    out += _choice("model.core_attention", cfg.model.core_attention, CORE_ATTENTIONS)
+    if cfg.model.core_attention == "te" and (te_problem := transformer_engine_problem()):
+        out.append(f"model.core_attention='te': {te_problem}, or set model.core_attention=sdpa")
     out += _choice("rollout.engine", cfg.rollout.engine, ENGINES)
     out += _choice("rollout.embedded_dtype", cfg.rollout.embedded_dtype, COMPUTE_DTYPES)
     out += _choice("rollout.embedded_w4a16_kernel", cfg.rollout.embedded_w4a16_kernel, SAMPLER_W4A16_KERNELS)

@@ -129,7 +129,7 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     model = build_qwen3_moe_model(
         # bfloat16: megatron mixed precision (bf16 params, fp32 masters in the optimizer).
         hf_config, layout, params_dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
-        config_overrides=overrides,
+        config_overrides=overrides, core_attention=cfg.model.core_attention,
     )
     _load_initial_weights(cfg, model, hf_config)
     quant = None

@@ -255,14 +255,14 @@ def evaluate(model, tokenizer, problems: Sequence[dict[str, str]], sft: SFTConfi
 # ----------------------------------------------------------------------------------------------
 
 
-def build_sft_model(hf_config, layout, sft: SFTConfig):
-    """(megatron DDP-wrapped GPTModel, QarlOptimizer) with fp32 masters."""
+def build_sft_model(hf_config, layout, sft: SFTConfig, core_attention: str = "sdpa"):
+    """(megatron DDP-wrapped GPTModel, QarlOptimizer) with fp32 masters; `core_attention`: model.core_attention."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model
     from megatron_qarl.optim import OptimConfig, build_optimizer
 
-    model = build_qwen3_moe_model(hf_config, layout, params_dtype=torch.float32)
+    model = build_qwen3_moe_model(hf_config, layout, params_dtype=torch.float32, core_attention=core_attention)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
                                   module=model)
     optimizer = build_optimizer(
@@ -394,7 +394,7 @@ def _train(cfg, sft: SFTConfig, layout) -> dict[str, Any]:
     if sft.batch_size % dp_size():
         raise SFTConfigError(f"batch_size={sft.batch_size} is not divisible by the data-parallel size "
                              f"{dp_size()}; pick a multiple of it")
-    ddp, optimizer = build_sft_model(hf_config, layout, sft)
+    ddp, optimizer = build_sft_model(hf_config, layout, sft, core_attention=cfg.model.core_attention)
     if sft.init_checkpoint:
         from megatron_qarl.checkpointing import load_checkpoint
 

@@ -124,9 +124,49 @@ def define_router_gemm_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def qwen3_moe_layer_spec(hf_config, *, use_te: bool = False):
-    """Layer spec for Qwen3-MoE. The local spec runs anywhere (its norms: `SequenceParallelTorchNorm`);
-    the TE spec is the GPU seam."""
+# model.core_attention: the core attention of the local spec. sdpa: torch's fused SDPA kernel, no L x L
+# tensor (models/sdpa_attention.py); unfused: megatron's DotProductAttention (materialises the [b*np, sq, sk]
+# scores and keeps the probabilities for backward; for comparisons and memory measurements); te:
+# TransformerEngine's TEDotProductAttention (needs TE, i.e. a GPU install).
+CORE_ATTENTIONS = ("sdpa", "unfused", "te")
+
+
+def core_attention_class(name: str) -> type:
+    """The `SelfAttentionSubmodules.core_attention` class for a `CORE_ATTENTIONS` name."""
+    if name == "sdpa":
+        from megatron_qarl.models.sdpa_attention import SDPADotProductAttention
+
+        return SDPADotProductAttention
+    if name == "unfused":
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        return DotProductAttention
+    if name == "te":
+        problem = transformer_engine_problem()
+        if problem:
+            raise ValueError(f"core_attention='te': {problem}, or use core_attention='sdpa'")
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+        return TEDotProductAttention
+    raise ValueError(f"core_attention={name!r} is not one of {', '.join(map(repr, CORE_ATTENTIONS))}")
+
+
+def transformer_engine_problem() -> str | None:
+    """None where TransformerEngine imports (what megatron's TE extension needs, ``extensions/transformer_engine.py``
+    lines 61-77), else why not and how to install it."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError) as err:
+        return (f"TransformerEngine does not import here ({type(err).__name__}: {err}); install it on a GPU "
+                "machine (pip install --no-build-isolation -r requirements/gpu-te.txt)")
+    return None
+
+
+def qwen3_moe_layer_spec(hf_config, *, use_te: bool = False, core_attention: str = "sdpa"):
+    """Layer spec for Qwen3-MoE. The local spec runs anywhere (its norms: `SequenceParallelTorchNorm`; its core
+    attention: `core_attention`, one of `CORE_ATTENTIONS`, in place of megatron's local choice, the unfused
+    ``DotProductAttention`` of ``models/backends.py:114-116``); the TE spec is the GPU seam and keeps TE's
+    own attention."""
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -140,10 +180,11 @@ def qwen3_moe_layer_spec(hf_config, *, use_te: bool = False):
     layer, attention = spec.submodules, spec.submodules.self_attention.submodules
     layer.input_layernorm = layer.pre_mlp_layernorm = SequenceParallelTorchNorm
     attention.q_layernorm = attention.k_layernorm = SequenceParallelTorchNorm
+    attention.core_attention = core_attention_class(core_attention)
     return spec
 
 
-def qwen3_moe_block_spec(config, hf_config, *, use_te: bool = False):
+def qwen3_moe_block_spec(config, hf_config, *, use_te: bool = False, core_attention: str = "sdpa"):
     """The decoder block: the layer spec for every layer this stage builds and the final norm. Given
     explicitly because megatron picks the final norm of a block built from a layer spec by what is
     installed (``transformer_block.py:61-69``: TE, apex, else the SP-refusing torch norm). Also binds the
@@ -151,7 +192,7 @@ def qwen3_moe_block_spec(config, hf_config, *, use_te: bool = False):
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     define_router_gemm_without_te()
-    layer = qwen3_moe_layer_spec(hf_config, use_te=use_te)
+    layer = qwen3_moe_layer_spec(hf_config, use_te=use_te, core_attention=core_attention)
     if use_te:
         return layer
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
@@ -160,8 +201,9 @@ def qwen3_moe_block_spec(config, hf_config, *, use_te: bool = False):
 
 def build_qwen3_moe_model(hf_config, layout=None, *, params_dtype=torch.float32, use_te: bool = False,
                           config_overrides: dict | None = None, pre_process: bool = True,
-                          post_process: bool = True):
-    """A megatron-core GPTModel for `hf_config` on the current parallel state.
+                          post_process: bool = True, core_attention: str = "sdpa"):
+    """A megatron-core GPTModel for `hf_config` on the current parallel state; `core_attention` (one of
+    `CORE_ATTENTIONS`, model.core_attention of a run) is the local spec's core attention.
 
     The vocab must divide by TP (no implicit padding: padded rows would change the softmax
     normaliser unless masked, so the caller pads the checkpoint explicitly if needed).
@@ -172,7 +214,8 @@ def build_qwen3_moe_model(hf_config, layout=None, *, params_dtype=torch.float32,
                                         **(config_overrides or {}))
     return GPTModel(
         config=config,
-        transformer_layer_spec=qwen3_moe_block_spec(config, hf_config, use_te=use_te),
+        transformer_layer_spec=qwen3_moe_block_spec(config, hf_config, use_te=use_te,
+                                                    core_attention=core_attention),
         vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,
