@@ -38,6 +38,7 @@ EXTRAS = {
         "torch==2.14.1",
         "numpy==2.3.5",
         "sglang==0.5.23",
+        "torch_memory_saver==0.0.10",  # the colocated trainer's release / restore (megatron_qarl/memory_saver.py)
         "transformer-engine[core_cu13]==2.11.0",
         "wheel==0.48.0",  # imported by transformer-engine-torch's setup.py in the second step
     ],

@@ -21,6 +21,7 @@ SGLANG_PINS=(
   ipython==9.18.1 traitlets==5.16.1 aiohttp==3.14.5 multidict==7.2.1 attrs==26.1.0 yarl==1.25.1
   propcache==0.5.4 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 apache-tvm-ffi==0.1.11
   dill==0.4.1 sentencepiece==0.2.1 gguf==0.19.0 einops==0.8.2 openai==2.8.0 partial-json-parser==0.2.1.1.post7
+  torch_memory_saver==0.0.10
 )
 stamp="$CVENV/.qarl-contract-$(echo "${SGLANG_PINS[*]}" | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then

@@ -64,28 +64,26 @@ def _human(n_bytes: float) -> str:
     return f"{n_bytes:.0f} B"
 
 
-def fit_verdict(trainer: dict, gpu_gib: float) -> str:
-    """Whether the trainer's per-GPU estimate fits `gpu_gib`, and if not, by how much and its largest terms."""
-    total, capacity = trainer["total"], gpu_gib * 1024 ** 3
-    if total <= capacity:
-        return f"fits a {gpu_gib:g} GiB GPU: {_human(total)} estimated, {_human(capacity - total)} left"
-    largest = sorted(((v, k) for k, v in trainer.items() if k != "total"), reverse=True)[:3]
-    hint = ""
-    if largest[0][1] == "attention_scores":
-        hint = ("; the scores are megatron's unfused local attention (O(L^2) per layer): shorten "
-                "data.max_prompt_len + rollout.max_new_tokens or train.micro_batch_size (a fused-attention spec "
-                "is not wired yet)")
-    return (f"does NOT fit a {gpu_gib:g} GiB GPU: {_human(total)} estimated, {_human(total - capacity)} over; "
-            "largest terms " + ", ".join(f"{k} {_human(v)}" for v, k in largest) + hint)
+def format_timeline(timeline: dict) -> list[str]:
+    """One row per phase of a step: what the GPU holds (trainer / engine), the total and what is left free."""
+    lines = [f"{'phase':<14}{'trainer':>12}{'engine':>12}{'total':>12}{'free':>12}   largest terms"]
+    for row in timeline["rows"]:
+        engine = sum(v for k, v in row["terms"].items() if k.startswith("engine"))
+        largest = sorted(((v, k) for k, v in row["terms"].items() if v), reverse=True)[:3]
+        lines.append(f"{row['phase']:<14}{_human(row['total'] - engine):>12}{_human(engine):>12}"
+                     f"{_human(row['total']):>12}{_human(row['free']):>12}   "
+                     + ", ".join(f"{k} {_human(v)}" for v, k in largest))
+    return lines
 
 
 def format_dry_run(cfg, world_size: int, gpu_gib: float = 79.0) -> str:
     """Resolved config + parallel layout + memory estimate, as `qarl-train --dry-run` prints it."""
     from megatron_qarl.config import rollout_topology, to_yaml, validate_config
-    from megatron_qarl.memory import estimate_memory
+    from megatron_qarl.memory import engine_shares_gpu, memory_timeline, timeline_verdict
 
     validate_config(cfg, world_size=world_size)
-    est = estimate_memory(cfg, world_size)
+    timeline = memory_timeline(cfg, world_size, gpu_gib)
+    est = timeline["estimate"]
     lay, p, tr, eng = est["layout"], est["params"], est["trainer_per_gpu"], est["engine"]
     lines = ["# resolved config", to_yaml(cfg).rstrip(), "",
              "# parallel layout",
@@ -102,14 +100,20 @@ def format_dry_run(cfg, world_size: int, gpu_gib: float = 79.0) -> str:
              "",
              f"# trainer memory per GPU (micro-batch of {est['tokens_per_micro_batch']} tokens)"]
     lines += [f"{k:<20}{_human(v):>14}" for k, v in tr.items()]
-    lines.append(fit_verdict(tr, gpu_gib))
     lines += ["", "# rollout engine weights",
               f"published ({cfg.quant.scheme}) total {_human(eng['published_total'])}, bf16 would be "
               f"{_human(eng['bf16_total'])}; per engine GPU ({eng['engine_gpus']} GPUs per engine) "
               f"{_human(eng['per_engine_gpu'])}"]
-    if cfg.rollout.engine == "sglang" and cfg.rollout.sglang.mode == "colocated":
-        lines.append(f"colocated: the engine also takes mem_fraction_static "
-                     f"{cfg.rollout.sglang.mem_fraction_static} of each GPU while it is resident")
+    mode = "colocated: engine and trainer take turns" if engine_shares_gpu(cfg) else \
+        "the engine is not on the trainer's GPUs"
+    lines += ["", f"# memory timeline per GPU, one step ({mode})"] + format_timeline(timeline)
+    if timeline["kv_budget"] is not None:
+        lines.append(f"engine KV cache: {_human(timeline['kv_budget'])} per GPU = mem_fraction_static "
+                     f"{cfg.rollout.sglang.mem_fraction_static} x the GPU memory free at engine start - weights; "
+                     f"{timeline['kv_sequences']:.1f} full-length sequences per engine")
+        lines.append(f"host memory for the released trainer state: {_human(timeline['host_backup_per_gpu'])} "
+                     "pinned per GPU")
+    lines.append(timeline_verdict(timeline))
     return "\n".join(lines) + "\n"
 
 

@@ -109,7 +109,10 @@ class SGLangConfig:
     # W4A16 refit needs SGLang's Marlin WNA16 MoE path: "auto" is pinned to "marlin" for W4A16 (SGLang's own
     # auto picks the Triton WNA16 MoE on SM100, whose second refit fails); "triton" and others are refused.
     moe_runner_backend: str = "auto"
-    mem_fraction_static: float = 0.5  # share of each GPU SGLang reserves for weights + KV cache
+    # SGLang's meaning: weights + KV cache = this x the GPU memory free when the engine starts (colocated, the
+    # trainer has released its state by then: memory_saver.py). vLLM on CUDA reads it as gpu_memory_utilization,
+    # a share of the TOTAL memory. `qarl-train --dry-run` prints the KV budget and the per-phase memory timeline.
+    mem_fraction_static: float = 0.5
     # CUDA graphs: auto = off for W4A16 (SGLang reallocates the Marlin MoE workspace at every refit while
     # captured graphs keep the old pointer; eager decode costs throughput, most at small batches), on
     # otherwise; "on" forces them (at your own risk with W4A16), "off" disables them.

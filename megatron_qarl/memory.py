@@ -7,8 +7,9 @@ Trainer memory per GPU (bytes), for the parameters a rank holds under TP / EP / 
   - optimizer state: AdamW 2 fp32 states (8 B/param); Muon 1 fp32 momentum (4 B) for the hidden 2-D
     matrices and AdamW's 8 B for embeddings, lm_head and norms (the split megatron_qarl.optim makes).
     Not sharded over DP: megatron_qarl.optim does not use megatron's distributed optimizer;
-  - bf16 compute copy (2 B/param) when model.dtype is bfloat16, for weights the aligned forward does NOT
-    take from the quantized cache;
+  - bf16 params (2 B/param) when model.dtype is bfloat16: every local weight, the aligned sites' too (the
+    cache quantizes from `module.weight`, and megatron's Float16Optimizer copies the masters back into it);
+    with fp32 params the masters are the params (megatron's FP32Optimizer);
   - quantized cache (QaRL aligned learner only), what `QuantCache` keeps per local in-scope element:
     W4A16 int8 codes (1 B, the spec keeps one code per byte) + bf16 group scales (2 B per group) + the
     int32-packed codes the publisher sends (0.5 B); FP8 e4m3 (1 B) + fp32 block scale_inv (4 B per block);
@@ -25,10 +26,13 @@ Trainer memory per GPU (bytes), for the parameters a rank holds under TP / EP / 
         (layernorm in/out, q/k/v and attention output saved for the flash-attention backward)
       MoE per layer and token:       2 B x 2H / TP + 8 B x E (fp32 router logits + probs)
                                      + top_k x 2 B x (H + 3 F / ETP) / TP (permuted input, fc1 out, act out)
-      attention scores (megatron's unfused local DotProductAttention, masked_softmax_fusion off, softmax
-        in fp32): per layer b x heads/TP x L^2 x 6 B saved for the backward (the fp32 softmax output and
-        its bf16 cast), b = micro_batch_size, L = max_prompt_len + max_new_tokens, plus one layer's
-        6 B transient (the bf16 scores and their fp32 upcast) -- O(L^2): ~16 GB per layer at L = 18k, TP4;
+      attention (model.core_attention): `sdpa` / `te` (fused, flash-style) save only the softmax's
+        log-sum-exp, b x heads/TP x L x 4 B per saved layer; `unfused` (megatron's DotProductAttention,
+        masked_softmax_fusion off, softmax in fp32) saves b x heads/TP x L^2 x 6 B per layer (the fp32 softmax
+        output and its bf16 cast), b = micro_batch_size, L = max_prompt_len + max_new_tokens, plus one layer's
+        6 B transient (the bf16 scores and their fp32 upcast) -- O(L^2): ~16 GB per layer at L = 18k, TP4 --
+        and keeps its bf16 score buffer (b x heads/TP x L^2 x 2 B, megatron's global memory buffer) for the
+        rest of the run, rollouts included;
       aligned attention sites at TP>1 (scope with attention): the aligned qkv GEMM saves its sequence-
         parallel all-gathered input, 2 B x H x (1 - 1/TP) per layer and token more than megatron's own
         GEMM (which re-gathers in the backward);
@@ -89,24 +93,38 @@ def _optimizer_bytes(local: dict[str, float], optim) -> float:
     return 4.0 * muon + 8.0 * (sum(local.values()) - muon)
 
 
-def _activation_bytes(cfg, shape: ModelShape, tp: int, etp: int, aligned_attention: bool) -> dict[str, float]:
-    b, seq = cfg.train.micro_batch_size, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
-    t = b * seq
+def _fused_attention(cfg) -> bool:
+    return getattr(cfg.model, "core_attention", "sdpa") != "unfused"
+
+
+def _per_layer_token_bytes(shape: ModelShape, tp: int, etp: int, aligned_attention: bool) -> float:
     h, hd, f = shape.hidden_size, shape.head_dim, shape.moe_intermediate_size
     attn = 2.0 * (2 * h + (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads) * hd) / tp
     if aligned_attention:
         attn += 2.0 * h * (1 - 1 / tp)
     moe = 2.0 * 2 * h / tp + 8.0 * shape.num_experts + \
         shape.num_experts_per_tok * 2.0 * (h + 3 * f / etp) / tp
-    per_layer_token = attn + moe
+    return attn + moe
+
+
+def _activation_bytes(cfg, shape: ModelShape, tp: int, etp: int, aligned_attention: bool) -> dict[str, float]:
+    b, seq = cfg.train.micro_batch_size, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    t = b * seq
+    h = shape.hidden_size
+    per_layer_token = _per_layer_token_bytes(shape, tp, etp, aligned_attention)
     saved_layers = 1 if cfg.train.recompute_activations else shape.num_hidden_layers
     if cfg.train.recompute_activations:
         layers = t * (2.0 * h / tp * shape.num_hidden_layers + per_layer_token)
     else:
         layers = t * per_layer_token * shape.num_hidden_layers
-    scores = b * shape.num_attention_heads / tp * seq ** 2 * 6.0 * (saved_layers + 1)
+    heads = b * shape.num_attention_heads / tp
+    if _fused_attention(cfg):
+        scores, score_buffer = heads * seq * 4.0 * saved_layers, 0.0  # the log-sum-exp the backward re-reads
+    else:
+        scores, score_buffer = heads * seq ** 2 * 6.0 * (saved_layers + 1), heads * seq ** 2 * 2.0
     logits = t * shape.vocab_size / tp * 6.0
-    return {"tokens_per_micro_batch": t, "layers": layers, "attention_scores": scores, "logits": logits}
+    return {"tokens_per_micro_batch": t, "layers": layers, "attention_scores": scores, "logits": logits,
+            "score_buffer": score_buffer, "no_grad_layer": t * per_layer_token}
 
 
 def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
@@ -129,7 +147,7 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
 
     quantized_local = sum(local[g] for g in in_scope)  # 0 without a scheme: nothing is in scope
     cached = quantized_local if aligned else 0.0
-    compute_copy = 2.0 * (local_total - cached) if cfg.model.dtype == "bfloat16" else 0.0
+    params_bf16 = 2.0 * local_total if cfg.model.dtype == "bfloat16" else 0.0
     quant_cache = 0.0
     if cached:
         dequantized = (2.0 if cfg.model.dtype == "bfloat16" else 4.0) * cached
@@ -141,10 +159,10 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     prev_codes = quantized_local * (0.5 if quant.scheme == "w4a16" else 1.0) if counts_locally else 0.0
     act = _activation_bytes(cfg, shape, tp, etp, aligned_attention=aligned and "attention" in in_scope)
     trainer = {
+        "params_bf16": params_bf16,
         "master_fp32": 4.0 * local_total,
         "grads_fp32": 4.0 * local_total,
         "optimizer": optimizer,
-        "compute_copy_bf16": compute_copy,
         "quant_cache": quant_cache,
         "publish_bucket": cfg.publish.bucket_mb * 1024.0 ** 2,
         "publish_prev_codes": prev_codes,
@@ -160,8 +178,17 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
                    "expert_dp": expert_dp},
         "trainer_per_gpu": trainer,
         "tokens_per_micro_batch": act["tokens_per_micro_batch"],
+        "activation_detail": act,
         "engine": engine,
+        "kv_bytes_per_token_per_gpu": kv_bytes_per_token(shape, cfg.rollout.engine_tp),
     }
+
+
+def kv_bytes_per_token(shape: ModelShape, engine_tp: int) -> float:
+    """bf16 K and V of every layer for one token on one engine GPU: the KV heads split over the engine's TP
+    ranks (replicated when there are fewer heads than ranks, as SGLang does)."""
+    heads = max(shape.num_key_value_heads / engine_tp, 1.0)
+    return shape.num_hidden_layers * 2 * heads * shape.head_dim * 2.0
 
 
 def engine_weight_bytes(cfg, groups: ParamGroups) -> dict[str, float]:
@@ -176,3 +203,120 @@ def engine_weight_bytes(cfg, groups: ParamGroups) -> dict[str, float]:
     engine_gpus = cfg.rollout.engine_tp
     return {"published_total": published, "bf16_total": bf16_all, "engine_gpus": engine_gpus,
             "per_engine_gpu": published / engine_gpus}
+
+
+# --------------------------------------------------------------------------------------------------
+# The step's timeline on one GPU
+# --------------------------------------------------------------------------------------------------
+# What no shape determines, stated once. Not yet measured on a GPU (docs/gpu-runs.md lists the measurement):
+CUDA_CONTEXT = 0.5 * GIB        # per process per GPU: CUDA context + cuBLAS workspace (torch 2.1x, H100)
+NCCL_BUFFERS = 0.5 * GIB        # per process per GPU that has multi-rank communicators
+ENGINE_ACTIVATIONS = 2.0 * GIB  # SGLang's forward outside mem_fraction_static (one chunked-prefill chunk,
+                                # the sampler's logits; CUDA graphs are off for W4A16, sglang_engine.py)
+ALLOCATOR_RESERVE = 0.10        # the caching allocator's slack over variable-size allocations (activations,
+                                # logits, buckets): freed blocks stay reserved, split blocks waste
+MIN_FREE = 4.0 * GIB            # what every phase must leave free for FITS
+
+PHASES = ("engine start", "rollout", "old-logprob", "train", "publish", "engine wake")
+
+
+def engine_shares_gpu(cfg) -> bool:
+    """The rollout engine's weights and KV live on the trainer's GPUs: SGLang colocated, or vLLM on CUDA (each
+    group's engine runs on the group's GPUs, vllm_engine.py). The engines and the trainer then take turns."""
+    r = cfg.rollout
+    return (r.engine == "sglang" and r.sglang.mode == "colocated") or (r.engine == "vllm" and r.vllm.device == "cuda")
+
+
+def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str, Any]:
+    """What one GPU holds in each phase of a step (PHASES), term by term, for `cfg` on `world_size` ranks.
+
+    Colocated (the engine on the trainer's GPUs), the order is trainer.py's: the trainer's state is released
+    (memory_saver: params, masters, optimizer state backed up to pinned host memory; grads dropped; the quant
+    cache dropped; the allocator emptied) before the engines start and while they generate; the engine's
+    weights and KV are released while the trainer computes old log-probs and trains; for the publish the
+    trainer's grads are dropped and the engine's weights (not its KV) come back. SGLang sizes its weights + KV
+    as `mem_fraction_static` x the GPU memory free when it starts (kv_cache_configurator.py:2990-3058 in
+    0.5.23), so the KV budget is that minus the weights. Without a GPU-sharing engine nothing is released.
+    Returns rows (phase, terms, total, free), the peak, the KV budget and a verdict."""
+    est = estimate_memory(cfg, world_size)
+    tr, act, eng = est["trainer_per_gpu"], est["activation_detail"], est["engine"]
+    capacity = gpu_gib * GIB
+    shares = engine_shares_gpu(cfg)
+    nccl = NCCL_BUFFERS if world_size > 1 else 0.0
+    residue = {"trainer_context": CUDA_CONTEXT, "trainer_nccl": nccl,
+               "publish_prev_codes": tr["publish_prev_codes"], "attention_score_buffer": act["score_buffer"]}
+    state = {"params_bf16": tr["params_bf16"], "master_fp32": tr["master_fp32"], "optimizer": tr["optimizer"]}
+    grads = {"grads_fp32": tr["grads_fp32"]}
+    train_act = {"activations": act["layers"], "attention_scores": act["attention_scores"],
+                 "logits": act["logits"]}
+    old_act = {"activations": act["no_grad_layer"], "logits": act["logits"]}
+
+    def reserve(variable: dict) -> dict:
+        return {"allocator_reserve": ALLOCATOR_RESERVE * sum(variable.values())}
+
+    rows: list[tuple[str, dict]] = []
+    kv = None
+    if shares:
+        engine_nccl = NCCL_BUFFERS if cfg.rollout.engine_tp > 1 else 0.0
+        fraction = cfg.rollout.sglang.mem_fraction_static  # vLLM reads it as gpu_memory_utilization
+        if cfg.rollout.engine == "vllm":  # a share of the TOTAL memory, its forward's activations included
+            kv = fraction * capacity - eng["per_engine_gpu"] - ENGINE_ACTIVATIONS
+        else:  # SGLang: a share of the memory free at start, for weights + KV only
+            kv = fraction * (capacity - sum(residue.values()) - CUDA_CONTEXT) - eng["per_engine_gpu"]
+        engine_idle = {"engine_context": CUDA_CONTEXT, "engine_nccl": engine_nccl}
+        engine_weights = {**engine_idle, "engine_weights": eng["per_engine_gpu"]}
+        engine_full = {**engine_weights, "engine_kv_cache": kv}
+        generating = {**residue, **engine_full, "engine_activations": ENGINE_ACTIVATIONS}
+        bucket = {"publish_bucket": tr["publish_bucket"]}
+        rows = [
+            ("engine start", generating),
+            ("rollout", generating),
+            ("old-logprob", {**residue, **state, **grads, "quant_cache": tr["quant_cache"], **old_act,
+                             **reserve(old_act), **engine_idle}),
+            ("train", {**residue, **state, **grads, "quant_cache": tr["quant_cache"], **train_act,
+                       **reserve(train_act), **engine_idle}),
+            ("publish", {**residue, **state, "quant_cache": tr["quant_cache"], **bucket, **reserve(bucket),
+                         **engine_weights}),
+            ("engine wake", {**residue, **engine_full}),
+        ]
+    else:  # the engine is elsewhere (separate GPUs, the CPU): the trainer keeps everything all the time
+        held = {**residue, **state, **grads, "quant_cache": tr["quant_cache"]}
+        bucket = {"publish_bucket": tr["publish_bucket"]}
+        rows = [("rollout", dict(held)),
+                ("old-logprob", {**held, **old_act, **reserve(old_act)}),
+                ("train", {**held, **train_act, **reserve(train_act)}),
+                ("publish", {**held, **bucket, **reserve(bucket)})]
+    table = [{"phase": name, "terms": terms, "total": sum(terms.values()),
+              "free": capacity - sum(terms.values())} for name, terms in rows]
+    peak = max(table, key=lambda r: r["total"])
+    seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    kv_sequences = kv / (seq * est["kv_bytes_per_token_per_gpu"]) if kv is not None else None
+    fits = all(r["free"] >= MIN_FREE for r in table) and (kv_sequences is None or kv_sequences >= 1)
+    return {"rows": table, "peak": peak, "capacity": capacity, "fits": fits, "kv_budget": kv,
+            "kv_sequences": kv_sequences, "host_backup_per_gpu": sum(state.values()) if shares else 0.0,
+            "estimate": est}
+
+
+def engine_kv_at_start(cfg, free_bytes: float) -> tuple[float, float]:
+    """(KV bytes per GPU, full-length sequences they hold) for a colocated SGLang engine starting with
+    `free_bytes` free on its GPUs: SGLang's own rule, mem_fraction_static x free - weights."""
+    est = estimate_memory(cfg)
+    kv = cfg.rollout.sglang.mem_fraction_static * free_bytes - est["engine"]["per_engine_gpu"]
+    seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
+    return kv, kv / (seq * est["kv_bytes_per_token_per_gpu"])
+
+
+def timeline_verdict(timeline: dict) -> str:
+    """FITS / does NOT fit, with the tightest phase, or the KV budget when that is what fails."""
+    capacity = timeline["capacity"] / GIB
+    tight = min(timeline["rows"], key=lambda r: r["free"])
+    head = (f"FITS a {capacity:g} GiB GPU" if timeline["fits"] else f"does NOT fit a {capacity:g} GiB GPU")
+    text = (f"{head}: peak {timeline['peak']['total'] / GIB:.2f} GiB in '{timeline['peak']['phase']}', "
+            f"least free {tight['free'] / GIB:.2f} GiB in '{tight['phase']}' (needs >= {MIN_FREE / GIB:g})")
+    if timeline["kv_sequences"] is not None and timeline["kv_sequences"] < 1:
+        text += (f"; the engine's KV cache ({timeline['kv_budget'] / GIB:.2f} GiB) holds no full-length sequence: "
+                 "raise rollout.sglang.mem_fraction_static")
+    elif not timeline["fits"]:
+        largest = sorted(((v, k) for k, v in tight["terms"].items()), reverse=True)[:3]
+        text += "; largest terms there " + ", ".join(f"{k} {v / GIB:.2f} GiB" for v, k in largest)
+    return text

@@ -91,6 +91,8 @@ class RunContext:
     nonfinite_streak: int = 0  # optimizer steps skipped in a row for a non-finite loss or gradient
     step_samples: list = field(default_factory=list)  # this step's samples for samples.jsonl (logging rank)
     wandb_run_id: str | None = None  # the wandb run a resumed run continues (from its checkpoint)
+    memory: Any = None  # memory_saver.TrainerMemory: the trainer's state released while colocated engines run
+    start_checkpoint: str | None = None  # what launched engines start from (engine_start_checkpoint)
 
 
 def build_run_context(cfg: RunConfig) -> RunContext:
@@ -101,7 +103,8 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     from megatron_qarl.moe.replay import RouteGeometry
     from megatron_qarl.optim import build_optimizer
     from megatron_qarl.models.aligned import apply_aligned_quantization
-    from megatron_qarl.weights.publish import WeightPublisher
+    from megatron_qarl.memory import engine_shares_gpu
+    from megatron_qarl.memory_saver import TRAINER_GRADS, TRAINER_STATE, TrainerMemory, init_optimizer_state
 
     check_initial_weights(cfg)
     if cfg.rollout.engine == "vllm":  # the vLLM venv / CPU features: before any process group or model
@@ -126,29 +129,29 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     overrides = {"calculate_per_token_loss": True, "moe_enable_routing_replay": collects_routes}
     if cfg.train.recompute_activations:  # full-layer recompute: keep only each layer's input
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    model = build_qwen3_moe_model(
-        # bfloat16: megatron mixed precision (bf16 params, fp32 masters in the optimizer).
-        hf_config, layout, params_dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
-        config_overrides=overrides, core_attention=cfg.model.core_attention,
-    )
+    # The trainer's state is allocated in the memory saver's regions, so a colocated engine can have the GPU
+    # while it generates (memory_saver.py; the phases are memory.memory_timeline's).
+    memory = TrainerMemory.for_run(engine_shares_gpu(cfg))
+    with memory.region(TRAINER_STATE):
+        model = build_qwen3_moe_model(
+            # bfloat16: megatron mixed precision (bf16 params, fp32 masters in the optimizer).
+            hf_config, layout, params_dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
+            config_overrides=overrides, core_attention=cfg.model.core_attention,
+        )
     _load_initial_weights(cfg, model, hf_config)
     quant = None
     if cfg.quant.scheme != "none" and cfg.quant.learner_aligned:
         quant = apply_aligned_quantization(model, cfg.quant)
-    ddp = DistributedDataParallel(
-        model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model,
-    )
-    optimizer = build_optimizer(cfg.train.optim, [ddp])
+    with memory.region(TRAINER_GRADS):
+        ddp = DistributedDataParallel(
+            model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model,
+        )
+    with memory.region(TRAINER_STATE):
+        optimizer = build_optimizer(cfg.train.optim, [ddp])
+        init_optimizer_state(optimizer)
 
-    start_checkpoint = engine_start_checkpoint(cfg, model, hf_config, quant, tokenizer)
-    engine = _build_engine(cfg, hf_config, topology, start_checkpoint, tokenizer) if is_leader else None
-    publisher = WeightPublisher(
-        model, hf_config, cfg.quant, quant=quant, engine=engine, leaders=topology.leaders,
-        bucket_bytes=cfg.publish.bucket_mb * 1024 * 1024, verify=cfg.publish.verify,
-        mode=cfg.publish.mode, full_every=cfg.publish.full_every, count_flips=cfg.publish.code_flips,
-    )
     ctx = RunContext(
-        cfg=cfg, hf_config=hf_config, model=ddp, optimizer=optimizer, quant=quant, publisher=publisher, engine=engine,
+        cfg=cfg, hf_config=hf_config, model=ddp, optimizer=optimizer, quant=quant, publisher=None, engine=None,
         tokenizer=tokenizer,
         data=data,
         eval_examples=eval_examples,
@@ -160,6 +163,8 @@ def build_run_context(cfg: RunConfig) -> RunContext:
         start_step=0,
         route_geometry=RouteGeometry.from_hf_config(hf_config),
         topology=topology,
+        memory=memory,
+        start_checkpoint=engine_start_checkpoint(cfg, model, hf_config, quant, tokenizer),
     )
     ctx.start_step = resume_run(ctx)  # refuses another experiment's checkpoint before anything below writes
     if is_logging_rank():
@@ -167,6 +172,57 @@ def build_run_context(cfg: RunConfig) -> RunContext:
         ctx.tracker = build_tracker(cfg, resume=ctx.start_step > 0, start_step=ctx.start_step,
                                     wandb_run_id=ctx.wandb_run_id)
     return ctx
+
+
+def start_engines(ctx: RunContext) -> None:
+    """COLLECTIVE. Start every rollout group's engine and the publisher that feeds them. Last, on GPUs the trainer
+    has released: an engine sizes its KV cache from the memory free when it starts (memory.memory_timeline)."""
+    from megatron_qarl.weights.publish import WeightPublisher
+
+    cfg = ctx.cfg
+    release_for_engines(ctx.memory, ctx.quant)
+    if ctx.memory.on_gpu and ctx.memory.colocated:
+        check_engine_start_memory(cfg)
+    ctx.engine = _build_engine(cfg, ctx.hf_config, ctx.topology, ctx.start_checkpoint, ctx.tokenizer) \
+        if ctx.topology.is_leader() else None
+    ctx.publisher = WeightPublisher(
+        ctx.model.module, ctx.hf_config, cfg.quant, quant=ctx.quant, engine=ctx.engine, leaders=ctx.topology.leaders,
+        bucket_bytes=cfg.publish.bucket_mb * 1024 * 1024, verify=cfg.publish.verify,
+        mode=cfg.publish.mode, full_every=cfg.publish.full_every, count_flips=cfg.publish.code_flips,
+    )
+
+
+def check_engine_start_memory(cfg: RunConfig) -> None:
+    """COLLECTIVE (CUDA). The KV cache colocated engines will size from the memory free now (the trainer released):
+    refused here in one line, before SGLang's own start-up error, when it holds no full-length sequence."""
+    from megatron_qarl.config import ConfigError
+    from megatron_qarl.memory import GIB, engine_kv_at_start, memory_timeline, timeline_verdict
+    from megatron_qarl.parallel import max_over_ranks
+
+    free = -max_over_ranks(-int(torch.cuda.mem_get_info()[0]))  # the tightest GPU of the world
+    kv, sequences = engine_kv_at_start(cfg, free)
+    if is_logging_rank():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        timeline = memory_timeline(cfg, torch.distributed.get_world_size(), total / GIB)
+        print(f"[qarl] memory plan: {timeline_verdict(timeline)}; at engine start {free / GIB:.2f} GiB free "
+              f"-> KV cache {kv / GIB:.2f} GiB per GPU ({sequences:.1f} full-length sequences)", flush=True)
+    if sequences < 1:
+        raise ConfigError(
+            f"the engines would start with {free / GIB:.2f} GiB free per GPU: mem_fraction_static "
+            f"{cfg.rollout.sglang.mem_fraction_static} of it leaves a {kv / GIB:.2f} GiB KV cache, less than one "
+            "full-length sequence; raise rollout.sglang.mem_fraction_static or free the GPUs (qarl-train --dry-run "
+            "prints the plan)")
+
+
+def release_for_engines(memory, quant) -> None:
+    """COLLECTIVE. Before a colocated engine allocates: drop the quant cache (rebuilt by the next forward), release
+    the trainer's state, empty the allocator; every rank of a rollout group, before its leader starts the engine."""
+    import torch.distributed as dist
+
+    if memory.colocated and quant is not None:
+        quant.cache.clear()
+    memory.release()
+    dist.barrier()
 
 
 def run_sampling_params(cfg: RunConfig, tokenizer):

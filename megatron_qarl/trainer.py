@@ -28,7 +28,9 @@ import torch.distributed as dist
 
 from megatron_qarl.config import RunConfig
 from megatron_qarl.errors import DivergenceError
-from megatron_qarl.parallel import dp_group, dp_rank, dp_size, max_over_ranks, sum_over_ranks, tp_size
+from megatron_qarl.parallel import (
+    destroy_distributed, dp_group, dp_rank, dp_size, max_over_ranks, sum_over_ranks, tp_size,
+)
 from megatron_qarl.rl.advantages import group_normalized_advantages
 from megatron_qarl.rl.batch import RolloutBatch, build_rollout_batch
 from megatron_qarl.rl.losses import compute_loss, compute_loss_normalizer
@@ -54,18 +56,27 @@ class StepTimer:
 def train(cfg: RunConfig) -> dict:
     """Run `cfg.train.steps` RL steps (resuming if a checkpoint is found); returns the last metrics."""
     from megatron_qarl.evaluation import eval_due, evaluate
-    from megatron_qarl.run_context import build_run_context
+    from megatron_qarl.run_context import build_run_context, start_engines
 
-    ctx = build_run_context(cfg)
+    owns_process_group = not dist.is_initialized()  # torchrun's workers and plain processes alike: we made it
+    try:
+        ctx = build_run_context(cfg)
+    except BaseException:
+        if owns_process_group:
+            destroy_distributed()
+        raise
     last: dict = {}
     try:
-        ctx.publisher.publish()  # the engine must hold the (possibly resumed) weights before the first rollout
+        start_engines(ctx)  # on GPUs the trainer has released
+        engine_sleep(ctx)
+        publish_weights(ctx)  # the engine must hold the (possibly resumed) weights before the first rollout
         for step in range(ctx.start_step, cfg.train.steps):
             metrics = evaluate(ctx) if eval_due(cfg, step) else {}  # held-out pass@k of the weights so far
             timer = StepTimer()
             local, rollout = collect_rollouts(ctx, step)  # this rank's DP shard of the step's samples
             metrics.update(rollout)
             engine_sleep(ctx)  # colocated engine: its GPU memory goes to training until the publish
+            ctx.memory.restore()  # the trainer's state back from host memory, its grads re-mapped
             timer.lap("rollout")
             local.old_logp = compute_logprobs(ctx, local)
             timer.lap("old_logp")
@@ -73,18 +84,20 @@ def train(cfg: RunConfig) -> dict:
             timer.lap("routing_telemetry")
             metrics.update(policy_update(ctx, local))
             timer.lap("update")
-            engine_wake(ctx, ("weights",))  # slime's order: weights back, publish, then the KV cache
-            metrics.update(ctx.publisher.publish())
-            engine_wake(ctx, ("kv_cache",))
+            maybe_checkpoint(ctx, step)  # before the publish releases the state it saves
+            metrics.update(publish_weights(ctx))
             timer.lap("publish")
             metrics.update(timer.marks)
             metrics["time/step_s"] = timer.total()
             last = log(ctx, step, metrics)
-            maybe_checkpoint(ctx, step)
         if eval_due(cfg, cfg.train.steps):  # the final weights, logged as the row after the last step
             last = {**last, **log(ctx, cfg.train.steps, evaluate(ctx))}
     finally:
-        close_run(ctx)
+        try:
+            close_run(ctx)
+        finally:
+            if owns_process_group:  # NCCL communicators torn down here, not by an interpreter exit that can hang
+                destroy_distributed()
     return last
 
 
@@ -121,7 +134,8 @@ def collect_rollouts(ctx, step: int) -> tuple[RolloutBatch, dict]:
             raise RolloutEngineError("the rollout failed on another rollout group's leader (see its error)")
         restarts += 1
         restart_failed_engine(ctx, error)
-        ctx.publisher.publish()  # collective: the restarted engine gets the current weights back
+        engine_sleep(ctx)  # colocated: the trainer's state comes back for the publish
+        publish_weights(ctx)  # collective: the restarted engine gets the current weights back
     # Row r was served by the engine of request r // rows_per_request: its leader holds the sample.
     rows_per_request = cfg.rollout.request_prompts * cfg.rollout.n
     per = num_rows // dp_size()
@@ -231,9 +245,8 @@ def reward_step_metrics(ctx) -> dict:
 
 
 def _colocated(ctx) -> bool:
-    """A colocated SGLang engine shares the trainer's GPUs: it must give its memory back while we train."""
-    return ctx.engine is not None and ctx.cfg.rollout.engine == "sglang" and \
-        ctx.cfg.rollout.sglang.mode == "colocated"
+    """This leader's engine shares the trainer's GPUs: it must give its memory back while we train."""
+    return ctx.engine is not None and ctx.memory.colocated
 
 
 def engine_sleep(ctx) -> None:
@@ -246,6 +259,24 @@ def engine_wake(ctx, tags: tuple[str, ...]) -> None:
     KV cache only after, so the publish's buckets never sit next to a full KV cache."""
     if _colocated(ctx):
         ctx.engine.resume_memory(tags)
+
+
+def publish_weights(ctx) -> dict:
+    """COLLECTIVE. Push this step's weights to every engine, in the colocated order (slime's): the trainer's grads
+    dropped and its state resident, the engine's weights back, the publish, then the quant cache dropped and the
+    trainer's state released, and only then the engine's KV cache back (memory.memory_timeline's 'publish' and
+    'engine wake' phases). Expects the engines asleep (engine_sleep)."""
+    from megatron_qarl.memory_saver import TRAINER_GRADS, TRAINER_STATE
+
+    ctx.memory.restore((TRAINER_STATE,))
+    ctx.memory.release((TRAINER_GRADS,))
+    engine_wake(ctx, ("weights",))
+    metrics = ctx.publisher.publish()
+    if ctx.memory.colocated and ctx.quant is not None:
+        ctx.quant.cache.clear()  # rebuilt by the next forward; its memory is the engine's until then
+    ctx.memory.release()
+    engine_wake(ctx, ("kv_cache",))
+    return metrics
 
 
 # -- 2. old log-probs, routing telemetry ---------------------------------------------------------------

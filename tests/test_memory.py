@@ -104,8 +104,8 @@ def test_tiny_w4a16_reference_memory_hand_computed():
     assert mem["master_fp32"] == 4 * TINY_TOTAL == 14_440_448
     assert mem["grads_fp32"] == 14_440_448
     assert mem["optimizer"] == 8 * TINY_TOTAL == 28_880_896
-    # bf16 copy only of what the aligned forward does not take from the quantized cache
-    assert mem["compute_copy_bf16"] == 2 * (TINY_TOTAL - TINY_EXPERTS) == 928_768
+    # bf16 params of every weight, the aligned sites' too: the cache quantizes from them (N4 of the GPU audit)
+    assert mem["params_bf16"] == 2 * TINY_TOTAL == 7_220_224
     # int8 codes 1 B + bf16 scale per 128 + reference backend's dequantized bf16 weight 2 B + packed words 0.5 B
     assert mem["quant_cache"] == TINY_EXPERTS * (1 + 2 / 128 + 2 + 0.5) == 11_059_200
     assert mem["publish_bucket"] == 16 * 2 ** 20
@@ -115,8 +115,12 @@ def test_tiny_w4a16_reference_memory_hand_computed():
     assert est["tokens_per_micro_batch"] == 96
     assert mem["activations"] == 96 * 7_744 * 2 == 1_486_848
     assert mem["logits"] == 96 * 128 * 6 == 73_728
-    # unfused attention: b 4 x 4 heads x L 24^2 x 6 B, saved in both layers plus one layer's transient
-    assert mem["attention_scores"] == 4 * 4 * 24 ** 2 * 6 * (2 + 1) == 165_888
+    # fused (SDPA, the default): b 4 x 4 heads x L 24 x fp32 log-sum-exp, saved in both layers
+    assert mem["attention_scores"] == 4 * 4 * 24 * 4 * 2 == 3_072
+    # unfused: b 4 x 4 heads x L 24^2 x 6 B, saved in both layers plus one layer's transient
+    unfused = estimate_memory(_tiny("quant.scheme=w4a16", "model.core_attention=unfused"))
+    assert unfused["trainer_per_gpu"]["attention_scores"] == 4 * 4 * 24 ** 2 * 6 * (2 + 1) == 165_888
+    assert unfused["activation_detail"]["score_buffer"] == 4 * 4 * 24 ** 2 * 2  # megatron's persistent buffer
     parts = [v for k, v in mem.items() if k != "total"]
     assert mem["total"] == sum(parts)
 
@@ -141,8 +145,8 @@ def test_attention_scores_are_quadratic_and_aligned_qkv_saves_its_gathered_input
     """30B shapes at the paper's sequence length: ~16 GB of scores per layer at L = 18k, TP4 (hand count);
     an aligned attention scope at TP2 keeps the gathered qkv input: 2 B x H x 1/2 more per layer and token."""
     cfg = load_config(None, ["model.preset=qwen3-30b-a3b", "parallel.tp=4", "parallel.ep=8", "parallel.etp=1",
-                             "data.max_prompt_len=2048", "rollout.max_new_tokens=16384", "train.micro_batch_size=1"],
-                      world_size=8)
+                             "data.max_prompt_len=2048", "rollout.max_new_tokens=16384", "train.micro_batch_size=1",
+                             "model.core_attention=unfused"], world_size=8)
     mem = estimate_memory(cfg, world_size=8)["trainer_per_gpu"]
     per_layer = 1 * (32 // 4) * 18_432 ** 2 * 6
     assert per_layer == 16_307_453_952  # ~15.2 GiB
@@ -160,7 +164,7 @@ def test_bf16_learner_arm_has_no_cache_and_full_bf16_copy():
     mem = estimate_memory(_tiny("quant.scheme=w4a16", "quant.learner_aligned=false", "model.dtype=bfloat16",
                                 "train.optim.bf16=true", "publish.code_flips=true"))["trainer_per_gpu"]
     assert mem["quant_cache"] == 0
-    assert mem["compute_copy_bf16"] == 2 * TINY_TOTAL
+    assert mem["params_bf16"] == 2 * TINY_TOTAL
     assert mem["publish_prev_codes"] == TINY_EXPERTS * 0.5  # last step's packed words, to count flips
 
 
@@ -224,14 +228,10 @@ def test_format_dry_run_reports_layout_params_and_memory():
     assert "preset: tiny" in text  # the resolved config is part of it
 
 
-def test_dry_run_says_whether_the_trainer_fits_the_gpu_and_what_does_not():
-    from megatron_qarl.cli import fit_verdict
-
-    assert "fits a 79 GiB GPU" in format_dry_run(_tiny(), world_size=1)
-    trainer = {"a": 50 * 2 ** 30, "attention_scores": 40 * 2 ** 30, "b": 1.0, "c": 2.0}
-    trainer["total"] = sum(trainer.values())
-    verdict = fit_verdict(trainer, 80)
-    assert verdict.startswith("does NOT fit a 80 GiB GPU: 90.00 GiB estimated, 10.00 GiB over")
-    assert "largest terms a 50.00 GiB, attention_scores 40.00 GiB, c 2 B" in verdict
-    assert "unfused local attention" not in verdict  # the hint names the scores only when they lead
-    assert "fits a 100 GiB GPU" in fit_verdict(trainer, 100)
+def test_dry_run_prints_the_timeline_and_a_verdict():
+    text = format_dry_run(_tiny(), world_size=1)
+    assert "# memory timeline per GPU, one step" in text
+    for phase in ("rollout", "old-logprob", "train", "publish"):
+        assert f"\n{phase:<14}" in text
+    assert "FITS a 79 GiB GPU" in text
+    assert "does NOT fit a 0.1 GiB GPU" in format_dry_run(_tiny(), world_size=1, gpu_gib=0.1)

@@ -1,0 +1,153 @@
+"""The trainer's release / restore around colocated rollouts (memory_saver.py), run on CPU through the production
+code path: the same calls in the same order, recorded instead of unmapping GPU memory."""
+import contextlib
+
+import pytest
+import torch
+
+from megatron_qarl.memory_saver import (
+    REGIONS, TRAINER_GRADS, TRAINER_STATE, MemorySaverError, NoopSaver, TrainerMemory, init_optimizer_state,
+    torch_memory_saver_singleton,
+)
+
+from conftest import REPO
+
+
+class RecordingSaver(NoopSaver):
+    """torch_memory_saver's three calls, recorded: ("region", tag, backup) on entry, ("pause"|"resume", tag)."""
+
+    def __init__(self):
+        self.calls = []
+
+    @contextlib.contextmanager
+    def region(self, tag="default", enable_cpu_backup=False):
+        self.calls.append(("region", tag, enable_cpu_backup))
+        yield
+
+    def pause(self, tag=None):
+        self.calls.append(("pause", tag))
+
+    def resume(self, tag=None):
+        self.calls.append(("resume", tag))
+
+
+def test_release_and_restore_are_idempotent_per_tag_and_in_order():
+    saver = RecordingSaver()
+    memory = TrainerMemory(saver, on_gpu=False, colocated=True)
+    memory.release((TRAINER_GRADS,))
+    memory.release()  # grads already released: only the state is paused now
+    memory.restore((TRAINER_STATE,))
+    memory.restore()
+    memory.restore()  # nothing released: no call
+    assert saver.calls == [("pause", TRAINER_GRADS), ("pause", TRAINER_STATE), ("resume", TRAINER_STATE),
+                           ("resume", TRAINER_GRADS)]
+    with memory.region(TRAINER_STATE), memory.region(TRAINER_GRADS):
+        pass
+    assert saver.calls[-2:] == [("region", TRAINER_STATE, True), ("region", TRAINER_GRADS, False)]
+    assert REGIONS == {TRAINER_STATE: True, TRAINER_GRADS: False}  # only the grads' contents may be lost
+
+
+def test_a_run_without_a_gpu_sharing_engine_uses_the_noop_saver():
+    from megatron_qarl.config import load_config
+
+    from megatron_qarl.memory import engine_shares_gpu
+
+    cfg = load_config(str(REPO / "configs" / "tiny_qarl_w4a16_tbpo.yaml"), [])
+    memory = TrainerMemory.for_run(engine_shares_gpu(cfg))
+    assert isinstance(memory.saver, NoopSaver) and not memory.colocated
+    # without CUDA even a GPU-sharing engine gets the no-op saver: the same calls, nothing unmapped
+    shared = TrainerMemory.for_run(True)
+    assert isinstance(shared.saver, NoopSaver) and shared.colocated and not shared.on_gpu
+
+
+def test_expandable_segments_are_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(MemorySaverError, match="expandable_segments:True.*unset it"):
+        torch_memory_saver_singleton()
+
+
+def _tiny_optimizer(name: str):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_qarl.config import OptimConfig
+    from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model
+    from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
+    from megatron_qarl.config import ModelConfig
+    from megatron_qarl.optim import build_optimizer
+    from megatron_qarl.parallel import init_distributed
+
+    init_distributed(seed=7)
+    model = build_qwen3_moe_model(resolve_hf_config(ModelConfig(preset="tiny")))
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                  module=model)
+    return ddp, build_optimizer(OptimConfig(name=name, lr=1e-2), [ddp])
+
+
+def _step(ddp, optimizer, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    for p in ddp.module.parameters():
+        p.main_grad.copy_(torch.randn(p.shape, generator=gen))
+    optimizer.step()
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_optimizer_state_made_up_front_is_the_state_the_first_step_makes(name):
+    """init_optimizer_state allocates every state tensor at build time (inside the caller's region) and two steps
+    after it are bitwise the steps of an optimizer that made its state lazily."""
+    lazy_model, lazy = _tiny_optimizer(name)
+    eager_model, eager = _tiny_optimizer(name)
+    init_optimizer_state(eager)
+    states = [s for opt in eager.optimizer.chained_optimizers for s in opt.optimizer.state.values()]
+    assert states and all(states)
+    before = {id(t) for s in states for t in s.values() if isinstance(t, torch.Tensor)}
+    for seed in (1, 2):
+        _step(lazy_model, lazy, seed)
+        _step(eager_model, eager, seed)
+    after = {id(t) for opt in eager.optimizer.chained_optimizers for s in opt.optimizer.state.values()
+             for t in s.values() if isinstance(t, torch.Tensor)}
+    assert after == before  # no state tensor was made later, outside the region
+    for a, b in zip(lazy_model.module.parameters(), eager_model.module.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_colocated_step_releases_and_restores_in_the_timeline_order(monkeypatch, tmp_path):
+    """The RL loop, world 1, tiny W4A16, with the saver recorded as if an engine shared the GPU: the regions at
+    build, the release before the engines start, and per step: restore after the rollout, grads dropped before
+    the publish, the quant cache dropped and the state released after it."""
+    from megatron_qarl import memory_saver
+    from megatron_qarl.config import load_config
+    from megatron_qarl.trainer import train
+
+    saver = RecordingSaver()
+    monkeypatch.setattr(memory_saver.TrainerMemory, "for_run",
+                        classmethod(lambda cls, shares_gpu: cls(saver, on_gpu=False, colocated=True)))
+    from megatron_qarl.quant.cache import QuantCache
+    from megatron_qarl.rollout.embedded import EmbeddedEngine
+
+    # the engine's half of the turn-taking, recorded in the same list (a GPU-sharing engine's release / resume)
+    monkeypatch.setattr(EmbeddedEngine, "release_memory", lambda self, tags=("weights", "kv_cache"):
+                        saver.calls.append(("engine release",)), raising=False)
+    monkeypatch.setattr(EmbeddedEngine, "resume_memory", lambda self, tags=("weights", "kv_cache"):
+                        saver.calls.append(("engine resume", *tags)), raising=False)
+    original_clear = QuantCache.clear
+    monkeypatch.setattr(QuantCache, "clear", lambda self: (saver.calls.append(("cache cleared",)),
+                                                           original_clear(self)))
+    cfg = load_config(str(REPO / "configs" / "tiny_qarl_w4a16_tbpo.yaml"), [
+        "train.steps=2", "train.prompts_per_step=2", "rollout.n=2", "train.mini_batch_prompts=2",
+        "train.micro_batch_size=2", "rollout.max_new_tokens=4", "logging.wandb.mode=disabled",
+        f"logging.out_dir={tmp_path}", "checkpoint.every=0", "eval.path=null"])
+    train(cfg)
+    build = [("region", TRAINER_STATE, True), ("region", TRAINER_GRADS, False), ("region", TRAINER_STATE, True)]
+    # before the engines start: the cache dropped, everything released
+    start = [("cache cleared",), ("pause", TRAINER_GRADS), ("pause", TRAINER_STATE)]
+    # the first publish: the engines (just started) sleep, the state comes back (grads stay away), the engines'
+    # weights come back, the publish, the cache dropped, the state released, then the engines' KV cache
+    publish_tail = [("engine resume", "weights"), ("cache cleared",), ("pause", TRAINER_STATE),
+                    ("engine resume", "kv_cache")]
+    first = [("engine release",), ("resume", TRAINER_STATE)] + publish_tail
+    # a step: rollout; the engines sleep; everything of the trainer back; ...; grads dropped before the publish
+    step = [("engine release",), ("resume", TRAINER_STATE), ("resume", TRAINER_GRADS), ("pause", TRAINER_GRADS)] \
+        + publish_tail
+    assert saver.calls == build + start + first + step + step

@@ -1,0 +1,150 @@
+"""The per-phase memory timeline of one colocated step (memory.memory_timeline) against hand counts, and the
+paper configs' verdicts at 80 GB."""
+from pathlib import Path
+
+import pytest
+
+from megatron_qarl.cli import format_dry_run
+from megatron_qarl.config import load_config
+from megatron_qarl.memory import (
+    ALLOCATOR_RESERVE, CUDA_CONTEXT, ENGINE_ACTIVATIONS, GIB, MIN_FREE, NCCL_BUFFERS, memory_timeline,
+)
+
+from test_memory import TINY_EXPERTS, TINY_TOTAL
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+PAPER_CONFIGS = sorted(CONFIGS.glob("qwen3_30b_a3b_*.yaml"))
+
+
+def _tiny_colocated(*overrides, world_size=1):
+    return load_config(None, ["model.preset=tiny", "data.max_prompt_len=16", "rollout.max_new_tokens=8",
+                              "train.micro_batch_size=4", "publish.bucket_mb=16", "rollout.engine=sglang",
+                              "quant.scheme=w4a16", "rollout.sglang.mem_fraction_static=0.5", *overrides],
+                       world_size=world_size)
+
+
+def _rows(timeline) -> dict:
+    return {r["phase"]: r for r in timeline["rows"]}
+
+
+# Hand counts for the tiny W4A16 config (fp32 params, AdamW, reference backend, world 1, engine_tp 1):
+#   master (= the fp32 params) 4 B x 3,610,112 = 14,440,448; grads the same; AdamW 8 B -> 28,880,896
+#   quant cache: experts 3,145,728 x (int8 code 1 + fp32 dequantized 4 + packed 0.5) + bf16 scale per 128
+#     = 17,301,504 + 49,152 = 17,350,656
+#   engine weights: bf16 rest 2 x 464,384 + packed experts 1,572,864 + scales 49,152 = 2,550,784
+#   T = 4 x 24 = 96 tokens; per layer and token 7,744 B (test_memory); training activations 2 layers
+#   1,486,848; no-grad one layer 743,424; logits 96 x 128 x 6 = 73,728; SDPA log-sum-exp 4 x 4 x 24 x 4 x 2
+#   = 3,072
+MASTER, GRADS, ADAM = 4 * TINY_TOTAL, 4 * TINY_TOTAL, 8 * TINY_TOTAL
+CACHE = TINY_EXPERTS * (1 + 4 + 0.5) + 2 * TINY_EXPERTS / 128
+ENGINE_WEIGHTS = 2 * (TINY_TOTAL - TINY_EXPERTS) + TINY_EXPERTS / 2 + 2 * TINY_EXPERTS / 128
+TRAIN_ACT, OLD_ACT, LOGITS, LSE = 96 * 7_744 * 2, 96 * 7_744, 96 * 128 * 6, 4 * 4 * 24 * 4 * 2
+
+
+def test_tiny_colocated_phases_term_by_term():
+    timeline = memory_timeline(_tiny_colocated(), world_size=1, gpu_gib=2.0)
+    rows = _rows(timeline)
+    assert list(rows) == ["engine start", "rollout", "old-logprob", "train", "publish", "engine wake"]
+    assert CACHE == 17_350_656 and ENGINE_WEIGHTS == 2_550_784
+    # SGLang: weights + KV = 0.5 x free at start; free = 2 GiB - trainer context - engine context
+    kv = 0.5 * (2 * GIB - 2 * CUDA_CONTEXT) - ENGINE_WEIGHTS
+    assert timeline["kv_budget"] == kv == 534_320_128
+    residue = CUDA_CONTEXT  # world 1: no NCCL buffers; full-mode publish without flip counting keeps no codes
+    assert rows["rollout"]["total"] == residue + CUDA_CONTEXT + ENGINE_WEIGHTS + kv + ENGINE_ACTIVATIONS
+    assert rows["engine start"]["terms"] == rows["rollout"]["terms"]
+    assert rows["engine wake"]["total"] == residue + CUDA_CONTEXT + ENGINE_WEIGHTS + kv
+    state = MASTER + ADAM  # fp32 params are the masters (no bf16 copy)
+    old = residue + state + GRADS + CACHE + (OLD_ACT + LOGITS) * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT
+    assert rows["old-logprob"]["total"] == pytest.approx(old, rel=1e-12)
+    train = residue + state + GRADS + CACHE + (TRAIN_ACT + LSE + LOGITS) * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT
+    assert rows["train"]["total"] == pytest.approx(train, rel=1e-12)
+    bucket = 16 * 2 ** 20
+    publish = residue + state + CACHE + bucket * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT + ENGINE_WEIGHTS
+    assert rows["publish"]["total"] == pytest.approx(publish, rel=1e-12)
+    assert "grads_fp32" not in rows["publish"]["terms"]  # dropped before the engine's weights come back
+    for row in timeline["rows"]:
+        assert row["free"] == 2 * GIB - row["total"]
+    # host copy while released: the state, not the grads
+    assert timeline["host_backup_per_gpu"] == state
+
+
+def test_tiny_peak_is_the_sum_of_its_terms():
+    timeline = memory_timeline(_tiny_colocated(), world_size=1, gpu_gib=2.0)
+    peak = timeline["peak"]
+    assert peak["total"] == sum(peak["terms"].values())
+    assert peak["total"] == max(r["total"] for r in timeline["rows"])
+    assert peak["phase"] == "rollout" or peak["phase"] == "engine start"  # the engine's KV dominates tiny
+
+
+def test_kv_budget_and_verdict_for_the_w4a16_paper_arm():
+    cfg = load_config(str(CONFIGS / "qwen3_30b_a3b_qarl_w4a16_tbpo.yaml"), [])
+    timeline = memory_timeline(cfg, world_size=8, gpu_gib=79.0)
+    engine_weights = 18_030_686_208 / 2  # test_memory.test_qwen3_30b_a3b_w4a16_engine_weights, per engine GPU
+    free_at_start = 79 * GIB - CUDA_CONTEXT - NCCL_BUFFERS - CUDA_CONTEXT
+    assert timeline["kv_budget"] == 0.6 * free_at_start - engine_weights
+    # K and V of 48 layers, 4 KV heads over engine TP 2, head_dim 128, bf16: 49,152 B per token per GPU
+    assert timeline["kv_sequences"] == pytest.approx(timeline["kv_budget"] / (18_432 * 49_152))
+    assert timeline["fits"]
+
+
+@pytest.mark.parametrize("path", PAPER_CONFIGS, ids=[p.stem for p in PAPER_CONFIGS])
+def test_every_paper_config_fits_80gb_colocated_with_4gib_free_in_every_phase(path):
+    cfg = load_config(str(path), [])
+    timeline = memory_timeline(cfg, world_size=8, gpu_gib=79.0)
+    assert cfg.rollout.sglang.mode == "colocated"
+    assert len(timeline["rows"]) == 6
+    for row in timeline["rows"]:
+        assert row["free"] >= MIN_FREE, (row["phase"], row["free"] / GIB)
+    assert timeline["kv_sequences"] >= 1
+    text = format_dry_run(cfg, world_size=8, gpu_gib=79.0)
+    assert "FITS a 79 GiB GPU" in text and "does NOT fit" not in text
+
+
+def test_unfused_attention_does_not_fit_and_says_which_terms():
+    cfg = load_config(str(CONFIGS / "qwen3_30b_a3b_qarl_w4a16_tbpo.yaml"), ["model.core_attention=unfused"])
+    timeline = memory_timeline(cfg, world_size=8, gpu_gib=79.0)
+    assert not timeline["fits"]
+    text = format_dry_run(cfg, world_size=8, gpu_gib=79.0)
+    assert "does NOT fit a 79 GiB GPU" in text and "attention_scores" in text
+    # megatron's persistent score buffer stays on the GPU through the rollout too
+    assert _rows(timeline)["rollout"]["terms"]["attention_score_buffer"] == 8 * 18_432 ** 2 * 2
+
+
+def test_a_kv_budget_without_one_full_sequence_is_refused():
+    cfg = load_config(str(CONFIGS / "qwen3_30b_a3b_qarl_fp8_tbpo.yaml"), ["rollout.sglang.mem_fraction_static=0.18"])
+    timeline = memory_timeline(cfg, world_size=8, gpu_gib=79.0)
+    assert timeline["kv_budget"] < 0  # 0.18 x 77.5 GiB < the 14.5 GiB of FP8 weights per GPU
+    assert not timeline["fits"]
+    assert "raise rollout.sglang.mem_fraction_static" in format_dry_run(cfg, world_size=8, gpu_gib=79.0)
+
+
+def test_an_engine_elsewhere_releases_nothing():
+    cfg = _tiny_colocated("rollout.engine=embedded")  # the CPU engine; SGLang's separate mode is the same case
+    timeline = memory_timeline(cfg, world_size=1, gpu_gib=2.0)
+    rows = _rows(timeline)
+    assert list(rows) == ["rollout", "old-logprob", "train", "publish"]
+    assert not any(k.startswith("engine") for r in timeline["rows"] for k in r["terms"])
+    assert rows["rollout"]["terms"]["grads_fp32"] == GRADS  # held through the rollout
+    assert timeline["host_backup_per_gpu"] == 0 and timeline["kv_budget"] is None
+
+
+def test_engine_start_check_refuses_a_kv_cache_without_one_sequence(monkeypatch):
+    """The runtime check (CUDA only) on the memory really free at engine start: simulated with 12 GiB free."""
+    import torch
+
+    from megatron_qarl.config import ConfigError
+    from megatron_qarl.memory import engine_kv_at_start
+    from megatron_qarl.parallel import init_distributed
+    from megatron_qarl.run_context import check_engine_start_memory
+
+    cfg = load_config(str(CONFIGS / "qwen3_30b_a3b_qarl_w4a16_tbpo.yaml"), [])
+    kv, sequences = engine_kv_at_start(cfg, 12 * GIB)
+    assert kv == 0.6 * 12 * GIB - 18_030_686_208 / 2 and sequences < 1
+    init_distributed()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (12 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 79 * GIB}))
+    with pytest.raises(ConfigError, match="raise rollout.sglang.mem_fraction_static"):
+        check_engine_start_memory(cfg)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (77 * GIB, 80 * GIB))
+    check_engine_start_memory(cfg)  # the planned case: the trainer released, ~77 GiB free
