@@ -175,16 +175,18 @@ def train_main(argv=None) -> int:
 
 
 def convert_main(argv=None) -> int:
+    """qarl-convert. Imports nothing heavy before its arguments are parsed (`--help` answers without torch)."""
     _quiet_library_warnings()
     _own_child_processes()
-    errors = _user_errors()
-    try:
-        from conversion.cli import main as convert
+    from conversion.cli import main as convert
 
+    try:
         return convert(argv)
-    except errors as err:
-        print(f"qarl-convert: error: {err}", file=sys.stderr)
-        return 2
+    except Exception as err:  # noqa: BLE001 - user errors become one line; anything else re-raises
+        if isinstance(err, _user_errors()):
+            print(f"qarl-convert: error: {err}", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":  # `python -m megatron_qarl.cli` under torchrun

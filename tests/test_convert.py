@@ -213,9 +213,10 @@ def test_inspect_reports_an_exported_checkpoint_missing_a_tensor(hf_dir, tmp_pat
     del tensors[dropped]
     save_file(tensors, str(tmp_path / "w4" / "model.safetensors"))
     capsys.readouterr()
-    assert run("inspect", tmp_path / "w4") == 1
-    out = capsys.readouterr().out
-    assert "complete:    NO" in out and dropped in out
+    assert run("inspect", tmp_path / "w4") == 2
+    captured = capsys.readouterr()
+    assert "complete:    NO" in captured.out and dropped in captured.out
+    assert captured.err.count("\n") == 1 and "is incomplete" in captured.err and dropped in captured.err
 
 
 # ---------------------------------------------------------------------------------------- bad input
