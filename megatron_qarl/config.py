@@ -409,7 +409,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     """
     schema = _schema()
     layers = [] if path is None else [_read_yaml_with_bases(Path(path), ())]
-    layers.append(_parse_overrides(overrides or []))
+    layers.append(_parse_overrides(overrides or [], schema))
     merged = schema
     for layer in layers:
         merged = _merge_checked(merged, layer)
@@ -469,17 +469,47 @@ def _read_yaml_with_bases(path: Path, seen: tuple[Path, ...]):
     return OmegaConf.merge(merged, raw)
 
 
-def _parse_overrides(overrides: list[str]):
+_QUOTE_HINT = ("a value with braces, colons or brackets is read as YAML: quote it inside the argument, e.g. "
+               "'data.prompt.template=\"Q: {problem}\"', or set it in the YAML file")
+
+
+def _is_string_key(schema, key: str) -> bool:
+    """Whether `key` (dotted) is a string-typed field of the schema (str or str | None)."""
+    from omegaconf.nodes import StringNode
+
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(schema, parent) if parent else schema
+    if not OmegaConf.is_dict(node) or leaf not in node:
+        return False
+    return isinstance(node._get_node(leaf), StringNode)
+
+
+def _parse_overrides(overrides: list[str], schema=None):
+    """`key=value` items as one OmegaConf layer. A string-typed key takes its value as written, also when YAML
+    would read it as a mapping or fail on it (`data.prompt.template=Q: {problem}` is the text 'Q: {problem}');
+    other keys get YAML values (numbers, lists, null)."""
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} is not of the form section.key=value "
                               f"(e.g. train.steps=20)")
-    try:
-        return OmegaConf.from_dotlist(list(overrides))
-    except Exception as err:  # OmegaConf's own errors, and YAML parse errors of a value such as {x} y
-        raise ConfigError(f"cannot parse overrides {overrides}: {str(err).splitlines()[0]}; a value with "
-                          "braces, colons or spaces must be quoted as YAML, e.g. "
-                          "'data.prompt.template=\"{problem} Put the answer in \\\\boxed{}.\"'") from err
+    layer = OmegaConf.create({})
+    for item in overrides:
+        key, raw = item.split("=", 1)
+        try:
+            parsed = OmegaConf.from_dotlist([item])
+            value = OmegaConf.select(parsed, key)
+        except Exception as err:  # OmegaConf's own errors, and YAML parse errors of a value such as {x} y
+            if schema is None or not _is_string_key(schema, key):
+                raise ConfigError(f"cannot parse override {item!r}: {str(err).splitlines()[0]}; "
+                                  f"{_QUOTE_HINT}") from err
+            parsed, value = None, None
+        if schema is not None and _is_string_key(schema, key) and (parsed is None or not isinstance(value, str)
+                                                                   and (OmegaConf.is_config(value) or value is None
+                                                                        and raw.strip() not in ("null", "~", ""))):
+            OmegaConf.update(layer, key, raw, force_add=True)  # the text as written
+            continue
+        layer = OmegaConf.merge(layer, parsed)
+    return layer
 
 
 def _merge_checked(base, layer):
@@ -490,7 +520,12 @@ def _merge_checked(base, layer):
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "?"
         message = str(getattr(err, "msg", err)).splitlines()[0]
+        if "DictConfig" in message or "ListConfig" in message:
+            message += f"; {_QUOTE_HINT}"
         raise ConfigError(f"{key}: {message}") from err
+    except TypeError as err:  # a mapping where the schema has a list (or the reverse), e.g. rollout.stop=a: b
+        raise ConfigError(f"a value is a mapping or list where its key expects another type ({err}); "
+                          f"{_QUOTE_HINT}") from err
 
 
 def _check_keys(schema_node, layer_node, prefix: str) -> None:

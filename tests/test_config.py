@@ -368,8 +368,11 @@ def test_free_form_mappings_take_any_key_and_quoted_templates_keep_their_braces(
     assert cfg.data.prompt.chat_template_kwargs == {"enable_thinking": False}
     assert cfg.data.prompt.template == "{problem} Put it in \\boxed{}."
     assert cfg.data.path == ["a.jsonl", "b/*.parquet"]
-    with pytest.raises(ConfigError, match="must be quoted as YAML"):
-        load_config(None, ["data.prompt.template={problem} x"])
+    # a string key takes its text as written, even where YAML would fail or read a mapping (issue #35, item 7)
+    assert load_config(None, ["data.prompt.template={problem} x"]).data.prompt.template == "{problem} x"
+    assert load_config(None, ["data.prompt.template=Q: {problem}"]).data.prompt.template == "Q: {problem}"
+    with pytest.raises(ConfigError, match="quote it inside the argument"):  # a non-string key: the hint
+        load_config(None, ["train.steps=a: b"])
 
 
 def test_dry_run_on_a_login_node_checks_the_configs_own_world(monkeypatch, capsys):
