@@ -89,3 +89,95 @@ def stop_process(proc: subprocess.Popen | None, grace_s: float = 30.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=grace_s)
+
+
+# ------------------------------------------------------------------ stopping a run gracefully
+
+# qarl-train's exit status after a graceful stop (SIGTERM, SIGUSR1, Ctrl-C, the stop file): the step in flight
+# finished and was checkpointed; `checkpoint.resume=auto` continues from it. 0 = done, 1 = crash, 2 = a user
+# error, 3 = stopped on request (requeue me), 130 = a second Ctrl-C (stopped at once, no new checkpoint).
+EXIT_STOPPED = 3
+EXIT_INTERRUPTED = 130
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+STOP_FILE_ENV = "QARL_STOP_FILE"  # a path: the run stops gracefully at the step boundary after it appears
+_REPEAT_WINDOW_S = 1.0  # a second SIGINT within this is a forwarded copy (torchrun, a shell), not a second press
+
+
+class StopRequest:
+    """What asked the run to stop: a signal (SIGTERM: Slurm preemption, `kill`; SIGUSR1: Slurm's --signal
+    before the time limit; SIGINT: Ctrl-C) or the file $QARL_STOP_FILE. The handlers only record the request;
+    the loop asks `requested()` at a step boundary, so the step in flight finishes and is checkpointed. A
+    second Ctrl-C (more than a second after the first) raises KeyboardInterrupt: stop at once."""
+
+    def __init__(self, stop_file: str | None = None):
+        self.reason: str | None = None
+        self.stop_file = stop_file
+        self._at = 0.0
+
+    def requested(self) -> bool:
+        if self.reason is None and self.stop_file and os.path.exists(self.stop_file):
+            self.reason = f"the stop file {self.stop_file}"
+        return self.reason is not None
+
+    def _handle(self, signum, frame) -> None:
+        import time
+
+        name = signal.Signals(signum).name
+        now = time.monotonic()
+        if self.reason is None:
+            self.reason, self._at = name, now
+            if os.environ.get("RANK", "0") == "0":  # one line per run, not per torchrun worker
+                what = "Ctrl-C" if signum == signal.SIGINT else name
+                again = "; Ctrl-C again stops at once, without a checkpoint" if signum == signal.SIGINT else ""
+                # os.write, not print: a handler may run while the main thread is inside print()
+                os.write(2, f"\n[qarl] {what} received: finishing the current step, then writing a checkpoint and "
+                            f"stopping{again}\n".encode())
+        elif signum == signal.SIGINT and now - self._at > _REPEAT_WINDOW_S:
+            raise KeyboardInterrupt
+
+
+class stop_on_signals:
+    """`with stop_on_signals() as stop:` installs StopRequest's handlers for STOP_SIGNALS in the main thread
+    (the previous ones are restored on exit); `stop.requested()` at a step boundary. Elsewhere (not the main
+    thread) it installs nothing and only the stop file counts."""
+
+    def __init__(self, stop_file: str | None = None):
+        self.request = StopRequest(stop_file if stop_file is not None else os.environ.get(STOP_FILE_ENV) or None)
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopRequest:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self.request._handle)
+        return self.request
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+
+def ignore_stop_signals_from_others(owner_pid: int) -> None:
+    """In a helper process (a reward worker): a stop signal is its owner's business. Slurm signals every process
+    of a job step (preemption's SIGTERM, --signal's SIGUSR1) and a terminal's Ctrl-C reaches the whole
+    foreground group; the trainer then finishes its step and stops its helpers itself, so a helper must not
+    die first. SIGINT and SIGUSR1 are ignored; SIGTERM ends this process only when `owner_pid` sent it (how the
+    owner's pool stops a worker), read by a thread that waits for it with the signal blocked elsewhere.
+    SIGKILL, and the kernel's parent-death signal (die_with_parent), still end it at once."""
+    import threading
+
+    for sig in (signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def wait_for_owner() -> None:
+        while True:
+            info = signal.sigwaitinfo({signal.SIGTERM})
+            if info.si_pid == owner_pid:
+                os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=wait_for_owner, name="qarl-stop-from-owner", daemon=True).start()

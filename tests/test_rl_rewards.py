@@ -1,6 +1,7 @@
 """Rewards: math-verify in the pebble worker pool (correct / incorrect / malformed / hostile answers, the
 soft and the hard deadline, crashes, 1 vs 2 workers, no worker left behind), exact match, and plug-ins
-("package.module:function": loading, rows, every refused result)."""
+("package.module:function": loading, rows, every refused result, run in their own worker under the same
+deadline and kill)."""
 
 import multiprocessing as mp
 import os
@@ -254,15 +255,17 @@ def test_bad_reward_config_and_calls():
 # ----------------------------------------------------------------------------------------------- plug-ins
 
 PLUGIN_SOURCE = '''
+import json
 import math
+import os
 
-CALLS = []
 NOT_CALLABLE = 3
 
 
 def score(responses, answers, rows):
     """1 for a right answer, scaled by the row's weight (a dataset field the built-ins do not read)."""
-    CALLS.append((list(responses), list(answers), list(rows)))
+    with open(os.path.join(os.path.dirname(__file__), "calls.jsonl"), "a") as f:
+        f.write(json.dumps([os.getpid(), list(responses), list(answers), list(rows)]) + "\\n")
     return [row["weight"] * float(r.strip() == a) for r, a, row in zip(responses, answers, rows)]
 
 
@@ -307,6 +310,25 @@ class Scorer:
 
 
 instance = Scorer()
+
+
+def hangs(responses, answers, rows):
+    import time
+    while True:
+        time.sleep(0.05)
+
+
+def spins(responses, answers, rows):
+    while True:
+        pass
+
+
+def kills_its_process(responses, answers, rows):
+    os._exit(7)
+
+
+def pid(responses, answers, rows):
+    return [float(os.getpid())] * len(responses)
 '''
 
 
@@ -321,20 +343,25 @@ def plugin(tmp_path, monkeypatch):
     return name
 
 
-def test_plugin_gets_rows_and_its_rewards_are_returned(plugin):
-    import importlib
+def test_plugin_gets_rows_and_its_rewards_are_returned(plugin, tmp_path):
+    import json
 
     fn = RewardFunction(RewardConfig(kind=f"{plugin}:score"))
     rows = [{"prompt": "1+1", "weight": 1.0}, {"prompt": "2+2", "weight": 0.5}, {"prompt": "3+3", "weight": 2}]
     children = worker_pids()
     assert fn(["2", " 4 ", "7"], ["2", "4", "6"], rows) == [1.0, 0.5, 0.0]
-    assert importlib.import_module(plugin).CALLS == [(["2", " 4 ", "7"], ["2", "4", "6"], rows)]  # one call
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert [c[1:] for c in calls] == [[["2", " 4 ", "7"], ["2", "4", "6"], rows]]  # one call with the batch
+    workers = worker_pids() - children
+    assert len(workers) == 1 and calls[0][0] in workers  # in the plug-in's one worker, not this process
     assert (fn.stats.total, fn.stats.correct, fn.stats.errors) == (3, 2, 0)  # correct: reward > 0
-    assert worker_pids() == children  # in process: no workers
-    assert RewardFunction(RewardConfig(kind=f"{plugin}:as_tuple"))(["a", "b"], ["a", "b"], [{}, {}]) == [1.0, 0.5]
-    assert RewardFunction(RewardConfig(kind=f"{plugin}:instance"))(["a"], ["a"], [{}]) == [0.5]
+    for attr, want in (("as_tuple", [1.0, 0.5]), ("instance", [0.5, 0.5])):
+        with RewardFunction(RewardConfig(kind=f"{plugin}:{attr}")) as other:
+            assert other(["a", "b"], ["a", "b"], [{}, {}]) == want
     with pytest.raises(ValueError, match=f"'{plugin}:score' needs the dataset rows: call reward_fn"):
         fn(["2"], ["2"])
+    fn.close()
+    assert worker_pids() == children  # close() stops the worker
 
 
 @pytest.mark.parametrize("attr,message", [
@@ -348,15 +375,16 @@ def test_plugin_gets_rows_and_its_rewards_are_returned(plugin):
                   "e.g. float(x)"),
     ("with_bool", "returned True (a bool) at index 0; return one finite float"),
     ("with_str", "returned '0.5' (a str) at index 1; return one finite float"),
-    ("raises", "raised KeyError: 'level' (on a batch of 2 responses); fix the function (it runs in the "
-               "trainer process)"),
+    ("raises", "raised KeyError: 'level' (on a batch of 2 responses); fix the function (it runs in a "
+               "reward worker process)"),
 ])
 def test_plugin_results_are_checked(plugin, attr, message):
-    fn = RewardFunction(RewardConfig(kind=f"{plugin}:{attr}"))
-    with pytest.raises(RewardError) as err:
-        fn(["a", "b"], ["a", "b"], [{}, {}])
-    assert f"reward plug-in '{plugin}:{attr}' {message}" in str(err.value)
-    assert fn.stats.total == 0  # nothing counted
+    with RewardFunction(RewardConfig(kind=f"{plugin}:{attr}")) as fn:
+        with pytest.raises(RewardError) as err:
+            fn(["a", "b"], ["a", "b"], [{}, {}])
+        assert f"reward plug-in '{plugin}:{attr}' {message}" in str(err.value)
+        assert "\n" not in str(err.value)
+        assert fn.stats.total == 0  # nothing counted
 
 
 def test_check_reward_spec(plugin):
@@ -396,3 +424,44 @@ def test_check_reward_spec(plugin):
         with pytest.raises(RewardError) as err:  # RewardConfig refuses the same specs with the same line
             RewardConfig(kind=spec)
         assert str(err.value) == problem
+
+
+@pytest.mark.parametrize("attr", ["hangs", "spins"])
+def test_a_hanging_plugin_is_killed_at_its_deadline_and_is_one_line(plugin, attr):
+    """A plug-in that never returns (sleeping, or spinning in Python) gets data.reward_timeout_s per response of
+    its batch, is killed, and the call is a RewardError naming it and the deadline; the next call gets a fresh
+    worker; close() leaves no worker behind."""
+    children = worker_pids()
+    with RewardFunction(RewardConfig(kind=f"{plugin}:{attr}", timeout_s=0.5)) as fn:
+        start = time.monotonic()
+        with pytest.raises(RewardError) as err:
+            fn(["a", "b"], ["a", "b"], [{}, {}])
+        took = time.monotonic() - start
+        assert 1.0 <= took < 1.0 + 10.0, took  # 0.5 s x 2 responses, plus the kill
+        message = str(err.value)
+        assert message.startswith(f"reward plug-in '{plugin}:{attr}' did not return within 1 s "
+                                  "(data.reward_timeout_s=0.5 per response x 2 responses) and was killed")
+        assert "\n" not in message
+        with pytest.raises(RewardError, match="did not return within 0.5 s"):  # a fresh worker, killed again
+            fn(["a"], ["a"], [{}])
+    assert worker_pids() == children
+
+
+def test_a_plugin_that_kills_its_worker_is_one_line(plugin):
+    with RewardFunction(RewardConfig(kind=f"{plugin}:kills_its_process")) as fn:
+        with pytest.raises(RewardError, match=rf"'{plugin}:kills_its_process' killed its worker process "
+                                              r"\(exit code 7\) on a batch of 1 responses; fix the function"):
+            fn(["a"], ["a"], [{}])
+
+
+def test_reward_workers_outlive_stop_signals_that_are_not_the_trainers(plugin):
+    """Slurm signals every process of a job step (SIGTERM at preemption, SIGUSR1 before the time limit) and
+    Ctrl-C the whole foreground group: the trainer finishes its step, so its reward workers must not die first.
+    A SIGTERM from the trainer itself (how pebble stops a worker) still ends one."""
+    with RewardFunction(RewardConfig(kind=f"{plugin}:pid")) as fn:
+        worker = int(fn(["a"], ["a"], [{}])[0])
+        for sig in ("-TERM", "-INT", "-USR1"):  # from another process, as Slurm or a terminal sends them
+            subprocess.run(["kill", sig, str(worker)], check=True)
+        time.sleep(0.5)
+        assert psutil.pid_exists(worker) and int(fn(["a"], ["a"], [{}])[0]) == worker
+    assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE

@@ -25,9 +25,16 @@ answer without ``\\boxed``/``$`` is wrapped in ``\\boxed{}`` (dataset answers ar
 Inputs are capped: the response's last ``max_response_chars`` characters (answers sit at the end) and the
 gold answer's first ``max_answer_chars``.
 
-Plug-ins run in the trainer process, once per call with the whole batch:
+Plug-ins are code we do not control, so they get the same protection: each call, with the whole batch,
 ``fn(responses: list[str], answers: list, rows: list[dict]) -> list[float]`` (``rows``: the dataset row of
-each response's prompt). Their result is checked (one finite number per response) before any use.
+each response's prompt), runs in a worker process of its own pebble pool (one worker: calls come one at a
+time) under a deadline of ``timeout_s`` per response of the batch; past it pebble kills the worker and the call
+is a RewardError naming the plug-in and the deadline (a fresh worker serves the next call). Its result is
+checked (one finite number per response) in the worker before it is sent back.
+
+Stop signals: Slurm signals every process of a job step and Ctrl-C reaches the whole foreground group, but a
+worker must live until the trainer has finished its step; workers ignore SIGINT / SIGUSR1 and a SIGTERM that
+does not come from the trainer (lifecycle.ignore_stop_signals_from_others).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from megatron_qarl.lifecycle import die_with_parent
+from megatron_qarl.lifecycle import die_with_parent, ignore_stop_signals_from_others
 
 VerifyFn = Callable[[str, str], float]  # (response, gold) -> reward; module level, run in the workers
 PluginFn = Callable[[List[str], List[Any], List[Mapping[str, Any]]], Sequence[float]]
@@ -66,8 +73,10 @@ class RewardError(ValueError):
 @dataclass
 class RewardConfig:
     kind: str = "math_verify"  # a name of REWARD_NAMES or a plug-in "package.module:function"
-    timeout_s: float = 5.0  # math_verify: wall-clock budget per answer (stopped at 90%, killed at 100%)
-    num_workers: int = 2  # math_verify: worker processes
+    # wall-clock budget per answer (math_verify: stopped at 90%, killed at 100%); a plug-in's call gets it per
+    # response of its batch, then it is killed and the call is a RewardError
+    timeout_s: float = 5.0
+    num_workers: int = 2  # math_verify: worker processes (a plug-in has one)
     max_response_chars: int = 4096  # math_verify: the response's tail that is parsed
     max_answer_chars: int = 1024  # math_verify: the gold answer's head that is parsed
 
@@ -257,8 +266,9 @@ def exact_match_reward(response: str, answer: str, *, special_tokens: Sequence[s
 
 def _init_worker(parent_pid: int, import_math_verify: bool) -> None:  # pebble initializer, in the worker
     # Die with the thread that started this worker: a worker busy in C code would otherwise outlive a
-    # SIGKILLed trainer.
+    # SIGKILLed trainer. Stop signals are the trainer's: it finishes its step, then stops this pool itself.
     die_with_parent(parent_pid)
+    ignore_stop_signals_from_others(parent_pid)
     if import_math_verify:
         # Import math-verify and score a number and a polynomial (2-3 s: sympy and its lazily imported
         # simplification) before taking tasks: pebble starts an answer's clock when a worker takes it, so a
@@ -277,6 +287,24 @@ def _verify_in_worker(verify_fn: VerifyFn, response: str, gold: str, budget_s: f
         return "timeout", 0.0
     except Exception:  # noqa: BLE001 - unparsable LaTeX, sympy errors, RecursionError...
         return "error", 0.0
+
+
+_WORKER_PLUGINS: Dict[str, PluginFn] = {}  # in a plug-in worker: the loaded plug-in, by spec
+
+
+def _plugin_in_worker(spec: str, responses: List[str], answers: List[Any], rows: List[Mapping[str, Any]]
+                      ) -> Tuple[str, Any]:
+    """In the plug-in's worker: ("ok", checked rewards) or ("error", the one-line RewardError message)."""
+    try:
+        fn = _WORKER_PLUGINS.get(spec) or _WORKER_PLUGINS.setdefault(spec, load_reward_plugin(spec))
+        try:
+            result = fn(responses, answers, rows)
+        except Exception as e:  # noqa: BLE001 - a user function may raise anything
+            raise RewardError(f"reward plug-in {spec!r} raised {_one_line(e)} (on a batch of {len(responses)} "
+                              "responses); fix the function (it runs in a reward worker process)") from None
+        return "ok", _checked_rewards(spec, result, len(responses))
+    except RewardError as e:
+        return "error", str(e)
 
 
 @dataclass
@@ -398,7 +426,9 @@ class RewardFunction:
 
     def __post_init__(self) -> None:
         self._pool: Optional[VerifierPool] = None
+        # loaded here too: a plug-in that does not load is refused before any worker starts
         self._plugin: Optional[PluginFn] = load_reward_plugin(self.config.kind) if self.config.is_plugin else None
+        self._plugin_pool = None  # the plug-in's pebble pool (one worker), started by the first call
         self.stats = RewardStats()
 
     def __call__(self, responses: Sequence[str], answers: Sequence[Any],
@@ -438,19 +468,48 @@ class RewardFunction:
 
     def _call_plugin(self, responses: List[str], answers: List[Any],
                      rows: Optional[Sequence[Mapping[str, Any]]]) -> List[float]:
+        """One call of the plug-in in its worker, under timeout_s per response; RewardError (one line) when it
+        raises, returns a bad result, runs past the deadline (the worker is killed) or its worker dies."""
+        import pebble
+
         spec = self.config.kind
         if rows is None:
             raise ValueError(f"reward plug-in {spec!r} needs the dataset rows: call reward_fn(responses, "
                              "answers, rows) with the row of each response's prompt")
+        budget = self.config.timeout_s * max(1, len(responses))
+        if self._plugin_pool is not None and not self._plugin_pool.active:
+            self._close_plugin_pool()
+        if self._plugin_pool is None:
+            self._plugin_pool = pebble.ProcessPool(max_workers=1, context=mp.get_context("spawn"),
+                                                   initializer=_init_worker, initargs=(os.getpid(), False))
+        future = self._plugin_pool.schedule(_plugin_in_worker, args=(spec, responses, answers, list(rows)),
+                                            timeout=budget)
         try:
-            result = self._plugin(responses, answers, list(rows))
-        except Exception as e:  # noqa: BLE001 - a user function may raise anything
-            raise RewardError(f"reward plug-in {spec!r} raised {_one_line(e)} (on a batch of "
-                              f"{len(responses)} responses); fix the function (it runs in the trainer "
-                              "process)") from e
-        rewards = _checked_rewards(spec, result, len(responses))
-        self._count(rewards)
-        return rewards
+            status, value = future.result()
+        except FuturesTimeoutError:
+            self.stats.timeouts += len(responses)
+            self.stats.worker_restarts += 1
+            raise RewardError(
+                f"reward plug-in {spec!r} did not return within {budget:g} s (data.reward_timeout_s="
+                f"{self.config.timeout_s:g} per response x {len(responses)} responses) and was killed; make it "
+                "faster or give it a deadline of its own, or raise data.reward_timeout_s") from None
+        except pebble.ProcessExpired as e:
+            self.stats.worker_restarts += 1
+            raise RewardError(f"reward plug-in {spec!r} killed its worker process (exit code {e.exitcode}) on a "
+                              f"batch of {len(responses)} responses; fix the function") from None
+        except Exception as e:  # noqa: BLE001 - the pool broke or the arguments do not pickle
+            raise RewardError(f"reward plug-in {spec!r} could not be called in its worker process "
+                              f"({_one_line(e)}); its arguments and result must pickle") from None
+        if status != "ok":
+            raise RewardError(value)
+        self._count(value)
+        return value
+
+    def _close_plugin_pool(self) -> None:
+        if self._plugin_pool is not None:
+            self._plugin_pool.stop()
+            self._plugin_pool.join()
+            self._plugin_pool = None
 
     def _count(self, rewards: Sequence[float]) -> None:
         self.stats.total += len(rewards)
@@ -460,6 +519,7 @@ class RewardFunction:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        self._close_plugin_pool()
 
     def __enter__(self) -> "RewardFunction":
         return self
