@@ -35,7 +35,8 @@ while read -r a _; do
   if ! is_loopback "$a"; then echo "$a"; exit 0; fi
 done < <(getent ahostsv4 "$name" 2>/dev/null)
 
-addr="$(ip -4 route get 1.1.1.1 2>/dev/null | awk '{ for (i = 1; i < NF; i++) if ($i == "src") { print $(i + 1); exit } }')"
+addr="$(ip -4 route get 1.1.1.1 2>/dev/null |
+  awk '{ for (i = 1; i < NF; i++) if ($i == "src") { print $(i + 1); exit } }')"
 if [ -n "$addr" ] && ! is_loopback "$addr"; then echo "$addr"; exit 0; fi
 
 for a in $(hostname -I 2>/dev/null); do
