@@ -125,11 +125,11 @@ def run_info(path) -> dict:
         if isinstance(quant, dict):
             info["run_quant"] = {k: quant.get(k) for k in ("scheme", "scope", "group_size", "block_size",
                                                           "learner_aligned")}
-    try:
-        from torch.distributed.checkpoint import FileSystemReader
+    try:  # never torch's FileSystemReader: its plain pickle.load runs whatever a planted .metadata holds
+        from megatron_qarl.checkpointing import read_dcp_metadata
 
-        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception:  # noqa: BLE001 - unreadable metadata: inspect_checkpoint reports it
+        meta = read_dcp_metadata(path).state_dict_metadata
+    except Exception:  # noqa: BLE001 - unreadable or refused metadata: inspect_checkpoint reports it
         return info
     dtypes = sorted({str(m.properties.dtype).replace("torch.", "") for k, m in meta.items()
                      if not k.startswith("optimizer.") and "_extra_state" not in k

@@ -7,10 +7,18 @@ Layout of a finished checkpoint `path/`:
                             values and tensors only, read back with torch's weights-only loader (never
                             unpickled: a checkpoint is a file someone else may have written)
     qarl_checkpoint.json    COMPLETION MARKER, written last; a directory without it is incomplete. It records
-                            every other file's size and sha256, which verify_checkpoint checks
+                            every other file's size and sha256 (verified wherever a checkpoint is read: resume,
+                            init checkpoints, every conversion, inspect) and the run id of a run checkpoint
 All ranks write into a temp dir beside `path` (fileio.atomic_dir) that rank 0 renames to `path` once
 everything is on disk, so a reader never sees a half-written checkpoint. Loading at a different TP/EP
 works because the sharded state dict names global tensors.
+
+Trust model: a checkpoint from elsewhere is data, never code. The digests catch damage, not an attacker (who
+ships the files writes the marker too); what stops planted code is that nothing here unpickles a file with
+the plain unpickler: before torch or megatron reads a checkpoint, `check_no_code` reads every pickle in it
+with a loader that builds only what the format holds (torch-DCP metadata classes for `.metadata`, torch's
+weights-only loader for common.pt, the side state and the byte entries of the shards), so torch's own
+`pickle.load` of those files later builds nothing else.
 
 `RunCheckpoints` keeps a trainer run's `step_XXXXXXXX/` checkpoints under one root on top of this.
 Module-level imports stay light (no megatron); CheckpointError is errors.py's, the one hf_io raises too.
@@ -97,9 +105,30 @@ def is_complete(path: str | os.PathLike) -> bool:
 
 
 def read_marker(path: str | os.PathLike) -> dict[str, Any]:
-    """The completion marker's fields ({} for a legacy run checkpoint or an incomplete one)."""
+    """The completion marker's fields ({} for a legacy run checkpoint or an incomplete one). A marker that is
+    not the JSON object save_checkpoint writes (damaged, random bytes, file names with a directory part) is a
+    CheckpointError naming it."""
     marker = Path(path) / MARKER_NAME
-    return json.loads(marker.read_text()) if marker.is_file() else {}
+    if not marker.is_file():
+        return {}
+    try:
+        fields = json.loads(marker.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"{marker} is damaged (not the JSON qarl writes: {_last_line(err)[:120]}); the "
+                              "checkpoint cannot be verified: use another checkpoint") from None
+    files = fields.get("files") if isinstance(fields, dict) else None
+    if not isinstance(fields, dict) or (files is not None and not _valid_file_records(files)):
+        raise CheckpointError(f"{marker} is damaged (its fields are not the ones qarl writes); the checkpoint "
+                              "cannot be verified: use another checkpoint")
+    return fields
+
+
+def _valid_file_records(files: Any) -> bool:
+    """{plain file name: {"size": int, "sha256": hex str}}: a name never reaches outside the checkpoint."""
+    return isinstance(files, dict) and all(
+        isinstance(name, str) and name == Path(name).name and name not in ("", ".", "..")
+        and isinstance(rec, dict) and isinstance(rec.get("size"), int) and isinstance(rec.get(DIGEST), str)
+        for name, rec in files.items())
 
 
 def read_extra_state(path: str | os.PathLike) -> dict[str, Any] | None:
@@ -107,8 +136,6 @@ def read_extra_state(path: str | os.PathLike) -> dict[str, Any] | None:
 
     Read with torch's weights-only unpickler: tensors and plain values load, anything that would import or
     call code (a crafted file) is refused with a CheckpointError before any of it runs."""
-    import pickle
-
     path = Path(path)
     state_file = _state_file(path)
     if state_file is None:
@@ -116,13 +143,166 @@ def read_extra_state(path: str | os.PathLike) -> dict[str, Any] | None:
             f"checkpoint {path} is incomplete (no {MARKER_NAME}): it was interrupted while being written")
     if not state_file.is_file():
         return None
+    state = _weights_only_load(state_file, "its side state")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{state_file} holds a {type(state).__name__}, not the side-state dict qarl writes; "
+                              "it was not written by qarl (or was altered): use another checkpoint")
+    return state
+
+
+def _weights_only_load(source, what: str, name: str | None = None):
+    """torch's weights-only load of `source` (a path or a file object of a torch.save'd object): tensors and
+    plain values, never code. Damage and foreign objects are one CheckpointError line each."""
+    import io
+    import pickle
+    import zipfile
+
+    name = name or str(source)
+    if isinstance(source, (str, os.PathLike)) and not zipfile.is_zipfile(source) or \
+            isinstance(source, io.BytesIO) and not zipfile.is_zipfile(source):
+        raise CheckpointError(f"{name} is not a file torch.save writes ({what}): it is damaged or was replaced; "
+                              "use another checkpoint")
+    if isinstance(source, io.BytesIO):
+        source.seek(0)
     try:
-        return torch.load(state_file, weights_only=True, map_location="cpu")
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError) as err:
+        return torch.load(source, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
         raise CheckpointError(
-            f"{state_file} is refused: it holds objects other than tensors and plain values "
-            f"({_last_line(err)[:200]}), so it was not written by qarl (or was altered or damaged), and loading "
-            "it could run code; re-create the checkpoint, or resume from another one") from err
+            f"{name} is refused: it holds objects other than tensors and plain values ({_last_line(err)[:200]}), "
+            "so it was not written by qarl (or was altered), and loading it could run code; re-create the "
+            "checkpoint, or use another one") from None
+    except (RuntimeError, EOFError, ValueError, TypeError, AttributeError, KeyError, OSError) as err:
+        raise CheckpointError(f"{name} cannot be read ({what}: {_last_line(err)[:200]}): it is damaged; use "
+                              "another checkpoint") from None
+
+
+# ------------------------------------------------------------------ no code from a checkpoint's pickles
+
+# What torch.distributed.checkpoint's `.metadata` pickle holds (torch 2.13 metadata.py, planner.py, filesystem.py;
+# a real megatron checkpoint's globals are listed by tests/test_checkpoint_trust.py): these classes, torch.Size,
+# dtypes and layouts, plain containers. Every one is a plain record: building it runs no code of the file's.
+_DCP_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.planner": {
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
+    "torch.serialization": {"_get_layout"},
+    "collections": {"OrderedDict"},
+}
+DCP_METADATA_NAME = ".metadata"
+DIST_CONFIG_NAME = "metadata.json"
+COMMON_STATE_NAME = "common.pt"
+
+
+@functools.cache
+def _metadata_unpickler_class():
+    import importlib
+    import pickle
+
+    class MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can be checked
+        """Builds only _DCP_METADATA_GLOBALS (and torch.Size / dtypes); any other global, a persistent id or
+        setting attributes on a class is an UnpicklingError before anything of it runs."""
+
+        dispatch = dict(pickle._Unpickler.dispatch)
+
+        def find_class(self, module, name):
+            if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+                return getattr(torch, name)
+            if name in _DCP_METADATA_GLOBALS.get(module, ()):
+                return getattr(importlib.import_module(module), name)
+            raise pickle.UnpicklingError(f"it refers to {module}.{name}, which torch-DCP metadata never holds")
+
+        def persistent_load(self, pid):
+            raise pickle.UnpicklingError("it holds a persistent id, which torch-DCP metadata never holds")
+
+        def load_build(self):
+            if isinstance(self.stack[-2], type):
+                raise pickle.UnpicklingError("it sets attributes of a class")
+            pickle._Unpickler.load_build(self)
+
+        dispatch[pickle.BUILD[0]] = load_build
+
+    return MetadataUnpickler
+
+
+def read_dcp_metadata(path: str | os.PathLike):
+    """The torch-DCP `Metadata` of a checkpoint directory, read with a restricted unpickler (never the plain
+    pickle.load torch's FileSystemReader uses) and checked: every storage entry names a plain file of the
+    directory and no stream transform. CheckpointError (one line) for anything else."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata)
+
+    path = Path(path)
+    meta_file = path / DCP_METADATA_NAME
+    if not meta_file.is_file():
+        raise CheckpointError(f"{path} has no {DCP_METADATA_NAME}: it is not a complete dist checkpoint; use "
+                              "another checkpoint")
+    try:
+        with open(meta_file, "rb") as f:
+            meta = _metadata_unpickler_class()(f).load()
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{meta_file} is refused: {_last_line(err)[:200]}; it was not written by torch "
+                              "(or was altered), and loading it could run code; use another checkpoint") from None
+    except Exception as err:  # noqa: BLE001 - truncated / random bytes raise many types
+        raise CheckpointError(f"{meta_file} cannot be read (not a pickle torch wrote: {type(err).__name__}): it is "
+                              "damaged; use another checkpoint") from None
+    problem = None
+    if not isinstance(meta, Metadata) or not isinstance(meta.state_dict_metadata, dict) \
+            or not isinstance(meta.storage_data, dict):
+        problem = "it is not a torch-DCP Metadata record"
+    elif not all(isinstance(k, str) and isinstance(v, (TensorStorageMetadata, BytesStorageMetadata))
+                 for k, v in meta.state_dict_metadata.items()):
+        problem = "an entry is neither a tensor nor a byte entry"
+    else:
+        for index, info in meta.storage_data.items():
+            if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo) \
+                    or not isinstance(info.relative_path, str) or info.relative_path != Path(info.relative_path).name \
+                    or not (path / info.relative_path).is_file() or info.transform_descriptors:
+                problem = f"its storage entry for {getattr(index, 'fqn', index)!r} does not name a shard file of " \
+                          "the checkpoint"
+                break
+    if problem:
+        raise CheckpointError(f"{meta_file} is refused: {problem}; use another checkpoint")
+    return meta
+
+
+def check_no_code(path: str | os.PathLike) -> None:
+    """Read every pickle of a dist checkpoint the way it must be readable, before torch or megatron reads it
+    with the plain unpickler: `.metadata` (read_dcp_metadata), the byte entries of the shards (megatron's
+    ShardedObjects, which torch's load planner unpickles with weights_only=False) and common.pt with torch's
+    weights-only loader; metadata.json must name the backends that read only these. After it passes, those
+    readers build nothing the restricted loaders did not. CheckpointError (one line) otherwise."""
+    import io
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    path = Path(path)
+    config_file = path / DIST_CONFIG_NAME
+    try:
+        config = json.loads(config_file.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"{config_file} cannot be read ({_last_line(err)[:120]}): it is damaged or missing; "
+                              "use another checkpoint") from None
+    if not isinstance(config, dict) or config.get("sharded_backend") != "torch_dist" \
+            or config.get("common_backend", "torch") != "torch":
+        raise CheckpointError(f"{config_file} names a storage format qarl does not read (only torch_dist "
+                              "shards with a torch common file); use a checkpoint qarl wrote")
+    meta = read_dcp_metadata(path)
+    byte_entries = {k for k, v in meta.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    for index, info in meta.storage_data.items():
+        if index.fqn in byte_entries:
+            with open(path / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                data = f.read(info.length)
+            _weights_only_load(io.BytesIO(data), "a byte entry of the shards",
+                               f"{path / info.relative_path} (entry {index.fqn})")
+    if (path / COMMON_STATE_NAME).is_file():
+        _weights_only_load(path / COMMON_STATE_NAME, "megatron's common state")
 
 
 _PLAIN = (type(None), bool, int, float, str, bytes)
@@ -202,9 +382,10 @@ def _sharded_state(model, optimizer, is_loading: bool) -> dict[str, Any]:
 
 
 def save_checkpoint(path: str | os.PathLike, model, optimizer=None, extra: dict[str, Any] | None = None, *,
-                    force: bool = False) -> Path:
+                    force: bool = False, run_id: str | None = None) -> Path:
     """Save the model (and optimizer, and rank 0's `extra`) to `path`, atomically. Collective: every
-    rank writes its shards. An existing `path` is replaced only with force=True."""
+    rank writes its shards. An existing `path` is replaced only with force=True. `run_id` (run checkpoints)
+    is recorded in the marker: pruning removes only the checkpoints of its own run."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -232,22 +413,36 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, extra: dict[
                       "world_size": dist.get_world_size() if dist else 1,
                       "has_optimizer": optimizer is not None, "has_extra_state": extra is not None,
                       "files": _digests(tmp, files)}
+            if run_id is not None:
+                marker["run_id"] = run_id
             (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2))
     _barrier()  # no rank returns before rank 0 renamed the checkpoint into place
     return path
 
 
 def load_checkpoint(path: str | os.PathLike, model, optimizer=None, *,
-                    fix: str = "use an earlier checkpoint") -> dict[str, Any] | None:
+                    fix: str = "use an earlier checkpoint", digests: bool = True) -> dict[str, Any] | None:
     """Load a checkpoint written by save_checkpoint into `model` (and `optimizer`) at any TP/EP; returns its
-    extra state (None when it has none). Every failure is a CheckpointError that ends with `fix`."""
+    extra state (None when it has none). COLLECTIVE: every rank checks that no file of it would run code
+    (check_no_code), rank 0 verifies every file's size and sha256 against the marker (digests=False: sizes
+    only, for a caller that has just verified them); a problem on any rank is the same CheckpointError on
+    every rank, ending with `fix`, before any tensor is read."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not Exception
 
     from megatron_qarl.weights.sharding import unwrap_model
 
-    path = _check_loadable(path, fix)
-    extra = read_extra_state(path)  # its own clear CheckpointError
+    path = Path(path)
+    local = extra = None
+    try:
+        _check_loadable(path, fix, digests=digests and _rank() == 0)
+        check_no_code(path)
+        extra = read_extra_state(path)
+    except CheckpointError as err:
+        local = err if fix in str(err) else type(err)(f"{err}; {fix}")
+    error = _agree(str(local) if local is not None else "")
+    if error:
+        raise local if local is not None else CheckpointError(error)
     try:
         loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path))
         unwrap_model(model).load_state_dict(loaded["model"], strict=True)
@@ -258,16 +453,26 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None, *,
     return extra
 
 
-def _check_loadable(path: str | os.PathLike, fix: str) -> Path:
-    """What every load checks before reading a tensor: the directory exists, is complete, and every file has
-    the size recorded at save (a stat each; the digests are verify_checkpoint's)."""
+def _agree(error: str) -> str:
+    """COLLECTIVE (when distributed). The first rank's non-empty `error`, on every rank ('' when none)."""
+    dist = _dist()
+    if not dist or dist.get_world_size() == 1:
+        return error
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), "")
+
+
+def _check_loadable(path: str | os.PathLike, fix: str, *, digests: bool = True) -> Path:
+    """What every read checks before reading a tensor: the directory exists, is complete, and every file has
+    the size (digests=True: and the sha256) recorded at save."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist; {fix}")
     if not is_complete(path):
         raise IncompleteCheckpointError(
             f"checkpoint {path} is incomplete (no {MARKER_NAME}): it was interrupted while being written; {fix}")
-    problems = verify_checkpoint(path, digests=False)
+    problems = verify_checkpoint(path, digests=digests)
     if problems:
         raise CheckpointError(f"checkpoint {path} is corrupted: {'; '.join(problems[:4])}; {fix}")
     return path
@@ -289,10 +494,16 @@ class ModelTensorReader:
     part of a global tensor; `read` gives the named entries real CPU tensors and loads only those through
     dist_checkpointing.load with PartLoadStrategy, which reads only the stored chunks that overlap them."""
 
-    def __init__(self, path: str | os.PathLike, sharded: dict[str, Any], *, fix: str):
+    def __init__(self, path: str | os.PathLike, sharded: dict[str, Any], *, fix: str, digests: bool = True):
+        """Checks the checkpoint first (not collective): complete, every file's size and (digests=True) sha256
+        as recorded, and no pickle in it that would run code (check_no_code)."""
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-        self.path, self.fix = _check_loadable(path, fix), fix
+        self.path, self.fix = _check_loadable(path, fix, digests=digests), fix
+        try:
+            check_no_code(self.path)
+        except CheckpointError as err:
+            raise CheckpointError(f"{err}; {fix}") from None
         # parameters only: `_extra_state` ShardedObjects hold no weights
         self.entries = {name: sh for name, sh in sharded.items()
                         if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and sh.data is not None}
@@ -431,11 +642,16 @@ _RESUME_FIX = "resume from an earlier step_* directory, or set checkpoint.resume
 
 class RunCheckpoints:
     """`root/step_XXXXXXXX/` checkpoints of one run: model + optimizer + the caller's extra state, whose
-    "step" key this class owns. The caller decides what else the extra state holds and restores it."""
+    "step" and "run_id" keys this class owns. The caller decides what else the extra state holds and restores
+    it. `run_id` names the run (a fresh one per run; a resumed run takes its checkpoint's): pruning removes only
+    this run's own checkpoints, never another run's that share the directory."""
 
-    def __init__(self, root: str | os.PathLike, keep_last: int = 2):
+    def __init__(self, root: str | os.PathLike, keep_last: int = 2, run_id: str | None = None):
+        import uuid
+
         self.root = Path(root)
         self.keep_last = keep_last
+        self.run_id = run_id or uuid.uuid4().hex
 
     # -- discovery ----------------------------------------------------------------------------------
     def complete(self) -> list[Path]:
@@ -448,13 +664,26 @@ class RunCheckpoints:
         done = self.complete()
         return done[-1] if done else None
 
+    def own(self) -> list[Path]:
+        """The complete checkpoints this run wrote (their marker records its run id), oldest step first."""
+        def run_of(path: Path) -> str | None:
+            try:
+                return read_marker(path).get("run_id")
+            except CheckpointError:
+                return None
+
+        return [p for p in self.complete() if run_of(p) == self.run_id]
+
     def clean_stale(self) -> list[str]:
-        """Remove what killed saves left in the root (atomic_dir's `.step_*.tmp-*` / `.old-*` dirs); rank 0
-        reports each one. Returns the names removed (on rank 0)."""
+        """Remove what killed saves left in the root (atomic_dir's `.step_*.tmp-*` / `.old-*` dirs), never a
+        live writer's (its pid, in the name, still runs); rank 0 reports each one. Returns the names removed
+        (on rank 0). The run holds the run-dir lock (fileio.RunDirLock): no other trainer writes here."""
+        from megatron_qarl.fileio import temp_writer_alive
+
         removed = []
         if _rank() == 0 and self.root.is_dir():
             for stale in sorted(self.root.iterdir()):
-                if _STALE_DIR.match(stale.name):
+                if _STALE_DIR.match(stale.name) and not temp_writer_alive(stale.name):
                     shutil.rmtree(stale, ignore_errors=True)
                     removed.append(stale.name)
             if removed:
@@ -465,12 +694,14 @@ class RunCheckpoints:
 
     # -- save ---------------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, extra: dict[str, Any] | None = None) -> Path:
-        """Collective: every rank writes its shards; rank 0 renames the checkpoint into place and prunes.
+        """Collective: every rank writes its shards; rank 0 renames the checkpoint into place and prunes this
+        run's own checkpoints to `keep_last` (another run's in the same root are never removed).
         (A killed earlier run's temp dirs are removed once, at the run's start: `clean_stale`.)"""
-        final = save_checkpoint(self.root / f"step_{step:08d}", model, optimizer, {**(extra or {}), "step": step},
-                                force=True)  # a step re-run after a resume replaces its checkpoint
-        if _rank() == 0:
-            for old in self.complete()[: -self.keep_last]:
+        final = save_checkpoint(self.root / f"step_{step:08d}", model, optimizer,
+                                {**(extra or {}), "step": step, "run_id": self.run_id},
+                                force=True, run_id=self.run_id)  # a step re-run after a resume replaces its checkpoint
+        if _rank() == 0 and self.keep_last > 0:
+            for old in self.own()[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         _barrier()
         return final
@@ -497,7 +728,10 @@ class RunCheckpoints:
 
     def _verified(self, path: Path) -> Path:
         if path.is_dir() and is_complete(path):  # otherwise load() names what is wrong
-            problems = verify_checkpoint(path)
+            try:
+                problems = verify_checkpoint(path)
+            except CheckpointError as err:  # a damaged marker
+                raise CheckpointError(f"{err}; {_RESUME_FIX}") from None
             if problems:
                 raise CheckpointError(f"checkpoint {path} is corrupted: {'; '.join(problems[:4])}; {_RESUME_FIX}")
         return path
@@ -505,7 +739,10 @@ class RunCheckpoints:
     def _newest_verified(self) -> Path | None:
         failed: list[tuple[Path, list[str]]] = []
         for path in reversed(self.complete()):
-            problems = verify_checkpoint(path)
+            try:
+                problems = verify_checkpoint(path)
+            except CheckpointError as err:  # a damaged marker: fall back past it like a damaged shard
+                problems = [str(err)]
             if not problems:
                 for bad, why in failed:
                     print(f"[qarl] WARNING: checkpoint {bad} fails verification ({'; '.join(why[:3])}); resuming "
@@ -528,10 +765,12 @@ class RunCheckpoints:
     def load(self, path: str | os.PathLike, model, optimizer) -> dict[str, Any]:
         """Model and optimizer loaded; returns the extra state (its "step": the step to start from)."""
         path = Path(path)
-        state = load_checkpoint(path, model, optimizer, fix=_RESUME_FIX)
+        state = load_checkpoint(path, model, optimizer, fix=_RESUME_FIX, digests=False)  # resume_path verified
         if not state or "step" not in state:
             raise CheckpointError(f"checkpoint {path} has no step in its {EXTRA_STATE_NAME}: it is not a run "
                                   f"checkpoint; pass it as model.init_checkpoint instead")
+        if isinstance(state.get("run_id"), str):  # the run goes on: its pruning covers what it wrote before
+            self.run_id = state["run_id"]
         if _rank() == 0:
             print(f"[qarl] resumed from {path} (step {state['step']})", flush=True)
         return state

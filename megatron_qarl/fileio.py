@@ -130,6 +130,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+_TEMP_PID = re.compile(r"\.(?:tmp|old)-(\d+)-")
+
+
+def temp_writer_alive(name: str) -> bool:
+    """Whether the temp name `name` (atomic_dir's `.<target>.tmp-<pid>-*` / `.old-<pid>-*`) carries the pid
+    of another process that is still running on this host: its writer may still be writing it."""
+    match = _TEMP_PID.search(name)
+    pid = int(match.group(1)) if match else None
+    return pid is not None and pid != os.getpid() and _pid_alive(pid)
+
+
 def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
     """Remove what atomic_dir left beside `path` when its writer was killed: `.<name>.tmp-*` / `.<name>.old-*`
     siblings last modified before this process started (so not another live writer's) and, where the name
@@ -144,8 +155,7 @@ def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
         match = pattern.match(entry.name)
         if not match or entry.is_symlink() or not entry.is_dir():
             continue
-        pid = match.group(2)
-        if pid is not None and int(pid) != os.getpid() and _pid_alive(int(pid)):
+        if temp_writer_alive(entry.name):
             continue
         try:
             if entry.stat().st_mtime >= started:

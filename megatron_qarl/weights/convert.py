@@ -525,7 +525,8 @@ class McoreTensors:
         model = _build_model(src.hf_config, _init_world(), meta=True)
         params = dict(model.named_parameters())
         validate_state(params, expected_mcore_shapes(src.hf_config), "mcore state")
-        reader = ModelTensorReader(src.path, model.sharded_state_dict(), fix=_READ_FIX)
+        # sizes and sha256 of every file checked on the reading rank (under torchrun only rank 0 reads)
+        reader = ModelTensorReader(src.path, model.sharded_state_dict(), fix=_READ_FIX, digests=_is_rank0())
         return cls(src.hf_config, reader, sorted(params, key=_natural_key), read_bytes or READ_BYTES)
 
     @property
@@ -784,10 +785,10 @@ def _inspect_hf(path: Path) -> dict:
 
 def _inspect_mcore(path: Path) -> dict:
     """A megatron checkpoint (qarl-convert hf-to-mcore, sft, or a trainer step_* dir): every file checked against
-    the size and sha256 its completion marker recorded, then the stored parameters against the config's."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from megatron_qarl.checkpointing import is_complete, read_marker, verify_checkpoint
+    the size and sha256 its completion marker recorded, then the stored parameters against the config's. No pickle
+    of it is read but by checkpointing's restricted loaders (check_no_code, read_dcp_metadata): a file that would
+    run code is a CheckpointError."""
+    from megatron_qarl.checkpointing import check_no_code, is_complete, read_dcp_metadata, read_marker, verify_checkpoint
     from megatron_qarl.models.qwen3_moe import parameter_counts
 
     recorded = read_marker(path).get("files") or {}
@@ -799,18 +800,16 @@ def _inspect_mcore(path: Path) -> dict:
     except (ConversionError, CheckpointError) as exc:
         if not problems:
             raise
-        # a damaged side-state file: report what verification found rather than the read error alone
+        # damaged files: report what verification found along with the read error
         return {"path": str(path), "format": "megatron", "layout": "torch_dist", "bytes": nbytes, "tensors": 0,
                 "parameters": None, "quantization_config": None, "complete": False,
                 "missing": [*problems[:15], str(exc)], "unexpected": [], **files_info}
-    try:
-        meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as exc:  # noqa: BLE001 - unreadable metadata is the user's checkpoint problem
-        raise CheckpointError(f"cannot read the dist checkpoint metadata of {path}: {exc}") from exc
     # Model tensors keep their own names; a run checkpoint's optimizer state is stored under "optimizer.".
     weights = {k: m.size for k, m in meta.items()
                if not k.startswith("optimizer.") and "_extra_state" not in k and hasattr(m, "size")}
     stored_params = sum(_numel(size) for size in weights.values())
+        check_no_code(path)
+        meta = read_dcp_metadata(path).state_dict_metadata
     expected_params = parameter_counts(src.hf_config)["total"]
     missing = list(problems) + ([] if stored_params == expected_params else [
         f"stored tensors hold {stored_params:,} parameters, the config needs {expected_params:,}"])
