@@ -7,12 +7,23 @@
 #      (aligned, straight-through into fp32 masters), TBPO loss, weights re-published every step,
 #   4. print where the metrics and plots are, and the reward at the start vs the end of the run.
 # Extra arguments are config overrides for the RL run, e.g. `bash launch/demo_cpu.sh train.steps=10`.
+# QARL_DEMO_OUT=DIR writes into DIR instead of runs/demo-<timestamp>/; a DIR an earlier demo wrote is first
+# renamed to DIR.old-<timestamp> (nothing is deleted). QARL_DEMO_CONFIG picks another tiny config.
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$QARL_ROOT"
 
 CONFIG="${QARL_DEMO_CONFIG:-configs/tiny_qarl_w4a16_tbpo.yaml}"
 OUT="${QARL_DEMO_OUT:-runs/demo-$(date +%Y%m%d-%H%M%S)}"  # a new directory per run: nothing is overwritten
+OUT="${OUT%/}"
+if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ]; then
+  # QARL_DEMO_OUT named a directory an earlier demo wrote: keep all of it (SFT checkpoint, RL run) beside the new one
+  old="$OUT.old-$(date +%Y%m%d-%H%M%S)"
+  n=1; base="$old"
+  while [ -e "$old" ]; do n=$((n + 1)); old="$base-$n"; done
+  mv "$OUT" "$old"
+  echo "[demo] $OUT held an earlier run: moved it to $old (nothing deleted)"
+fi
 mkdir -p "$OUT"
 
 echo "[demo] 1/2 supervised warm-up -> $OUT/sft_checkpoint"

@@ -243,6 +243,11 @@ class EvalConfig:
     temperature: float | None = None  # null: rollout.temperature
     max_new_tokens: int | None = None  # null: rollout.max_new_tokens
     seed: int = 0  # the same prompts get the same seeds at every evaluation
+    # A sample passes (pass@1, pass@k) when its reward is >= this: 1.0 = correct under the built-in 0/1 rewards.
+    # A partial-credit reward (a plug-in returning 0.3 for a near miss) counts only its full marks unless this
+    # is lowered; eval/mean_reward is reported beside pass@k either way.
+    pass_threshold: float = 1.0
+    save_samples: bool = True  # every held-out response (prompt, response, answer, reward) to <out_dir>/eval_samples.jsonl
 
 
 @dataclass
@@ -309,6 +314,10 @@ class LoggingConfig:
     log_every: int = 1  # steps between console progress lines
     tensorboard: bool = False  # event files in <out_dir>/tensorboard
     samples_per_step: int = 4  # prompts/responses/rewards per step written to <out_dir>/samples.jsonl; 0: none
+    # A run that would start fresh in an out_dir holding an earlier run's results (metrics, samples, plots,
+    # checkpoints) is refused; true: that dir is renamed to <out_dir>.old-<timestamp> first (never deleted).
+    # A run that resumes the dir's checkpoint (checkpoint.resume=auto) continues its files instead.
+    overwrite: bool = False
 
 
 @dataclass
@@ -724,6 +733,9 @@ def _check_eval(cfg: RunConfig) -> list[str]:
         out.append(f"eval.n={e.n}, eval.k={e.k}: need n >= 1 and 1 <= k <= n (pass@k needs k of the n samples)")
     if e.every < 0 or e.max_prompts < 0:
         out.append(f"eval.every={e.every} and eval.max_prompts={e.max_prompts} must be >= 0")
+    if not isinstance(e.pass_threshold, (int, float)) or not math.isfinite(e.pass_threshold):
+        out.append(f"eval.pass_threshold={e.pass_threshold} must be a finite number (1.0: a sample passes when "
+                   "its reward is >= 1, i.e. correct)")
     if e.temperature is not None and not e.temperature > 0:
         out.append(f"eval.temperature={e.temperature} must be > 0 (null: rollout.temperature); pass@k counts "
                    "distinct samples")

@@ -7,7 +7,13 @@ When: before step s (on the weights the engine holds then, i.e. after s optimize
 `train.steps`). The schedule depends only on s, so a resumed run evaluates where the uninterrupted one did.
 
 Where: the held-out rows are cut into requests and dealt round-robin to the rollout-group leaders exactly as
-a training step's are (rollout.dispatch); the sums meet over all ranks (a collective). A sample counts as correct when its reward is > 0 (the reward module's definition).
+a training step's are (rollout.dispatch); the sums meet over all ranks (a collective).
+
+What passes: a sample counts as correct for pass@1 / pass@k when its reward is >= `eval.pass_threshold` (default
+1.0: correct under the 0/1 built-in rewards; a partial-credit plug-in's 0.3 is not a pass unless the threshold
+says so). eval/mean_reward is reported beside them. With `eval.save_samples` every response (the prompt as the
+model saw it, the response, the answer, the reward and whether it passed) is gathered to the logging rank
+(ctx.eval_samples) and written to eval_samples.jsonl with the row's step.
 """
 from __future__ import annotations
 
@@ -50,21 +56,24 @@ def evaluate(ctx) -> dict:
     every rank. An engine failure on any leader ends the run on every rank (no retry beyond the
     request retries: an evaluation is not worth a restart)."""
     t0 = time.perf_counter()
-    sums, error = {}, None
+    sums, error, samples = {}, None, []
     if ctx.engine is not None:
         try:
-            sums = _evaluate_share(ctx)
+            sums = _evaluate_share(ctx, samples if ctx.cfg.eval.save_samples else None)
         except Exception as exc:  # every rank must hear of it, or the others would hang in the sum below
             error = exc
     raise_if_any_rank_failed(error, RolloutEngineError(
         "the evaluation failed on another rollout group's leader (see its error)"))
     total = sum_over_ranks(sums)
+    if ctx.cfg.eval.save_samples:
+        ctx.eval_samples = _gathered_on_rank0(samples)
     prompts = max(total.get("prompts", 0.0), 1.0)
     rows = max(total.get("rows", 0.0), 1.0)
     k = ctx.cfg.eval.k
     if ctx.reward_fn is not None:  # evaluation's reward counters are not the next training step's
         ctx.reward_counts = ctx.reward_fn.stats.as_metrics()
     return {
+        "eval/pass_threshold": float(ctx.cfg.eval.pass_threshold),  # what pass@k counted as a pass
         "eval/pass@1": total.get("pass1", 0.0) / prompts,
         f"eval/pass@{k}": total.get("passk", 0.0) / prompts,
         "eval/mean_reward": total.get("reward", 0.0) / rows,
@@ -75,10 +84,23 @@ def evaluate(ctx) -> dict:
     }
 
 
-def _evaluate_share(ctx) -> dict:
+def _gathered_on_rank0(samples: list) -> list:
+    """Every leader's eval samples on rank 0, in prompt order ([] on the other ranks)."""
+    if dist.get_world_size() == 1:
+        return sorted(samples, key=lambda s: (s["prompt_index"], s["sample"]))
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(samples, parts, dst=0)
+    if dist.get_rank() != 0:
+        return []
+    return sorted((s for part in parts for s in part), key=lambda s: (s["prompt_index"], s["sample"]))
+
+
+def _evaluate_share(ctx, samples: list | None = None) -> dict:
     """This leader's requests of the evaluation, dealt like a training step's (rollout.dispatch): row r is
-    sample r % n of prompt r // n and samples with row_seed(eval.seed, r) on whichever engine serves it."""
+    sample r % n of prompt r // n and samples with row_seed(eval.seed, r) on whichever engine serves it.
+    Appends one record per response to `samples` when given."""
     cfg, topo = ctx.cfg, ctx.topology
+    threshold = cfg.eval.pass_threshold
     n, k = cfg.eval.n, cfg.eval.k
     examples = ctx.eval_examples
     rows_prompt_ids = [ex.prompt_ids for ex in examples for _ in range(n)]
@@ -98,9 +120,16 @@ def _evaluate_share(ctx) -> dict:
         owners = [examples[r // n] for r in request.rows]
         rewards = ctx.reward_fn(texts, [p.answer for p in owners], [p.row for p in owners])
         for j in range(0, len(results), n):  # requests hold whole prompts
-            correct = sum(1 for r in rewards[j:j + n] if r > 0)
+            correct = sum(1 for r in rewards[j:j + n] if r >= threshold)
             out["pass1"] += correct / n
             out["passk"] += pass_at_k(n, correct, k)
+        if samples is not None:
+            for row, ex, text, reward, res in zip(request.rows, owners, texts, rewards, results):
+                samples.append({
+                    "prompt_index": row // n, "sample": row % n, "source": ex.row_id,
+                    "prompt": ctx.tokenizer.decode(ex.prompt_ids, skip_special_tokens=False),  # as the model saw it
+                    "response": text, "answer": ex.answer, "reward": float(reward), "passed": reward >= threshold,
+                    "finish_reason": res.finish_reason, "response_tokens": len(res.token_ids)})
         out["prompts"] += len(results) // n
         out["rows"] += len(results)
         out["reward"] += float(sum(rewards))

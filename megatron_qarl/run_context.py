@@ -90,6 +90,7 @@ class RunContext:
     reward_counts: dict = field(default_factory=dict)
     nonfinite_streak: int = 0  # optimizer steps skipped in a row for a non-finite loss or gradient
     step_samples: list = field(default_factory=list)  # this step's samples for samples.jsonl (logging rank)
+    eval_samples: list = field(default_factory=list)  # the last evaluation's responses for eval_samples.jsonl (rank 0)
     wandb_run_id: str | None = None  # the wandb run a resumed run continues (from its checkpoint)
     memory: Any = None  # memory_saver.TrainerMemory: the trainer's state released while colocated engines run
     start_checkpoint: str | None = None  # what launched engines start from (engine_start_checkpoint)
@@ -112,6 +113,7 @@ def build_run_context(cfg: RunConfig) -> RunContext:
 
         check_vllm_machine(cfg.rollout.vllm.venv, cfg.rollout.vllm.device, cfg.quant)
     layout = init_distributed(cfg.parallel, seed=cfg.train.seed)
+    continuing = prepare_out_dir(cfg)  # before anything is written there: an earlier run's results are kept
     hf_config = resolve_hf_config(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
     sampling = run_sampling_params(cfg, tokenizer)
@@ -169,7 +171,7 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     ctx.start_step = resume_run(ctx)  # refuses another experiment's checkpoint before anything below writes
     if is_logging_rank():
         save_yaml(cfg, Path(cfg.logging.out_dir) / "config.yaml")
-        ctx.tracker = build_tracker(cfg, resume=ctx.start_step > 0, start_step=ctx.start_step,
+        ctx.tracker = build_tracker(cfg, resume=continuing or ctx.start_step > 0, start_step=ctx.start_step,
                                     wandb_run_id=ctx.wandb_run_id)
     return ctx
 
@@ -271,6 +273,48 @@ def load_run_data(cfg: RunConfig, tokenizer, is_leader: bool):
     raise_if_any_rank_failed(error, DatasetError(
         "reading the prompts failed on another rollout-group leader (see its error)"))
     return data, eval_examples
+
+
+def continues_out_dir(cfg: RunConfig) -> tuple[bool, str]:
+    """(whether this run continues what logging.out_dir holds, why not): it resumes a checkpoint
+    (checkpoint.resume=auto/force with a complete one, or a path), or it re-runs its own experiment's start
+    (auto, no checkpoint yet, the dir's config.yaml has this run's identity: a run killed before its first
+    checkpoint)."""
+    from megatron_qarl.checkpointing import RunCheckpoints
+    from megatron_qarl.config import load_config
+
+    mode = cfg.checkpoint.resume
+    if mode == "none":
+        return False, "checkpoint.resume=none"
+    if mode not in ("auto", "force"):
+        return True, ""
+    if RunCheckpoints(cfg.checkpoint.dir or Path(cfg.logging.out_dir) / "checkpoints").complete():
+        return True, ""
+    saved = Path(cfg.logging.out_dir) / "config.yaml"
+    try:
+        same = saved.is_file() and config_identity(load_config(saved)) == config_identity(cfg)
+    except Exception:  # noqa: BLE001 - an unreadable config.yaml is another run's
+        same = False
+    return same, "it has no complete checkpoint of this experiment to resume"
+
+
+def prepare_out_dir(cfg: RunConfig) -> bool:
+    """COLLECTIVE. Rank 0 keeps an earlier run's results in logging.out_dir (tracking.prepare_run_dir: refused, or
+    moved aside with logging.overwrite=true) unless this run continues them; whether it does."""
+    from megatron_qarl.parallel import raise_if_any_rank_failed
+    from megatron_qarl.tracking import TrackingError, prepare_run_dir
+
+    continuing, why = continues_out_dir(cfg)
+    error = None
+    if torch.distributed.get_rank() == 0:
+        try:
+            prepare_run_dir(cfg.logging.out_dir, cfg.checkpoint.dir, continuing=continuing,
+                            overwrite=cfg.logging.overwrite, why_fresh=why)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has heard of it
+            error = exc
+    raise_if_any_rank_failed(error, TrackingError(f"logging.out_dir={cfg.logging.out_dir!r} cannot be used (rank 0 "
+                                                  "says why)"))
+    return continuing
 
 
 def check_initial_weights(cfg: RunConfig) -> None:

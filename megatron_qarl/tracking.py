@@ -29,6 +29,8 @@ PLOTTED_METRICS = (
     ("time/step_s", "step time (s)"),
 )
 PLOTTED_PREFIXES = ("eval/",)
+# Settings logged beside the metrics (what a pass meant), neither plotted nor printed on the console line.
+UNPLOTTED_METRICS = ("eval/pass_threshold",)
 
 
 # The console line: the handful of numbers that say whether a QaRL step went well, and what it cost
@@ -44,6 +46,75 @@ _ONLINE_MODES = ("online", "run", "shared")
 
 class TrackingError(ValueError):
     """A metrics sink that cannot work as configured (e.g. online wandb without credentials)."""
+
+
+# ------------------------------------------------------------------------------------------------ run dirs
+
+# What an out dir holds of a run that a new run must never replace silently (checkpoints: RESULT_DIRS).
+RESULT_FILES = ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl")
+
+
+def run_results(out_dir, checkpoint_dir=None, *, checkpoints: bool = True, plots: bool = True) -> list[str]:
+    """The results of an earlier run in `out_dir` (and its checkpoint dir, default <out_dir>/checkpoints):
+    non-empty metrics / samples files, plots, TensorBoard events, step checkpoints; [] for a missing or fresh dir."""
+    out = Path(out_dir)
+    found = [name for name in RESULT_FILES if (out / name).is_file() and (out / name).stat().st_size > 0]
+    if out.is_dir():
+        pngs = sorted(p.name for p in out.glob("*.png")) if plots else []
+        if pngs:
+            found.append(f"{len(pngs)} plot(s)")
+        if any((out / "tensorboard").glob("events.out.tfevents.*")):
+            found.append("tensorboard/")
+    ckpts = Path(checkpoint_dir or out / "checkpoints")
+    steps = sorted(p.name for p in ckpts.glob("step_*")) if checkpoints and ckpts.is_dir() else []
+    if steps:
+        found.append(f"{len(steps)} checkpoint(s) in {ckpts}")
+    return found
+
+
+def moved_aside_name(path) -> Path:
+    """`<path>.old-<YYYYmmdd-HHMMSS>` (then -2, -3, ... if taken): where an overwritten run's dir goes."""
+    import time
+
+    path = Path(path)
+    base = path.with_name(f"{path.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
+
+
+def prepare_run_dir(out_dir, checkpoint_dir=None, *, continuing: bool, overwrite: bool, why_fresh: str = "") -> list[Path]:
+    """Make `out_dir` ready for a run without losing an earlier run's results (rank 0, before anything is written).
+
+    continuing (the run resumes this dir's checkpoint, or re-runs this experiment's own interrupted start): the
+    results stay, and the tracker appends / truncates them as the resume defines. Otherwise, results there are
+    refused with one line naming the choices (TrackingError), unless `overwrite` (logging.overwrite=true): then
+    the dir (and an outside checkpoint dir holding checkpoints) is renamed to `<dir>.old-<timestamp>`, never
+    deleted. Returns the dirs moved aside."""
+    results = [] if continuing else run_results(out_dir, checkpoint_dir)
+    if not results:
+        return []
+    if not overwrite:
+        raise TrackingError(
+            f"logging.out_dir={str(out_dir)!r} holds an earlier run's results ({', '.join(results)}) and this run "
+            f"would start fresh{f' ({why_fresh})' if why_fresh else ''}; choose one: resume it "
+            f"(checkpoint.resume=auto), write to a new logging.out_dir, or set logging.overwrite=true to move the "
+            f"old results to {Path(out_dir).name}.old-<timestamp> (nothing is deleted)")
+    moved = []
+    dirs = [Path(out_dir)]
+    if checkpoint_dir is not None and Path(out_dir).resolve() not in Path(checkpoint_dir).resolve().parents \
+            and any(Path(checkpoint_dir).glob("step_*")):
+        dirs.append(Path(checkpoint_dir))
+    for d in dirs:
+        if d.exists():
+            dest = moved_aside_name(d)
+            d.rename(dest)
+            moved.append(dest)
+            print(f"[qarl] logging.overwrite=true: moved the earlier run's {d} to {dest} (nothing deleted)",
+                  flush=True)
+    return moved
 
 
 @dataclass
@@ -76,24 +147,27 @@ class TrackerConfig:
 
 class MetricsTracker:
     def __init__(self, cfg: TrackerConfig, *, resume: bool = False, start_step: int | None = None):
-        """resume: keep metrics.jsonl and samples.jsonl, minus their rows of steps >= `start_step` (the steps
-        this run re-runs), so every step has one row, continue the wandb run `cfg.wandb_run_id` and hide
-        the TensorBoard points of steps >= `start_step`; otherwise an existing metrics.jsonl, samples.jsonl
-        and TensorBoard event files are removed."""
+        """resume: keep metrics.jsonl, samples.jsonl and eval_samples.jsonl, minus their rows of steps >=
+        `start_step` (the steps this run re-runs), so every step has one row, continue the wandb run
+        `cfg.wandb_run_id` and hide the TensorBoard points of steps >= `start_step`. Otherwise the dir must hold
+        no earlier run's results (prepare_run_dir moves them aside first): a TrackingError, never a deletion."""
         self.cfg = cfg
         self.out_dir = Path(cfg.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.out_dir / "metrics.jsonl"
         self.samples_path = self.out_dir / "samples.jsonl"
+        self.eval_samples_path = self.out_dir / "eval_samples.jsonl"
         self.tensorboard_dir = self.out_dir / "tensorboard"
-        for path in (self.jsonl_path, self.samples_path):
-            if not resume and path.exists():
-                path.unlink()  # another run's rows, whether or not this run writes its own
-            elif resume and start_step is not None and path.exists():
+        if not resume:
+            # (plots are redrawn from this run's rows; checkpoints are the run's resume decision)
+            found = run_results(self.out_dir, checkpoints=False, plots=False)
+            if found:
+                raise TrackingError(f"{self.out_dir} holds an earlier run's results ({', '.join(found)}); a fresh "
+                                    "run does not replace them: resume it, or use another out dir (qarl-train: "
+                                    "logging.overwrite=true moves them aside)")
+        for path in (self.jsonl_path, self.samples_path, self.eval_samples_path):
+            if resume and start_step is not None and path.exists():
                 _truncate_jsonl(path, start_step)
-        if not resume:  # another run's TensorBoard points (a resume hides its re-run ones: purge_step below)
-            for events in self.tensorboard_dir.glob("events.out.tfevents.*"):
-                events.unlink()
         self._rows: list[dict] = []  # what summary() and the plots read when there is no metrics.jsonl
         self._plot_warned = False  # a failing plot warns once, until plots are written again
         self._wandb = _init_wandb(cfg, self.out_dir)
@@ -134,12 +208,13 @@ class MetricsTracker:
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Append one JSON line per sample, {"step": step, **row} (prompt, response, reward, answer, ...), to
         <out_dir>/samples.jsonl; nothing when `samples` is off."""
-        if not self.cfg.samples or not rows:
-            return
-        text = "".join(json.dumps({"step": step, **{k: _json_safe(_plain(v)) for k, v in r.items()}}) + "\n"
-                       for r in rows)
-        with open(self.samples_path, "a") as f:
-            f.write(text)  # one write: a kill tears at most the last line, which a resume drops
+        if self.cfg.samples:
+            _append_jsonl(self.samples_path, step, rows)
+
+    def log_eval_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Append every response of a held-out evaluation, {"step": step, **row}, to <out_dir>/eval_samples.jsonl
+        (`step` is the metrics row the evaluation is logged in)."""
+        _append_jsonl(self.eval_samples_path, step, rows)
 
     def rows(self) -> list[dict]:
         """Every logged row; with metrics.jsonl that includes the rows of the run this one resumed."""
@@ -179,6 +254,8 @@ class MetricsTracker:
         written = [self.jsonl_path] if self.cfg.jsonl and self.jsonl_path.exists() else []
         if self.cfg.samples and self.samples_path.exists():
             written.append(self.samples_path)
+        if self.eval_samples_path.exists():
+            written.append(self.eval_samples_path)
         if self._tb is not None:
             try:
                 self._tb.close()  # flushes
@@ -194,6 +271,15 @@ class MetricsTracker:
             except Exception as exc:  # noqa: BLE001 - same: never the run's error
                 print(f"[qarl] wandb not closed cleanly: {exc}", flush=True)
         return written
+
+
+def _append_jsonl(path: Path, step: int, rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    text = "".join(json.dumps({"step": step, **{k: _json_safe(_plain(v)) for k, v in r.items()}}) + "\n"
+                   for r in rows)
+    with open(path, "a") as f:
+        f.write(text)  # one write: a kill tears at most the last line, which a resume drops
 
 
 def _truncate_jsonl(path: Path, start_step: int) -> None:
@@ -216,13 +302,21 @@ def _truncate_jsonl(path: Path, start_step: int) -> None:
 
 
 def progress_line(step: int, total: int | None, metrics: dict[str, Any]) -> str:
-    """'step k/N' and the PROGRESS_METRICS, then the eval/ metrics, of those the row has (an eval-only row
-    has no training keys)."""
+    """'step k/N' (row `step` is the k = step + 1-th RL step) and the PROGRESS_METRICS it has, then its eval/
+    metrics, labelled with the weights they measured: a row's evaluation ran before its step, on the weights
+    after `step` steps ('eval at start' for row 0). A row with only eval metrics (the final evaluation, row N)
+    is 'eval after step N/N'."""
     # NaN = not measured this step (e.g. code flips of a full-mode publisher that does not count them)
     parts = [f"{label} {metrics[k]:.4g}" for k, label in PROGRESS_METRICS
              if _is_number(metrics.get(k)) and not math.isnan(metrics[k])]
-    parts += [f"{k} {v:.4g}" for k, v in sorted(metrics.items()) if k.startswith("eval/") and _is_number(v)]
-    return f"[qarl] step {step + 1}/{total if total is not None else '?'}  " + "  ".join(parts)
+    evals = [f"{k} {v:.4g}" for k, v in sorted(metrics.items())
+             if k.startswith("eval/") and k not in UNPLOTTED_METRICS and _is_number(v)]
+    of = total if total is not None else "?"
+    when = "eval at start" if step == 0 else f"eval after step {step}/{of}"
+    if evals and not parts:
+        return f"[qarl] {when}:  " + "  ".join(evals)
+    line = f"[qarl] step {step + 1}/{of}  " + "  ".join(parts)
+    return line + (f"  | {when}:  " + "  ".join(evals) if evals else "")
 
 
 def first_last_means(values: list[float], window: int = 5) -> tuple[int, float, float]:
@@ -287,7 +381,7 @@ def _is_number(value: Any) -> bool:
 
 def _plotted(rows: list[dict]) -> list[tuple[str, str]]:
     """(key, label) of every curve to draw: PLOTTED_METRICS, then each key under PLOTTED_PREFIXES."""
-    keys = sorted({k for r in rows for k in r if k.startswith(PLOTTED_PREFIXES)})
+    keys = sorted({k for r in rows for k in r if k.startswith(PLOTTED_PREFIXES) and k not in UNPLOTTED_METRICS})
     return [*PLOTTED_METRICS, *((k, k) for k in keys)]
 
 

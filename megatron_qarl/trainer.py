@@ -198,7 +198,10 @@ def keep_samples(ctx, rows, texts, rewards, examples, results) -> None:
     for k, row in enumerate(rows):
         if row % ctx.cfg.rollout.n == 0 and len(ctx.step_samples) < want:
             ctx.step_samples.append({
-                "row": row, "prompt": examples[k].prompt_text, "response": texts[k], "answer": examples[k].answer,
+                # the prompt as the model saw it (decoded from its token ids: a character the tokenizer lacks
+                # shows as its unknown token, e.g. <unk>)
+                "row": row, "prompt": ctx.tokenizer.decode(examples[k].prompt_ids, skip_special_tokens=False),
+                "response": texts[k], "answer": examples[k].answer,
                 "reward": float(rewards[k]), "finish_reason": results[k].finish_reason,
                 "response_tokens": len(results[k].token_ids)})
 
@@ -449,6 +452,9 @@ def log(ctx, step: int, metrics: dict) -> dict:
         if ctx.step_samples:
             ctx.tracker.log_samples(step, ctx.step_samples)
             ctx.step_samples = []
+        if ctx.eval_samples:  # the evaluation logged in this row (evaluation.evaluate)
+            ctx.tracker.log_eval_samples(step, ctx.eval_samples)
+            ctx.eval_samples = []
     return metrics
 
 

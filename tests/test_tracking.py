@@ -209,13 +209,9 @@ def test_tensorboard_gets_every_numeric_metric_and_a_resume_replaces_the_rerun_s
     assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]
     assert [(e.step, e.value) for e in events.Scalars("loss/value")] == [(0, 0.0), (1, 0.5), (2, 0.0), (3, 0.0)]
 
-    tracker = _tracker(tmp_path, tensorboard=True)  # a fresh run: another run's points are gone
-    tracker.log(0, {"reward/mean": 7.0})
-    tracker.finish()
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
-    events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(0, 7.0)]
-    assert events.Tags()["scalars"] == ["reward/mean"]
+    (tmp_path / "metrics.jsonl").unlink()
+    with pytest.raises(TrackingError, match=r"tensorboard/"):  # a fresh run never deletes another run's points
+        _tracker(tmp_path, tensorboard=True)
 
 
 def test_no_tensorboard_dir_unless_asked(tmp_path):
@@ -235,13 +231,15 @@ def test_plots_are_refreshed_every_plot_every_steps_and_eval_rows_are_plotted(tm
     tracker.log(2, {"reward/mean": 0.2, "eval/pass@1": 0.25, "eval/pass@4": 0.5, "eval/mean_reward": 0.3})
     tracker.log(3, {"reward/mean": 0.3})
     assert png.read_bytes() == first  # step 4/4 is the last one: finish() draws it
-    tracker.log(3, {"eval/pass@1": 0.5, "eval/pass@4": 0.75, "eval/mean_reward": 0.6})  # the final eval, alone
+    tracker.log(4, {"eval/pass@1": 0.5, "eval/pass@4": 0.75, "eval/mean_reward": 0.6})  # the final eval, alone
     written = tracker.finish()
     assert png.read_bytes() != first
     assert {p.name for p in written} == {"metrics.jsonl", "reward_mean.png", "eval_pass@1.png", "eval_pass@4.png",
                                          "eval_mean_reward.png"}
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[qarl] step")]
-    assert lines[-1] == "[qarl] step 4/4  eval/mean_reward 0.6  eval/pass@1 0.5  eval/pass@4 0.75"
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[qarl] ")]
+    assert lines[-3] == ("[qarl] step 3/4  reward 0.2  | eval after step 2/4:  eval/mean_reward 0.3  eval/pass@1 0.25"
+                         "  eval/pass@4 0.5")
+    assert lines[-1] == "[qarl] eval after step 4/4:  eval/mean_reward 0.6  eval/pass@1 0.5  eval/pass@4 0.75"
     assert tracker.summary() == "reward/mean: first 2 steps 0.050 -> last 2 steps 0.250 (+0.200)"
 
 
@@ -289,8 +287,9 @@ def test_samples_jsonl_appends_resumes_and_starts_fresh(tmp_path):
     tracker.finish()
     assert _samples(tmp_path)[-1] == {"step": 2, "prompt": "again", "reward": 0.5}
 
-    _tracker(tmp_path).finish()  # a fresh run: another run's samples are gone
-    assert not (tmp_path / "samples.jsonl").exists()
+    with pytest.raises(TrackingError, match="holds an earlier run's results"):  # a fresh run never deletes them
+        _tracker(tmp_path)
+    assert len(_samples(tmp_path)) == 5
 
 
 def test_samples_off_writes_no_samples_file(tmp_path):
@@ -301,7 +300,8 @@ def test_samples_off_writes_no_samples_file(tmp_path):
 
 
 def test_progress_line_of_a_row_without_training_keys():
-    assert progress_line(9, 10, {"eval/pass@1": 0.5}) == "[qarl] step 10/10  eval/pass@1 0.5"
+    assert progress_line(10, 10, {"eval/pass@1": 0.5}) == "[qarl] eval after step 10/10:  eval/pass@1 0.5"
+    assert progress_line(0, 10, {"eval/pass@1": 0.5}) == "[qarl] eval at start:  eval/pass@1 0.5"
     assert progress_line(0, None, {}) == "[qarl] step 1/?  "
 
 
