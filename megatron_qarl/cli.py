@@ -10,6 +10,7 @@ Errors a user can fix (bad config, bad checkpoint, bad data) print one clear mes
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import warnings
@@ -117,11 +118,56 @@ def format_dry_run(cfg, world_size: int, gpu_gib: float = 79.0) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_inputs(cfg) -> list[str]:
+    """`--dry-run`'s check of the run's inputs, as the run does it before building a model: the tokenizer, the
+    training and held-out rows, the reward's smoke call, the tokenizer's coverage (run_context.check_run_inputs);
+    the report's lines. Problems raise (one line)."""
+    import dataclasses
+    import tempfile
+
+    from megatron_qarl.rl.tokenizer import load_tokenizer, split_stops
+    from megatron_qarl.run_context import build_prompt_dataset, check_run_inputs, load_eval_examples
+
+    tokenizer = load_tokenizer(cfg.model)
+    with tempfile.TemporaryDirectory() as tmp:  # a synthetic task is written to the out dir: not by a dry run
+        data_cfg = cfg if cfg.data.source != "synthetic" else \
+            dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, out_dir=tmp))
+        data = build_prompt_dataset(data_cfg, tokenizer)
+    eval_examples = load_eval_examples(cfg, tokenizer) if cfg.eval.path is not None else None
+    from megatron_qarl.rl.rewards import RewardError
+
+    try:
+        report = check_run_inputs(cfg, tokenizer, data.examples, eval_examples)
+    except RewardError as err:
+        raise UserError(str(err)) from err
+    r, d = data.report, cfg.data
+    longest = max((len(ex.prompt_ids) for ex in data.examples if ex.prompt_ids is not None), default=0)
+    lines = ["", "# inputs (read and checked as the run reads them, before any model)",
+             f"prompts: {', '.join(r.sources)}: {r.total_rows} rows, {r.usable_rows} usable ({r.malformed_rows} "
+             f"malformed, {r.too_long_rows} longer than data.max_prompt_len={d.max_prompt_len} tokens); longest "
+             f"prompt {longest} tokens + rollout.max_new_tokens={cfg.rollout.max_new_tokens}"]
+    if eval_examples is not None:
+        e = cfg.eval
+        lines.append(f"held-out: {e.path}: {len(eval_examples)} prompts x eval.n={e.n} samples; a sample passes "
+                     f"when its reward >= eval.pass_threshold={e.pass_threshold:g}")
+    else:
+        lines.append("held-out: none (eval.path=null)")
+    ids, texts = split_stops(tokenizer, list(cfg.rollout.stop), list(cfg.rollout.stop_token_ids))
+    lines.append(f"stops: token ids {ids} (EOS {tokenizer.eos_token!r} included)"
+                 + (f", text {texts}" if texts else ""))
+    return lines + report.lines()
+
+
 def _train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qarl-train", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", "-c", help="YAML run config (see configs/)")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the resolved config, parallel layout and memory estimate; start nothing")
+                   help="check everything that needs no model and start nothing: the resolved config, parallel "
+                        "layout and memory estimate, the training and held-out prompt rows, the reward called on a "
+                        "few real rows, the tokenizer's coverage of the prompts, system prompt, template and stops")
+    p.add_argument("--skip-inputs", action="store_true",
+                   help="--dry-run only: check the config, layout and memory but not the inputs (tokenizer, data, "
+                        "reward), e.g. on a login node without the run's model files and data")
     p.add_argument("--world-size", type=int, default=None,
                    help="--dry-run only: check the layout for this many ranks (default: WORLD_SIZE if set, "
                         "else parallel.world_size, else the smallest world the layout fits)")
@@ -149,13 +195,18 @@ def train_main(argv=None) -> int:
     mode = argv.pop(0) if argv and argv[0] in ("sft", "rl") else "rl"
     args = _train_parser().parse_args(argv)
     errors = _user_errors()
+    cfg = None
     try:
         from megatron_qarl.config import load_config
 
         if args.dry_run:
             cfg = load_config(args.config, args.overrides)
-            print(format_dry_run(cfg, dry_run_world_size(cfg, args.world_size), args.gpu_gib))
+            inputs = [] if args.skip_inputs else check_inputs(cfg)  # first: a problem is the one line printed
+            print(format_dry_run(cfg, dry_run_world_size(cfg, args.world_size), args.gpu_gib)
+                  + "".join(line + "\n" for line in inputs))
             return 0
+        if args.skip_inputs:
+            raise UserError("--skip-inputs is a --dry-run option; a run always checks its inputs")
         if args.world_size is not None:
             raise UserError("--world-size is a --dry-run option; a run's world size is the launcher's "
                             "(torchrun --nproc_per_node / WORLD_SIZE)")
@@ -163,15 +214,214 @@ def train_main(argv=None) -> int:
         if mode == "sft":
             from megatron_qarl.sft import run_sft
 
-            run_sft(cfg)
+            run_guarded(lambda: run_sft(cfg), cfg)
         else:
             from megatron_qarl.trainer import train
 
-            train(cfg)
+            run_guarded(lambda: train(cfg), cfg)
         return 0
     except errors as err:
-        print(f"qarl-train: error: {err}", file=sys.stderr)
+        return print_error(err, cfg)
+
+
+
+
+# --------------------------------------------------------------------------------------------------- failures
+# A run that fails on something the user can fix ends with one line naming the cause and the fix, printed once
+# (by rank 0), and exit status 2; the traceback goes to <logging.out_dir>/error.log (error.rank<N>.log for the
+# other ranks; a temp file when the out dir cannot be written). Anything else keeps its traceback (exit 1).
+
+class RunFailed(UserError):
+    """A known runtime failure, reduced to one line (failure_line); its traceback is in the run's error.log."""
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+# What the errors raised on the ranks that did not fail say (parallel.raise_if_any_rank_failed's `elsewhere`).
+_SECONDARY = ("another rank", "another rollout", "rank 0 says", "(see its error)")
+
+
+def _chain(err: BaseException):
+    """`err`, its causes and contexts, and the per-rank failures a torch-DCP CheckpointException carries."""
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict):  # {rank: exception, or (exception, its stack)}
+            for f in failures.values():
+                todo.append(f[0] if isinstance(f, tuple) and f and isinstance(f[0], BaseException) else
+                            f if isinstance(f, BaseException) else None)
+        todo += [e.__cause__, e.__context__]
+
+
+def _free_space(cfg) -> str:
+    import shutil
+
+    try:
+        return f"; {shutil.disk_usage(cfg.logging.out_dir).free / 2**20:.0f} MiB free there now"
+    except (OSError, AttributeError):
+        return ""
+
+
+def failure_line(err: BaseException, cfg=None) -> str | None:
+    """One line for a known runtime failure (reward, engine, full disk, read-only dir), None for anything else."""
+    from megatron_qarl.rl.rewards import RewardError
+    from megatron_qarl.rollout.protocol import RolloutEngineError
+
+    out_dir = getattr(getattr(cfg, "logging", None), "out_dir", None)
+    chain = list(_chain(err))
+    full = [e for e in chain if isinstance(e, OSError) and e.errno in _DISK_FULL or
+            any(k in str(e) for k in ("No space left on device", "inline_container.cc"))]
+    if full:
+        e = full[-1]  # the innermost: the write that failed
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            what = f"writing {e.filename or 'a file'} failed: {e.strerror}"
+        else:
+            what = next(ln.strip() for ln in str(e).splitlines()
+                        if "No space left" in ln or "inline_container.cc" in ln)[:160]
+            if "inline_container.cc" in what:
+                what = f"torch.save could not finish a file ({what})"
+        return (f"the disk is full ({what}{_free_space(cfg)}): free space, or point logging.out_dir / "
+                "checkpoint.dir at a disk with room, and run the same command again (checkpoint.resume=auto "
+                "continues from the last complete checkpoint)")
+    for e in chain:
+        if isinstance(e, OSError) and e.errno in _NOT_WRITABLE:
+            what = "cannot write" if e.errno == errno.EROFS else "no permission for"
+            return (f"{what} {e.filename or 'the run dir'}: {e.strerror} (errno {errno.errorcode.get(e.errno)}); "
+                    f"logging.out_dir={out_dir!r} (and checkpoint.dir) must be a directory this user can write, on "
+                    "a writable file system, and the inputs readable: choose another logging.out_dir or fix the "
+                    "permissions")
+    if isinstance(err, RewardError):
+        line = str(err)
+        if any(isinstance(e, MemoryError) for e in _chain(err)) or "MemoryError" in line:
+            line += ("; it ran out of memory: make it hold less per call (it scores a batch of "
+                     "rollout.request_prompts x rollout.n responses)")
+        return line
+    if isinstance(err, RolloutEngineError):
+        line = f"the rollout engine failed: {err}"
+        if not any(k in str(err) for k in ("resume", "rollout.", "set ", "lower ", "raise ")):
+            line += ("; the engine's own log and the traceback say more; rollout.request_retries, "
+                     "rollout.request_timeout_s and rollout.engine_restarts bound how long it is retried")
+        return line
+    return None
+
+
+def _error_log_path(cfg, rank: int):
+    from pathlib import Path
+
+    out_dir = getattr(getattr(cfg, "logging", None), "out_dir", None)
+    name = "error.log" if rank == 0 else f"error.rank{rank}.log"
+    return Path(out_dir) / name if out_dir else None
+
+
+def write_error_log(cfg, err: BaseException, line: str | None):
+    """The traceback of `err` (and its one line) appended to the run's error.log (the out dir is made if need be);
+    a temp file when the out dir cannot be written; None without a config (a config error) or anywhere to write."""
+    import tempfile
+    import time
+    import traceback
+    from pathlib import Path
+
+    rank = int(os.environ.get("RANK", "0"))
+    text = (f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} rank {rank} pid {os.getpid()}\n"
+            + (f"qarl-train: error: {line}\n" if line else "")
+            + "".join(traceback.format_exception(type(err), err, err.__traceback__)))
+    where = _error_log_path(cfg, rank)
+    candidates = [where] if where is not None else []
+    candidates.append(Path(tempfile.gettempdir()) / f"qarl-error-{os.getpid()}.log")
+    for path in candidates:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)  # a run that failed before writing anything
+            with open(path, "a") as f:
+                f.write(text)
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def run_guarded(fn, cfg):
+    """fn(), with its failures logged to error.log; a known runtime failure becomes RunFailed (one line)."""
+    import megatron_qarl.errors as errors_module
+
+    try:
+        return fn()
+    except BaseException as err:  # torch-DCP's CheckpointException (a full disk mid-save) is a BaseException
+        if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)) or                 isinstance(err, getattr(errors_module, "RunStopped", ())):  # a requested stop is not a failure
+            raise
+        user = isinstance(err, _user_errors())
+        line = None if user else failure_line(err, cfg)
+        import time
+
+        err.failed_at = time.time()  # print_error: when the other ranks wait for rank 0's report
+        log = write_error_log(cfg, err, str(err) if user else line)
+        if line is None:
+            raise
+        failed = RunFailed(line + (f" (traceback: {log})" if log else ""))
+        failed.failed_at = err.failed_at
+        raise failed from err
+
+
+def _primary_line(cfg, secondary: str, wait_s: float = 5.0) -> str:
+    """On rank 0 when its error only says another rank failed: that rank's line, from its error.rank<N>.log."""
+    import time
+    from pathlib import Path
+
+    out_dir = getattr(getattr(cfg, "logging", None), "out_dir", None)
+    if not out_dir:
+        return secondary
+    deadline = time.monotonic() + wait_s
+    while True:
+        for log in sorted(Path(out_dir).glob("error.rank*.log")):
+            try:
+                if time.time() - log.stat().st_mtime > 120:
+                    continue
+                lines = [ln for ln in log.read_text().splitlines() if ln.startswith("qarl-train: error: ")]
+            except OSError:
+                continue
+            if lines and not any(k in lines[-1] for k in _SECONDARY):
+                rank = log.name[len("error.rank"):-len(".log")]
+                return f"rank {rank}: {lines[-1][len('qarl-train: error: '):]} (traceback: {log})"
+        if time.monotonic() > deadline:
+            return secondary
+        time.sleep(0.2)
+
+
+def _wait_for_rank0(cfg, since: float, wait_s: float = 15.0) -> None:
+    """On another rank: let rank 0 report before this rank exits (torchrun stops every worker as soon as one
+    exits): wait until rank 0's error.log was written after `since`, then a moment for its line."""
+    import time
+
+    log = _error_log_path(cfg, 0)
+    deadline = time.monotonic() + wait_s
+    while log is not None and time.monotonic() < deadline:
+        try:
+            if log.stat().st_mtime >= since - 1.0:
+                time.sleep(1.0)
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+
+
+def print_error(err: BaseException, cfg=None) -> int:
+    """The one error line, printed by rank 0 only (every rank raises the same or an 'another rank failed' error);
+    exit status 2."""
+    if os.environ.get("RANK", "0") != "0":
+        import time
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            _wait_for_rank0(cfg, getattr(err, "failed_at", time.time()))
         return 2
+    line = str(err)
+    if any(k in line for k in _SECONDARY):
+        line = _primary_line(cfg, line)
+    print(f"qarl-train: error: {line}", file=sys.stderr)
+    return 2
 
 
 def convert_main(argv=None) -> int:

@@ -494,9 +494,10 @@ def _is_string_key(schema, key: str) -> bool:
 
 
 def _parse_overrides(overrides: list[str], schema=None):
-    """`key=value` items as one OmegaConf layer. A string-typed key takes its value as written, also when YAML
-    would read it as a mapping or fail on it (`data.prompt.template=Q: {problem}` is the text 'Q: {problem}');
-    other keys get YAML values (numbers, lists, null)."""
+    """`key=value` items as one OmegaConf layer. A string-typed key takes its value as written unless it is quoted
+    (YAML then unquotes it) or null: `data.prompt.template=Q: {problem}` is the text 'Q: {problem}' (YAML would
+    read a mapping) and `data.prompt.system=Use # for comments` keeps its '#' (YAML would drop a comment). Other
+    keys get YAML values (numbers, lists, null)."""
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} is not of the form section.key=value "
@@ -512,11 +513,13 @@ def _parse_overrides(overrides: list[str], schema=None):
                 raise ConfigError(f"cannot parse override {item!r}: {str(err).splitlines()[0]}; "
                                   f"{_QUOTE_HINT}") from err
             parsed, value = None, None
-        if schema is not None and _is_string_key(schema, key) and (parsed is None or not isinstance(value, str)
-                                                                   and (OmegaConf.is_config(value) or value is None
-                                                                        and raw.strip() not in ("null", "~", ""))):
-            OmegaConf.update(layer, key, raw, force_add=True)  # the text as written
+        quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
+        if schema is not None and _is_string_key(schema, key) and not quoted and raw.strip() not in ("null", "~"):
+            # the text as written: YAML would drop a ' #...' tail as a comment, or read 'Q: x' as a mapping
+            OmegaConf.update(layer, key, raw, force_add=True)
             continue
+        if parsed is None:
+            raise ConfigError(f"cannot parse override {item!r}; {_QUOTE_HINT}")
         layer = OmegaConf.merge(layer, parsed)
     return layer
 

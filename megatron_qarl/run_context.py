@@ -251,7 +251,7 @@ def load_eval_examples(cfg: RunConfig, tokenizer):
 
     e = cfg.eval
     data_cfg = dataclasses.replace(
-        prompt_data_config(cfg, e.path), split=e.split, shuffle=False,
+        prompt_data_config(cfg, e.path), split=e.split, shuffle=False, section="eval",
         prompt_key=e.prompt_key or cfg.data.prompt_key, answer_key=e.answer_key or cfg.data.answer_key)
     examples, _ = load_prompt_examples(data_cfg, tokenizer)
     return examples[: e.max_prompts] if e.max_prompts else examples
@@ -268,11 +268,27 @@ def load_run_data(cfg: RunConfig, tokenizer, is_leader: bool):
         try:
             data = build_prompt_dataset(cfg, tokenizer)
             eval_examples = load_eval_examples(cfg, tokenizer) if cfg.eval.path is not None else None
+            report = check_run_inputs(cfg, tokenizer, data.examples, eval_examples)
+            if is_logging_rank():
+                for line in report.warnings:
+                    print(f"[qarl] warning: {line}", flush=True)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has heard of it
             error = exc
     raise_if_any_rank_failed(error, DatasetError(
         "reading the prompts failed on another rollout-group leader (see its error)"))
     return data, eval_examples
+
+
+def check_run_inputs(cfg: RunConfig, tokenizer, train_examples, eval_examples):
+    """preflight.check_run_inputs with a fresh reward function for its smoke call (closed after): what a run
+    and `qarl-train --dry-run` check of the inputs without a model."""
+    from megatron_qarl import preflight
+
+    reward_fn = build_reward_fn(cfg)
+    try:
+        return preflight.check_run_inputs(cfg, tokenizer, train_examples, eval_examples, reward_fn)
+    finally:
+        reward_fn.close()
 
 
 def continues_out_dir(cfg: RunConfig) -> tuple[bool, str]:

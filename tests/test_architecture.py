@@ -44,6 +44,8 @@ ALLOWED: dict[str, set[str]] = {
     # every room below them; the CLIs sit on top.
     # held-out evaluation: a phase of the RL loop, over the engines and the collectives
     "megatron_qarl.evaluation": {"megatron_qarl.parallel", "megatron_qarl.rollout", "megatron_qarl.rl.repetition"},
+    # what a run checks of its inputs before any model: prompt rows, the reward's smoke call, tokenizer coverage
+    "megatron_qarl.preflight": {"megatron_qarl.rl"},
     # the config reference generator reads the config dataclasses
     "megatron_qarl.config_reference": {"megatron_qarl.config", "megatron_qarl.fileio"},
     "megatron_qarl.run_context": {"*"},

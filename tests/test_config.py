@@ -382,12 +382,14 @@ def test_dry_run_on_a_login_node_checks_the_configs_own_world(monkeypatch, capsy
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     q30 = str(ROOT / "configs" / "qwen3_30b_a3b_qarl_w4a16_tbpo.yaml")
-    assert train_main(["--config", q30, "--dry-run"]) == 0
+    assert train_main(["--config", q30, "--dry-run", "--skip-inputs"]) == 0  # no model files / data here
     assert "world 8 = TP 4 x PP 1 x DP 2" in capsys.readouterr().out
+    assert train_main(["--config", q30, "--dry-run"]) == 2  # the inputs are checked too: here, the tokenizer
+    assert "has no tokenizer of its own" in capsys.readouterr().err
     assert dry_run_world_size(load_config(None, ["parallel.tp=2", "parallel.ep=4", "parallel.etp=1"]), None) == 4
     assert dry_run_world_size(load_config(q30, []), 16) == 16
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert train_main(["--config", q30, "--dry-run"]) == 2
+    assert train_main(["--config", q30, "--dry-run", "--skip-inputs"]) == 2
     assert "parallel.world_size=8 ranks but runs on 4" in capsys.readouterr().err
 
 

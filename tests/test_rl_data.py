@@ -83,7 +83,7 @@ def test_max_prompt_length_filter_counts_dropped(tmp_path, tok):
                                                json.dumps({"prompt": "123456+654321=", "answer": "777777"})])
     ds = PromptDataset(PromptDataConfig(path=str(path), max_prompt_length=8), tok)  # <bos>1+1= is 5 tokens
     assert [e.answer for e in ds.examples] == ["2"] and ds.report.too_long_rows == 1
-    with pytest.raises(DatasetError, match="raise max_prompt_length"):
+    with pytest.raises(DatasetError, match="raise data.max_prompt_len"):
         PromptDataset(PromptDataConfig(path=str(path), max_prompt_length=2), tok)
 
 
@@ -363,8 +363,14 @@ def test_skip_mode_drops_counts_and_warns_for_every_format(tmp_path, caplog):
 def test_missing_key_error_lists_the_row_fields(tmp_path):
     path = _write_jsonl(tmp_path / "o.jsonl", [json.dumps({"problem": "1+1=", "solution": "2"})])
     with pytest.raises(DatasetError, match=r"row 0: missing 'prompt' \(the row's fields: 'problem', 'solution'\)\. "
-                                           r"Check prompt_key='prompt' / answer_key='answer'"):
+                                           r"Check data.prompt_key='prompt' / data.answer_key='answer' against the "
+                                           r"file's fields; set data.prompt_key / data.answer_key"):
         PromptDataset(PromptDataConfig(path=str(path)))
+    # the held-out set's messages name eval.* (issue #35): its keys, its path
+    with pytest.raises(DatasetError, match=r"Check eval.prompt_key='prompt' / eval.answer_key='answer'"):
+        PromptDataset(PromptDataConfig(path=str(path), section="eval"))
+    with pytest.raises(DatasetError, match=r"does not exist.*; fix eval.path$"):
+        PromptDataset(PromptDataConfig(path=str(tmp_path / "nope.jsonl"), section="eval"))
 
 
 def test_config_refuses_settings_that_cannot_work():

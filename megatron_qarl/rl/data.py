@@ -77,6 +77,9 @@ class PromptDataConfig:
     shuffle: bool = True
     seed: int = 0
     max_reported_errors: int = 5
+    # The run config section the path / split / keys come from, for messages: "data" (the training prompts)
+    # or "eval" (the held-out prompts: eval.path, eval.split, eval.prompt_key, eval.answer_key).
+    section: str = "data"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -85,7 +88,7 @@ class PromptDataConfig:
         """Refuse settings that cannot work, before any file is read."""
         paths = _path_list(self.path)
         if not paths or any(not str(p).strip() for p in paths):
-            raise DatasetError(f"data.path is empty ({self.path!r}); set it to a file, a glob, a datasets "
+            raise DatasetError(f"{self.section}.path is empty ({self.path!r}); set it to a file, a glob, a datasets "
                                "save_to_disk directory, or a list of those")
         if self.bad_rows not in BAD_ROWS_MODES:
             raise DatasetError(f"data.bad_rows={self.bad_rows!r} is not one of {list(BAD_ROWS_MODES)}")
@@ -179,24 +182,24 @@ def _splits_of(directory: Path) -> List[str]:
         return sorted(d.name for d in directory.iterdir() if d.is_dir())
 
 
-def _source(p: str, split: str, pattern: Optional[str] = None) -> Source:
+def _source(p: str, split: str, pattern: Optional[str] = None, section: str = "data") -> Source:
     q = Path(p)
     if q.is_dir():
         if (q / "dataset_dict.json").is_file():
             splits = _splits_of(q)
             if split not in splits:
                 raise DatasetError(f"{p} is a datasets DatasetDict with splits {splits} and no split {split!r}; "
-                                   "set data.split to one of them")
+                                   f"set {section}.split to one of them")
             return Source(p, "saved", split)
         if (q / "state.json").is_file():
             return Source(p, "saved")
         found = sorted({f.suffix for f in q.iterdir() if f.is_file() and f.suffix in FILE_SUFFIXES})
-        hint = (f"; to read the files in it, set data.path to a glob such as {str(q / ('*' + found[0]))!r}"
+        hint = (f"; to read the files in it, set {section}.path to a glob such as {str(q / ('*' + found[0]))!r}"
                 if found else "")
         raise DatasetError(f"{p} is a directory, but not one written by datasets' save_to_disk (it has no "
                            f"dataset_dict.json or state.json){hint}")
     if not q.exists():
-        raise DatasetError(f"prompt dataset {p} does not exist{_cwd_note(p)}; fix data.path")
+        raise DatasetError(f"prompt dataset {p} does not exist{_cwd_note(p)}; fix {section}.path")
     if q.suffix not in FILE_SUFFIXES:
         matched = f"; the pattern {pattern!r} matched it, narrow the pattern" if pattern else ""
         raise DatasetError(f"unsupported prompt dataset type {q.suffix!r} ({p}); use .jsonl, .json or .parquet "
@@ -204,7 +207,7 @@ def _source(p: str, split: str, pattern: Optional[str] = None) -> Source:
     return Source(p, q.suffix[1:])
 
 
-def resolve_sources(path: Any, split: str = "train") -> List[Source]:
+def resolve_sources(path: Any, split: str = "train", section: str = "data") -> List[Source]:
     """What ``path`` names, in order: each entry of a list in turn, a glob's matches sorted. Raises
     ``DatasetError`` for a glob matching nothing, a missing path, an unsupported suffix, a directory that
     ``save_to_disk`` did not write, or a DatasetDict without ``split``."""
@@ -214,14 +217,15 @@ def resolve_sources(path: Any, split: str = "train") -> List[Source]:
         if any(c in p for c in "*?[") and not os.path.exists(p):
             matches = sorted(globlib.glob(p, recursive=True))
             if not matches:
-                raise DatasetError(f"data path pattern {entry!r} matches no files{_cwd_note(p)}; fix the pattern")
-            out.extend(_source(m, split, pattern=entry) for m in matches)
+                raise DatasetError(f"{section}.path pattern {entry!r} matches no files{_cwd_note(p)}; fix the "
+                                   "pattern")
+            out.extend(_source(m, split, pattern=entry, section=section) for m in matches)
         else:
-            out.append(_source(p, split))
+            out.append(_source(p, split, section=section))
     names = [s.name for s in out]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        logger.warning("data.path names %s more than once; their rows are used once per mention", repeated)
+        logger.warning("%s.path names %s more than once; their rows are used once per mention", section, repeated)
     return out
 
 
@@ -444,12 +448,16 @@ def _fields_of(row: Any) -> str:
     return ", ".join(map(repr, keys)) + (", ..." if isinstance(row, dict) and len(row) > 12 else "")
 
 
-def _bad_row_error(row_id: str, problem: str, row: Any, cfg: PromptDataConfig) -> DatasetError:
+def _bad_row_error(row_id: str, problem: str, row: Any, cfg: PromptDataConfig, first: bool = False) -> DatasetError:
+    sec = cfg.section
     if problem in (f"missing {cfg.prompt_key!r}", f"missing {cfg.answer_key!r}") and isinstance(row, dict):
+        # In the first row of all a missing key is the key's fault: skipping would drop every row.
+        fix = f"set {sec}.prompt_key / {sec}.answer_key to the file's fields" if first else \
+            f"fix the row, or {_SKIP_HINT}"
         return DatasetError(
             f"{row_id}: {problem} (the row's fields: {_fields_of(row) or 'none'}). Check "
-            f"prompt_key={cfg.prompt_key!r} / answer_key={cfg.answer_key!r} against the file's fields, fix the "
-            f"row, or {_SKIP_HINT}")
+            f"{sec}.prompt_key={cfg.prompt_key!r} / {sec}.answer_key={cfg.answer_key!r} against the file's fields; "
+            f"{fix}")
     return DatasetError(f"{row_id}: {problem}. Fix the row, or {_SKIP_HINT}")
 
 
@@ -460,7 +468,7 @@ def load_prompt_examples(cfg: PromptDataConfig, tokenizer=None) -> Tuple[List[Pr
     if cfg.max_prompt_length is not None and tokenizer is None:
         raise DatasetError("max_prompt_length filtering needs a tokenizer; pass one or set max_prompt_length=None")
     use_chat_template = _chat_template_in_use(cfg, tokenizer)
-    sources = resolve_sources(cfg.path, cfg.split)
+    sources = resolve_sources(cfg.path, cfg.split, section=cfg.section)
     report = LoadReport(sources=[s.name for s in sources])
     examples: List[PromptExample] = []
     for src in sources:
@@ -481,9 +489,13 @@ def load_prompt_examples(cfg: PromptDataConfig, tokenizer=None) -> Tuple[List[Pr
                 except Exception as e:  # a template that refuses these messages (jinja raise_exception etc.)
                     err = (f"the tokenizer's chat template failed on it ({type(e).__name__}: {e}); check "
                            "data.prompt.system and the row's messages against what the template accepts")
+                else:
+                    if ids is not None and not ids:  # an engine cannot continue nothing
+                        err = (f"its prompt {text!r} is no tokens at all (an empty message with "
+                               "data.prompt.apply_chat_template=false?); give it text, or apply the chat template")
             if err is not None:
                 if cfg.bad_rows == "error":
-                    raise _bad_row_error(row_id, err, row, cfg)
+                    raise _bad_row_error(row_id, err, row, cfg, first=report.total_rows == 1)
                 report.note(row_id, err, cfg.max_reported_errors)
                 continue
             if cfg.max_prompt_length is not None and len(ids) > cfg.max_prompt_length:
@@ -515,12 +527,13 @@ def load_prompt_examples(cfg: PromptDataConfig, tokenizer=None) -> Tuple[List[Pr
 
 def _empty_message(cfg: PromptDataConfig, report: LoadReport) -> str:
     msg = f"prompt dataset {_path_label(cfg.path)} has no usable rows ({report.total_rows} rows read"
-    msg += f", {report.malformed_rows} malformed, {report.too_long_rows} longer than max_prompt_length)"
+    msg += f", {report.malformed_rows} malformed, {report.too_long_rows} longer than data.max_prompt_len)"
     if report.first_errors:
         msg += f"; first problems: {report.first_errors}"
-    msg += f". Check prompt_key={cfg.prompt_key!r} / answer_key={cfg.answer_key!r} against the file's fields"
+    msg += (f". Check {cfg.section}.prompt_key={cfg.prompt_key!r} / {cfg.section}.answer_key={cfg.answer_key!r} "
+            "against the file's fields")
     if report.too_long_rows:
-        msg += " or raise max_prompt_length"
+        msg += " or raise data.max_prompt_len"
     return msg + "."
 
 

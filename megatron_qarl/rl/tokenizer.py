@@ -3,7 +3,9 @@
 Each character is one token (WordLevel over single characters), so ``123+456=`` is 8 tokens and the
 expected response ``579<eos>`` is 4. The vocabulary holds digits, letters, the punctuation the synthetic
 prompts use (including ``\\boxed{}``), space and newline: 87 tokens, well below the tiny model's 128.
-Unknown characters map to ``<unk>``. It is a ``transformers.PreTrainedTokenizerFast`` with a chat template,
+Unknown characters map to ``<unk>``: a run warns about them in the system prompt, the template and the prompts,
+and refuses a stop string it cannot encode (``unknown_characters``, used by ``megatron_qarl.preflight``; ``qarl-train
+--dry-run`` shows them). It is a ``transformers.PreTrainedTokenizerFast`` with a chat template,
 so ``save_pretrained`` / ``AutoTokenizer.from_pretrained`` round-trip it like any HF tokenizer.
 """
 
@@ -78,6 +80,32 @@ def load_tokenizer(model_cfg):
     except (OSError, ValueError) as exc:
         raise TokenizerError(f"cannot load the tokenizer at {source!r} (model.tokenizer / model.hf_path): "
                              f"{str(exc).splitlines()[0]}") from exc
+    except (KeyError, TypeError, AttributeError, IndexError) as exc:  # a tokenizer.json missing a field it must have
+        what = f"field {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else \
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        raise TokenizerError(
+            f"cannot load the tokenizer at {source!r} (model.tokenizer / model.hf_path): its files are incomplete "
+            f"or not what transformers writes (missing {what}); re-save it with "
+            "tokenizer.save_pretrained(dir), or point model.tokenizer at a complete tokenizer directory") from exc
+
+
+def unknown_characters(tokenizer, text: str) -> list[str]:
+    """The characters of `text` that `tokenizer` can only encode as its unknown token (in order, once each);
+    [] for a tokenizer without one (byte-level BPE encodes everything)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is None or not text or unk not in tokenizer.encode(text, add_special_tokens=False):
+        return []
+    return [c for c in dict.fromkeys(text) if unk in tokenizer.encode(c, add_special_tokens=False)]
+
+
+def describe_characters(chars: list[str]) -> str:
+    """'#', '<', '>' (repr of each: a newline shows as '\\n')."""
+    return ", ".join(repr(c) for c in chars)
+
+
+# What the char tokenizer knows, for messages (its vocabulary is CHARACTERS).
+CHAR_VOCABULARY = "digits, letters, space, newline and " + " ".join(c for c in CHARACTERS if not c.isalnum()
+                                                                      and not c.isspace())
 
 
 def split_stops(tokenizer, stop: list[str], stop_token_ids: list[int]) -> tuple[list[int], list[str]]:
