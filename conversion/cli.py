@@ -2,7 +2,7 @@
 
     qarl-convert hf-to-mcore --hf DIR --out DIR [--tp N --ep N]       (torchrun for N>1)
     qarl-convert mcore-to-hf --ckpt DIR --out DIR [--dtype bf16|fp32] [--tokenizer PATH|char]
-    qarl-convert export (--ckpt DIR | --hf DIR) [--format w4a16|fp8|bf16] [--scope ...] --out DIR [--tokenizer PATH|char]
+    qarl-convert export (--ckpt DIR | --hf DIR) [--format FORMAT|bf16] [--scope ...] --out DIR [--tokenizer PATH|char]
     qarl-convert inspect DIR
 Every writing command refuses an existing --out unless --force. Outputs carry the tokenizer next to the weights:
 --tokenizer, else the one the source recorded (a training run's model.tokenizer / hf_path / char tokenizer).
@@ -64,13 +64,15 @@ def _parser() -> argparse.ArgumentParser:
                                                    "gives the format (the run's quant section)")
     src.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (streamed)")
     exp.add_argument("--format", default=None,
-                     help="w4a16 | fp8 | bf16; default with --ckpt: the format the run trained (quant.scheme, "
+                     help="a low-bit format of quant/schemes (w4a16, fp8, ...) or bf16; default with --ckpt: the "
+                          "format the run trained (quant.scheme, "
                           "none -> bf16); required with --hf and for checkpoints that record no run")
     exp.add_argument("--scope", default=None,
-                     help=f"which linears are quantized, one of {' | '.join(SCOPES)} (default: the run's quant.scope with --ckpt; else experts "
-                          "for w4a16, all-linears for fp8)")
+                     help=f"which linears are quantized, one of {' | '.join(SCOPES)} (default: the run's quant.scope with --ckpt; else the "
+                          "format's default: experts for w4a16, all-linears for fp8)")
     exp.add_argument("--group-size", type=int, default=None,
-                     help="W4A16 group size along the input dim (default: the run's quant.group_size, else 128)")
+                     help="group size along the input dim of a group-wise format (default: the run's "
+                          "quant.group_size, else 128)")
     exp.add_argument("--block-size", type=int, default=None,
                      help="FP8 block size (default: the run's quant.block_size, else 128)")
     exp.add_argument("--out", required=True, metavar="DIR", help="the engine-format directory to write")
@@ -140,10 +142,19 @@ def run_info(path) -> dict:
     return info
 
 
+def _low_bit_formats() -> tuple[str, ...]:
+    from megatron_qarl.quant.schemes import SCHEME_NAMES
+
+    return SCHEME_NAMES
+
+
 def _describe_quant(q: dict) -> str:
     if q.get("scheme") in (None, "none"):
         return "none (bf16/fp32 sampler and learner)"
-    size = f"group {q.get('group_size')}" if q["scheme"] == "w4a16" else f"block {q.get('block_size')}"
+    from megatron_qarl.quant.schemes import scheme_named
+
+    scheme = scheme_named(q["scheme"])
+    size = f"{scheme.unit_name} {q.get(scheme.unit_field)}"
     learner = "aligned learner" if q.get("learner_aligned") else "unaligned (bf16) learner"
     return f"{q['scheme']}, scope {q.get('scope')}, {size}, {learner}"
 
@@ -158,7 +169,7 @@ def format_run_info(info: dict, base: dict) -> list[str]:
         lines.append(f"weights:     {info['master_dtype']} masters (stored unquantized)")
     if "run_quant" in info:
         q = info["run_quant"]
-        fmt = q.get("scheme") if q.get("scheme") in ("w4a16", "fp8") else "bf16"
+        fmt = q.get("scheme") if q.get("scheme") in _low_bit_formats() else "bf16"
         lines.append(f"trained:     {_describe_quant(q)}; `qarl-convert export --ckpt {base['path']} --out DIR` "
                      f"writes {fmt}")
     if "optimizer_state" in info:
@@ -173,7 +184,7 @@ def export_format(args) -> tuple[str, str | None, int, int]:
     if args.ckpt is not None and (fmt is None or scope is None or group is None or block is None):
         q = run_info(args.ckpt).get("run_quant")
         if q is not None:
-            run_fmt = q["scheme"] if q.get("scheme") in ("w4a16", "fp8") else "bf16"
+            run_fmt = q["scheme"] if q.get("scheme") in _low_bit_formats() else "bf16"
             if fmt is None:
                 fmt = run_fmt
                 print(f"qarl-convert: --format {fmt} (the run's quant.scheme={q.get('scheme')})", file=sys.stderr)
@@ -182,11 +193,11 @@ def export_format(args) -> tuple[str, str | None, int, int]:
                 group = group or q.get("group_size")
                 block = block or q.get("block_size")
     if fmt is None:
-        from megatron_qarl.weights.convert import ConversionError
+        from megatron_qarl.weights.convert import FORMATS, ConversionError
 
         where = f"{args.ckpt} records no training run (an SFT or hf-to-mcore checkpoint)" if args.ckpt else \
             "an HF source has no training run to read it from"
-        raise ConversionError(f"export needs --format w4a16 | fp8 | bf16: {where}")
+        raise ConversionError(f"export needs --format {' | '.join(FORMATS)}: {where}")
     return fmt, scope, group or 128, block or 128
 
 

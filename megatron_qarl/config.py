@@ -28,6 +28,8 @@ from megatron_qarl.optim import OptimConfig
 from megatron_qarl.parallel import ParallelLayout, RolloutTopology, is_loopback_host
 from megatron_qarl.quant.aten_int4 import GROUP_SIZES as ATEN_INT4_GROUP_SIZES, SAMPLER_W4A16_KERNELS
 from megatron_qarl.quant.config import QuantConfig
+from megatron_qarl.quant.scheme import ENGINE_KINDS
+from megatron_qarl.quant.schemes import SCHEMES, scheme_of
 from megatron_qarl.rl.losses import LossConfig
 from megatron_qarl.rl.data import BAD_ROWS_MODES, PROBLEM
 from megatron_qarl.rl.rewards import check_reward_spec
@@ -754,28 +756,16 @@ def _check_engine_quant(cfg: RunConfig) -> list[str]:
         out.append("quant.learner_aligned=false only makes sense with a low-bit rollout; with "
                    "quant.scheme=none the learner and sampler already run the same bf16 arithmetic "
                    "(leave learner_aligned at true)")
+    kernels = scheme_of(q).sampler_kernels if q.enabled else ()
     if r.embedded_w4a16_kernel != "dequantized":
-        if r.engine != "embedded" or q.scheme != "w4a16":
+        if r.engine != "embedded" or r.embedded_w4a16_kernel not in kernels:
             out.append(f"rollout.embedded_w4a16_kernel={r.embedded_w4a16_kernel} chooses the embedded engine's "
                        f"W4A16 GEMM; this run has rollout.engine={r.engine}, quant.scheme={q.scheme}: leave it at "
                        "dequantized")
         elif q.group_size not in ATEN_INT4_GROUP_SIZES:
             out.append(f"rollout.embedded_w4a16_kernel=aten_int4 with quant.group_size={q.group_size}: PyTorch's "
                        f"int4 CPU kernel takes group sizes {ATEN_INT4_GROUP_SIZES}")
-    if r.engine == "sglang" and q.scheme == "w4a16":
-        if q.scope != "experts":
-            out.append(f"rollout.engine=sglang with quant.scheme=w4a16 and quant.scope={q.scope!r}: SGLang "
-                       "replaces dense W4A16 (attention) parameters at its Marlin repack, so they cannot "
-                       "be refit in place between steps; use quant.scope=experts (attention stays bf16)")
-        backend = r.sglang.moe_runner_backend
-        if backend == "triton":
-            out.append("rollout.sglang.moe_runner_backend=triton with quant.scheme=w4a16: SGLang's triton "
-                       "WNA16 MoE converts the weights to its own uint8 layout after loading, so in-place "
-                       "refit fails; use moe_runner_backend=marlin (or auto, pinned to marlin for W4A16)")
-        elif backend not in ("auto", "marlin"):
-            out.append(f"rollout.sglang.moe_runner_backend={backend!r} with quant.scheme=w4a16: only "
-                       "'marlin' (the Marlin WNA16 MoE path; 'auto' is pinned to it) supports "
-                       "compressed-tensors W4A16 refit")
+    out += _check_scheme_on_engine(cfg)
     if r.engine == "sglang":
         out += _choice("rollout.sglang.cuda_graph", r.sglang.cuda_graph, ("auto", "on", "off"))
         if r.sglang.url and r.sglang.urls:
@@ -796,6 +786,30 @@ def _check_engine_quant(cfg: RunConfig) -> list[str]:
     return out
 
 
+def _check_scheme_on_engine(cfg: RunConfig) -> list[str]:
+    """What the configured scheme says about the configured engine's refit (quant/scheme.py EngineSupport):
+    whether it refits the format at all, for which scopes, with which SGLang MoE backend."""
+    q, r = cfg.quant, cfg.rollout
+    if not q.enabled:
+        return []
+    support = scheme_of(q).engine(r.engine)
+    run = f"rollout.engine={r.engine} with quant.scheme={q.scheme}"
+    if not support.refit:
+        schemes = [n for n, s in SCHEMES.items() if s.engine(r.engine).refit]
+        engines = [e for e in ENGINE_KINDS if scheme_of(q).engine(e).refit]
+        return [f"{run} is not built ({support.why_not}); use quant.scheme={' or '.join(schemes + ['none'])}, or "
+                f"rollout.engine={' or '.join(engines)} for {q.scheme}"]
+    out = []
+    if support.scopes is not None and q.scope not in support.scopes:
+        out.append(f"{run} and quant.scope={q.scope!r}: {support.why_scopes}; use quant.scope="
+                   f"{' or '.join(support.scopes)}")
+    why = support.moe_backend_problem(r.sglang.moe_runner_backend) if r.engine == "sglang" else None
+    if why:
+        out.append(f"rollout.sglang.moe_runner_backend={r.sglang.moe_runner_backend} with quant.scheme={q.scheme}: "
+                   f"{why}; use moe_runner_backend={support.moe_backend} (or auto, pinned to it for {q.scheme})")
+    return out
+
+
 def _check_vllm(cfg: RunConfig) -> list[str]:
     """What the config alone decides; the machine (the vLLM venv, AMX for W4A16) is checked when the run
     starts (rollout.vllm_engine.check_vllm_machine), so a config written here validates on any host."""
@@ -808,9 +822,6 @@ def _check_vllm(cfg: RunConfig) -> list[str]:
     if r.top_k > 0 or r.top_p < 1.0:
         out.append(f"rollout.engine=vllm with rollout.top_k={r.top_k} / top_p={r.top_p}: vLLM returns the "
                    "truncated distribution's log-probs, not log_softmax(logits / T); use top_k=0, top_p=1.0")
-    if cfg.quant.scheme == "fp8":
-        out.append("rollout.engine=vllm with quant.scheme=fp8 is not built (no FP8 refit verified against vLLM); "
-                   "use quant.scheme=w4a16 or none, or rollout.engine=sglang for FP8")
     if v.device == "cpu" and r.engine_tp != 1:
         out.append(f"rollout.engine_tp={r.engine_tp} with rollout.vllm.device=cpu: a vLLM-CPU engine is one process; "
                    "use engine_tp=1 (and rollout.engines for more engines)")
@@ -856,57 +867,57 @@ def _check_shard_shapes(cfg: RunConfig) -> list[str]:
         out.append(f"expert-TP {etp} must divide moe_intermediate_size {shape.moe_intermediate_size}")
     if shape.vocab_size % tp:
         out.append(f"parallel.tp={tp} must divide vocab_size {shape.vocab_size}")
-    if out or cfg.quant.scheme == "none":
+    if out or not cfg.quant.enabled:
         return out
-    fp8 = cfg.quant.scheme == "fp8"
-    unit = cfg.quant.block_size if fp8 else cfg.quant.group_size
-    what = f"{cfg.quant.scheme} {'block' if fp8 else 'group'} {unit}"
-    for layer, dim_name, size, parts, axis in _quantized_shards(cfg.quant, shape, tp, etp):
-        if (size // parts) % unit:
-            fix = f"choose {axis} so that {size}/{axis} is a multiple of {unit}" if parts > 1 else \
-                f"this model cannot use {cfg.quant.scheme} with {'block' if fp8 else 'group'} {unit}"
+    scheme = scheme_of(cfg.quant)
+    block_rows, unit = scheme.scale_block(cfg.quant)
+    what = scheme.describe(cfg.quant)
+    for layer, dim_name, size, parts, axis, along_k in _quantized_shards(cfg.quant, shape, tp, etp):
+        need = unit if along_k else block_rows
+        if need > 1 and (size // parts) % need:
+            fix = f"choose {axis} so that {size}/{axis} is a multiple of {need}" if parts > 1 else \
+                f"this model cannot use {what}"
             out.append(f"{layer}: {dim_name} {size} split over {axis} {parts} gives {size // parts} per rank, "
                        f"not a multiple of the {what}; {fix}")
-    attention_fp8 = fp8 and cfg.quant.scope in ("experts+attention", "all-linears")
-    if attention_fp8 and shape.head_dim % unit:
+        elif scheme.tensor_wide_scale and parts > 1:
+            out.append(f"{layer}: {dim_name} {size} split over {axis} {parts}: {scheme.name}'s global scale spans "
+                       f"the whole weight, so every rank would compute its own; use {axis} 1 for quantized linears")
+    attention = cfg.quant.scope in ("experts+attention", "attention", "all-linears")
+    if block_rows > 1 and attention and shape.head_dim % block_rows:
         # megatron's fused linear_qkv interleaves q/k/v heads per query group while the engine
         # quantizes q_proj/k_proj/v_proj separately: blocks only line up when heads hold whole blocks.
-        out.append(f"self_attn.qkv: head_dim {shape.head_dim} is not a multiple of the fp8 block "
-                   f"{unit}, so the fused QKV's FP8 blocks would differ from the engine's per-projection "
-                   f"blocks; use quant.block_size dividing {shape.head_dim} (e.g. 64)")
+        out.append(f"self_attn.qkv: head_dim {shape.head_dim} is not a multiple of the {scheme.name} block "
+                   f"{block_rows}, so the fused QKV's {scheme.name} blocks would differ from the engine's "
+                   f"per-projection blocks; use quant.{scheme.unit_field} dividing {shape.head_dim} (e.g. 64)")
     return out
 
 
 def _quantized_shards(quant, shape, tp: int, etp: int):
-    """(layer, dimension, size, shard count, parallel axis) for each quantized dimension that must hold
-    whole groups (W4A16: input dim only) or whole blocks (FP8: both dims). Column-parallel layers split
-    the output dim, row-parallel ones (o_proj, down_proj) the input dim."""
+    """(layer, dimension, size, shard count, parallel axis, whether it is the input dim K) for each dimension
+    of a quantized linear. Column-parallel layers split the output dim, row-parallel ones (o_proj, down_proj)
+    the input dim; the scheme's scale block says which must hold whole groups / blocks."""
     from megatron_qarl.models.qwen3_moe.args import quantized_groups
 
-    fp8 = quant.scheme == "fp8"
     scope = quantized_groups(quant)
     hidden, ffn, dense_ffn = shape.hidden_size, shape.moe_intermediate_size, shape.intermediate_size
     q_out = shape.num_attention_heads * shape.head_dim
     kv_out = shape.num_key_value_heads * shape.head_dim
     rows = []
     if "experts" in scope:
-        rows += [("mlp.experts.*.gate_proj/up_proj", "input dim (hidden)", hidden, 1, "ETP"),
-                 ("mlp.experts.*.down_proj", "input dim (moe_intermediate_size)", ffn, etp, "ETP")]
-        if fp8:
-            rows += [("mlp.experts.*.gate_proj/up_proj", "output dim (moe_intermediate_size)", ffn, etp, "ETP"),
-                     ("mlp.experts.*.down_proj", "output dim (hidden)", hidden, 1, "ETP")]
+        rows += [("mlp.experts.*.gate_proj/up_proj", "input dim (hidden)", hidden, 1, "ETP", True),
+                 ("mlp.experts.*.down_proj", "input dim (moe_intermediate_size)", ffn, etp, "ETP", True),
+                 ("mlp.experts.*.gate_proj/up_proj", "output dim (moe_intermediate_size)", ffn, etp, "ETP", False),
+                 ("mlp.experts.*.down_proj", "output dim (hidden)", hidden, 1, "ETP", False)]
     if "attention" in scope:
-        rows += [("self_attn.q_proj/k_proj/v_proj", "input dim (hidden)", hidden, 1, "TP"),
-                 ("self_attn.o_proj", "input dim (heads*head_dim)", q_out, tp, "TP")]
-        if fp8:
-            rows += [("self_attn.q_proj", "output dim (heads*head_dim)", q_out, tp, "TP"),
-                     ("self_attn.k_proj/v_proj", "output dim (kv_heads*head_dim)", kv_out, tp, "TP"),
-                     ("self_attn.o_proj", "output dim (hidden)", hidden, 1, "TP")]
+        rows += [("self_attn.q_proj/k_proj/v_proj", "input dim (hidden)", hidden, 1, "TP", True),
+                 ("self_attn.o_proj", "input dim (heads*head_dim)", q_out, tp, "TP", True),
+                 ("self_attn.q_proj", "output dim (heads*head_dim)", q_out, tp, "TP", False),
+                 ("self_attn.k_proj/v_proj", "output dim (kv_heads*head_dim)", kv_out, tp, "TP", False),
+                 ("self_attn.o_proj", "output dim (hidden)", hidden, 1, "TP", False)]
     if "dense_mlp" in scope and shape.dense_layers:
-        rows += [("mlp.gate_proj/up_proj", "input dim (hidden)", hidden, 1, "TP"),
-                 ("mlp.down_proj", "input dim (intermediate_size)", dense_ffn, tp, "TP")]
-        if fp8:
-            rows += [("mlp.gate_proj/up_proj", "output dim (intermediate_size)", dense_ffn, tp, "TP")]
+        rows += [("mlp.gate_proj/up_proj", "input dim (hidden)", hidden, 1, "TP", True),
+                 ("mlp.down_proj", "input dim (intermediate_size)", dense_ffn, tp, "TP", True),
+                 ("mlp.gate_proj/up_proj", "output dim (intermediate_size)", dense_ffn, tp, "TP", False)]
     return rows
 
 

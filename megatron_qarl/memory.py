@@ -52,6 +52,7 @@ from typing import Any
 from megatron_qarl.models.qwen3_moe.args import (
     ModelShape, ParamGroups, param_groups, parameter_counts, quantized_groups, resolve_hf_config,
 )
+from megatron_qarl.quant.schemes import NO_SCHEME, scheme_of
 
 GIB = 1024 ** 3
 
@@ -75,13 +76,10 @@ def _local_params(groups: ParamGroups, tp: int, ep: int, etp: int) -> dict[str, 
             "embedding": groups.embedding / tp, "lm_head": groups.lm_head / tp}
 
 
-def _low_bit_bytes(numel: float, quant, *, packed: bool) -> float:
-    """Codes + scales of `numel` weight elements (packed: int4 as the engine stores it)."""
-    if quant.scheme == "w4a16":
-        return numel * (0.5 if packed else 1.0) + 2.0 * numel / quant.group_size
-    if quant.scheme == "fp8":
-        return numel + 4.0 * numel / (quant.block_size ** 2)
-    raise ValueError(f"no low-bit format for quant.scheme={quant.scheme!r}")
+def _low_bit_bytes(numel: float, quant, *, cached: bool) -> float:
+    """Codes + scales of `numel` weight elements: as published (the engine's format), or as the learner's
+    cache holds them (`cached`: what the scheme's fused pass keeps, e.g. int4 codes and their packed words)."""
+    return numel * scheme_of(quant).bytes_per_weight(quant, cached=cached)
 
 
 def _optimizer_bytes(local: dict[str, float], optim) -> float:
@@ -141,7 +139,7 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     local_total = sum(local.values())
     quant = cfg.quant
     in_scope = quantized_groups(quant)
-    aligned = quant.scheme != "none" and quant.learner_aligned
+    aligned = quant.scheme != NO_SCHEME and quant.learner_aligned
 
     optimizer = _optimizer_bytes(local, cfg.train.optim)
 
@@ -151,12 +149,10 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     quant_cache = 0.0
     if cached:
         dequantized = (2.0 if cfg.model.dtype == "bfloat16" else 4.0) * cached
-        quant_cache = _low_bit_bytes(cached, quant, packed=False) + dequantized + _backend_form_bytes(cached, quant)
-        if quant.scheme == "w4a16":  # the int32 words the publisher sends, made by the same fused pass
-            quant_cache += 0.5 * cached
+        quant_cache = _low_bit_bytes(cached, quant, cached=True) + dequantized + _backend_form_bytes(cached, quant)
     # a full-mode publisher that counts code flips keeps last step's codes of every quantized local weight
     counts_locally = cfg.publish.mode == "full" and cfg.publish.code_flips
-    prev_codes = quantized_local * (0.5 if quant.scheme == "w4a16" else 1.0) if counts_locally else 0.0
+    prev_codes = quantized_local * scheme_of(quant).code_bytes_per_weight() if counts_locally else 0.0
     act = _activation_bytes(cfg, shape, tp, etp, aligned_attention=aligned and "attention" in in_scope)
     trainer = {
         "params_bf16": params_bf16,
@@ -199,7 +195,7 @@ def engine_weight_bytes(cfg, groups: ParamGroups) -> dict[str, float]:
     bf16_all = 2.0 * groups.total
     published = 2.0 * (groups.total - low_bit_numel)
     if low_bit_numel:
-        published += _low_bit_bytes(low_bit_numel, quant, packed=True)
+        published += _low_bit_bytes(low_bit_numel, quant, cached=False)
     engine_gpus = cfg.rollout.engine_tp
     return {"published_total": published, "bf16_total": bf16_all, "engine_gpus": engine_gpus,
             "per_engine_gpu": published / engine_gpus}

@@ -38,7 +38,9 @@ from typing import Mapping, Sequence
 import torch
 
 from megatron_qarl.quant.aten_int4 import SAMPLER_W4A16_KERNELS
-from megatron_qarl.quant.config import SCOPES
+from megatron_qarl.quant.config import SCHEMES, SCOPES
+from megatron_qarl.quant.scheme import ENGINE_KINDS
+from megatron_qarl.quant.schemes import DEFAULT_LOW_BIT, NO_SCHEME, SCHEME_NAMES, scheme_named
 from megatron_qarl.rl.metrics import k3
 
 
@@ -53,7 +55,7 @@ TE_FP8_BLOCK = 128
 
 @dataclass
 class ProbeSettings:
-    scheme: str = "w4a16"
+    scheme: str = DEFAULT_LOW_BIT
     scope: str = "experts"
     group_size: int = 128
     block_size: int = 128  # fp8 (the tiny test model's 64-wide heads need 64)
@@ -69,31 +71,38 @@ class ProbeSettings:
     backends: tuple[str, ...] = ("reference",)  # the aligned learner's GEMM backends, each scored
 
     def validate(self) -> "ProbeSettings":
-        if self.scheme not in ("w4a16", "fp8", "none"):
-            raise ProbeError(f"scheme {self.scheme!r}: use --scheme w4a16, fp8 or none (the BF16 arm)")
+        if self.scheme not in SCHEMES:
+            raise ProbeError(f"scheme {self.scheme!r}: use --scheme {', '.join(SCHEME_NAMES)} or none (the BF16 arm)")
         if self.engine not in ("embedded", "vllm", "sglang"):
             raise ProbeError(f"engine {self.engine!r}: use --engine embedded, vllm or sglang")
-        if self.engine == "vllm" and self.scheme == "fp8":
-            raise ProbeError("--engine vllm samples W4A16 or bf16 here; use --engine embedded or sglang for fp8")
-        if self.w4a16_kernel != "dequantized" and (self.engine != "embedded" or self.scheme != "w4a16"):
+        scheme = scheme_named(self.scheme) if self.scheme != NO_SCHEME else None
+        if scheme is not None and not scheme.engine(self.engine).refit:
+            able = [e for e in ENGINE_KINDS if scheme.engine(e).refit]
+            raise ProbeError(f"--engine {self.engine} does not sample {self.scheme} here "
+                             f"({scheme.engine(self.engine).why_not}); use --engine {' or '.join(able)} for it")
+        if self.w4a16_kernel != "dequantized" and (
+                self.engine != "embedded" or scheme is None or self.w4a16_kernel not in scheme.sampler_kernels):
+            runs_it = [n for n in SCHEME_NAMES if self.w4a16_kernel in scheme_named(n).sampler_kernels]
             raise ProbeError(f"--w4a16-kernel {self.w4a16_kernel} chooses the embedded engine's W4A16 GEMM: use it "
-                             "with --engine embedded --scheme w4a16")
-        if self.scheme == "fp8" and self.scope != "all-linears":
-            raise ProbeError(f"--scheme fp8 quantizes every linear: use --scope all-linears, not {self.scope!r}")
+                             f"with --engine embedded --scheme {' or '.join(runs_it)}")
+        if scheme is not None and scheme.scopes is not None and self.scope not in scheme.scopes:
+            raise ProbeError(f"--scheme {self.scheme}: {scheme.why_scopes}: use --scope {' or '.join(scheme.scopes)}, "
+                             f"not {self.scope!r}")
         if "reference" not in self.backends:
             raise ProbeError(f"--backends {list(self.backends)}: include 'reference', which the others are compared with")
-        if self.scheme == "fp8" and "te" in self.backends and self.block_size != TE_FP8_BLOCK:
-            raise ProbeError(f"--backends te: TransformerEngine's FP8 block scaling uses {TE_FP8_BLOCK}x{TE_FP8_BLOCK} "
-                             f"blocks, not --block-size {self.block_size}; use --block-size {TE_FP8_BLOCK} on a model "
-                             f"whose head_dim and linear dims are multiples of {TE_FP8_BLOCK}")
-        if self.scheme != "none":
+        if scheme is not None:
             from megatron_qarl.quant import QuantConfig, QuantConfigError
 
             for backend in self.backends:
                 try:
-                    QuantConfig(scheme=self.scheme, scope=self.scope, backend=backend)
+                    QuantConfig(scheme=self.scheme, scope=self.scope, group_size=self.group_size,
+                                block_size=self.block_size, backend=backend)
                 except QuantConfigError as err:
-                    raise ProbeError(f"--backends: {err}") from None
+                    raise ProbeError(f"--backends / --scheme: {err}") from None
+        if "te" in self.backends and self.block_size != TE_FP8_BLOCK:
+            raise ProbeError(f"--backends te: TransformerEngine's FP8 block scaling uses {TE_FP8_BLOCK}x{TE_FP8_BLOCK} "
+                             f"blocks, not --block-size {self.block_size}; use --block-size {TE_FP8_BLOCK} on a model "
+                             f"whose head_dim and linear dims are multiples of {TE_FP8_BLOCK}")
         if self.learner_dtype not in ("bfloat16", "float32"):
             raise ProbeError(f"learner_dtype must be bfloat16 or float32, got {self.learner_dtype!r}")
         return self
@@ -119,10 +128,15 @@ def check_learner_geometry(hf_config, settings: ProbeSettings) -> None:
     from megatron_qarl.models.qwen3_moe.args import hf_head_dim
 
     head_dim = hf_head_dim(hf_config)
-    if settings.scheme == "fp8" and head_dim % settings.block_size:
-        raise ProbeError(f"--scheme fp8 --block-size {settings.block_size}: the model's head_dim={head_dim} is not a "
-                         "multiple of the block, so the aligned learner's fused QKV cannot hold whole FP8 blocks; use "
-                         f"a --block-size dividing {head_dim}")
+    if settings.scheme == NO_SCHEME:
+        return
+    scheme = scheme_named(settings.scheme)
+    rows = scheme.scale_block(settings)[0]
+    if rows > 1 and head_dim % rows:
+        raise ProbeError(f"--scheme {settings.scheme} --{scheme.unit_field.replace('_', '-')} {rows}: the model's "
+                         f"head_dim={head_dim} is not a multiple of the block, so the aligned learner's fused QKV "
+                         f"cannot hold whole {settings.scheme} blocks; use a --{scheme.unit_field.replace('_', '-')} "
+                         f"dividing {head_dim}")
 
 
 def _sample(hf_config, hf_state, prompts, settings: ProbeSettings, quant_cfg):
@@ -349,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m megatron_qarl.probe", description=__doc__.split("\n\n")[0])
     parser.add_argument("--hf", required=True, help="HF Qwen3-MoE checkpoint directory (full precision)")
     parser.add_argument("--prompts", required=True, help="JSONL with prompt_token_ids or prompt per row")
-    parser.add_argument("--scheme", default="w4a16", choices=["w4a16", "fp8", "none"])
+    parser.add_argument("--scheme", default=DEFAULT_LOW_BIT, choices=list(SCHEMES))
     parser.add_argument("--engine", default="embedded", choices=["embedded", "vllm", "sglang"],
                         help="the sampler: our embedded engine, vLLM (its venv: bash launch/vllm_env.sh) or SGLang "
                              "(a GPU with sglang==0.5.23)")
@@ -360,6 +374,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--w4a16-kernel", default="dequantized", choices=list(SAMPLER_W4A16_KERNELS),
                         help="the embedded engine's W4A16 GEMM: our dequantized matmul, or PyTorch's int4 CPU kernel")
     parser.add_argument("--scope", default="experts", choices=list(SCOPES))
+    parser.add_argument("--group-size", type=int, default=128, help="group-wise formats: input-dim elements per scale")
     parser.add_argument("--block-size", type=int, default=128, help="fp8 weight block (and activation tile)")
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--samples-per-prompt", type=int, default=1)
@@ -378,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                              learner_dtype=args.learner_dtype, engine=args.engine, engine_dtype=args.engine_dtype,
                              w4a16_kernel=args.w4a16_kernel, stop_token_ids=eos_stop_ids(args.hf),
-                             backends=tuple(args.backends), block_size=args.block_size)
+                             backends=tuple(args.backends), group_size=args.group_size, block_size=args.block_size)
     report = probe_mismatch(hf_config, hf_state, read_prompts(args.prompts, args.hf, args.num_prompts), settings)
     text = json.dumps(report, indent=2)
     print(text)

@@ -33,7 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "megatron_qarl.rl": {"megatron_qarl.fileio", "megatron_qarl.lifecycle", "megatron_qarl.parallel",
                          "megatron_qarl.moe.replay", "megatron_qarl.rl.tokenizer"},
     "megatron_qarl.tracking": {"megatron_qarl.fileio"},
-    "megatron_qarl.memory": {"megatron_qarl.models"},
+    "megatron_qarl.memory": {"megatron_qarl.models", "megatron_qarl.quant"},  # bytes per weight: the scheme's
     "megatron_qarl.memory_saver": set(),  # torch and torch_memory_saver only
     "megatron_qarl.probe": {"megatron_qarl.models", "megatron_qarl.parallel", "megatron_qarl.quant",
                             "megatron_qarl.rl", "megatron_qarl.rollout", "megatron_qarl.weights"},

@@ -8,13 +8,15 @@ input grad) and hands the local GEMM to the configured backend (`QuantCache.line
 codes, the backend's kernel, a straight-through gradient into the master). The output communication
 (`forward()`'s reduce-scatter / all-reduce, the experts' all-to-all) stays megatron's, untouched.
 
+The numbers are the configured scheme's (quant/schemes/), e.g.
 * W4A16: the int4 group-wise weight; `reference` multiplies with it dequantized, in the activation dtype.
 * FP8:   block-128 weights, the input quantized per 1x128 tile; `reference` computes in the activation
          dtype (exact FP8 arithmetic with fp32 activations, a bf16 GEMM with bf16 ones).
 
 Codes are computed per local shard. They equal the engine's codes (computed on the gathered HF weight)
-only if every shard holds whole groups / blocks, so `apply_aligned_quantization` checks that for every
-site and names the layer, the size and the parallel split that broke it.
+only if every shard holds whole groups / blocks (and, for a scale over the whole tensor, the whole tensor),
+so `apply_aligned_quantization` checks that for every site (the scheme's `check_shard`) and names the
+layer, the size and the parallel split that broke it.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_linear_name, is
 from megatron_qarl.quant.cache import CacheEntry, QuantCache
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.quant.errors import QuantizationError
+from megatron_qarl.quant.scheme import check_shard
+from megatron_qarl.quant.schemes import SCHEME_NAMES, scheme_of
 
 _WRAPPED_MARK = "_qarl_aligned_site"
 
@@ -115,37 +119,10 @@ class SiteGeometry:
     head_dim: Optional[int] = None  # linear_qkv: rows interleave q/k/v heads per query group
 
 
-def _split_note(geom: SiteGeometry, dim_is_split: bool, local: int) -> str:
-    if dim_is_split and geom.parts > 1:
-        return (f"{local * geom.parts} split over {geom.axis}={geom.parts} gives {local} per rank; choose "
-                f"{geom.axis} so that the per-rank size is a multiple")
-    return f"{local} (not split; {geom.axis}={geom.parts}); this model cannot use that size"
-
-
 def check_site_geometry(geom: SiteGeometry, quant_cfg: QuantConfig) -> None:
-    """Raise QuantizationError unless the local shard holds whole groups (W4A16) / blocks (FP8)."""
-    out_local, in_local = geom.local_shape
-    if quant_cfg.scheme == "w4a16":
-        unit, what = quant_cfg.group_size, "group_size"
-    else:
-        unit, what = quant_cfg.block_size, "block_size"
-    if in_local % unit:
-        raise QuantizationError(
-            f"{geom.name}: input dim {_split_note(geom, geom.row_parallel, in_local)} of {what}={unit}")
-    if quant_cfg.scheme != "fp8":
-        return
-    rows = out_local // 2 if geom.glu else out_local
-    if rows % unit:
-        which = "each of the gate/up halves of the output dim" if geom.glu else "output dim"
-        raise QuantizationError(
-            f"{geom.name}: {which} {_split_note(geom, not geom.row_parallel, rows)} of {what}={unit}")
-    if geom.head_dim is not None and geom.head_dim % unit:
-        # mcore's fused qkv interleaves [q heads; k; v] per query group, while the engine quantizes
-        # q_proj/k_proj/v_proj separately: the 2-D blocks coincide only if every head spans whole blocks.
-        raise QuantizationError(
-            f"{geom.name}: head_dim={geom.head_dim} is not a multiple of {what}={unit}; FP8 blocks of the "
-            "fused (per-group interleaved) qkv would mix k and v heads and differ from the engine's "
-            f"separately quantized q/k/v_proj. Use a block_size dividing head_dim or scope without attention")
+    """Raise QuantizationError unless the local shard holds whole scale blocks of the configured scheme
+    (groups along K, FP8's square blocks, an unsplit weight for a tensor-wide scale: `quant.scheme.check_shard`)."""
+    check_shard(scheme_of(quant_cfg), geom, quant_cfg)
 
 
 def site_geometry(name: str, module: torch.nn.Module) -> SiteGeometry:
@@ -273,7 +250,7 @@ def apply_aligned_quantization(model: torch.nn.Module, quant_cfg: QuantConfig) -
         raise QuantizationError(f"quant_cfg must be a QuantConfig, got {type(quant_cfg).__name__}")
     quant_cfg.validate()
     if not quant_cfg.enabled:
-        raise QuantizationError("apply_aligned_quantization needs scheme 'w4a16' or 'fp8', got 'none' "
+        raise QuantizationError(f"apply_aligned_quantization needs a low-bit scheme {SCHEME_NAMES}, got 'none' "
                                 "(an unaligned learner simply does not call it)")
     sites = find_sites(model, quant_cfg)
     if not sites:
@@ -282,7 +259,7 @@ def apply_aligned_quantization(model: torch.nn.Module, quant_cfg: QuantConfig) -
     for name, module in sites.items():
         check_site_geometry(site_geometry(name, module), quant_cfg)
     # Kept in the params (= activation) dtype, the GEMM's: W4A16 is exact in bf16; FP8 is exact in fp32
-    # (the CPU twin) and rounds to bf16 on a bf16 learner (reference_fp8_forward).
+    # (the CPU twin) and rounds to bf16 on a bf16 learner (the fp8 scheme's reference_forward).
     dequant_dtype = _model_params_dtype(model)
     cache = QuantCache(quant_cfg, dequant_dtype=dequant_dtype)
     for name, module in sites.items():

@@ -13,7 +13,7 @@ Every backend consumes the spec's codes/scales (never re-derives its own from th
                  the spec's codes and fp32 scale_inv (the weight's cached ones; the input quantized by the
                  spec per tile): no TE quantizer runs, so nothing differs from the engine's codes. CUDA only.
 
-Forward numerics (reference backend):
+Forward numerics (reference backend: each scheme's `reference_forward`, quant/scheme.py):
 * W4A16: ``y = x @ W_deq^T`` with ``W_deq`` the int4 weight dequantized per the spec (bf16) and cast
   to x's dtype; the matmul runs in x's dtype (bf16 on the learner, like the engine's W4A16 GEMM whose
   output is bf16 with fp32 accumulation inside the kernel).
@@ -23,7 +23,8 @@ Forward numerics (reference backend):
 
 Backward (straight-through estimator, identical for every backend):
 * grad of the master weight == grad w.r.t. the dequantized weight the forward used
-  (``g^T @ x_used``, x_used = x for W4A16, the fake-quantized x for FP8), cast to the master's dtype;
+  (``g^T @ x_used``, x_used = the scheme's `quantized_input`: x for weight-only formats, the fake-quantized
+  x for FP8), cast to the master's dtype;
 * grad of x == ``g @ W_deq`` (the activation quantizer of FP8 is straight-through too).
 Backward runs in the activation dtype; only the forward is rollout-aligned.
 """
@@ -36,8 +37,9 @@ import torch
 
 from megatron_qarl.quant.config import BACKEND_SCHEMES, BACKENDS
 from megatron_qarl.quant.errors import QuantizationError
-from megatron_qarl.quant.fp8 import Fp8Weight, fp8_activation_values, quantize_fp8_activation
+from megatron_qarl.quant.fp8 import Fp8Weight, quantize_fp8_activation
 from megatron_qarl.quant.int4 import Int4Weight
+from megatron_qarl.quant.schemes import scheme_of_weight
 
 
 class BackendUnavailableError(QuantizationError):
@@ -56,15 +58,6 @@ def reference_w4a16_forward(x: torch.Tensor, dequantized: torch.Tensor) -> torch
     return torch.nn.functional.linear(x, dequantized.to(x.dtype))
 
 
-def reference_fp8_forward(x: torch.Tensor, dequantized: torch.Tensor, tile: int) -> torch.Tensor:
-    """W8A8 in the activation dtype: x quantized per 1x`tile` (the engine's rule), both operands
-    dequantized to x's dtype, one GEMM. With fp32 activations (the CPU twin) the product is the FP8
-    GEMM's exactly (e4m3 x e4m3 products and the scales are exact in fp32); with bf16 activations (a GPU
-    learner) it is a bf16 GEMM, never an fp32 one: the dequantized operands round to bf16 (<= 2^-9
-    relative), the price of running at bf16 speed with the `reference` backend."""
-    return torch.nn.functional.linear(fp8_activation_values(x, tile), dequantized.to(x.dtype))
-
-
 class ReferenceBackend:
     name = "reference"
 
@@ -72,11 +65,7 @@ class ReferenceBackend:
         return None
 
     def forward(self, x, qweight, prepared, dequantized: torch.Tensor) -> torch.Tensor:
-        if isinstance(qweight, Int4Weight):
-            return reference_w4a16_forward(x, dequantized)
-        if isinstance(qweight, Fp8Weight):
-            return reference_fp8_forward(x, dequantized, qweight.block)
-        raise QuantizationError(f"reference backend: unsupported quantized weight {type(qweight).__name__}")
+        return scheme_of_weight(qweight).reference_forward(x, qweight, dequantized)
 
 
 # ----------------------------------------------------------- W4A16 routed experts: SGLang's fused Marlin MoE
@@ -307,14 +296,15 @@ class AlignedLinearFunction(torch.autograd.Function):
 
     Args: x, master_weight, dequantized (weight the backward differentiates through; same values as
     the forward's weight), bias or None, forward_fn(x) -> y computing the low-bit product (backend),
-    fp8_tile (None for W4A16; the activation tile for FP8).
+    quantized_input (None for a weight-only format; else input, dtype -> what the GEMM multiplied, e.g. FP8's
+    per-tile fake-quantized input: the scheme's `quantized_input`).
     """
 
     @staticmethod
-    def forward(ctx, x, master_weight, dequantized, bias, forward_fn, fp8_tile):
+    def forward(ctx, x, master_weight, dequantized, bias, forward_fn, quantized_input):
         ctx.master_dtype = master_weight.dtype
         ctx.has_bias = bias is not None
-        ctx.fp8_tile = fp8_tile
+        ctx.quantized_input = quantized_input
         ctx.save_for_backward(x, dequantized)
         y = forward_fn(x)
         if bias is not None:
@@ -327,7 +317,7 @@ class AlignedLinearFunction(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         # in the activation dtype like the forward (bf16 on a GPU learner: no fp32 GEMMs)
         compute_dtype = x.dtype
-        x_used = x if ctx.fp8_tile is None else fp8_activation_values(x, ctx.fp8_tile, compute_dtype)
+        x_used = x if ctx.quantized_input is None else ctx.quantized_input(x, compute_dtype)
         # 2-D torch.mm: on CPU bf16, matmul() with a transposed operand can be ~10x slower than mm().
         g = grad_out.to(compute_dtype).reshape(-1, grad_out.shape[-1])
         w = dequantized.to(compute_dtype)
@@ -355,7 +345,7 @@ def aligned_linear(
 ) -> torch.Tensor:
     """Aligned linear for one weight.
 
-    `qweight` is an `Int4Weight` / `Fp8Weight` (spec output, e.g. from `QuantCache`), `backend` a
+    `qweight` is a registered scheme's quantized weight (spec output, e.g. from `QuantCache`), `backend` a
     backend object or name (default "reference"), `dequantized` the spec-dequantized weight (in
     `qweight.exact_dtype`: bf16 for int4, fp32 for FP8) if already at hand (the cache keeps it),
     otherwise computed here; `prepared` the backend's per-step form of the weight (e.g. the Marlin
@@ -367,5 +357,7 @@ def aligned_linear(
     if prepared is _UNPREPARED:
         prepared = backend.prepare(qweight, dequantized)
     forward_fn = lambda inp: backend.forward(inp, qweight, prepared, dequantized)  # noqa: E731
-    fp8_tile = getattr(qweight, "block", None)
-    return AlignedLinearFunction.apply(x, master_weight, dequantized, bias, forward_fn, fp8_tile)
+    scheme = scheme_of_weight(qweight)
+    quantized_input = (lambda inp, dtype: scheme.quantized_input(inp, qweight, dtype)) if scheme.quantizes_activations \
+        else None
+    return AlignedLinearFunction.apply(x, master_weight, dequantized, bias, forward_fn, quantized_input)

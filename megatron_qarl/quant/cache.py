@@ -37,8 +37,7 @@ from megatron_qarl.quant.backends import aligned_linear, get_backend
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.quant.engine_layout import QuantizedWeight, engine_tensors_for_linear, quantize_dequantize_weight
 from megatron_qarl.quant.errors import QuantizationError
-from megatron_qarl.quant.fp8 import Fp8Weight, changed_fp8_blocks, requantize_fp8_blocks
-from megatron_qarl.quant.int4 import changed_int4_groups, requantize_int4_groups
+from megatron_qarl.quant.schemes import scheme_of
 
 # The spec's first step: the engine stores bf16, so every quantization starts from the bf16 cast.
 _WEIGHT_DTYPE = torch.bfloat16
@@ -84,27 +83,12 @@ class CacheCounters:
     reused_groups: int = 0
 
 
-def _group_count(qweight: QuantizedWeight) -> int:
-    return (qweight.scale_inv if isinstance(qweight, Fp8Weight) else qweight.scales).numel()
-
-
-def _changed_groups(weight: torch.Tensor, previous: torch.Tensor, qweight: QuantizedWeight) -> torch.Tensor | None:
-    if isinstance(qweight, Fp8Weight):
-        return changed_fp8_blocks(weight, previous, qweight.block)
-    return changed_int4_groups(weight, previous, qweight.group_size)
-
-
-def _requantize_groups(weight, qweight: QuantizedWeight, dequantized, changed):
-    requantize = requantize_fp8_blocks if isinstance(qweight, Fp8Weight) else requantize_int4_groups
-    return requantize(weight, qweight, dequantized, changed)
-
-
 @dataclass
 class QuantCache:
     """Quantize-once-per-step cache keyed by parameter name (or tensor identity).
 
     `dequant_dtype` is the dtype of the cached dequantized weight; None keeps the spec's exact output
-    (bf16 for int4, fp32 for FP8). `incremental`: requantize only the groups whose bf16 bits changed
+    (the scheme's: bf16 for int4, fp32 for FP8). `incremental`: requantize only the groups whose bf16 bits changed
     (module docstring); may be switched at any time.
     """
 
@@ -120,6 +104,7 @@ class QuantCache:
         self._previous: dict[Any, torch.Tensor] = {}  # incremental: the bf16 cast each entry was made from
         self._experts: dict[Any, tuple[tuple, Any]] = {}  # per MoE layer: (weakrefs to its codes, backend form)
         self._generation = 0
+        self._scheme = scheme_of(self.quant_cfg)
         self._backend = get_backend(self.quant_cfg.backend)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -193,13 +178,13 @@ class QuantCache:
         qweight, dequantized = quantize_dequantize_weight(master, self.quant_cfg)
         if self.dequant_dtype is not None:
             dequantized = dequantized.to(self.dequant_dtype)
-        self.counters.requantized_groups += _group_count(qweight)
+        self.counters.requantized_groups += self._scheme.group_count(qweight)
         return qweight, dequantized
 
     def _changed_only(self, weight: torch.Tensor, previous: torch.Tensor, stale: CacheEntry):
         """Requantize the groups of `weight` whose bits differ from `previous` (what `stale` was made from)."""
-        changed = _changed_groups(weight, previous, stale.qweight)
-        if changed is None:  # a shape the scheme does not track per group
+        changed = self._scheme.changed_groups(weight, previous, stale.qweight)
+        if changed is None:  # a shape (or a scheme) not tracked per group
             return self._from_scratch(weight)
         n_changed, n_groups = int(changed.sum()), changed.numel()
         if 3 * n_changed >= n_groups:
@@ -211,7 +196,7 @@ class QuantCache:
         if n_changed == 0:
             return stale.qweight, stale.dequantized
         self.counters.requantized_groups += n_changed
-        return _requantize_groups(weight, stale.qweight, stale.dequantized, changed)
+        return self._scheme.requantize_groups(weight, stale.qweight, stale.dequantized, changed)
 
     # -- uses ------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, master: torch.Tensor, name: Optional[str] = None,

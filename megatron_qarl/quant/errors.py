@@ -10,3 +10,7 @@ class QuantizationError(ValueError):
 
 class QuantConfigError(QuantizationError):
     """An invalid `QuantConfig` (unknown scheme/scope/backend, bad group size, scheme/scope mismatch)."""
+
+
+class EngineLayoutError(QuantizationError):
+    """A tensor or config cannot be expressed in (or read from) the engine layout."""

@@ -2,8 +2,9 @@
 
 A publish in ``publish.mode=delta`` sends, per engine tensor, nothing (unchanged), a delta, or the whole
 tensor (when the delta would not be smaller). The unit of change is what the engine format stores:
-* in an int4 ``*.weight_packed`` word (8 codes of 4 bits) one CODE: a flip is per code, not per word or
-  group (at 0.25% flips ~27% of 128-groups hold one, so a group-level delta saves little);
+* in a tensor of packed 4-bit codes (an int4 ``*.weight_packed`` int32 word holds 8, any integer element
+  2 per byte; the publisher says which tensors are, from their scheme) one CODE: a flip is per code, not
+  per word or group (at 0.25% flips ~27% of 128-groups hold one, so a group-level delta saves little);
 * in every other tensor (bf16 weights and scales, fp8 codes, fp32 block scales) one element.
 
 Encoding, chosen for what an optimizer step does to codes: positions are the gaps between changed units
@@ -53,8 +54,14 @@ def tensor_crc32(tensor: torch.Tensor) -> int:
 
 
 def is_nibble_tensor(name: str, tensor: torch.Tensor) -> bool:
-    """True for int4 packed words, whose unit of change is one 4-bit code."""
+    """True for int4 packed words, whose unit of change is one 4-bit code (the default when a caller does
+    not say: `tensor_delta(nibble=...)`)."""
     return name.endswith(_NIBBLE_SUFFIX) and tensor.dtype == torch.int32
+
+
+def nibbles_per_element(element_size: int) -> int:
+    """4-bit codes in one element of a packed tensor, lowest nibble first."""
+    return 2 * element_size
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -114,7 +121,7 @@ def _unzigzag(z: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------------------------- one tensor
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 _SIGNED = {1: np.int8, 2: np.int16, 4: np.int32}
-_SHIFTS = np.arange(0, 32, 4, dtype=np.uint32)
+
 
 
 def _ubits(tensor: torch.Tensor) -> np.ndarray:
@@ -131,11 +138,13 @@ def diff_units(old: torch.Tensor, new: torch.Tensor, nibble: bool) -> tuple[torc
     if not nibble:
         change = (b[words] - a[words]).view(_SIGNED[old.element_size()]).astype(np.int64)
         return torch.from_numpy(words), torch.from_numpy(change)
-    codes_a = (a[words, None] >> _SHIFTS) & 0xF
-    codes_b = (b[words, None] >> _SHIFTS) & 0xF
-    change = (codes_b - codes_a) & 0xF
+    per = nibbles_per_element(old.element_size())
+    shifts = np.arange(0, 4 * per, 4, dtype=a.dtype)
+    codes_a = (a[words, None] >> shifts) & 0xF
+    codes_b = (b[words, None] >> shifts) & 0xF
+    change = (codes_b.astype(np.int64) - codes_a.astype(np.int64)) & 0xF
     keep = change != 0
-    positions = (words[:, None] * 8 + np.arange(8))[keep]
+    positions = (words[:, None] * per + np.arange(per))[keep]
     return torch.from_numpy(positions.astype(np.int64)), torch.from_numpy(change[keep].astype(np.int64))
 
 
@@ -144,15 +153,16 @@ def apply_units(base: torch.Tensor, positions: torch.Tensor, changes: torch.Tens
     out = base.detach().clone().contiguous()
     bits = _ubits(out)
     pos, change = np.asarray(positions, dtype=np.int64), np.asarray(changes, dtype=np.int64)
-    if pos.size and (pos.min() < 0 or pos.max() >= bits.size * (8 if nibble else 1)):
+    per = nibbles_per_element(out.element_size()) if nibble else 1
+    if pos.size and (pos.min() < 0 or pos.max() >= bits.size * per):
         raise WeightDeltaMismatch(f"delta position {int(pos.max())} is outside a tensor of {bits.size} "
                                   f"{'words' if nibble else 'elements'}")
     if not nibble:
         bits[pos] += change.astype(bits.dtype)  # unsigned: wraps like the encoder's subtraction
         return out
-    words, shift = pos >> 3, ((pos & 7) * 4).astype(np.uint32)
+    words, shift = pos // per, ((pos % per) * 4).astype(bits.dtype)
     old = (bits[words] >> shift) & 0xF
-    flips = (old ^ ((old + change.astype(np.uint32)) & 0xF)) << shift
+    flips = ((old ^ ((old + change.astype(bits.dtype)) & 0xF)) << shift).astype(bits.dtype)
     touched, first = np.unique(words, return_index=True)
     bits[touched] ^= np.add.reduceat(flips, first)  # the codes of one word are disjoint bit ranges: sum = or
     return out
@@ -199,7 +209,7 @@ class TensorDelta:
         n = 1
         for d in self.shape:
             n *= d
-        return n * 8 if self.nibble else n
+        return n * nibbles_per_element(self.dtype.itemsize) if self.nibble else n
 
     @property
     def changed_fraction(self) -> float:
@@ -215,13 +225,14 @@ def worth_a_delta(delta: TensorDelta) -> bool:
     return not delta.nibble or delta.changed_fraction <= DELTA_WORTH_FRACTION
 
 
-def tensor_delta(name: str, old: torch.Tensor, new: torch.Tensor, *, base_crc: int | None = None
-                 ) -> TensorDelta | None:
-    """The delta from `old` to `new` (same shape and dtype), or None when nothing changed."""
+def tensor_delta(name: str, old: torch.Tensor, new: torch.Tensor, *, base_crc: int | None = None,
+                 nibble: bool | None = None) -> TensorDelta | None:
+    """The delta from `old` to `new` (same shape and dtype), or None when nothing changed. `nibble`: the
+    tensor packs 4-bit codes (its unit is one code); None: `is_nibble_tensor`."""
     if old.shape != new.shape or old.dtype != new.dtype:
         raise ValueError(f"{name}: a delta needs the same shape and dtype ({tuple(old.shape)} {old.dtype} -> "
                          f"{tuple(new.shape)} {new.dtype})")
-    nibble = is_nibble_tensor(name, new)
+    nibble = is_nibble_tensor(name, new) if nibble is None else nibble
     positions, changes = diff_units(old, new, nibble)
     if positions.numel() == 0:
         return None

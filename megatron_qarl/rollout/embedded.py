@@ -12,7 +12,7 @@ transformers 5.19 keeps a Qwen3-MoE layer's experts fused in memory:
 ``mlp.experts.down_proj`` [E, H, I]; per-expert checkpoint names are mapped into those slices.
 
 FP8 linears run W8A8 as SGLang's block-FP8 methods do: besides the dequantized block weights, each FP8
-linear's input is quantized per 1 x block tile (`fp8_activation_values`, the rule of SGLang's
+linear's input is quantized per 1 x block tile (the fp8 scheme's `input_values`, the rule of SGLang's
 `per_token_group_quant_fp8`) -- for the experts, both GEMMs' inputs, as SGLang's block-FP8 MoE quantizes
 the hidden states and the activation output.
 
@@ -26,6 +26,7 @@ fp32 BEFORE top-k/top-p truncation — the definition vLLM and SGLang use for th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -37,9 +38,9 @@ from megatron_qarl.quant.config import is_routed_expert
 from megatron_qarl.quant.aten_int4 import (
     SAMPLER_W4A16_KERNELS, AtenInt4Weight, aten_int4_linear, pack_aten_int4)
 from megatron_qarl.quant.engine_layout import (
-    PARTS, EngineLayoutError, dequantize_linear, engine_part, fp8_block_size, int4_codes)
+    PARTS, UNQUANTIZED, EngineLayoutError, dequantize_linear, engine_part, int4_codes)
 from megatron_qarl.quant.errors import QuantizationError
-from megatron_qarl.quant.fp8 import fp8_activation_values
+from megatron_qarl.quant.schemes import scheme_of_kind
 from megatron_qarl.rollout.delta import DeltaBatch, apply_delta_batch
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.payload import tensor_sha256
@@ -47,10 +48,10 @@ from megatron_qarl.rollout.payload import tensor_sha256
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
-def _w8a8_linear_hook(tile: int):
-    def quantize_input(module, args):
-        return (fp8_activation_values(args[0], tile), *args[1:])
-    return quantize_input
+def _w8a8_linear_hook(quantize_input):
+    def hook(module, args):
+        return (quantize_input(args[0]), *args[1:])
+    return hook
 
 
 def _experts_forward(experts: torch.nn.Module, gate_up, down, quantize_input=None):
@@ -77,10 +78,9 @@ def _experts_forward(experts: torch.nn.Module, gate_up, down, quantize_input=Non
     return forward
 
 
-def _w8a8_experts_forward(experts: torch.nn.Module, tile: int):
+def _w8a8_experts_forward(experts: torch.nn.Module, quantize_input):
     return _experts_forward(experts, lambda e, x: torch.nn.functional.linear(x, experts.gate_up_proj[e]),
-                            lambda e, x: torch.nn.functional.linear(x, experts.down_proj[e]),
-                            lambda t: fp8_activation_values(t, tile))
+                            lambda e, x: torch.nn.functional.linear(x, experts.down_proj[e]), quantize_input)
 
 
 def _int4_experts_forward(experts: torch.nn.Module, prefix: str, weights: dict[str, AtenInt4Weight]):
@@ -157,7 +157,7 @@ class EmbeddedEngine:
         self._received_digests: dict[str, str] = {}
         self.updates_applied = 0
         self._version = 0  # completed weight updates since start / restart
-        self._w8a8: dict[str, int] = {}  # modules whose inputs are FP8-quantized -> their tile
+        self._w8a8: dict[str, tuple[str, int]] = {}  # modules whose inputs are quantized -> (scheme kind, tile)
         self.w4a16_kernel = w4a16_kernel
         self._int4: dict[str, AtenInt4Weight] = {}  # W4A16 linear -> its kernel operands (aten_int4)
         self._int4_modules: set[str] = set()  # modules whose forward runs on them
@@ -255,7 +255,7 @@ class EmbeddedEngine:
         if self.record_checksums:
             self._received_digests[name] = tensor_sha256(tensor)
         hf_name, kind, part = engine_part(name, tensor)
-        if kind == "bf16":
+        if kind == UNQUANTIZED:
             self._write(name, tensor)
         else:
             self._target(hf_name)  # an unknown linear is refused now, not at the end of the update
@@ -273,9 +273,11 @@ class EmbeddedEngine:
         except EngineLayoutError as err:
             raise EngineWeightError(str(err)) from None
         self._write(f"{prefix}.weight", weight)
-        if kind == "fp8":
-            self._quantize_inputs(prefix, fp8_block_size(f"{prefix}.weight", parts))
-        if kind == "int4" and self.w4a16_kernel == "aten_int4":
+        scheme = scheme_of_kind(kind)
+        tile = scheme.activation_tile(f"{prefix}.weight", parts) if scheme.quantizes_activations else None
+        if tile is not None:
+            self._quantize_inputs(prefix, scheme, tile)
+        if self.w4a16_kernel == "aten_int4" and "aten_int4" in scheme.sampler_kernels:
             try:
                 self._int4[prefix] = pack_aten_int4(*int4_codes(f"{prefix}.weight", parts), self.dtype, prefix)
             except QuantizationError as err:
@@ -295,21 +297,23 @@ class EmbeddedEngine:
             module.forward = _int4_linear_forward(module, prefix, self._int4)
         self._int4_modules.add(name)
 
-    def _quantize_inputs(self, prefix: str, tile: int) -> None:
-        """Make the module computing linear `prefix` quantize its inputs (W8A8); the fused experts module
-        once for all its experts."""
+    def _quantize_inputs(self, prefix: str, scheme, tile: int) -> None:
+        """Make the module computing linear `prefix` quantize its inputs per 1 x `tile` (W8A8: the scheme's
+        `input_values`); the fused experts module once for all its experts."""
         name, experts = _module_of(prefix)
+        rule = (scheme.kind, tile)
         if name in self._w8a8:
-            if self._w8a8[name] != tile:
-                raise EngineWeightError(f"{prefix}: FP8 block {tile} differs from the {self._w8a8[name]} of the "
-                                        "module's other linears")
+            if self._w8a8[name] != rule:
+                raise EngineWeightError(f"{prefix}: {scheme.name} input tile {tile} differs from the "
+                                        f"{self._w8a8[name]} of the module's other linears")
             return
         module = self.model.get_submodule(name)
+        quantize_input = functools.partial(scheme.input_values, tile=tile)
         if experts:
-            module.forward = _w8a8_experts_forward(module, tile)
+            module.forward = _w8a8_experts_forward(module, quantize_input)
         else:
-            module.register_forward_pre_hook(_w8a8_linear_hook(tile))
-        self._w8a8[name] = tile
+            module.register_forward_pre_hook(_w8a8_linear_hook(quantize_input))
+        self._w8a8[name] = rule
 
     def _write(self, hf_name: str, value: torch.Tensor) -> None:
         target = self._target(hf_name)

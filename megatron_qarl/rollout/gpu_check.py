@@ -101,12 +101,14 @@ def random_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 def main(argv=None) -> int:
     from megatron_qarl.quant import QuantConfig
+    from megatron_qarl.quant.config import SCHEMES
+    from megatron_qarl.quant.schemes import DEFAULT_LOW_BIT, NO_SCHEME, scheme_named
     from megatron_qarl.rollout.protocol import SamplingParams
     from megatron_qarl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
     from megatron_qarl.quant.engine_layout import engine_named_tensors
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scheme", choices=["none", "w4a16", "fp8"], default="w4a16")
+    ap.add_argument("--scheme", choices=list(SCHEMES), default=DEFAULT_LOW_BIT)
     ap.add_argument("--mean-tol", type=float, default=0.05)
     ap.add_argument("--p99-tol", type=float, default=0.5)
     ap.add_argument("--max-tol", type=float, default=2.0)
@@ -121,7 +123,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible; this check needs a GPU with sglang==0.5.23 installed", file=sys.stderr)
         return 2
-    scope = "all-linears" if args.scheme == "fp8" else "experts"
+    scope = scheme_named(args.scheme).default_scope if args.scheme != NO_SCHEME else "experts"
     quant_cfg = QuantConfig(scheme=args.scheme, scope=scope)
     weights_a, weights_b = master_weights(seed=1), master_weights(seed=2)
     workdir = args.workdir or tempfile.mkdtemp(prefix="qarl_gpu_check_")

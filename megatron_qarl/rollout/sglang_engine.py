@@ -78,6 +78,8 @@ import torch
 
 from megatron_qarl.lifecycle import die_with_parent, stop_process
 from megatron_qarl.parallel import is_loopback_host
+from megatron_qarl.quant.scheme import EngineSupport
+from megatron_qarl.quant.schemes import NO_SCHEME, scheme_named
 from megatron_qarl.rollout import sglang_compat
 from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, FlattenedBucket, iter_buckets
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
@@ -91,8 +93,6 @@ log = logging.getLogger(__name__)
 MODES = ("subprocess", "attach", "inprocess")
 TRANSPORTS = ("tensor", "distributed")
 CUDA_GRAPH_CHOICES = ("auto", "on", "off")
-# The only MoE runner whose W4A16 refit works (see the module doc); "auto" is resolved to it for W4A16.
-W4A16_MOE_BACKEND = "marlin"
 
 # torchrun / torchelastic variables a launched server must not inherit: SGLang starts its own
 # torch.distributed world (init_method tcp://...), and an inherited RANK / WORLD_SIZE / MASTER_* makes
@@ -144,25 +144,22 @@ def default_master_address() -> str:
     return host
 
 
+def _sglang_support(quant_scheme: str) -> EngineSupport:
+    """What the scheme says about SGLang's refit (quant/scheme.py); bf16 needs nothing."""
+    return scheme_named(quant_scheme).engine("sglang") if quant_scheme != NO_SCHEME else EngineSupport()
+
+
 def resolve_moe_runner_backend(quant_scheme: str, moe_runner_backend: str) -> str:
     """The ``--moe-runner-backend`` to launch with; refuses configurations whose in-place refit SGLang
-    cannot do. W4A16: ``auto`` -> ``marlin`` (``auto`` is Triton on SM100, whose refit breaks);
-    ``marlin`` as given; anything else refused."""
-    if quant_scheme != "w4a16":
-        return moe_runner_backend
-    if moe_runner_backend in ("auto", W4A16_MOE_BACKEND):
-        return W4A16_MOE_BACKEND
-    if moe_runner_backend == "triton":
-        raise ValueError(
-            "W4A16 refit with moe_runner_backend='triton' is not supported: SGLang's "
-            "CompressedTensorsWNA16TritonMoE repacks expert weights into new Parameters without "
-            "weight_loader, so the second update fails. Use moe_runner_backend='marlin' (or 'auto', "
-            "which is pinned to marlin for W4A16)."
-        )
-    raise ValueError(
-        f"W4A16 refit with moe_runner_backend={moe_runner_backend!r} is not supported: only the Marlin "
-        "WNA16 MoE path restores its packed weights before a reload. Use 'marlin' (or 'auto')."
-    )
+    cannot do. A scheme that needs one backend (W4A16: Marlin, see the module doc) gets ``auto`` pinned to
+    it (``auto`` is Triton on SM100, whose refit breaks); that backend as given; anything else refused."""
+    support = _sglang_support(quant_scheme)
+    why = support.moe_backend_problem(moe_runner_backend)
+    if why:
+        raise ValueError(f"{quant_scheme} refit with moe_runner_backend={moe_runner_backend!r} is not supported: "
+                         f"{why}. Use moe_runner_backend={support.moe_backend!r} (or 'auto', which is pinned to "
+                         f"{support.moe_backend} for {quant_scheme}).")
+    return support.resolve_moe_backend(moe_runner_backend)
 
 
 def check_refit_backend(quant_scheme: str, moe_runner_backend: str) -> None:
@@ -183,7 +180,7 @@ class SGLangEngineConfig:
     base_gpu_id: int = 0  # first GPU (of the visible ones) the launched server uses: --base-gpu-id
     mem_fraction_static: float = 0.7
     moe_runner_backend: str = "auto"  # W4A16: resolved to "marlin" (see resolve_moe_runner_backend)
-    quant_scheme: str = "none"  # what refits push: none | w4a16 | fp8
+    quant_scheme: str = NO_SCHEME  # what refits push: none or a registered scheme (quant/schemes/)
     return_routed_experts: bool = False
     route_layers: int | None = None  # routed-experts geometry: MoE layers (num_hidden_layers)
     route_topk: int | None = None  # and experts per token (num_experts_per_tok)
@@ -239,7 +236,7 @@ class SGLangEngineConfig:
     @property
     def cuda_graphs_enabled(self) -> bool:
         if self.cuda_graph == "auto":
-            return self.quant_scheme != "w4a16"
+            return _sglang_support(self.quant_scheme).cuda_graphs
         return self.cuda_graph == "on"
 
     @classmethod
@@ -579,9 +576,10 @@ class SGLangEngine:
         self._group = None
         self.restarts = 0
         self.pushes = 0  # buckets sent, for monitoring and tests
-        if cfg.quant_scheme == "w4a16" and cfg.cuda_graphs_enabled:
-            log.warning("SGLang W4A16 refit with CUDA graphs on (cuda_graph=on): the Marlin MoE workspace is "
-                        "reallocated at every refit while captured graphs keep the old pointer")
+        support = _sglang_support(cfg.quant_scheme)
+        if not support.cuda_graphs and cfg.cuda_graphs_enabled:
+            log.warning(f"SGLang {cfg.quant_scheme} refit with CUDA graphs on (cuda_graph=on): "
+                        f"{support.why_no_cuda_graphs}")
         if start:
             self.start()
 

@@ -47,6 +47,7 @@ import torch
 
 from megatron_qarl.lifecycle import die_with_parent, stop_process
 from megatron_qarl.quant.config import SCOPE_GROUPS, QuantConfig
+from megatron_qarl.quant.schemes import scheme_of
 from megatron_qarl.rollout.delta import DeltaBatch, WeightDeltaMismatch
 from megatron_qarl.rollout.payload import FlattenedBucket, iter_buckets
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
@@ -110,13 +111,14 @@ def check_vllm_machine(venv: str | None, device: str, quant_cfg: QuantConfig) ->
     """Raise VLLMSetupError (naming the fix) unless this machine can run the configured vLLM engine: the venv
     exists, and on CPU vLLM-CPU has the int4 kernels the scope needs (MoE: AMX; dense: AVX-512)."""
     check_vllm_venv(venv)
-    groups = SCOPE_GROUPS[quant_cfg.scope] if quant_cfg.scheme == "w4a16" else ()
+    int4_kernels = quant_cfg.enabled and scheme_of(quant_cfg).engine("vllm").cpu_int4_kernel
+    groups = SCOPE_GROUPS[quant_cfg.scope] if int4_kernels else ()
     blocker = cpu_w4a16_blocker("experts" in groups, bool(set(groups) - {"experts"})) if device == "cpu" else None
     if blocker:
         dense_only_runs = "experts" in groups and torch.cpu._is_avx512_supported()
         fix = "quant.scope=attention (the dense int4 kernel, no AMX needed), " if dense_only_runs else ""
-        raise VLLMSetupError(f"rollout.engine=vllm with quant.scheme=w4a16, quant.scope={quant_cfg.scope} on this CPU "
-                             f"({torch.backends.cpu.get_cpu_capability()}): {blocker}; use {fix}"
+        raise VLLMSetupError(f"rollout.engine=vllm with quant.scheme={quant_cfg.scheme}, quant.scope={quant_cfg.scope} "
+                             f"on this CPU ({torch.backends.cpu.get_cpu_capability()}): {blocker}; use {fix}"
                              "rollout.engine=embedded here, or quant.scheme=none with vLLM")
 
 

@@ -28,9 +28,10 @@ from pathlib import Path
 import torch
 
 from megatron_qarl.fileio import atomic_dir
+from megatron_qarl.quant.schemes import DEFAULT_LOW_BIT, SCHEME_NAMES, scheme_named
 from megatron_qarl.weights.hf_io import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, CheckpointError
 
-FORMATS = ("w4a16", "fp8", "bf16")
+FORMATS = SCHEME_NAMES + ("bf16",)  # export --format: a registered low-bit scheme, or bf16
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_SHARD_BYTES = 4 * 1024**3
 HF_SIDECAR_KEY = "hf_files"
@@ -598,14 +599,15 @@ def export_quant_config(fmt: str, scope: str | None, group_size: int = 128, bloc
         raise ConversionError(f"unknown --format {fmt!r}; choose one of {FORMATS}")
     if fmt == "bf16":
         return QuantConfig()
-    scope = scope or ("experts" if fmt == "w4a16" else "all-linears")
+    scope = scope or scheme_named(fmt).default_scope
     return QuantConfig(scheme=fmt, scope=scope, group_size=group_size, block_size=block_size)
 
 
 def write_engine_checkpoint(out: Path, hf_config, named: Iterable[tuple[str, torch.Tensor]], total_bytes: int,
                             quant_cfg, side_files: dict[str, bytes], *, max_shard_bytes: int, force: bool,
                             tokenizer: TokenizerPlan | None = None) -> Path:
-    """Stream HF-named tensors through the engine layout into a checkpoint SGLang/vLLM/transformers load."""
+    """Stream HF-named tensors through the engine layout into a checkpoint SGLang/vLLM/transformers load
+    (one stream: a scheme whose scale spans fused linears quantizes q/k/v or gate/up together)."""
     from megatron_qarl.quant.engine_layout import engine_named_tensors
 
     sink = EngineCheckpointSink(out, hf_config, quant_cfg, side_files, max_shard_bytes=max_shard_bytes, force=force,
@@ -613,9 +615,11 @@ def write_engine_checkpoint(out: Path, hf_config, named: Iterable[tuple[str, tor
     sink.begin_weight_update()
     try:
         with progress(total_bytes, f"export {quant_cfg.scheme}") as bar:
-            for name, tensor in named:
-                sink.update_weights(engine_named_tensors([(name, tensor)], quant_cfg))
-                bar.update(_nbytes(tensor))
+            def counted():
+                for name, tensor in named:
+                    yield name, tensor
+                    bar.update(_nbytes(tensor))
+            sink.update_weights(engine_named_tensors(counted(), quant_cfg))
     except BaseException:
         sink.abort()
         raise
@@ -675,7 +679,7 @@ class EngineCheckpointSink:
 
 
 def export_checkpoint(out: str | os.PathLike, *, hf: str | os.PathLike | None = None,
-                      ckpt: str | os.PathLike | None = None, fmt: str = "w4a16", scope: str | None = None,
+                      ckpt: str | os.PathLike | None = None, fmt: str = DEFAULT_LOW_BIT, scope: str | None = None,
                       group_size: int = 128, block_size: int = 128,
                       max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False,
                       tokenizer: str | None = None) -> Path:
@@ -730,20 +734,16 @@ def _check_quantizable(hf_config, quant_cfg) -> None:
 
 
 def quant_config_from_checkpoint(qc: dict | None):
-    """The QuantConfig an exported checkpoint's `quantization_config` describes (bf16: QuantConfig())."""
-    from megatron_qarl.quant import QuantConfig
-    from megatron_qarl.quant.engine_layout import w4a16_scope_from_ignore
+    """The QuantConfig an exported checkpoint's `quantization_config` describes (bf16: QuantConfig()) and its
+    format name."""
+    from megatron_qarl.quant.engine_layout import quant_config_from_quantization_config
+    from megatron_qarl.quant.errors import EngineLayoutError
 
-    if not qc:
-        return QuantConfig(), "bf16"
-    if qc.get("quant_method") == "fp8":
-        return QuantConfig(scheme="fp8", scope="all-linears", block_size=qc["weight_block_size"][0]), "fp8"
-    if qc.get("quant_method") == "compressed-tensors":
-        ignore = qc.get("ignore", [])
-        scope = w4a16_scope_from_ignore(ignore)
-        group = qc["config_groups"]["group_0"]["weights"]["group_size"]
-        return QuantConfig(scheme="w4a16", scope=scope, group_size=group), "w4a16"
-    raise ConversionError(f"unsupported quantization_config quant_method {qc.get('quant_method')!r}")
+    try:
+        quant_cfg = quant_config_from_quantization_config(qc)
+    except EngineLayoutError as err:
+        raise ConversionError(f"unsupported quantization_config: {err}") from None
+    return quant_cfg, quant_cfg.scheme if quant_cfg.enabled else "bf16"
 
 
 def inspect_checkpoint(path: str | os.PathLike) -> dict:

@@ -51,11 +51,12 @@ import torch
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_mcore_shapes, to_hf
 from megatron_qarl.parallel import collective_device
 from megatron_qarl.quant.engine_layout import (
-    as_quant_config, engine_tensors, kind_of, linear_parts, meta_linear_parts, quantize_weight,
+    UNQUANTIZED, as_quant_config, engine_part, engine_tensors, kind_of, linear_parts, meta_linear_parts,
+    quantize_weight,
 )
+from megatron_qarl.quant.schemes import scheme_of_kind
 from megatron_qarl.rollout.delta import (
-    DeltaBatch, TensorDelta, WeightDeltaMismatch, is_nibble_tensor, supports_delta, tensor_crc32, tensor_delta,
-    worth_a_delta,
+    DeltaBatch, TensorDelta, WeightDeltaMismatch, supports_delta, tensor_crc32, tensor_delta, worth_a_delta,
 )
 from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, TensorMeta, iter_buckets, plan_buckets, tensor_sha256
 
@@ -73,8 +74,8 @@ class PublishVerificationError(PublishError):
 
 @dataclass
 class FullParam:
-    """One full (gathered) mcore parameter in the form it is published: its engine ``kind`` ("bf16",
-    "int4", "fp8") and the `linear_parts` of that kind; ``shape`` is the weight's [N, K]."""
+    """One full (gathered) mcore parameter in the form it is published: its engine ``kind`` ("bf16", or the
+    scheme's kind) and the `linear_parts` of that kind; ``shape`` is the weight's [N, K]."""
 
     name: str
     kind: str
@@ -191,10 +192,20 @@ MAX_DELTA_UNITS = 1 << 22  # changed units per delta batch (one engine call): bo
 
 
 def is_quantized_part(name: str, tensor: torch.Tensor) -> bool:
-    """The tensors of a quantized linear (int4 codes/scales, fp8 codes/block scales): what deltas are for.
+    """The tensors of a quantized linear (its scheme's codes and scales): what deltas are for.
     bf16 weights are always sent whole: Adam moves 70-90% of their elements every step (measured on the
     tiny QaRL run), so a delta would not be smaller, and compressing GBs of them would cost seconds."""
-    return tensor.dtype in (torch.int32, torch.float8_e4m3fn) or name.endswith((".weight_scale", ".weight_scale_inv"))
+    return engine_part(name, tensor)[1] != UNQUANTIZED
+
+
+def code_units(name: str, tensor: torch.Tensor) -> tuple[int, bool]:
+    """(low-bit codes an engine tensor holds, whether they are packed 4-bit codes): its scheme's codes part
+    (8 per int4 word, 1 per fp8 byte, ...); (0, False) for scales and bf16 tensors."""
+    _, kind, part = engine_part(name, tensor)
+    scheme = scheme_of_kind(kind)
+    if scheme is None or part != scheme.codes_part:
+        return 0, False
+    return tensor.numel() * scheme.codes_per_element(tensor), scheme.packed_nibbles
 
 
 @dataclass
@@ -283,18 +294,11 @@ def push_changes(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], copy
     return stats
 
 
-def _code_count(name: str, tensor: torch.Tensor) -> int:
-    """How many low-bit codes an engine tensor holds: 8 per int4 packed word, 1 per fp8 byte, 0 otherwise."""
-    if is_nibble_tensor(name, tensor):
-        return 8 * tensor.numel()
-    return tensor.numel() if tensor.dtype == torch.float8_e4m3fn else 0
-
-
 def _count_code_changes(stats: PushStats, copy: EngineCopy, name: str, new: torch.Tensor,
                         delta: TensorDelta | None | bool) -> None:
     """Code flips of one engine tensor for ``publish/code_flip_frac``: a delta's units are its changed codes;
     a tensor sent whole (a full publish) is compared with the copy here, once every `full_every` publishes."""
-    total = _code_count(name, new)
+    total, nibble = code_units(name, new)
     old = copy.held.get(name)
     if not total or old is None or old.shape != new.shape or old.dtype != new.dtype:
         return
@@ -302,9 +306,8 @@ def _count_code_changes(stats: PushStats, copy: EngineCopy, name: str, new: torc
         changed = 0
     elif delta is not None:
         changed = delta.positions.numel()
-    else:
-        kind = "int4" if is_nibble_tensor(name, new) else "fp8"  # bytes: packed words XOR bytewise alike
-        changed = _changed_codes(old.view(torch.uint8), new.view(torch.uint8), kind)
+    else:  # bytes: packed words XOR bytewise alike
+        changed = _changed_codes(old.view(torch.uint8), new.view(torch.uint8), nibble)
     stats.codes_changed += changed
     stats.codes_compared += total
 
@@ -314,7 +317,7 @@ def _delta_against(copy: EngineCopy, name: str, new: torch.Tensor) -> TensorDelt
     old = copy.held.get(name)
     if old is None or old.shape != new.shape or old.dtype != new.dtype or not supports_delta(new):
         return None
-    delta = tensor_delta(name, old, new, base_crc=copy.crc_of(name))
+    delta = tensor_delta(name, old, new, base_crc=copy.crc_of(name), nibble=code_units(name, new)[1])
     return False if delta is None else delta
 
 
@@ -513,7 +516,7 @@ class WeightPublisher:
     def _local(self, name: str, param: torch.Tensor) -> tuple[str, dict[str, torch.Tensor]]:
         if name in self.sites:
             return kind_of(self.quant_cfg), linear_parts(self._qweight(name))
-        return "bf16", linear_parts(None, param)
+        return UNQUANTIZED, linear_parts(None, param)
 
     # -- gathering one parameter to the engine rank -------------------------------------------------
     def _collect(self, topo: _Topology, name: str, param: torch.Tensor, flips: list) -> list[FullParam]:
@@ -523,7 +526,7 @@ class WeightPublisher:
         if not (topo.expert_replica_has_leader if rule.expert else topo.tp_leaders):
             return []  # a replica no engine leader takes its weights from
         kind, parts = self._local(name, param)
-        if self.count_local_flips and kind != "bf16" and (topo.counts_experts if rule.expert else topo.counts_dense):
+        if self.count_local_flips and kind != UNQUANTIZED and (topo.counts_experts if rule.expert else topo.counts_dense):
             self._count_flips(name, kind, parts, flips)
         c = topo.coords
         shape = tuple(param.shape)
@@ -555,11 +558,13 @@ class WeightPublisher:
                           shape) for r in range(c.ep_size)]
 
     def _count_flips(self, name: str, kind: str, parts: dict[str, torch.Tensor], flips: list) -> None:
-        current = parts["weight_packed"] if kind == "int4" else parts["weight"].view(torch.uint8)
+        scheme = scheme_of_kind(kind)
+        codes = parts[scheme.codes_part]
+        current = codes if scheme.packed_nibbles else codes.view(torch.uint8)
         previous = self._previous_codes.get(name)
-        total = current.numel() * (8 if kind == "int4" else 1)
+        total = codes.numel() * scheme.codes_per_element(codes)
         if previous is not None:
-            flips[0] += 0 if previous is current else _changed_codes(previous, current, kind)
+            flips[0] += 0 if previous is current else _changed_codes(previous, current, scheme.packed_nibbles)
             flips[1] += total
         # A reference, not a copy: the parts are new tensors of this step that nothing writes in place
         # (cache entries, `Int4Weight.packed()`, a fresh quantization); a new step makes new ones.
@@ -671,8 +676,12 @@ class WeightPublisher:
         }
 
 
-def _changed_codes(previous: torch.Tensor, current: torch.Tensor, kind: str) -> int:
-    if kind != "int4":
+def _changed_codes(previous: torch.Tensor, current: torch.Tensor, nibbles: bool | str) -> int:
+    """Codes that differ between two code tensors: packed 4-bit codes (`nibbles`; or a kind whose scheme
+    packs them) counted per nibble, other codes per element."""
+    if isinstance(nibbles, str):
+        nibbles = scheme_of_kind(nibbles).packed_nibbles
+    if not nibbles:
         return int((previous != current).sum())
     diff = (previous ^ current).view(-1)  # one pass; only the changed words (a few % per step) are looked into
     changed_bytes = diff[diff != 0].view(torch.uint8)  # packed: 2 codes per byte
@@ -698,7 +707,7 @@ def engine_tensor_metas(hf_config, quant_cfg) -> list[TensorMeta]:
     metas = []
     for name, shape in expected_mcore_shapes(hf_config).items():
         quantized = len(shape) == 2 and site_in_scope(name[: -len(".weight")], cfg)
-        kind = kind_of(cfg) if quantized else "bf16"
+        kind = kind_of(cfg) if quantized else UNQUANTIZED
         param = FullParam(name, kind, meta_linear_parts(kind, shape, cfg), shape)
         metas.extend(TensorMeta.of(n, t) for n, t in full_param_engine_tensors(hf_config, param))
     return metas

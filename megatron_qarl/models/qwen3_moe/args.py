@@ -11,6 +11,7 @@ from typing import Any
 
 from megatron_qarl.errors import CheckpointError
 from megatron_qarl.quant.config import SCOPE_GROUPS
+from megatron_qarl.quant.schemes import NO_SCHEME
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Numbers of Qwen/Qwen3-30B-A3B config.json.
@@ -257,4 +258,4 @@ def parameter_counts(hf_config) -> dict[str, int]:
 
 def quantized_groups(quant) -> tuple[str, ...]:
     """Which ParamGroups kinds the quantization scope covers (router/embeddings/lm_head never)."""
-    return SCOPE_GROUPS[quant.scope] if quant.scheme != "none" else ()
+    return SCOPE_GROUPS[quant.scope] if quant.scheme != NO_SCHEME else ()

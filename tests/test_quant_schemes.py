@@ -1,0 +1,76 @@
+"""The quantization-scheme seam (quant/scheme.py, quant/schemes/): every format is one registered object,
+and nothing outside quant/ compares with a scheme's name."""
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_qarl.quant import QuantConfig
+from megatron_qarl.quant.config import BACKEND_SCHEMES, SCHEMES
+from megatron_qarl.quant.scheme import QuantScheme
+from megatron_qarl.quant.schemes import NO_SCHEME, SCHEME_NAMES, SCHEMES as REGISTRY, scheme_of_part
+
+ROOT = Path(__file__).resolve().parents[1]
+OUTSIDE_QUANT = [p for pkg in ("megatron_qarl", "conversion") for p in sorted((ROOT / pkg).rglob("*.py"))
+                 if "quant" not in p.relative_to(ROOT).parts]
+
+
+def scheme_string_uses(path: Path, names: set[str], root: Path = ROOT) -> list[str]:
+    """`file:line` of every string constant (not a docstring) equal to one of `names`."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [f"{path.relative_to(root)}:{node.lineno}: {node.value!r}" for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+            and id(node) not in docstrings]
+
+
+def test_no_scheme_name_or_kind_is_spelled_outside_quant():
+    """Outside quant/ a scheme is chosen (config choice lists, derived from the registry) and then asked
+    (quant/scheme.py); its name or engine kind never appears as a string to compare with."""
+    names = set(SCHEME_NAMES) | {s.kind for s in REGISTRY.values()}
+    uses = [use for path in OUTSIDE_QUANT for use in scheme_string_uses(path, names)]
+    assert uses == [], "scheme strings outside quant/ (ask the scheme object instead):\n" + "\n".join(uses)
+
+
+def test_the_grep_bites(tmp_path):
+    src = tmp_path / "engine.py"
+    src.write_text('"""About w4a16."""\ndef f(cfg):\n    """w4a16"""\n    return cfg.scheme == "w4a16"\n')
+    assert scheme_string_uses(src, {"w4a16"}, root=tmp_path) == ["engine.py:4: 'w4a16'"]
+
+
+def test_the_config_choices_are_the_registry():
+    assert SCHEMES == (NO_SCHEME,) + tuple(REGISTRY)
+    assert set(BACKEND_SCHEMES["reference"]) == set(REGISTRY)  # the reference GEMM runs every format
+    with pytest.raises(ValueError, match="unknown quant scheme 'int3'"):
+        QuantConfig(scheme="int3")
+
+
+@pytest.mark.parametrize("name", SCHEME_NAMES)
+def test_every_scheme_answers_the_whole_protocol(name):
+    scheme = REGISTRY[name]
+    assert scheme.name == name and scheme.kind and scheme.parts and scheme.codes_part in scheme.parts
+    for method in ("quantize_dequantize", "linear_parts", "meta_linear_parts", "dequantize_parts",
+                   "quantization_config", "config_fields", "bytes_per_weight", "code_bytes_per_weight",
+                   "weight_unit", "group_count"):
+        assert getattr(type(scheme), method) is not getattr(QuantScheme, method), f"{name} lacks {method}"
+    cfg = QuantConfig(scheme=name, scope=scheme.default_scope, group_size=scheme.fixed_unit or 128, block_size=64)
+    w = torch.randn(128, 256)
+    qweight, dequantized = scheme.quantize_dequantize(w, cfg)
+    assert isinstance(qweight, scheme.weight_type) and dequantized.shape == w.shape
+    parts = scheme.linear_parts(qweight)
+    meta = scheme.meta_linear_parts(tuple(w.shape), cfg)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in parts.items()} == \
+        {k: (tuple(v.shape), v.dtype) for k, v in meta.items()}
+    named = dict(scheme.engine_tensors("m.layers.0.mlp.experts.0.down_proj", parts, tuple(w.shape)))
+    assert set(named) == {f"m.layers.0.mlp.experts.0.down_proj.{p}" for p in scheme.parts}
+    for full, tensor in named.items():  # a received name and dtype decode back to this scheme
+        assert scheme_of_part(full.rsplit(".", 1)[1], tensor) is scheme, full
+    engine_view = {k.rsplit(".", 1)[1]: v for k, v in named.items()}
+    assert torch.equal(scheme.dequantize_parts("x.weight", engine_view, dequantized.dtype), dequantized)
+    qc = scheme.quantization_config(cfg, ["lm_head"])
+    fields = scheme.config_fields(qc)
+    assert fields["scheme"] == name and fields[scheme.unit_field] == scheme.unit(cfg)
+    assert all(other.config_fields(qc) is None for other in REGISTRY.values() if other is not scheme)
