@@ -7,11 +7,12 @@ import torch
 
 from megatron_qarl.quant.errors import QuantConfigError
 from megatron_qarl.quant.scheme import QuantScheme
-from megatron_qarl.quant.schemes import fp8, w4a16
+from megatron_qarl.quant.schemes import fp8, nvfp4, w4a16
 
 SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (
     w4a16.SCHEME,
     fp8.SCHEME,
+    nvfp4.SCHEME,
 )}
 SCHEME_NAMES: tuple[str, ...] = tuple(SCHEMES)  # the low-bit choices of quant.scheme (besides "none")
 NO_SCHEME = "none"
