@@ -345,7 +345,9 @@ def write_error_log(cfg, err: BaseException, line: str | None):
 
 
 def run_guarded(fn, cfg):
-    """fn(), with its failures logged to error.log; a known runtime failure becomes RunFailed (one line)."""
+    """fn(); a known runtime failure becomes RunFailed (one line), its traceback in error.log, and any other
+    exception is logged there too and re-raised. User errors (a bad config, data, a refused checkpoint) pass
+    through as they are: their message is the report, and they leave the run dir as it was."""
     import megatron_qarl.errors as errors_module
 
     try:
@@ -353,12 +355,15 @@ def run_guarded(fn, cfg):
     except BaseException as err:  # torch-DCP's CheckpointException (a full disk mid-save) is a BaseException
         if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)) or                 isinstance(err, getattr(errors_module, "RunStopped", ())):  # a requested stop is not a failure
             raise
-        user = isinstance(err, _user_errors())
-        line = None if user else failure_line(err, cfg)
         import time
 
         err.failed_at = time.time()  # print_error: when the other ranks wait for rank 0's report
-        log = write_error_log(cfg, err, str(err) if user else line)
+        if isinstance(err, _user_errors()):  # its message says it all, and it changed nothing in the run dir;
+            if os.environ.get("RANK", "0") != "0" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                write_error_log(cfg, err, str(err))  # but rank 0 may need this rank's line (_primary_line)
+            raise
+        line = failure_line(err, cfg)
+        log = write_error_log(cfg, err, line)
         if line is None:
             raise
         failed = RunFailed(line + (f" (traceback: {log})" if log else ""))

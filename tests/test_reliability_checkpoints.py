@@ -168,8 +168,9 @@ def test_inspect_finds_a_damaged_shard(run_copy, damage):
         data[len(data) // 2] ^= 0xFF  # same size, one byte changed
     shard.write_bytes(bytes(data))
     proc = _convert("inspect", str(ckpt))
-    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]  # an incomplete checkpoint is a user error
     assert "complete:    NO" in proc.stdout and shard.name in proc.stdout, proc.stdout
+    assert "is incomplete" in proc.stderr and shard.name in proc.stderr, proc.stderr  # and says so on stderr
     assert ("size" if damage == "truncate" else "sha256") in proc.stdout
 
 
