@@ -205,7 +205,7 @@ def test_env_sh_installs_the_cpu_pins():
     stamp = next(l for l in text.splitlines() if l.lstrip().startswith("stamp="))
     assert "setup.py" in stamp and "$CPU_PINS" in stamp
     assert re.search(r'^CPU_PINS="\$QARL_ROOT/requirements/cpu.txt"$', text, re.M)
-    torch_at = text.index('pip install -q --disable-pip-version-check "$torch_pin"')
+    torch_at = text.index('pip install -q --disable-pip-version-check "${torch_args[@]}"')  # tests/test_env_setup.py
     project_at = text.index('-c "$CPU_PINS" -e "$QARL_ROOT[test]"')
     assert torch_at < project_at, "the CPU torch wheel must be installed before the project"
     assert "grep -E '^torch==' \"$CPU_PINS\"" in text
