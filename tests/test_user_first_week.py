@@ -340,6 +340,17 @@ def test_inspect_of_an_incomplete_checkpoint_says_so_on_stderr(first_run, tmp_pa
     assert line.startswith(f"qarl-convert: error: {ckpt} is incomplete") and shard.name in line
 
 
+def test_export_to_where_nothing_can_be_created_names_out(first_run):
+    ckpt = first_run[0] / "checkpoints" / "step_00000002"
+    proc = subprocess.run([sys.executable, "-m", "conversion.cli", "export", "--ckpt", str(ckpt), "--format", "bf16",
+                           "--out", "/proc/qarl-export"], env=_env(), cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("qarl-convert: error:")]
+    assert "cannot create --out /proc/qarl-export: /proc does not accept new files or directories" in line, line
+    assert ".tmp-" not in line  # not the writer's temp name
+
+
 # ------------------------------------------------------------------------------------------- 8. runtime failures
 
 REWARD_OOM = '''
