@@ -797,6 +797,8 @@ def _inspect_mcore(path: Path) -> dict:
     nbytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     try:
         src = open_mcore_checkpoint(path)
+        check_no_code(path)
+        meta = read_dcp_metadata(path).state_dict_metadata
     except (ConversionError, CheckpointError) as exc:
         if not problems:
             raise
@@ -808,8 +810,6 @@ def _inspect_mcore(path: Path) -> dict:
     weights = {k: m.size for k, m in meta.items()
                if not k.startswith("optimizer.") and "_extra_state" not in k and hasattr(m, "size")}
     stored_params = sum(_numel(size) for size in weights.values())
-        check_no_code(path)
-        meta = read_dcp_metadata(path).state_dict_metadata
     expected_params = parameter_counts(src.hf_config)["total"]
     missing = list(problems) + ([] if stored_params == expected_params else [
         f"stored tensors hold {stored_params:,} parameters, the config needs {expected_params:,}"])
