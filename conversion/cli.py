@@ -275,8 +275,10 @@ def _write_error(args, err: OSError) -> str:
         parent = os.path.dirname(os.path.abspath(args.out))
         return (f"cannot create --out {args.out}: {parent} does not accept new files or directories ({err.strerror}); "
                 "choose --out on a writable file system")
+    fix = ("lower --max-shard-bytes under the file-size limit (ulimit -f) or choose --out on a file system that "
+           "allows larger files") if err.errno == errno.EFBIG else "free space or choose a writable --out and rerun"
     return (f"writing --out {args.out} failed: {err.strerror or err}{where}; nothing was written there (its temp "
-            "files were removed); free space or choose a writable --out and rerun")
+            f"files were removed); {fix}")
 
 
 def main(argv=None) -> int:

@@ -116,12 +116,13 @@ def build_run_context(cfg: RunConfig) -> RunContext:
     continuing = prepare_out_dir(cfg)  # before anything is written there: an earlier run's results are kept
     hf_config = resolve_hf_config(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
+    check_tokenizer(cfg, tokenizer)
     sampling = run_sampling_params(cfg, tokenizer)
     topology = rollout_topology(cfg, torch.distributed.get_world_size())
     is_leader = topology.is_leader()
     # Prompts (and held-out prompts) are read and checked before any model is built: a bad row or file
     # costs seconds, not a model load. Every leader reads them; a failure on one ends every rank.
-    data, eval_examples = load_run_data(cfg, tokenizer, is_leader)
+    data, eval_examples = load_run_data(cfg, tokenizer, is_leader, hf_config)
 
     # Each rank's loss is already normalised by the global token/sequence count, so DP gradients must
     # be summed, not averaged: megatron's calculate_per_token_loss switches DDP to sum.
@@ -257,7 +258,7 @@ def load_eval_examples(cfg: RunConfig, tokenizer):
     return examples[: e.max_prompts] if e.max_prompts else examples
 
 
-def load_run_data(cfg: RunConfig, tokenizer, is_leader: bool):
+def load_run_data(cfg: RunConfig, tokenizer, is_leader: bool, hf_config=None):
     """COLLECTIVE. (training PromptDataset, held-out examples or None) on rollout-group leaders, (None, None)
     elsewhere; a data error on any leader is raised on every rank."""
     from megatron_qarl.parallel import raise_if_any_rank_failed
@@ -272,6 +273,7 @@ def load_run_data(cfg: RunConfig, tokenizer, is_leader: bool):
             if is_logging_rank():
                 for line in report.warnings:
                     print(f"[qarl] warning: {line}", flush=True)
+            check_data_fits(cfg, hf_config, data, eval_examples)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has heard of it
             error = exc
     raise_if_any_rank_failed(error, DatasetError(
@@ -289,6 +291,53 @@ def check_run_inputs(cfg: RunConfig, tokenizer, train_examples, eval_examples):
         return preflight.check_run_inputs(cfg, tokenizer, train_examples, eval_examples, reward_fn)
     finally:
         reward_fn.close()
+
+
+def check_tokenizer(cfg: RunConfig, tokenizer) -> None:
+    """A tokenizer with no vocabulary is refused here, not deep in the engine: transformers builds an empty one
+    from a directory without tokenizer files (e.g. model.hf_path holding only config.json and weights)."""
+    from megatron_qarl.rl.tokenizer import TokenizerError
+
+    source = cfg.model.tokenizer or cfg.model.hf_path
+    if len(tokenizer) < 2 or not tokenizer.encode("1+1=", add_special_tokens=False):
+        raise TokenizerError(
+            f"the tokenizer loaded from {source!r} (model.tokenizer / model.hf_path) is empty ({len(tokenizer)} "
+            "token(s)): that directory holds no tokenizer files (tokenizer.json, tokenizer_config.json, ...); set "
+            "model.tokenizer to the model's tokenizer directory, or copy its tokenizer files there")
+
+
+def check_data_fits(cfg: RunConfig, hf_config, data, eval_examples=None) -> None:
+    """Prompts the run cannot train on as configured, refused before any model is built (DatasetError):
+    fewer usable prompts than one step takes (train.prompts_per_step), and a prompt whose tokens plus
+    rollout.max_new_tokens exceed the model's context (max_position_embeddings)."""
+    from megatron_qarl.rl.data import DatasetError
+
+    if data is not None and len(data) < cfg.train.prompts_per_step:
+        raise DatasetError(
+            f"data.path={cfg.data.path} has {len(data)} usable prompt(s), fewer than train.prompts_per_step="
+            f"{cfg.train.prompts_per_step}: every step would repeat prompts; add prompts or lower "
+            "train.prompts_per_step")
+    context = getattr(hf_config, "max_position_embeddings", None)
+    if not context:
+        return
+    budgets = (("data.path", data.examples if data is not None else [], "rollout.max_new_tokens",
+                cfg.rollout.max_new_tokens),
+               ("eval.path", eval_examples or [], "eval.max_new_tokens" if cfg.eval.max_new_tokens else
+                "rollout.max_new_tokens", cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens))
+    for what, examples, key, new in budgets:
+        sized = [e for e in examples if e.prompt_ids is not None]
+        if not sized:
+            continue
+        longest = max(sized, key=lambda e: len(e.prompt_ids))
+        if new >= context:
+            raise DatasetError(f"{key}={new} leaves no room for a prompt in the model's context of {context} tokens "
+                               f"(max_position_embeddings); lower {key} below {context}")
+        if len(longest.prompt_ids) + new > context:
+            raise DatasetError(
+                f"{what}: the prompt of {longest.row_id} has {len(longest.prompt_ids)} tokens; with {key}={new} a "
+                f"sequence reaches {len(longest.prompt_ids) + new} tokens, past the model's context of {context} "
+                f"(max_position_embeddings); lower {key} or set data.max_prompt_len <= {max(context - new, 0)} "
+                "(longer prompts are then dropped)")
 
 
 def continues_out_dir(cfg: RunConfig) -> tuple[bool, str]:
@@ -383,9 +432,17 @@ def _load_initial_weights(cfg: RunConfig, model, hf_config) -> None:
 
         load_checkpoint(cfg.model.init_checkpoint, model, fix="check model.init_checkpoint")
     elif cfg.model.hf_path:
+        from megatron_qarl.errors import CheckpointError
+        from megatron_qarl.parallel import raise_if_any_rank_failed
         from megatron_qarl.weights.hf_io import load_hf_checkpoint_into_model
 
-        load_hf_checkpoint_into_model(model, hf_config, cfg.model.hf_path)  # each rank reads only its shards
+        error = None
+        try:  # each rank reads only its shards; a NaN / Inf weight in any rank's part stops every rank
+            load_hf_checkpoint_into_model(model, hf_config, cfg.model.hf_path)
+        except CheckpointError as exc:
+            error = exc
+        raise_if_any_rank_failed(error, CheckpointError(
+            f"model.hf_path={cfg.model.hf_path}: another rank found a weight it cannot use (its error names it)"))
     # else: megatron's seeded random init (tests, smoke runs)
 
 

@@ -56,11 +56,26 @@ def check_output(out: str | os.PathLike, force: bool, inputs: Iterable[str | os.
     """The --out to write: refused when it exists (without --force), overlaps an input (same dir, inside it
     or containing it, symlinks resolved: --force would delete the source) or cannot be written."""
     out = Path(out)
+    check_resolvable(out)
     check_no_overlap(out, inputs)
     if out.exists() and not force:
         raise ConversionError(f"output {out} exists; pass --force to replace it or choose another --out")
     check_writable(out)
     return out
+
+
+def check_resolvable(out: Path) -> None:
+    """--out and its ancestors must not be symbolic links that resolve to nothing (a loop, a missing target):
+    the writer would fail halfway with the link's errno."""
+    for p in (out, *out.parents):
+        if os.path.islink(p) and not os.path.exists(p):
+            try:
+                os.stat(p)
+                why = "it resolves to nothing"
+            except OSError as err:
+                why = err.strerror or str(err)
+            raise ConversionError(f"--out {out}: {p} is a symbolic link that cannot be followed ({why}); remove or "
+                                  "fix the link, or choose another --out")
 
 
 def check_no_overlap(out: Path, inputs: Iterable[str | os.PathLike | None]) -> None:
@@ -342,12 +357,12 @@ class ShardWriter:
         self.total_bytes += nbytes
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
+        from megatron_qarl.weights.hf_io import save_safetensors
 
         if not self.pending:
             return
         file_name = f"part-{len(self.shards):05d}.safetensors"
-        save_file(self.pending, str(self.out / file_name), metadata={"format": "pt"})
+        save_safetensors(self.pending, self.out / file_name, metadata={"format": "pt"})
         self.shards.append((file_name, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
@@ -480,6 +495,7 @@ def open_mcore_checkpoint(path: str | os.PathLike) -> McoreSource:
     if not is_complete(path):
         raise ConversionError(f"{path} is not a complete megatron checkpoint (no {MARKER_NAME}); "
                               "a save was interrupted or the path is wrong")
+    read_marker(path)  # a damaged marker is named first (its digests are checked before any tensor is read)
     extra = read_extra_state(path) or {}
     files = extra.get(HF_SIDECAR_KEY, {})
     if CONFIG_NAME not in files:

@@ -241,10 +241,25 @@ def read_local_hf_params(index: HfIndex, hf_config, params: Mapping[str, torch.T
         reader.release()
 
 
+def check_finite_weight(name: str, tensor: torch.Tensor, source) -> None:
+    """CheckpointError unless every value of a floating-point weight read from `source` is finite: a NaN / Inf
+    loads fine and only shows later, as non-finite logits far from the file that holds it."""
+    if not tensor.is_floating_point():
+        return
+    finite = torch.isfinite(tensor)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        kinds = "/".join(k for k, hit in (("NaN", bool(torch.isnan(tensor).any())),
+                                          ("Inf", bool(torch.isinf(tensor).any()))) if hit)
+        raise CheckpointError(f"tensor {name} of {source} is not finite: {bad} of {tensor.numel()} values are "
+                              f"{kinds}; the checkpoint is corrupt or comes from a diverged run; use another "
+                              "checkpoint (or the original model)")
+
+
 @torch.no_grad()
 def load_hf_checkpoint_into_model(model, hf_config, path: str | os.PathLike, *, coords=None,
                                   max_mapped_bytes: int = DEFAULT_MAX_MAPPED_BYTES, on_read=None,
-                                  index: HfIndex | None = None) -> HfLoadStats:
+                                  index: HfIndex | None = None, check_finite: bool = True) -> HfLoadStats:
     """Fill this rank's parameters from an HF checkpoint dir, reading only what they hold.
 
     Routed experts: only this EP rank's experts (and its expert-TP rows / columns); TP-split dense weights:
@@ -258,6 +273,7 @@ def load_hf_checkpoint_into_model(model, hf_config, path: str | os.PathLike, *, 
     unexpected / wrongly shaped tensors against `hf_config`): CheckpointError naming them, before any read.
     Not collective: each rank reads on its own. Returns what this rank read (HfLoadStats.bytes_read).
     on_read(HF name, tensor) sees each tensor or slice read; `index`: a scan_hf_checkpoint(path) already made.
+    check_finite: every read is then checked (check_finite_weight), after on_read.
     """
     from megatron_qarl.weights.sharding import RankCoords, num_local_experts, unwrap_model
 
@@ -276,15 +292,42 @@ def load_hf_checkpoint_into_model(model, hf_config, path: str | os.PathLike, *, 
                                   "that checkpoint's config.json at a TP / EP layout it divides by")
         param.copy_(shard)
 
+    def checked_read(name: str, tensor: torch.Tensor) -> None:
+        if on_read is not None:
+            on_read(name, tensor)
+        if check_finite:
+            check_finite_weight(name, tensor, index.path)
+
     stats = HfLoadStats()
     read_local_hf_params(index, hf_config, params, coords, num_local_experts=num_local_experts(module),
                          gated_linear_unit=bool(module.config.gated_linear_unit), sink=copy, stats=stats,
-                         max_mapped_bytes=max_mapped_bytes, on_read=on_read)
+                         max_mapped_bytes=max_mapped_bytes, on_read=checked_read)
     stats.seconds = time.perf_counter() - start
     return stats
 
 
 # ---------------------------------------------------------------- writing
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], file: str | os.PathLike,
+                     metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, with the file system's refusals (a full disk, a file-size limit, a read-only
+    or vanished directory) raised as the OSError they are (errno, file name): safetensors wraps them in its
+    own SafetensorError, which callers that handle a full disk would not recognise."""
+    import errno
+    import re
+
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(file), metadata=metadata)
+    except SafetensorError as err:
+        found = re.search(r"os error (\d+)", str(err))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code) if code in errno.errorcode else str(err), str(file)) from None
+
 
 def _plan_shards(state: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
     shards, current, size = [], [], 0
@@ -308,8 +351,6 @@ def write_hf_checkpoint(path: str | os.PathLike, hf_config, state: Mapping[str, 
     Everything goes to a temp dir beside `path`, which is renamed into place at the end, so a
     reader never sees a half-written checkpoint. An existing `path` is replaced only with force=True.
     """
-    from safetensors.torch import save_file
-
     path = Path(path)
     if path.exists() and not force:
         raise FileExistsError(f"{path} exists; pass force=True to overwrite it")
@@ -322,8 +363,8 @@ def write_hf_checkpoint(path: str | os.PathLike, hf_config, state: Mapping[str, 
         else:
             names = {f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors": s for i, s in enumerate(shards)}
         for file_name, tensor_names in names.items():
-            save_file({n: state[n].detach().contiguous().cpu() for n in tensor_names}, str(tmp / file_name),
-                      metadata={"format": "pt"})
+            save_safetensors({n: state[n].detach().contiguous().cpu() for n in tensor_names}, tmp / file_name,
+                             metadata={"format": "pt"})
         if len(names) > 1:
             total = sum(t.numel() * t.element_size() for t in state.values())
             index = {"metadata": {"total_size": total},
