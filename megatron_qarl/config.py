@@ -58,6 +58,7 @@ DATA_SOURCES = ("file", "synthetic")
 ROUTING_REPLAY = ("off", "replay")
 WANDB_MODES = ("offline", "online", "disabled")
 PUBLISH_MODES = ("full", "delta")
+PUBLISH_VERIFY = ("off", "all", "sampled")  # weights.publish.WeightPublisher's verify modes
 # auto: the newest verified checkpoint of this run's dir; force: the same, even when the checkpoint was written
 # by another config (run_context.check_run_identity); none: start fresh; anything else: a checkpoint path.
 RESUME_KEYWORDS = ("auto", "force", "none")
@@ -275,7 +276,12 @@ class TrainConfig:
 @dataclass
 class PublishConfig:
     bucket_mb: int = 512  # weights travel to the engine in flat buckets of at most this many MiB
-    verify: bool = False  # compare engine-side checksums with what was sent, after each publish
+    # After each publish compare the engine's checksums of what it holds with what was sent: off | all (every
+    # tensor, every publish; true / false mean all / off) | sampled (the first publish whole, then a rotating
+    # publish.verify_sample tensors per publish: each tensor audited once every (tensors / verify_sample)
+    # publishes, sent or unchanged, at a sample's hashing cost)
+    verify: str = "off"
+    verify_sample: int = 8  # publish.verify=sampled: tensors audited per publish
     # full: every publish sends every tensor. delta: the quantized linears' changed int4 codes / fp8 bytes
     # and scales travel as compressed deltas (docs/publish.md); embedded and vllm engines only (SGLang
     # 0.5.23 re-packs every expert into Marlin layout at each refit and keeps no compressed copy to patch).
@@ -286,6 +292,11 @@ class PublishConfig:
     # and compares every code each publish: about as long as the rest of a cached publish). Delta mode always
     # reports it, from the diff its encoder makes anyway.
     code_flips: bool = False
+
+    def __post_init__(self) -> None:
+        # true / false (YAML's booleans, or their text from an override) are all / off
+        text = str(self.verify).strip().lower()
+        self.verify = {"true": "all", "on": "all", "false": "off", "none": "off"}.get(text, text)
 
 
 @dataclass
@@ -618,6 +629,7 @@ def _check_choices(cfg: RunConfig) -> list[str]:
     out += _choice("train.routing_replay", cfg.train.routing_replay, ROUTING_REPLAY)
     out += _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
     out += _choice("publish.mode", cfg.publish.mode, PUBLISH_MODES)
+    out += _choice("publish.verify", cfg.publish.verify, PUBLISH_VERIFY)
     if cfg.publish.mode == "delta" and cfg.rollout.engine == "sglang":
         out.append("publish.mode=delta with rollout.engine=sglang: SGLang 0.5.23 re-packs every W4A16 expert "
                    "into Marlin layout at the end of each refit and keeps no compressed copy a delta could "
@@ -659,7 +671,7 @@ def _check_positive(cfg: RunConfig) -> list[str]:
         "train.prompts_per_step": t.prompts_per_step, "train.mini_batch_prompts": t.mini_batch_prompts,
         "train.micro_batch_size": t.micro_batch_size, "train.max_nonfinite_steps": t.max_nonfinite_steps, "data.max_prompt_len": d.max_prompt_len,
         "data.reward_timeout_s": d.reward_timeout_s, "publish.bucket_mb": cfg.publish.bucket_mb,
-        "publish.full_every": cfg.publish.full_every,
+        "publish.full_every": cfg.publish.full_every, "publish.verify_sample": cfg.publish.verify_sample,
         "checkpoint.keep_last": cfg.checkpoint.keep_last, "logging.log_every": cfg.logging.log_every,
         "rollout.engine_tp": r.engine_tp, "rollout.request_prompts": r.request_prompts,
         "rollout.request_timeout_s": r.request_timeout_s, "rollout.sglang.ep_size": r.sglang.ep_size,

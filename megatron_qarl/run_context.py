@@ -188,11 +188,32 @@ def start_engines(ctx: RunContext) -> None:
         check_engine_start_memory(cfg)
     ctx.engine = _build_engine(cfg, ctx.hf_config, ctx.topology, ctx.start_checkpoint, ctx.tokenizer) \
         if ctx.topology.is_leader() else None
+    check_engines_serve_the_learners_quantization(ctx)
     ctx.publisher = WeightPublisher(
         ctx.model.module, ctx.hf_config, cfg.quant, quant=ctx.quant, engine=ctx.engine, leaders=ctx.topology.leaders,
         bucket_bytes=cfg.publish.bucket_mb * 1024 * 1024, verify=cfg.publish.verify,
         mode=cfg.publish.mode, full_every=cfg.publish.full_every, count_flips=cfg.publish.code_flips,
+        verify_sample=cfg.publish.verify_sample,
     )
+
+
+def check_engines_serve_the_learners_quantization(ctx: RunContext) -> None:
+    """COLLECTIVE. Every leader reads back what its engine loaded (format, group / block size, quantized linears)
+    and the run stops, in one line on every rank, unless it is quant.*: a group size that differs, a quantized
+    router, an ignore pattern that swallows a layer. An engine that cannot tell is warned about."""
+    from megatron_qarl.parallel import raise_if_any_rank_failed
+    from megatron_qarl.weights.publish import EngineQuantizationMismatch, check_engine_quantization
+
+    error = None
+    if ctx.engine is not None:
+        try:
+            warning = check_engine_quantization(ctx.engine, ctx.hf_config, ctx.cfg.quant)
+            if warning:
+                print(f"[qarl] engine quantization {warning}", flush=True)
+        except EngineQuantizationMismatch as err:
+            error = err
+    raise_if_any_rank_failed(error, EngineQuantizationMismatch(
+        "another rollout group's engine does not serve the learner's quantization (its leader says what differs)"))
 
 
 def check_engine_start_memory(cfg: RunConfig) -> None:
@@ -555,9 +576,13 @@ def _build_engine(cfg: RunConfig, hf_config, topology: RolloutTopology, start_ch
     from megatron_qarl.rollout.factory import make_engine
 
     if cfg.rollout.engine == "embedded":
+        from megatron_qarl.quant.engine_layout import quantization_config_for
+
+        # it serves the run's format, as a server does its checkpoint's: a push in another form is refused
         return make_engine({"name": "embedded", "hf_config": hf_config, "dtype": cfg.rollout.embedded_dtype,
                             "seed": cfg.train.seed, "collect_routed_experts": True, "tokenizer": tokenizer,
-                            "w4a16_kernel": cfg.rollout.embedded_w4a16_kernel})
+                            "w4a16_kernel": cfg.rollout.embedded_w4a16_kernel,
+                            "quantization_config": quantization_config_for(cfg.quant)})
     if cfg.rollout.engine == "sglang":
         from megatron_qarl.rollout.sglang_engine import SGLangEngineConfig
 

@@ -23,7 +23,7 @@ import torch
 from megatron_qarl.quant.config import SCOPES, QuantConfig, fused_linear_group, is_routed_expert
 from megatron_qarl.quant.errors import EngineLayoutError, QuantizationError
 from megatron_qarl.quant.schemes import (
-    SCHEMES, engine_part_names, scheme_of, scheme_of_kind, scheme_of_part,
+    NO_SCHEME, SCHEMES, engine_part_names, scheme_of, scheme_of_kind, scheme_of_part,
     scheme_of_quantization_config, scheme_of_weight,
 )
 from megatron_qarl.quant.schemes.fp8 import fp8_block_size  # noqa: F401 - the embedded engine reads FP8 tiles
@@ -281,3 +281,37 @@ def quant_config_from_quantization_config(qc: Mapping[str, Any] | None) -> Quant
         fields["scope"] = scope_from_ignore(fields.pop("ignore"))
     return QuantConfig(**fields)
 
+
+
+def quantization_mismatch(learner: QuantConfig, served: Mapping[str, Any] | None, linear_names: Iterable[str]
+                          ) -> str | None:
+    """What differs between the learner's spec and the ``quantization_config`` an engine serves, in one line
+    (None: they agree): the format, its group / block size, and the linears one quantizes and the other keeps
+    bf16 (`linear_names`: the model's linears, HF names without ``.weight``; the engine's ignore list read with
+    its format's rule). Catches a quantized router, a group size that differs, an ignore pattern that swallows
+    a layer."""
+    found = scheme_of_quantization_config(served) if served else None
+    if served and found is None:
+        return (f"it serves a quantization_config no registered scheme reads (quant_method "
+                f"{served.get('quant_method')!r}, format {served.get('format')!r})")
+    engine_scheme = found[0].name if found else NO_SCHEME
+    if engine_scheme != learner.scheme:
+        return f"it serves quant.scheme={engine_scheme}, the learner quantizes quant.scheme={learner.scheme}"
+    if not learner.enabled:
+        return None
+    scheme, fields = found
+    unit = fields.get(scheme.unit_field)
+    if unit != scheme.unit(learner):
+        return (f"it serves {scheme.name} with {scheme.unit_field}={unit}, the learner quant.{scheme.unit_field}="
+                f"{scheme.unit(learner)} (codes and scales would differ in every {scheme.unit_name})")
+    names = sorted(set(linear_names))
+    engine_q, learner_q = scheme.quantized_linears(served, names), {n for n in names if learner.quantizes(n)}
+    extra, missing = sorted(engine_q - learner_q), sorted(learner_q - engine_q)
+    if not (extra or missing):
+        return None
+    said = []
+    if extra:
+        said.append(f"quantizes {len(extra)} linear(s) the learner keeps bf16 (e.g. {', '.join(extra[:2])})")
+    if missing:
+        said.append(f"keeps bf16 {len(missing)} the learner quantizes (e.g. {', '.join(missing[:2])})")
+    return f"its {scheme.name} checkpoint {' and '.join(said)}: its ignore list is not quant.scope={learner.scope}'s"

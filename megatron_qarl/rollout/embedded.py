@@ -106,6 +106,16 @@ def _module_of(prefix: str) -> tuple[str, bool]:
     return prefix, False
 
 
+def served_quantization_config(hf_config, given: dict | None) -> dict | None:
+    """`given`, else the quantization_config a transformers config carries (a dict, or transformers' object)."""
+    if given is not None:
+        return dict(given)
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None or isinstance(qc, dict):
+        return qc
+    return qc.to_dict() if hasattr(qc, "to_dict") else None
+
+
 class EngineWeightError(ValueError):
     """A pushed tensor has an unknown name, a wrong shape/dtype, or an incomplete quantized group."""
 
@@ -123,6 +133,9 @@ class EmbeddedEngineConfig:
     record_checksums: bool = True
     tokenizer: Any = None  # decodes response tails to match SamplingParams.stop strings
     w4a16_kernel: str = "dequantized"  # a SAMPLER_W4A16_KERNELS entry: how pushed W4A16 linears compute
+    # the format it serves, as a checkpoint's config.json states it (None: hf_config's, else any pushed format);
+    # a pushed tensor of another format, or a bf16 weight of a linear it quantizes, is refused
+    quantization_config: dict | None = None
 
 
 def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -138,7 +151,7 @@ class EmbeddedEngine:
 
     def __init__(self, model, dtype: torch.dtype = torch.bfloat16, collect_routed_experts: bool = False,
                  pad_token_id: int = 0, record_checksums: bool = True, tokenizer=None,
-                 w4a16_kernel: str = "dequantized"):
+                 w4a16_kernel: str = "dequantized", quantization_config: dict | None = None):
         if w4a16_kernel not in SAMPLER_W4A16_KERNELS:
             raise ValueError(f"unknown W4A16 kernel {w4a16_kernel!r}; expected one of {SAMPLER_W4A16_KERNELS}")
         self.hf_config = model.config  # what restart() rebuilds from
@@ -161,6 +174,8 @@ class EmbeddedEngine:
         self.w4a16_kernel = w4a16_kernel
         self._int4: dict[str, AtenInt4Weight] = {}  # W4A16 linear -> its kernel operands (aten_int4)
         self._int4_modules: set[str] = set()  # modules whose forward runs on them
+        self._served = served_quantization_config(model.config, quantization_config)
+        self._served_linears: dict[str, str] | None = None  # linear -> the kind the served format holds it in
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -176,17 +191,34 @@ class EmbeddedEngine:
     @classmethod
     def from_hf_checkpoint(cls, checkpoint_dir: str, dtype: str | torch.dtype = "bfloat16", **kw) -> "EmbeddedEngine":
         """Load an exported bf16 / compressed-tensors W4A16 / FP8 checkpoint directory through transformers
-        (which decompresses compressed-tensors checkpoints with the compressed-tensors library)."""
+        (which decompresses compressed-tensors checkpoints with the compressed-tensors library); it serves the
+        checkpoint's config.json quantization_config. A format transformers does not load right is refused
+        (its scheme's EngineSupport for "embedded")."""
+        import json
+        import os
+
         from transformers import Qwen3MoeForCausalLM
 
+        from megatron_qarl.quant.schemes import scheme_of_quantization_config
+
+        with open(os.path.join(checkpoint_dir, "config.json")) as f:
+            qc = json.load(f).get("quantization_config")
+        found = scheme_of_quantization_config(qc) if qc else None
+        support = found[0].engine("embedded") if found else None
+        if support is not None and not support.loads_checkpoint:
+            raise EngineWeightError(f"{checkpoint_dir}: the embedded engine cannot start from a {found[0].name} "
+                                    f"checkpoint ({support.why_not_checkpoint}); start it from hf_config and push "
+                                    "the weights, as the trainer does")
         dt = _resolve_dtype(dtype)
         model = Qwen3MoeForCausalLM.from_pretrained(checkpoint_dir, dtype=dt)
+        kw["quantization_config"] = kw.get("quantization_config") or qc
         return cls(model, dt, **kw)
 
     @classmethod
     def from_config(cls, cfg: EmbeddedEngineConfig) -> "EmbeddedEngine":
         kw = dict(collect_routed_experts=cfg.collect_routed_experts, pad_token_id=cfg.pad_token_id,
-                  record_checksums=cfg.record_checksums, tokenizer=cfg.tokenizer, w4a16_kernel=cfg.w4a16_kernel)
+                  record_checksums=cfg.record_checksums, tokenizer=cfg.tokenizer, w4a16_kernel=cfg.w4a16_kernel,
+                  quantization_config=cfg.quantization_config)
         if cfg.checkpoint_dir:
             if cfg.w4a16_kernel != "dequantized":
                 raise ValueError(f"w4a16_kernel={cfg.w4a16_kernel!r} runs on pushed engine-layout weights; a "
@@ -251,10 +283,34 @@ class EmbeddedEngine:
         self.updates_applied += 1
         self._version += 1
 
+    def quantization_config(self) -> dict | None:
+        """The format this engine serves: a checkpoint's config.json quantization_config, or the one it was
+        built with (EmbeddedEngineConfig.quantization_config, else its hf_config's); None: unquantized."""
+        return self._served
+
+    def _check_served(self, hf_name: str, kind: str) -> None:
+        """Refuse a linear in another form than the served format holds it (a real engine's parameters are
+        fixed by its checkpoint's config: it would mis-load or reject it)."""
+        if self._served is None:
+            return
+        if self._served_linears is None:
+            from megatron_qarl.quant.schemes import scheme_of_quantization_config
+
+            scheme = scheme_of_quantization_config(self._served)[0]
+            linears = [n[: -len(".weight")] for n, t in hf_state_from_model(self.model).items()
+                       if n.endswith(".weight") and t.dim() == 2 and "embed_tokens" not in n]
+            held = scheme.quantized_linears(self._served, linears)
+            self._served_linears = {n: scheme.kind if n in held else UNQUANTIZED for n in linears}
+        want = self._served_linears.get(hf_name[: -len(".weight")])
+        if want is not None and want != kind:
+            raise EngineWeightError(f"{hf_name}: pushed as {kind}, but this engine serves it as {want} (its "
+                                    "quantization_config); the publisher's format is not the engine's")
+
     def _receive(self, name: str, tensor: torch.Tensor, crc: int | None = None) -> None:
         if self.record_checksums:
             self._received_digests[name] = tensor_sha256(tensor)
         hf_name, kind, part = engine_part(name, tensor)
+        self._check_served(hf_name, kind)
         if kind == UNQUANTIZED:
             self._write(name, tensor)
         else:
@@ -345,10 +401,12 @@ class EmbeddedEngine:
         """sha256 of each named tensor's bytes AS RECEIVED (engine layout: packed codes, scales, fp8
         bytes), for verifying a publish end to end. Names never received raise KeyError."""
         names = list(self._received_digests) if names is None else list(names)
-        missing = [n for n in names if n not in self._received_digests]
+        missing = [n for n in names if n not in self._received_digests and n not in self._held]
         if missing:
             raise KeyError(f"no tensor received under names {missing[:5]}{'...' if len(missing) > 5 else ''}")
-        return {n: self._received_digests[n] for n in names}
+        # what it holds is what it received: hashed now for a name not hashed on arrival (record_checksums off)
+        return {n: self._received_digests[n] if n in self._received_digests else tensor_sha256(self._held[n])
+                for n in names}
 
     # ------------------------------------------------------------------ generation
     def health(self) -> bool:

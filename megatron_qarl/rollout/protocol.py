@@ -105,4 +105,9 @@ class RolloutEngine(Protocol):
     def restart(self) -> None:
         """Bring a failed engine back up, empty of trained weights: the trainer re-publishes right after."""
 
+    def quantization_config(self) -> dict | None:
+        """The config.json ``quantization_config`` of what the engine loaded (None: unquantized); the trainer
+        refuses to train against an engine whose format, group size or quantized linears differ from its own
+        (weights.publish.check_engine_quantization). LookupError when the engine cannot tell."""
+
     def shutdown(self) -> None: ...

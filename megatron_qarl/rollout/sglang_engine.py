@@ -149,6 +149,17 @@ def _sglang_support(quant_scheme: str) -> EngineSupport:
     return scheme_named(quant_scheme).engine("sglang") if quant_scheme != NO_SCHEME else EngineSupport()
 
 
+def checkpoint_quantization_config(path: str | None, who: str) -> dict | None:
+    """config.json's quantization_config of the checkpoint dir `path` (None: unquantized); LookupError when
+    there is no such dir here."""
+    config = os.path.join(path or "", "config.json")
+    if not path or not os.path.isfile(config):
+        raise LookupError(f"{who} loaded {path!r}, not a checkpoint directory readable here: its quantization "
+                          "cannot be read back")
+    with open(config) as f:
+        return json.load(f).get("quantization_config")
+
+
 def resolve_moe_runner_backend(quant_scheme: str, moe_runner_backend: str) -> str:
     """The ``--moe-runner-backend`` to launch with; refuses configurations whose in-place refit SGLang
     cannot do. A scheme that needs one backend (W4A16: Marlin, see the module doc) gets ``auto`` pinned to
@@ -652,6 +663,15 @@ class SGLangEngine:
         self._kill()
         raise RolloutEngineError(
             f"SGLang server at {self.url} not healthy after {timeout_s:.0f} s (GET /health){self._log_hint()}")
+
+    def quantization_config(self) -> dict | None:
+        """The quantization_config of the checkpoint the server loaded: the config.json of its model path (the
+        launched one's model_path; an attached server's from /model_info). LookupError when that directory is
+        not readable from here (a hub name, another node's disk)."""
+        path = self.cfg.model_path
+        if self.cfg.mode == "attach" and self._http is not None:
+            path = self._http.request("/model_info").get("model_path") or path
+        return checkpoint_quantization_config(path, f"the SGLang server at {self.url or self.cfg.url}")
 
     def health(self) -> bool:
         if self._inproc is not None:

@@ -372,6 +372,11 @@ class VLLMEngine:
         reply = self._call({"op": "end"})
         log.info("vLLM refit: %d tensors in %.2f s", reply["tensors"], reply["seconds"])
 
+    def quantization_config(self) -> dict | None:
+        """The quantization_config vLLM parsed from the checkpoint it loaded (its model config's, as the engine
+        process reports it); None: unquantized."""
+        return self._call({"op": "quantization_config"})["quantization_config"]
+
     def checksum(self, names: Iterable[str] | None = None) -> dict[str, str]:
         if names is None:
             raise ValueError("the vLLM engine reports checksums of named tensors: pass names")

@@ -211,9 +211,7 @@ class Server:
                 "version": self.version}
 
     def keep(self, name: str, tensor, crc: int | None = None) -> None:
-        from megatron_qarl.rollout.payload import tensor_sha256
-
-        self.digests[name] = tensor_sha256(tensor)  # what the publisher's verify compares with
+        self.digests.pop(name, None)  # hashed when the publisher's verify asks for it (`checksum`)
         self.held[name] = tensor
         if crc is None:  # computed by apply_delta_batch when a delta first needs it
             self.held_crc.pop(name, None)
@@ -230,6 +228,28 @@ class Server:
         except WeightDeltaMismatch as err:
             return {"ok": False, "mismatch": True, "error": str(err)}
         return {"ok": True}
+
+    def checksum(self, names: list[str]) -> dict:
+        """sha256 of the named tensors as received (what the publisher's verify compares with), hashed on
+        first ask: a sampled verify hashes only the tensors it samples."""
+        from megatron_qarl.rollout.payload import tensor_sha256
+
+        missing = [n for n in names if n not in self.held]
+        if missing:
+            return {"ok": False, "missing": missing, "error": f"no tensor received under {missing[:5]}"}
+        for n in names:
+            if n not in self.digests:
+                self.digests[n] = tensor_sha256(self.held[n])
+        return {"ok": True, "digests": {n: self.digests[n] for n in names}}
+
+    def quantization_config(self) -> dict | None:
+        """What vLLM parsed from the checkpoint it loaded: its model config's hf_config.quantization_config."""
+        engine = self.llm.llm_engine
+        model_config = getattr(engine, "model_config", None) or engine.vllm_config.model_config
+        qc = getattr(model_config.hf_config, "quantization_config", None)
+        if qc is None or isinstance(qc, dict):
+            return qc
+        return qc.to_dict() if hasattr(qc, "to_dict") else dict(qc)
 
     def sleep(self, msg: dict) -> dict:
         """Level-1 sleep releases both tags whichever are named (LLM.sleep has no per-tag release)."""
@@ -299,10 +319,9 @@ class Server:
                                               "resume_memory(('weights',)) before the publish"}
             return self.end_update()
         if op == "checksum":
-            missing = [n for n in msg["names"] if n not in self.digests]
-            if missing:
-                return {"ok": False, "missing": missing, "error": f"no tensor received under {missing[:5]}"}
-            return {"ok": True, "digests": {n: self.digests[n] for n in msg["names"]}}
+            return self.checksum(msg["names"])
+        if op == "quantization_config":
+            return {"ok": True, "quantization_config": self.quantization_config()}
         if op == "shutdown":
             return None
         return {"ok": False, "error": f"unknown op {op!r}"}

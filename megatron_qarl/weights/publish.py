@@ -42,6 +42,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +53,7 @@ from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_mcore_sha
 from megatron_qarl.parallel import collective_device
 from megatron_qarl.quant.engine_layout import (
     UNQUANTIZED, as_quant_config, engine_part, engine_tensors, kind_of, linear_parts, meta_linear_parts,
-    quantize_weight,
+    quantization_mismatch, quantize_weight,
 )
 from megatron_qarl.quant.schemes import scheme_of_kind
 from megatron_qarl.rollout.delta import (
@@ -67,6 +68,51 @@ class PublishError(RuntimeError):
 
 class PublishVerificationError(PublishError):
     """The engine does not hold what the trainer sent (a tensor missing or with different bytes)."""
+
+
+class EngineQuantizationMismatch(PublishError):
+    """The engine serves another quantization (format, group size, quantized linears) than the learner's."""
+
+
+VERIFY_MODES = ("off", "all", "sampled")
+
+
+def verify_mode(verify) -> str:
+    """publish.verify as one of VERIFY_MODES: true / false (a bool or YAML's text of one) mean all / off."""
+    text = str(verify).strip().lower()
+    return {"true": "all", "on": "all", "false": "off", "none": "off"}.get(text, text)
+
+
+# ----------------------------------------------------------------------------- the engine's quantization
+
+
+def engine_linear_names(hf_config) -> list[str]:
+    """The model's linears as the engines name them (HF names without `.weight`; the router and lm_head too)."""
+    from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_hf_shapes
+
+    return [n[: -len(".weight")] for n, shape in expected_hf_shapes(hf_config).items()
+            if n.endswith(".weight") and len(shape) == 2 and "embed_tokens" not in n]
+
+
+def check_engine_quantization(engine, hf_config, quant_cfg) -> str | None:
+    """Read back what the engine loaded (its `quantization_config`) and raise EngineQuantizationMismatch, in one
+    line, unless it is the learner's spec: format, group / block size, and the same quantized linears. Returns
+    a line to warn with when the engine cannot tell (None: they agree)."""
+    read = getattr(engine, "quantization_config", None)
+    if not callable(read):
+        return f"{type(engine).__name__} does not report its quantization: not verified"
+    try:
+        served = read()
+    except LookupError as err:
+        return f"not verified: {err}"
+    cfg = as_quant_config(quant_cfg)
+    problem = quantization_mismatch(cfg, served, engine_linear_names(hf_config))
+    if problem:
+        raise EngineQuantizationMismatch(
+            f"the rollout engine does not serve the learner's quantization: {problem}; start it from the trainer's "
+            "own export (leave rollout.sglang.model_path unset) or from a checkpoint made with the same quant.* "
+            "settings, or set quant.* to what it serves")
+    return None
 
 
 # ----------------------------------------------------------------------------- payloads
@@ -125,16 +171,23 @@ class PushStats:
     quantized_full_bytes: int = 0  # ... what sending them whole costs: the P5 denominator
     codes_changed: int = 0  # int4 codes / fp8 bytes that differ from the engine's copy (delta mode)
     codes_compared: int = 0  # ... of this many codes that had a copy to compare with
+    verified: int = 0  # tensors whose engine checksum was compared with what was sent
+
+
+def _selects(verify, name: str) -> bool:
+    """Whether `verify` (False, True, or a selector of names: a sampled verify) checks tensor `name`."""
+    return verify(name) if callable(verify) else bool(verify)
 
 
 def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = False,
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify=False,
                        live: LiveBytes | None = None, sent: dict[str, str] | None = None) -> PushStats:
     """Stream engine-layout tensors into flattened buckets and send each to `engine` (None: count only).
 
     One begin/end update around all buckets; with `verify` the engine's per-tensor checksums are compared
-    with what was sent afterwards (PublishVerificationError names the first bad tensor). `sent`: sha256s of
-    tensors the caller sent in the same update by other means (deltas), verified with the rest.
+    with what was sent afterwards (PublishVerificationError names the first bad tensor); `verify` may select
+    the tensors to check (a callable of the name: a sampled verify). `sent`: sha256s of tensors the caller sent
+    in the same update by other means (deltas) or that the engine holds already, verified with the rest.
     """
     stats, sent = PushStats(), ({} if sent is None else sent)
     if engine is not None:
@@ -148,7 +201,8 @@ def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]
             stats.num_tensors += len(bucket.metadata)
             if verify:
                 for entry in bucket.metadata:
-                    sent[entry.name] = tensor_sha256(bucket.flattened_tensor[entry.start_idx:entry.end_idx])
+                    if _selects(verify, entry.name):
+                        sent[entry.name] = tensor_sha256(bucket.flattened_tensor[entry.start_idx:entry.end_idx])
             if engine is not None:
                 engine.update_weights(bucket)
     except BaseException:
@@ -159,6 +213,7 @@ def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]
         engine.end_weight_update()
         if verify:
             verify_engine_checksums(engine, sent)
+            stats.verified = len(sent)
     return stats
 
 
@@ -242,7 +297,7 @@ class EngineCopy:
 
 
 def push_changes(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], copy: EngineCopy, *, full: bool,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = False,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify=False,
                  live: LiveBytes | None = None) -> PushStats:
     """One begin/end update (`push_named_tensors`) that sends each tensor whole, as a delta against `copy`
     (a quantized part whose delta is worth it), or not at all (unchanged); `copy` is updated to the new
@@ -270,10 +325,12 @@ def push_changes(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], copy
             _count_code_changes(stats, copy, name, new, delta)
             if delta is False:  # unchanged: the engine already holds these bytes
                 stats.unchanged_tensors += 1
+                if verify and callable(verify) and verify(name):  # sampled: audited like the rest
+                    delta_sent[name] = tensor_sha256(new)
                 continue
             copy.keep(name, new, None if delta is None else delta.new_crc)
             if delta is not None and worth_a_delta(delta):
-                if verify:
+                if _selects(verify, name):
                     delta_sent[name] = tensor_sha256(new)
                 pending.append(delta)
                 units += delta.positions.numel()
@@ -290,7 +347,7 @@ def push_changes(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], copy
     whole = push_named_tensors(engine, whole_tensors(), bucket_bytes=bucket_bytes, verify=verify, live=live,
                                sent=delta_sent)
     stats.bytes = whole.bytes + stats.delta_bytes
-    stats.num_tensors, stats.num_buckets = whole.num_tensors, whole.num_buckets
+    stats.num_tensors, stats.num_buckets, stats.verified = whole.num_tensors, whole.num_buckets, whole.verified
     return stats
 
 
@@ -321,7 +378,7 @@ def _delta_against(copy: EngineCopy, name: str, new: torch.Tensor) -> TensorDelt
     return False if delta is None else delta
 
 
-def publish_from_copy(engine, copy: EngineCopy, *, bucket_bytes: int, verify: bool,
+def publish_from_copy(engine, copy: EngineCopy, *, bucket_bytes: int, verify,
                       live: LiveBytes | None = None) -> PushStats:
     """A full publish of what `copy` holds (the fallback after a mismatch: nothing is re-gathered)."""
     stats = push_named_tensors(engine, list(copy.held.items()), bucket_bytes=bucket_bytes, verify=verify, live=live)
@@ -457,8 +514,8 @@ class WeightPublisher:
     """
 
     def __init__(self, model, hf_config, quant_cfg, *, quant=None, engine=None, leaders: list[int] | None = None,
-                 bucket_bytes: int = 512 << 20, verify: bool = False, mode: str = "full", full_every: int = 50,
-                 count_flips: bool = False):
+                 bucket_bytes: int = 512 << 20, verify: bool | str = False, mode: str = "full", full_every: int = 50,
+                 count_flips: bool = False, verify_sample: int = 8):
         from megatron_qarl.weights.sharding import unwrap_model
 
         if bucket_bytes <= 0:
@@ -471,7 +528,13 @@ class WeightPublisher:
         self.leaders = sorted(leaders) if leaders else [0]
         self.peak_bytes = 0  # most publish payload bytes alive at once on this rank (LiveBytes), last publish
         self.bucket_bytes = bucket_bytes
-        self.verify = verify
+        self.verify = verify_mode(verify)
+        if self.verify not in VERIFY_MODES:
+            raise ValueError(f"publish verify must be one of {VERIFY_MODES} (or a bool), got {verify!r}")
+        if verify_sample < 1:
+            raise ValueError(f"verify_sample must be >= 1, got {verify_sample}")
+        self.verify_sample = verify_sample
+        self._tensors_last = 0  # engine tensors of the last publish (the sampled verify's rotation period)
         if mode not in ("full", "delta"):
             raise ValueError(f"publish mode must be 'full' or 'delta', got {mode!r}")
         if full_every < 1:
@@ -596,14 +659,15 @@ class WeightPublisher:
         error = None
         stats = PushStats()
         full_reason, fallbacks = None, 0
+        verify = self._verify_selector()
         if is_engine_rank:
             try:
                 if self.mode == "delta" and self.engine is not None:
-                    stats, full_reason, fallbacks = self._push_delta(stream, live)
+                    stats, full_reason, fallbacks = self._push_delta(stream, live, verify)
                     if dist.get_rank() == self.leaders[0]:  # every leader diffed the whole model: count one
                         flips[:] = [stats.codes_changed, stats.codes_compared]
                 else:
-                    stats = push_named_tensors(self.engine, stream, bucket_bytes=self.bucket_bytes, verify=self.verify,
+                    stats = push_named_tensors(self.engine, stream, bucket_bytes=self.bucket_bytes, verify=verify,
                                                live=live)
             except Exception as exc:  # other ranks must learn about it instead of hanging
                 error = exc
@@ -622,6 +686,7 @@ class WeightPublisher:
                                "(see their error)")
         self.publishes += 1
         self.peak_bytes = live.peak
+        self._tensors_last = stats.num_tensors + stats.delta_tensors + stats.unchanged_tensors or self._tensors_last
         changed, compared = int(counts[0]), int(counts[1])
         return {
             "publish/bytes": stats.bytes,
@@ -630,6 +695,7 @@ class WeightPublisher:
             "publish/num_buckets": stats.num_buckets,
             "publish/code_flip_frac": changed / compared if compared else math.nan,
             "publish/peak_bytes": self.peak_bytes,  # this rank's most payload held at once
+            **({"publish/verified_tensors": stats.verified} if self.verify != "off" else {}),
             **(self._delta_metrics(stats, full_reason, fallbacks) if self.mode == "delta" else {}),
         }
 
@@ -644,17 +710,30 @@ class WeightPublisher:
             return f"every {self.full_every} publishes"
         return None
 
-    def _push_delta(self, stream, live: LiveBytes) -> tuple[PushStats, str | None, int]:
+    def _verify_selector(self):
+        """What this publish verifies: False, True (every tensor), or for `sampled` the first publish whole and
+        then a rotating share: tensor `name` in publish p when crc32(name) % period == p % period, with period =
+        the last publish's tensors / verify_sample, so about verify_sample tensors per publish and every tensor
+        once every period publishes, whether it was sent whole, as a delta, or not at all (unchanged)."""
+        if self.verify != "sampled":
+            return self.verify == "all"
+        if self.publishes == 0 or not self._tensors_last:
+            return True
+        period = max(1, -(-self._tensors_last // self.verify_sample))
+        turn = self.publishes % period
+        return lambda name: zlib.crc32(name.encode()) % period == turn
+
+    def _push_delta(self, stream, live: LiveBytes, verify) -> tuple[PushStats, str | None, int]:
         reason = self._full_reason()
         try:
             stats = push_changes(self.engine, stream, self.copy, full=reason is not None,
-                                 bucket_bytes=self.bucket_bytes, verify=self.verify, live=live)
+                                 bucket_bytes=self.bucket_bytes, verify=verify, live=live)
             fallbacks = 0
         except WeightDeltaMismatch as mismatch:
             for name, tensor in stream:  # this step's remaining tensors, into the copy (the gathers run anyway)
                 self.copy.keep(name, tensor.detach().contiguous().clone())
             reason, fallbacks = f"the engine refused a delta: {mismatch}", 1
-            stats = publish_from_copy(self.engine, self.copy, bucket_bytes=self.bucket_bytes, verify=self.verify,
+            stats = publish_from_copy(self.engine, self.copy, bucket_bytes=self.bucket_bytes, verify=verify,
                                       live=live)
         self.copy.version = self.engine.weight_version()
         self.copy.deltas_since_full = 0 if reason is not None else self.copy.deltas_since_full + 1

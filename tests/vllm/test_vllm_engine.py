@@ -189,6 +189,19 @@ def test_truncated_sampling_and_updates_outside_a_session_are_refused(bf16_engin
     assert bf16_engine.health()
 
 
+def test_the_engine_reports_what_it_loaded_and_a_learner_of_another_format_is_refused(bf16_engine):
+    """What vLLM parsed from the checkpoint it started from (its model config's quantization_config): None for
+    this bf16 checkpoint, so a W4A16 learner is refused in one line before any step."""
+    from megatron_qarl.quant import QuantConfig
+    from megatron_qarl.weights.publish import EngineQuantizationMismatch, check_engine_quantization
+
+    assert bf16_engine.quantization_config() is None
+    assert check_engine_quantization(bf16_engine, tiny_hf_config(), QuantConfig()) is None
+    with pytest.raises(EngineQuantizationMismatch, match="serves quant.scheme=none, the learner quantizes "
+                                                         "quant.scheme=w4a16"):
+        check_engine_quantization(bf16_engine, tiny_hf_config(), QuantConfig(scheme="w4a16"))
+
+
 def test_restart_brings_back_the_start_weights_and_shutdown_ends_the_process(bf16_engine):
     """Last in the module: it shuts the shared engine down."""
     engine = bf16_engine

@@ -110,6 +110,11 @@ class FP8(QuantScheme):
             "modules_to_not_convert": ["lm_head", "mlp.gate"],
         }
 
+    def quantized_linears(self, qc: Mapping[str, Any], linear_names) -> set[str]:
+        """Every linear but those ``modules_to_not_convert`` names (a module path or its last components)."""
+        skip = list(qc.get("modules_to_not_convert") or [])
+        return {n for n in linear_names if not any(n == m or n.endswith("." + m) for m in skip)}
+
     def config_fields(self, qc: Mapping[str, Any]) -> dict | None:
         if qc.get("quant_method") != "fp8":
             return None

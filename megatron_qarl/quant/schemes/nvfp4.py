@@ -36,7 +36,9 @@ weight_scale_2, ``compressed_tensors_w4a16_nvfp4_moe.py:165-231``) and has no
 ``restore_weights_before_loading``, so a second weight update has nothing to load into: no in-place refit.
 vLLM 0.32 serves it with ``CompressedTensorsW4A4Nvfp4MoEMethod(use_a16=True)`` / ``CompressedTensorsW4A4Fp4(
 use_a16=True)`` (Marlin FP4 on sm90); its CPU build has no NVFP4 MoE kernel (the emulation backend is
-Triton), so no refit is verified there. The embedded engine samples on the dequantized weights.
+Triton), so no refit is verified there. The embedded engine samples on the dequantized weights it is pushed; it
+does not start from an NVFP4 checkpoint, because transformers 5.19 loads the fused experts without their
+``weight_global_scale`` (tests/test_quant_nvfp4.py pins it).
 """
 from __future__ import annotations
 
@@ -183,6 +185,9 @@ class NVFP4(QuantScheme):
         "vllm": EngineSupport(
             refit=False,
             why_not="vLLM-CPU has no NVFP4 MoE kernel and no NVFP4 refit is verified against vLLM on a GPU"),
+        "embedded": EngineSupport(
+            loads_checkpoint=False,
+            why_not_checkpoint="transformers 5.19 loads the fused experts without weight_global_scale"),
     }
 
     def quantize(self, weight, cfg):
