@@ -23,6 +23,7 @@ class UserError(Exception):
 def _user_errors() -> tuple[type[Exception], ...]:
     from megatron_qarl.config import ConfigError, SFTConfigError
     from megatron_qarl.errors import CheckpointError, DivergenceError
+    from megatron_qarl.fileio import RunDirInUseError
     from megatron_qarl.quant.config import QuantConfigError
     from megatron_qarl.rl.data import DatasetError
     from megatron_qarl.rl.tokenizer import TokenizerError
@@ -31,7 +32,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from megatron_qarl.weights.convert import ConversionError
 
     return (UserError, ConfigError, SFTConfigError, DatasetError, CheckpointError, QuantConfigError, ConversionError,
-            DivergenceError, TokenizerError, TrackingError, VLLMSetupError)
+            DivergenceError, TokenizerError, TrackingError, VLLMSetupError, RunDirInUseError)
 
 
 def _quiet_library_warnings() -> None:
@@ -195,6 +196,9 @@ def train_main(argv=None) -> int:
     mode = argv.pop(0) if argv and argv[0] in ("sft", "rl") else "rl"
     args = _train_parser().parse_args(argv)
     errors = _user_errors()
+    from megatron_qarl.errors import RunStopped
+    from megatron_qarl.lifecycle import EXIT_INTERRUPTED, EXIT_STOPPED
+
     cfg = None
     try:
         from megatron_qarl.config import load_config
@@ -222,6 +226,15 @@ def train_main(argv=None) -> int:
         return 0
     except errors as err:
         return print_error(err, cfg)
+    except RunStopped as stopped:  # a graceful stop (SIGTERM, SIGUSR1, Ctrl-C, the stop file): docs/reliability.md
+        if os.environ.get("RANK", "0") == "0":
+            print(f"qarl-train: {stopped}", file=sys.stderr)
+        return EXIT_STOPPED
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the run's signal handlers were installed
+        if os.environ.get("RANK", "0") == "0":
+            print("qarl-train: interrupted (Ctrl-C): stopped at once, the step in flight was not checkpointed; "
+                  "the last complete checkpoint stands (checkpoint.resume=auto continues from it)", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 

@@ -10,3 +10,13 @@ class CheckpointError(ValueError):
 class DivergenceError(RuntimeError):
     """Training diverged: updates kept producing a non-finite loss or gradients, or the weights became
     non-finite. Nothing non-finite was applied or checkpointed."""
+
+
+class RunStopped(Exception):
+    """The run stopped on request (SIGTERM, SIGUSR1, Ctrl-C or the stop file) at a step boundary, after writing
+    a checkpoint of the finished step (or with none new, `checkpoint` None, when the step in flight failed
+    after the request). qarl-train prints the message as its one line and exits with lifecycle.EXIT_STOPPED."""
+
+    def __init__(self, message: str, checkpoint: str | None = None):
+        super().__init__(message)
+        self.checkpoint = checkpoint

@@ -166,3 +166,92 @@ def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
         if not entry.exists():
             removed.append(entry)
     return removed
+
+
+# ------------------------------------------------------------------ one writer per run directory
+
+class RunDirInUseError(RuntimeError):
+    """Another live process holds the run directory's lock (a second trainer on the same out dir)."""
+
+
+class RunDirLock:
+    """An exclusive `fcntl.flock` on `<dir>/.qarl.lock`, held for a run's life by one process (the logging rank):
+    a second trainer on the same directory is refused with RunDirInUseError naming the holder's pid and host,
+    before it reads or removes anything there. The kernel releases the lock when the holder exits, however it
+    exits (SIGKILL included), so a stale lock never blocks a restart. The file stays (removing it would race a
+    process that just opened it); it names the holder while held and is emptied on release."""
+
+    NAME = ".qarl.lock"
+
+    def __init__(self, directory: str | os.PathLike, what: str = "run directory"):
+        self.directory, self.what = Path(directory), what
+        self.path = self.directory / self.NAME
+        self._fd: int | None = None
+        self._moved: list[int] = []  # locks held on files whose directory was renamed since (follow)
+
+    def acquire(self) -> "RunDirLock":
+        import fcntl
+        import json
+        import socket
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, default_file_mode())
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunDirInUseError(f"{self.what} {self.directory} is in use by another run ({self.holder()}, lock "
+                                   f"{self.path}); wait for it to end or stop it, or give this run another "
+                                   "directory (logging.out_dir / checkpoint.dir)") from None
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    def holder(self) -> str:
+        """'pid N on HOST since TIME' from the lock file (what the holder wrote when it took the lock)."""
+        import json
+
+        for _ in range(20):  # the holder writes its line right after taking the lock
+            try:
+                info = json.loads(self.path.read_text())
+                started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["started"]))
+                return f"pid {info['pid']} on {info['host']} since {started}"
+            except (OSError, ValueError, KeyError, TypeError):
+                time.sleep(0.05)
+        return "a process that did not say who it is"
+
+    def follow(self) -> None:
+        """Lock `path` again if the locked file is no longer there (its directory was renamed after acquire,
+        e.g. moved aside by logging.overwrite): the lock protects the directory at the path, not the old one."""
+        if self._fd is None:
+            return
+        try:
+            here = os.path.samestat(os.stat(self.path), os.fstat(self._fd))
+        except FileNotFoundError:
+            here = False
+        if not here:
+            self._moved.append(self._fd)
+            self._fd = None
+            self.acquire()
+
+    def release(self) -> None:
+        import fcntl
+
+        for fd in [self._fd, *self._moved]:
+            if fd is None:
+                continue
+            try:
+                os.ftruncate(fd, 0)
+            except OSError:
+                pass
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        self._fd, self._moved = None, []
+
+    def __enter__(self) -> "RunDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

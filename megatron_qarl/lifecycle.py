@@ -65,7 +65,9 @@ def install_checkpoint_writer_queue() -> None:
 
     megatron creates the queue lazily from `mp.get_context("spawn").Manager()`, a server process that
     nothing stops if the trainer is SIGKILLed. Creating the same kind of queue ourselves, from a Manager
-    started with `die_with_parent`, changes nothing else: megatron only calls `put`/`get` on it.
+    started with `die_with_parent`, changes nothing else: megatron only calls `put`/`get` on it. The Manager
+    also outlives a stop signal sent to the whole job (Slurm, a terminal's Ctrl-C): the stopping trainer still
+    needs it for its last checkpoint.
     """
     import multiprocessing as mp
     from multiprocessing.managers import SyncManager
@@ -75,8 +77,15 @@ def install_checkpoint_writer_queue() -> None:
     if getattr(filesystem_async, "_results_queue", None) is not None:
         return
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    manager.start(initializer=init_helper_process, initargs=(os.getpid(),))
     filesystem_async._results_queue = manager.Queue()
+
+
+def init_helper_process(owner_pid: int) -> None:
+    """First thing in a helper process the trainer starts (a multiprocessing initializer): it dies with its owner
+    and ignores stop signals that are not its owner's (ignore_stop_signals_from_others)."""
+    die_with_parent(owner_pid)
+    ignore_stop_signals_from_others(owner_pid)
 
 
 def stop_process(proc: subprocess.Popen | None, grace_s: float = 30.0) -> None:

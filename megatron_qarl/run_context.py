@@ -96,7 +96,9 @@ class RunContext:
     start_checkpoint: str | None = None  # what launched engines start from (engine_start_checkpoint)
 
 
-def build_run_context(cfg: RunConfig) -> RunContext:
+def build_run_context(cfg: RunConfig, held=None) -> RunContext:
+    """The run's parts. `held` (a contextlib.ExitStack, the caller's): releases the run-dir locks taken here when
+    the caller is done (trainer.train: at the run's end, or when building fails)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_qarl.checkpointing import RunCheckpoints
@@ -113,7 +115,10 @@ def build_run_context(cfg: RunConfig) -> RunContext:
 
         check_vllm_machine(cfg.rollout.vllm.venv, cfg.rollout.vllm.device, cfg.quant)
     layout = init_distributed(cfg.parallel, seed=cfg.train.seed)
+    locks = lock_run_dirs(cfg, held)  # one trainer per run dir: before anything there is read, moved or removed
     continuing = prepare_out_dir(cfg)  # before anything is written there: an earlier run's results are kept
+    for lock in locks:
+        lock.follow()  # a run dir moved aside (logging.overwrite): lock the new one
     hf_config = resolve_hf_config(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
     check_tokenizer(cfg, tokenizer)
@@ -312,6 +317,32 @@ def check_run_inputs(cfg: RunConfig, tokenizer, train_examples, eval_examples):
         return preflight.check_run_inputs(cfg, tokenizer, train_examples, eval_examples, reward_fn)
     finally:
         reward_fn.close()
+
+
+def lock_run_dirs(cfg: RunConfig, held=None) -> list:
+    """COLLECTIVE. The logging rank locks logging.out_dir (and checkpoint.dir when it lies outside) for the run's
+    life (fileio.RunDirLock); a directory another live trainer holds is RunDirInUseError on every rank, naming
+    the holder's pid and host. `held` (an ExitStack) releases the locks; the locks taken, on the logging rank."""
+    from megatron_qarl.fileio import RunDirInUseError, RunDirLock
+    from megatron_qarl.parallel import raise_if_any_rank_failed
+
+    locks, error = [], None
+    if is_logging_rank():
+        out = Path(cfg.logging.out_dir)
+        dirs = [(out, "logging.out_dir")]
+        ckpt = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
+        if ckpt is not None and out.resolve() != ckpt.resolve() and out.resolve() not in ckpt.resolve().parents:
+            dirs.append((ckpt, "checkpoint.dir"))
+        try:
+            for directory, what in dirs:
+                locks.append(RunDirLock(directory, what).acquire())
+                if held is not None:
+                    held.callback(locks[-1].release)
+        except RunDirInUseError as exc:
+            error = exc
+    raise_if_any_rank_failed(error, RunDirInUseError(
+        f"logging.out_dir={cfg.logging.out_dir} is in use by another run (rank 0 says which)"))
+    return locks
 
 
 def check_tokenizer(cfg: RunConfig, tokenizer) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_qarl.config import RunConfig
-from megatron_qarl.errors import DivergenceError
+from megatron_qarl.errors import DivergenceError, RunStopped
 from megatron_qarl.parallel import (
     destroy_distributed, dp_group, dp_rank, dp_size, max_over_ranks, sum_over_ranks, tp_size,
 )
@@ -54,22 +54,36 @@ class StepTimer:
 
 
 def train(cfg: RunConfig) -> dict:
-    """Run `cfg.train.steps` RL steps (resuming if a checkpoint is found); returns the last metrics."""
+    """Run `cfg.train.steps` RL steps (resuming if a checkpoint is found); returns the last metrics.
+
+    A stop request (SIGTERM, SIGUSR1, Ctrl-C, $QARL_STOP_FILE: lifecycle.stop_on_signals) is honoured at the
+    next step boundary, on every rank at the same step: that step is checkpointed, the engines and reward
+    workers are stopped, and RunStopped is raised (qarl-train exits with lifecycle.EXIT_STOPPED)."""
+    from megatron_qarl.lifecycle import stop_on_signals
+
+    with contextlib.ExitStack() as held, stop_on_signals() as stop:  # held: the run-dir locks, to the end
+        return _train(cfg, held, stop)
+
+
+def _train(cfg: RunConfig, held, stop) -> dict:
     from megatron_qarl.evaluation import eval_due, evaluate
     from megatron_qarl.run_context import build_run_context, start_engines
 
     owns_process_group = not dist.is_initialized()  # torchrun's workers and plain processes alike: we made it
     try:
-        ctx = build_run_context(cfg)
+        ctx = build_run_context(cfg, held)
     except BaseException:
         if owns_process_group:
             destroy_distributed()
         raise
     last: dict = {}
+    step = ctx.start_step
     try:
         start_engines(ctx)  # on GPUs the trainer has released
         engine_sleep(ctx)
         publish_weights(ctx)  # the engine must hold the (possibly resumed) weights before the first rollout
+        if stop_agreed(stop):  # asked before any step ran: nothing new to checkpoint
+            raise RunStopped(stopped_line(stop, ctx, step, None))
         for step in range(ctx.start_step, cfg.train.steps):
             metrics = evaluate(ctx) if eval_due(cfg, step) else {}  # held-out pass@k of the weights so far
             timer = StepTimer()
@@ -84,14 +98,24 @@ def train(cfg: RunConfig) -> dict:
             timer.lap("routing_telemetry")
             metrics.update(policy_update(ctx, local))
             timer.lap("update")
-            maybe_checkpoint(ctx, step)  # before the publish releases the state it saves
-            metrics.update(publish_weights(ctx))
-            timer.lap("publish")
+            stopping = stop_agreed(stop)  # COLLECTIVE: every rank stops after the same step
+            saved = maybe_checkpoint(ctx, step, force=stopping)  # before the publish releases the state it saves
+            if not stopping:  # a stopping run publishes nothing: the resumed run publishes before its first rollout
+                metrics.update(publish_weights(ctx))
+                timer.lap("publish")
             metrics.update(timer.marks)
             metrics["time/step_s"] = timer.total()
             last = log(ctx, step, metrics)
+            if stopping and (step + 1 < cfg.train.steps or eval_due(cfg, cfg.train.steps)):
+                raise RunStopped(stopped_line(stop, ctx, step + 1, saved), checkpoint=str(saved))
         if eval_due(cfg, cfg.train.steps):  # the final weights, logged as the row after the last step
             last = {**last, **log(ctx, cfg.train.steps, evaluate(ctx))}
+    except Exception as exc:
+        if isinstance(exc, RunStopped) or not stop.requested():
+            raise
+        # the step in flight failed after the stop request (e.g. the signal also reached the engine): the
+        # previous checkpoint stands
+        raise RunStopped(stopped_line(stop, ctx, step, None, failed=exc)) from exc
     finally:
         try:
             close_run(ctx)
@@ -458,16 +482,44 @@ def log(ctx, step: int, metrics: dict) -> dict:
     return metrics
 
 
-def maybe_checkpoint(ctx, step: int) -> None:
+def maybe_checkpoint(ctx, step: int, force: bool = False):
+    """COLLECTIVE. Checkpoint the state after `step` when checkpoint.every says so, at the last step, or when
+    `force`d (a stopping run); the checkpoint's path, None when none was due."""
     from megatron_qarl.run_context import checkpoint_state
 
     every = ctx.cfg.checkpoint.every
     last = step + 1 == ctx.cfg.train.steps
-    if (every and (step + 1) % every == 0) or last:
+    if (every and (step + 1) % every == 0) or last or force:
         if not weights_finite(ctx.model):  # never a complete-looking checkpoint of diverged weights
             raise DivergenceError(f"the weights are not finite after step {step + 1}: not checkpointing them; "
                                   "resume from an earlier checkpoint with a lower train.optim.lr")
-        ctx.checkpoints.save(step + 1, ctx.model, ctx.optimizer, checkpoint_state(ctx))
+        return ctx.checkpoints.save(step + 1, ctx.model, ctx.optimizer, checkpoint_state(ctx))
+    return None
+
+
+def stop_agreed(stop) -> bool:
+    """COLLECTIVE. Whether any rank was asked to stop (a signal, the stop file): every rank gets the same answer
+    at the same step boundary, so all of them checkpoint and stop together."""
+    return bool(max_over_ranks(1 if stop.requested() else 0))
+
+
+def stopped_line(stop, ctx, steps_done: int, checkpoint, failed: BaseException | None = None) -> str:
+    """The one line a stopped run ends with: why, where, what was saved, how to go on."""
+    from megatron_qarl.lifecycle import EXIT_STOPPED
+
+    reason = stop.reason or "a stop request on another rank"
+    total = ctx.cfg.train.steps
+    if failed is not None:
+        first = (str(failed).strip().splitlines() or [type(failed).__name__])[0][:200]
+        latest = ctx.checkpoints.latest()
+        what = (f"the step in flight failed after the request ({type(failed).__name__}: {first}), so no new "
+                f"checkpoint was written; the last complete one is {latest or 'none'}")
+    elif checkpoint is None:
+        what = f"before step {steps_done + 1}/{total} began; nothing new to checkpoint"
+    else:
+        what = f"after step {steps_done}/{total}; checkpoint {checkpoint} written"
+    return (f"stopped by {reason}{':' if failed is not None else ''} {what}; exit status {EXIT_STOPPED}; run the "
+            "same command again to continue (checkpoint.resume=auto)")
 
 
 def close_run(ctx) -> None:
