@@ -360,7 +360,8 @@ def write_error_log(cfg, err: BaseException, line: str | None):
 def run_guarded(fn, cfg):
     """fn(); a known runtime failure becomes RunFailed (one line), its traceback in error.log, and any other
     exception is logged there too and re-raised. User errors (a bad config, data, a refused checkpoint) pass
-    through as they are: their message is the report, and they leave the run dir as it was."""
+    through as they are: their message is the report, and a single-process run leaves the run dir as it was
+    (the ranks of a multi-rank run log their line: print_error reports through those logs)."""
     import megatron_qarl.errors as errors_module
 
     try:
@@ -372,8 +373,8 @@ def run_guarded(fn, cfg):
 
         err.failed_at = time.time()  # print_error: when the other ranks wait for rank 0's report
         if isinstance(err, _user_errors()):  # its message says it all, and it changed nothing in the run dir;
-            if os.environ.get("RANK", "0") != "0" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                write_error_log(cfg, err, str(err))  # but rank 0 may need this rank's line (_primary_line)
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # but the ranks report through their logs (print_error)
+                write_error_log(cfg, err, str(err))
             raise
         line = failure_line(err, cfg)
         log = write_error_log(cfg, err, line)

@@ -397,7 +397,9 @@ def test_a_failing_reward_on_every_rank_is_printed_once(tmp_path):
     assert len(lines) == 1 and "MemoryError" in lines[0], proc.stderr[-4000:]
     assert "exitcode  : 2" in proc.stderr  # every worker ended with the user-error status
     assert "[rank0]:" not in proc.stderr and "[rank1]:" not in proc.stderr, proc.stderr[-4000:]  # no worker traceback
-    assert (run / "error.log").is_file() and (run / "error.rank1.log").is_file()
+    logs = [run / "error.log", run / "error.rank1.log"]
+    assert all(log.is_file() for log in logs)  # each rank's traceback
+    assert any("MemoryError" in log.read_text() for log in logs)
 
 
 def test_an_engine_returning_non_finite_logits_is_one_line(tmp_path):
