@@ -367,7 +367,8 @@ def run_guarded(fn, cfg):
     try:
         return fn()
     except BaseException as err:  # torch-DCP's CheckpointException (a full disk mid-save) is a BaseException
-        if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)) or                 isinstance(err, getattr(errors_module, "RunStopped", ())):  # a requested stop is not a failure
+        if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit)) or \
+                isinstance(err, getattr(errors_module, "RunStopped", ())):  # a requested stop is not a failure
             raise
         import time
 
