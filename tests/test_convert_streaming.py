@@ -212,9 +212,9 @@ def test_a_checkpoint_missing_a_tensor_is_one_clear_error_and_no_output(tmp_path
 def damage_last_read_chunk(ckpt: Path) -> str:
     """Zero the head of the stored chunk of output_layer.weight (the last parameter read): every file keeps its
     size, so the load's size check passes and the damage is found mid-stream, after shards were written."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from megatron_qarl.checkpointing import read_dcp_metadata
 
-    storage = FileSystemReader(str(ckpt)).read_metadata().storage_data
+    storage = read_dcp_metadata(ckpt).storage_data
     (info,) = [info for index, info in storage.items() if index.fqn == "output_layer.weight"]
     with open(ckpt / info.relative_path, "r+b") as fh:
         fh.seek(info.offset)
@@ -223,13 +223,22 @@ def damage_last_read_chunk(ckpt: Path) -> str:
 
 
 def test_a_chunk_damaged_after_save_fails_mid_stream_and_leaves_no_output(mcore_dir, tmp_path, monkeypatch):
+    import hashlib
+    import json
     import shutil
 
+    from megatron_qarl.checkpointing import MARKER_NAME
     from megatron_qarl.errors import CheckpointError
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(mcore_dir, ckpt)
     damage_last_read_chunk(ckpt)
+    # The recorded sha256 finds this before anything is written (tests/test_checkpoint_trust.py); with a marker
+    # rewritten to match the damaged file the stream meets the damage itself, after shards were written.
+    marker = json.loads((ckpt / MARKER_NAME).read_text())
+    for name in marker["files"]:
+        marker["files"][name]["sha256"] = hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
+    (ckpt / MARKER_NAME).write_text(json.dumps(marker))
     flushed = []
     flush = convert.ShardWriter.flush
     monkeypatch.setattr(convert.ShardWriter, "flush", lambda self: (flushed.append(len(self.pending)), flush(self)))
