@@ -1,0 +1,277 @@
+"""The catalogue of faults and bad inputs and what each gets: docs/reliability.md is generated from CASES.
+
+    python tests/reliability_catalogue.py           rewrite docs/reliability.md
+    python tests/reliability_catalogue.py --check   exit 1 if it is stale
+
+tests/test_reliability_catalogue.py keeps the page in sync and checks that every case names a test that exists,
+so every line of the page is something a test injects and asserts (exit status, the one line, no file lost).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "reliability.md"
+
+
+@dataclass(frozen=True)
+class Case:
+    area: str
+    fault: str  # the fault or bad input, as a user meets it
+    injected: str  # how the test makes it happen
+    gets: str  # what the user gets
+    exit: str  # exit status ("-" where the case is a library call)
+    test: str  # tests/<file>.py::<function>
+
+
+CASES = [
+    # ------------------------------------------------------------ a checkpoint from elsewhere is data
+    Case("checkpoint trust", "code planted in a dist checkpoint's `.metadata`, completion marker rewritten to match",
+         "a pickle whose `__reduce__` runs `touch`; the marker's sha256 recomputed",
+         "refused before torch or megatron reads the file, on every path (inspect, mcore-to-hf, export --ckpt, "
+         "checkpoint.resume, model.init_checkpoint, sft.init_checkpoint): one line naming `.metadata` and the "
+         "global it refers to; nothing runs", "2",
+         "test_checkpoint_trust.py::test_planted_metadata_runs_no_code_on_any_path"),
+    Case("checkpoint trust", "the same payload with the old marker", "`.metadata` replaced, marker untouched",
+         "inspect names the file whose sha256 differs; `resume=auto` warns and resumes the previous checkpoint",
+         "2 / 0", "test_checkpoint_trust.py::test_planted_metadata_with_the_old_marker_is_reported_by_inspect_and_"
+                  "skipped_by_resume"),
+    Case("checkpoint trust", "a planted payload in the newest checkpoint of the run dir being resumed",
+         "payload + rewritten marker in step_00000002", "resume=auto refuses the run (a planted file is not damage "
+         "to fall back past); the run dir is unchanged", "2",
+         "test_checkpoint_trust.py::test_planted_metadata_in_the_newest_run_checkpoint_stops_resume_auto"),
+    Case("checkpoint trust", "code planted in a shard's byte entry (a megatron ShardedObject, which torch's load "
+         "planner unpickles with weights_only=False)", "a torch.save'd payload appended to a .distcp, `.metadata` "
+         "pointed at it, marker rewritten", "refused (weights-only read of every byte entry first)", "2",
+         "test_checkpoint_trust.py::test_planted_byte_entry_of_a_shard_runs_no_code"),
+    Case("checkpoint trust", "code planted in common.pt while TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 tells torch.load "
+         "to unpickle", "payload added to common.pt, marker rewritten", "refused (an explicit weights_only=True "
+         "read first)", "2",
+         "test_checkpoint_trust.py::test_planted_common_state_runs_no_code_even_when_torch_is_told_to_unpickle"),
+    Case("checkpoint trust", "code planted in qarl_extra_state.pt", "a pickle with `__reduce__`",
+         "refused by torch's weights-only loader; one line naming the file", "2",
+         "test_reliability_checkpoints.py::test_crafted_side_state_runs_no_code_on_inspect_or_resume"),
+    Case("checkpoint trust", "any other global in `.metadata` (os.system, subprocess.Popen, eval, torch.load)",
+         "protocol-0 GLOBAL opcodes", "CheckpointError: 'refers to <module>.<name>, which torch-DCP metadata never "
+         "holds'", "-", "test_checkpoint_trust.py::test_the_restricted_unpickler_refuses_any_other_global"),
+    Case("checkpoint trust", "a pickle that rewires an allowed class (BUILD on a class)", "hand-written opcodes",
+         "CheckpointError: 'sets attributes of a class'", "-",
+         "test_checkpoint_trust.py::test_the_restricted_unpickler_refuses_setting_attributes_of_an_allowed_class"),
+    Case("checkpoint trust", "metadata.json naming a storage backend qarl does not read", "sharded_backend=zarr",
+         "one line naming metadata.json", "2", "test_checkpoint_trust.py::test_a_storage_backend_qarl_does_not_read_is_"
+                                               "refused"),
+    # ------------------------------------------------------------ integrity
+    Case("integrity", "a bit-flipped shard given to a conversion or as model.init_checkpoint",
+         "one byte of a .distcp inverted (same size)", "one line naming the shard: its sha256 differs from the one "
+         "recorded; nothing written", "2",
+         "test_checkpoint_trust.py::test_a_bit_flipped_shard_is_refused_by_conversions_and_init_checkpoints"),
+    Case("integrity", "a damaged newest checkpoint under resume=auto", "a shard truncated",
+         "a warning naming both checkpoints; resumes the previous complete one", "0",
+         "test_reliability_checkpoints.py::test_resume_auto_falls_back_past_a_damaged_newest_checkpoint"),
+    Case("integrity", "a damaged completion marker under resume=auto", "marker cut short / random bytes / a file "
+         "name outside the checkpoint", "'qarl_checkpoint.json is damaged'; resumes the previous complete one (it "
+         "used to crash, again at every requeue)", "0",
+         "test_checkpoint_trust.py::test_resume_auto_falls_back_past_a_damaged_marker"),
+    Case("integrity", "a directory of random bytes named like checkpoint files", "random .metadata, shards, "
+         "common.pt, metadata.json, side state; marker random or forged to match",
+         "one line: the marker, or the side-state file, 'is damaged' (not a UnicodeDecodeError traceback, not "
+         "'holds objects other than tensors')", "2",
+         "test_reliability_faults.py::test_random_bytes_named_like_checkpoint_files_are_one_line"),
+    # ------------------------------------------------------------ the run directory
+    Case("run directory", "a second trainer started on a live run's directory", "two qarl-train on one out dir",
+         "refused before it reads, moves or removes anything: one line naming the holder's pid and host; the "
+         "first run and its in-progress checkpoint are untouched", "2",
+         "test_run_survival.py::test_a_second_trainer_on_the_same_dir_is_refused_and_the_first_one_is_untouched"),
+    Case("run directory", "a lock holder killed with SIGKILL", "a process holding the lock, SIGKILLed",
+         "the kernel releases the lock; the next run starts", "-",
+         "test_run_survival.py::test_a_run_dir_lock_is_released_by_the_kernel_when_its_holder_is_killed"),
+    Case("run directory", "temp dirs of killed saves beside a live writer's", "`.step_*.tmp-<pid>-*` with a dead, "
+         "a live and no pid", "the dead ones are reported and removed; a live writer's is never touched", "-",
+         "test_run_survival.py::test_clean_stale_removes_dead_writers_temp_dirs_only"),
+    Case("run directory", "another run's higher-numbered checkpoints in the checkpoint dir",
+         "a step_00000100 of another run id; this run resumes step 1 with keep_last=1",
+         "pruning removes only this run's own checkpoints (it used to delete the new run's at once)", "0",
+         "test_run_survival.py::test_keep_last_prunes_only_this_runs_own_checkpoints"),
+    # ------------------------------------------------------------ stopping
+    Case("stopping", "SIGTERM (Slurm preemption, kill), SIGUSR1 (Slurm --signal), Ctrl-C", "the signal sent to a "
+         "running qarl-train", "the step in flight finishes and is checkpointed; one line 'stopped by SIG... after "
+         "step N/M; checkpoint ... written'; the same command resumes from it", "3",
+         "test_run_survival.py::test_a_stop_signal_finishes_the_step_checkpoints_and_exits_3"),
+    Case("stopping", "the stop file ($QARL_STOP_FILE) appears", "touch", "as a signal", "3",
+         "test_run_survival.py::test_the_stop_file_stops_the_run_like_a_signal"),
+    Case("stopping", "a second Ctrl-C", "two SIGINTs 1.5 s apart", "stops at once: one line, no traceback, the step "
+         "in flight not checkpointed", "130",
+         "test_run_survival.py::test_a_second_ctrl_c_stops_at_once_without_a_traceback"),
+    Case("stopping", "SIGTERM to every process of the run (Slurm signals a whole job step)", "killpg on the run's "
+         "session, math_verify reward workers and megatron's checkpoint Manager in it", "the helpers outlive it "
+         "(stop signals are their owner's); the step finishes and is checkpointed", "3",
+         "test_run_survival.py::test_sigterm_to_every_process_of_the_run_still_stops_it_gracefully"),
+    Case("stopping", "under torchrun, a signal that reaches one rank, or torchrun (which forwards SIGTERM)",
+         "SIGTERM to rank 1's worker / to torchrun", "every rank stops after the same step (a max over a flag at "
+         "the step boundary); one checkpoint with every rank's shards; rank 0's line", "3 (workers)",
+         "test_run_survival.py::test_under_torchrun_every_rank_stops_after_the_same_step"),
+    Case("stopping", "SIGKILL while a checkpoint is written", "SIGKILL with megatron's writer processes alive",
+         "no orphan; the next run reports and removes the temp dir and resumes the last complete checkpoint", "0",
+         "test_trainer.py::test_sigkill_during_checkpoint_write_leaves_no_orphan_and_resumes"),
+    # ------------------------------------------------------------ writes
+    Case("writes", "a full disk, a read-only file system, a file-size limit, as safetensors reports them (its own "
+         "SafetensorError, not OSError)", "safetensors' serialize_file raising its error with os error 28 / 30 / 27",
+         "one line naming --out and the cause; no temp dir left; the source untouched", "2",
+         "test_reliability_faults.py::test_export_whose_writes_safetensors_refuses_is_one_line"),
+    Case("writes", "RLIMIT_FSIZE during qarl-convert export", "resource.setrlimit in the child",
+         "one line 'File too large', naming --max-shard-bytes and ulimit -f; nothing at --out", "2",
+         "test_reliability_faults.py::test_export_under_a_file_size_limit_is_one_line"),
+    Case("writes", "--out (or its parent) is a symbolic-link loop", "`ln -s loop loop`",
+         "one line naming the link; the link untouched", "2",
+         "test_reliability_faults.py::test_out_that_is_a_symlink_loop_is_one_line"),
+    # ------------------------------------------------------------ inputs
+    Case("inputs", "NaN / Inf in the HF weights a run starts from (model.hf_path)", "one NaN in an expert weight",
+         "refused while loading, naming the tensor and the file (it used to surface as 'the published weights "
+         "have diverged')", "2",
+         "test_reliability_faults.py::test_nan_in_the_hf_weights_a_run_starts_from_is_one_line_at_load"),
+    Case("inputs", "prompt tokens + rollout.max_new_tokens past the model's context (max_position_embeddings)",
+         "rollout.max_new_tokens=508 / 600 on the 512-token tiny model", "one line naming the row, the numbers and "
+         "the keys to change", "2",
+         "test_reliability_faults.py::test_prompts_plus_max_new_tokens_past_the_context_are_refused"),
+    Case("inputs", "a dataset with fewer usable prompts than train.prompts_per_step", "a 1-row JSONL, 4 prompts "
+         "per step", "one line naming both numbers", "2",
+         "test_reliability_faults.py::test_a_dataset_smaller_than_one_step_is_refused"),
+    Case("inputs", "a model directory without tokenizer files (model.tokenizer unset)", "config.json + weights only",
+         "one line naming the directory and model.tokenizer (it used to fail deep in the engine)", "2",
+         "test_reliability_faults.py::test_a_model_dir_without_a_tokenizer_is_refused_naming_it"),
+    Case("inputs", "a reward plug-in that hangs", "a plug-in that sleeps forever, data.reward_timeout_s=0.5",
+         "killed at data.reward_timeout_s per response of its batch; one line naming the plug-in and the deadline "
+         "(it used to hang the run forever)", "2",
+         "test_reliability_faults.py::test_a_reward_plugin_that_hangs_stops_the_run_with_one_line"),
+    Case("inputs", "a reward plug-in that sleeps or spins forever, or kills its own process",
+         "RewardFunction called directly", "RewardError naming the plug-in (and the deadline); the next call gets "
+         "a fresh worker", "-", "test_rl_rewards.py::test_a_hanging_plugin_is_killed_at_its_deadline_and_is_one_line"),
+    Case("inputs", "stop signals reaching the reward workers from outside (Slurm, a terminal)", "`kill -TERM/-INT/"
+         "-USR1` from another process", "ignored: the workers live until the trainer stops them", "-",
+         "test_rl_rewards.py::test_reward_workers_outlive_stop_signals_that_are_not_the_trainers"),
+]
+
+
+HEAD = """# Reliability: faults, bad inputs, and what each gets
+
+<!-- generated by tests/reliability_catalogue.py from its CASES; tests/test_reliability_catalogue.py keeps it in
+sync. Edit the cases there, then run `python tests/reliability_catalogue.py`. -->
+
+## Trust model
+
+**A checkpoint from elsewhere is data, never code.** Every checkpoint qarl reads (a run's `step_*`, an SFT or
+`qarl-convert hf-to-mcore` output, anything handed to `checkpoint.resume`, `model.init_checkpoint`,
+`sft.init_checkpoint`, `qarl-convert inspect / mcore-to-hf / export --ckpt`) may have been written by someone
+else. torch's FileSystemReader reads `.metadata` with plain `pickle.load`, its load planner unpickles the shards'
+byte entries with `weights_only=False`, and megatron reads `common.pt` with torch.load's default: each could run
+code. So before torch or megatron touches a checkpoint, `checkpointing.check_no_code` reads every pickle in it
+the way it must be readable: `.metadata` with a restricted unpickler that builds only torch-DCP's metadata
+records, `torch.Size`, dtypes and plain containers; the byte entries, `common.pt` and `qarl_extra_state.pt` with
+torch's weights-only loader. Anything else is one line (`CheckpointError`, exit status 2) and nothing of it runs.
+
+**The digests catch damage, not an attacker.** The completion marker (`qarl_checkpoint.json`) records every
+file's size and sha256; every read verifies them (resume, init checkpoints, every conversion, inspect). Whoever
+ships a checkpoint can rewrite the marker too, which is why the pickles are checked whatever the marker says
+(the tests plant payloads both ways).
+
+**A run owns its directory.** The logging rank holds an `fcntl` lock on `<out_dir>/.qarl.lock` (and on
+`checkpoint.dir` when it lies elsewhere) for the run's life; the kernel releases it however the run ends. Clean-up
+never removes a live writer's temp dir, and `checkpoint.keep_last` prunes only the checkpoints whose marker
+carries this run's id (a resumed run takes its checkpoint's).
+
+## Exit status
+
+| status | meaning |
+|---|---|
+| 0 | done |
+| 1 | a bug, not something the user can fix: a traceback |
+| 2 | a problem the user can fix: one line naming it and the fix (`qarl-train: error: ...`, `qarl-convert: error: ...`) |
+| 3 | stopped on request (SIGTERM, SIGUSR1, Ctrl-C, the stop file) after checkpointing the step in flight: run the same command again (`checkpoint.resume=auto`) |
+| 130 | a second Ctrl-C: stopped at once, the step in flight not checkpointed |
+
+## Stopping a run
+
+SIGTERM, SIGUSR1, SIGINT (Ctrl-C) and the file named by `$QARL_STOP_FILE` only *ask* the run to stop: at the
+next step boundary every rank agrees (a max over a flag), the finished step is checkpointed (whatever
+`checkpoint.every` says), the engines and reward workers are stopped, and qarl-train prints one line and exits
+with status 3. A stop asked before the first step exits 3 with nothing new to save; one asked during the last
+step lets the run finish (exit 0) unless the final evaluation remains. If the step in flight fails after the
+request (for example the signal also reached an SGLang server), the run still exits 3 and says that the previous
+checkpoint stands. A second Ctrl-C (more than a second after the first) stops at once (130).
+
+Helpers the trainer starts (reward workers, megatron's checkpoint Manager) ignore stop signals that do not come
+from the trainer, because Slurm signals every process of a job step and a terminal's Ctrl-C the whole foreground
+group: they must live until the trainer has finished its step. Engines started as servers (SGLang, vLLM) are
+third-party processes and do stop on such a signal; under Slurm, signal the batch shell only and use the stop
+file (below), so the servers never see it.
+
+**Under torchrun**, torchrun forwards SIGTERM / SIGINT to its workers and SIGKILLs them after
+`--shutdown-timeout` (default 30 s): raise it above a step plus a checkpoint. SIGUSR1 is not forwarded by
+default and its default action kills torchrun (and so the workers): add it with `--signals-to-handle
+SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1`, or use the stop file. torchrun reports its workers' status 3 as a
+failure of its own (`exitcode: 3` in its summary).
+
+**Under Slurm** (requeue on preemption or at the time limit), in the batch script:
+
+```bash
+#SBATCH --requeue                  # a preempted or requeued job runs again; checkpoint.resume=auto continues it
+#SBATCH --signal=B:USR1@600        # SIGUSR1 to the batch shell only, 10 min before the time limit
+export QARL_STOP_FILE="$LOG_DIR/stop-${SLURM_JOB_ID}"   # on a file system the trainer's rank 0 sees
+rm -f "$QARL_STOP_FILE"
+trap 'touch "$QARL_STOP_FILE"; STOP_REQUESTED=1' USR1
+srun ... torchrun --shutdown-timeout 900 ... -m megatron_qarl.cli ... &   # background: bash runs traps only
+SRUN_PID=$!                                                              # between commands or in `wait`
+rc=0; wait "$SRUN_PID" || rc=$?
+while kill -0 "$SRUN_PID" 2>/dev/null; do rc=0; wait "$SRUN_PID" || rc=$?; done   # a trap ended `wait` early
+if [ -n "${STOP_REQUESTED:-}" ]; then scontrol requeue "$SLURM_JOB_ID"; fi      # run again from the checkpoint
+```
+
+Preemption with a `GraceTime` sends SIGTERM to every process of the job: the trainer stops after its step as
+above (give GraceTime at least a step plus a checkpoint).
+
+## The catalogue
+
+Each row is a test that injects the fault (a real signal, a real second trainer, a real file-size limit, a
+patched writer where the file system cannot be made to fail) and asserts the exit status, the one line, and
+that no file the user had was lost.
+"""
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render() -> str:
+    lines = [HEAD]
+    area = None
+    for case in CASES:
+        if case.area != area:
+            area = case.area
+            lines += ["", f"### {area}", "", "| fault or bad input | injected by | what the user gets | exit | test |",
+                      "|---|---|---|---|---|"]
+        file, _, func = case.test.partition("::")
+        lines.append(f"| {_cell(case.fault)} | {_cell(case.injected)} | {_cell(case.gets)} | {case.exit} | "
+                     f"`{file}::{func}` |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/reliability.md is not up to date")
+    parser.add_argument("--out", default=str(DOC))
+    args = parser.parse_args(argv)
+    out, text = Path(args.out), render()
+    if args.check:
+        if not out.is_file() or out.read_text(encoding="utf-8") != text:
+            print(f"{out} is stale: run python tests/reliability_catalogue.py", file=sys.stderr)
+            return 1
+        return 0
+    out.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
