@@ -205,9 +205,11 @@ def train_main(argv=None) -> int:
 
         if args.dry_run:
             cfg = load_config(args.config, args.overrides)
-            inputs = [] if args.skip_inputs else check_inputs(cfg)  # first: a problem is the one line printed
-            print(format_dry_run(cfg, dry_run_world_size(cfg, args.world_size), args.gpu_gib)
-                  + "".join(line + "\n" for line in inputs))
+            # The plan first (config, layout, memory timeline: it needs no data), then the inputs: a problem there
+            # is one line on stderr and exit 2, after a plan the user can still read.
+            print(format_dry_run(cfg, dry_run_world_size(cfg, args.world_size), args.gpu_gib), flush=True)
+            inputs = [] if args.skip_inputs else check_inputs(cfg)
+            print("".join(line + "\n" for line in inputs), end="")
             return 0
         if args.skip_inputs:
             raise UserError("--skip-inputs is a --dry-run option; a run always checks its inputs")

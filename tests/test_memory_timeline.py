@@ -148,3 +148,22 @@ def test_engine_start_check_refuses_a_kv_cache_without_one_sequence(monkeypatch)
         check_engine_start_memory(cfg)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (77 * GIB, 80 * GIB))
     check_engine_start_memory(cfg)  # the planned case: the trainer released, ~77 GiB free
+
+
+def test_the_cli_dry_run_prints_the_plan_even_where_the_inputs_are_missing():
+    """`qarl-train --dry-run` of a paper arm on a machine without its data: the phase table and FITS on stdout,
+    then the missing input as one line and exit 2; with --skip-inputs, exit 0."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    cmd = [sys.executable, "-m", "megatron_qarl.cli", "--config", str(CONFIGS / "qwen3_30b_a3b_qarl_w4a16_tbpo.yaml"),
+           "--dry-run"]
+    missing = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2
+    assert "# memory timeline per GPU" in missing.stdout and "FITS a 79 GiB GPU" in missing.stdout
+    assert missing.stderr.strip().startswith("qarl-train: error:")
+    skipped = subprocess.run(cmd + ["--skip-inputs"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    assert "\nengine wake" in skipped.stdout and "FITS a 79 GiB GPU" in skipped.stdout
