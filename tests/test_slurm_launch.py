@@ -73,6 +73,13 @@ exit "$rc"
     # torchrun: record; like the trainer, wait (bounded) until the STUB_SERVERS attached servers are up
     "torchrun": r"""#!/usr/bin/env bash
 { echo "NODE ${SLURMD_NODENAME:-?}"; printf 'ARG %s\n' "$@"; } > "$(mktemp "$STUB_REC/torchrun.XXXXXX")"
+if [ -n "${STUB_WAIT_STOP:-}" ]; then  # a trainer that runs until asked to stop, then exits 3 like ours
+  for ((t = 0; t < 600; t++)); do
+    if [ -f "${QARL_STOP_FILE:-/nonexistent}" ]; then echo "$SLURMD_NODENAME" >> "$STUB_REC/saw-stop"; exit 3; fi
+    sleep 0.1
+  done
+  exit 1
+fi
 for ((t = 0; t < 600; t++)); do
   [ "$(find "$STUB_REC" -name 'sglang.*.json' | wc -l)" -ge "${STUB_SERVERS:-0}" ] && exit 0
   sleep 0.1
@@ -81,6 +88,7 @@ echo "torchrun stub: the SGLang servers did not come up" >&2; exit 1
 """,
     "scontrol": r"""#!/usr/bin/env bash
 if [ "$1" = show ] && [ "$2" = hostnames ]; then printf '%s\n' $STUB_NODES; exit 0; fi
+if [ "$1" = requeue ]; then echo "$2" >> "$STUB_REC/requeue"; exit 0; fi
 echo "scontrol stub: $*" >&2; exit 1
 """,
     "hostname": r"""#!/usr/bin/env bash
@@ -379,3 +387,33 @@ def test_server_args_helper(monkeypatch, capsys):
         assert printed[printed.index(flag) + 1] == value, flag
     assert helper["main"](args[:2] + ["--group", "2"] + args[4:]) == 2  # group 2 has no URL
     assert "no engine URL" in capsys.readouterr().err
+
+
+def test_time_limit_signal_stops_the_trainer_at_a_step_and_requeues(cluster):
+    """--signal=B:USR1 reaches the batch shell while training runs: it becomes the trainer's stop file (every
+    rank finishes its step, checkpoints and exits 3), the script exits with the trainer's code and requeues."""
+    import signal
+    import time
+
+    header = SBATCH.read_text()
+    assert "#SBATCH --requeue" in header and "#SBATCH --signal=B:USR1@" in header
+    proc = subprocess.Popen(["bash", str(SBATCH)], env=dict(cluster["env"], STUB_WAIT_STOP="1"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):  # until the first node's trainer runs (the dry-run comes first)
+            if list(cluster["rec"].glob("torchrun.*")):
+                break
+            time.sleep(0.1)
+        assert not (cluster["rec"] / "saw-stop").exists()
+        proc.send_signal(signal.SIGUSR1)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 3, out + err
+    assert (cluster["rec"] / "saw-stop").read_text().split() == list(NODES)  # every node's trainer saw it
+    assert (cluster["rec"] / "requeue").read_text().split() == ["4242"]
+    for opts in _torchruns(cluster["rec"]).values():
+        # torchrun forwards the stop signals to its workers and gives them a step and a checkpoint to finish
+        assert set(opts["--signals-to-handle"].split(",")) >= {"SIGTERM", "SIGINT", "SIGUSR1"}, opts
+        assert int(opts["--shutdown-timeout"]) >= 600, opts
+    assert not list(cluster["logs"].glob(".tmp-*")), "the job's scratch directory is left behind"
