@@ -156,6 +156,7 @@ def _server_over_a_pipe():
     server.llm, server.has_tokenizer = _FakeLLM(), False
     server.held, server.held_crc, server.changed, server.version = {}, {}, False, 0
     server.digests, server.in_update = {}, False
+    server.sleep_mode, server.asleep = False, set()
     ours, theirs = Pipe()
 
     class _Listener:
