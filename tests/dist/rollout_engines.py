@@ -23,6 +23,7 @@ from _common import write_result
 from publish_common import SCHEMES, build_model, offline_engine_tensors
 from publish_layouts import perturb
 from megatron_qarl.config import load_config
+from megatron_qarl.memory_saver import TrainerMemory
 from megatron_qarl.models.aligned import apply_aligned_quantization
 from megatron_qarl.models.qwen3_moe import tiny_hf_config
 from megatron_qarl.moe.replay import RouteGeometry
@@ -108,6 +109,7 @@ def rollout_ctx(run_cfg, engine, publisher, tokenizer, reward_fn, rows_prompts, 
         tokenizer=tokenizer, reward_fn=reward_fn, route_geometry=RouteGeometry.from_hf_config(cfg),
         data=SimpleNamespace(next_batch=lambda k: batch[:k]), reward_counts={}, tracker=None,
         sampling=SamplingParams(temperature=1.0, max_new_tokens=5, seed=11),
+        memory=TrainerMemory.for_run(False), quant=None,  # no engine on the trainer's devices: nothing released
     )
 
 
