@@ -33,6 +33,7 @@ import os
 from typing import Iterator, Protocol
 
 import torch
+import torch.distributed as dist
 
 TRAINER_STATE = "trainer_state"
 TRAINER_GRADS = "trainer_grads"
@@ -122,13 +123,21 @@ class TrainerMemory:
                 self.saver.pause(tag)
                 self.released.add(tag)
         self.empty_cache()
+        self._wait_for_every_rank()  # no engine takes the memory before every rank of its group gave it back
 
     def restore(self, tags: tuple[str, ...] = (TRAINER_STATE, TRAINER_GRADS)) -> None:
         """Map `tags` back (state from its host copy; grads as garbage, zeroed before their first use)."""
+        self._wait_for_every_rank()  # every group's engine has released (engine_sleep) before any rank maps back
         for tag in tags:
             if tag in self.released:
                 self.saver.resume(tag)
                 self.released.discard(tag)
+
+    def _wait_for_every_rank(self) -> None:
+        """COLLECTIVE when colocated. A rollout group's engine spans the GPUs of several trainer ranks, so a hand-over
+        of memory between trainer and engines is complete only when every rank has done its half."""
+        if self.colocated and dist.is_available() and dist.is_initialized():
+            dist.barrier()
 
 
 def init_optimizer_state(optimizer) -> None:

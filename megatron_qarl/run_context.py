@@ -244,14 +244,12 @@ def check_engine_start_memory(cfg: RunConfig) -> None:
 
 
 def release_for_engines(memory, quant) -> None:
-    """COLLECTIVE. Before a colocated engine allocates: drop the quant cache (rebuilt by the next forward), release
-    the trainer's state, empty the allocator; every rank of a rollout group, before its leader starts the engine."""
-    import torch.distributed as dist
-
+    """COLLECTIVE when colocated. Before a colocated engine allocates (its start, its KV cache's wake): drop the quant
+    cache (rebuilt by the next forward), release the trainer's state and empty the allocator, on every rank of a
+    rollout group before any engine takes the memory (TrainerMemory.release waits for every rank)."""
     if memory.colocated and quant is not None:
         quant.cache.clear()
     memory.release()
-    dist.barrier()
 
 
 def run_sampling_params(cfg: RunConfig, tokenizer):

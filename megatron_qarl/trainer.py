@@ -294,14 +294,13 @@ def publish_weights(ctx) -> dict:
     trainer's state released, and only then the engine's KV cache back (memory.memory_timeline's 'publish' and
     'engine wake' phases). Expects the engines asleep (engine_sleep)."""
     from megatron_qarl.memory_saver import TRAINER_GRADS, TRAINER_STATE
+    from megatron_qarl.run_context import release_for_engines
 
     ctx.memory.restore((TRAINER_STATE,))
     ctx.memory.release((TRAINER_GRADS,))
     engine_wake(ctx, ("weights",))
     metrics = ctx.publisher.publish()
-    if ctx.memory.colocated and ctx.quant is not None:
-        ctx.quant.cache.clear()  # rebuilt by the next forward; its memory is the engine's until then
-    ctx.memory.release()
+    release_for_engines(ctx.memory, ctx.quant)  # the quant cache and the state: the KV cache's memory
     engine_wake(ctx, ("kv_cache",))
     return metrics
 

@@ -47,6 +47,21 @@ def test_release_and_restore_are_idempotent_per_tag_and_in_order():
     assert REGIONS == {TRAINER_STATE: True, TRAINER_GRADS: False}  # only the grads' contents may be lost
 
 
+def test_a_colocated_hand_over_waits_for_every_rank(monkeypatch):
+    """A group's engine spans several trainer ranks' GPUs: release and restore are collective when colocated."""
+    from megatron_qarl import memory_saver
+    from megatron_qarl.parallel import init_distributed
+
+    init_distributed()
+    waits = []
+    monkeypatch.setattr(memory_saver.dist, "barrier", lambda *a, **k: waits.append(1))
+    TrainerMemory(RecordingSaver(), on_gpu=False, colocated=True).release()
+    TrainerMemory(RecordingSaver(), on_gpu=False, colocated=True).restore()
+    assert len(waits) == 2
+    TrainerMemory(RecordingSaver(), on_gpu=False, colocated=False).release()  # no engine here: no one to wait for
+    assert len(waits) == 2
+
+
 def test_a_run_without_a_gpu_sharing_engine_uses_the_noop_saver():
     from megatron_qarl.config import load_config
 
@@ -134,20 +149,25 @@ def test_a_colocated_step_releases_and_restores_in_the_timeline_order(monkeypatc
     original_clear = QuantCache.clear
     monkeypatch.setattr(QuantCache, "clear", lambda self: (saver.calls.append(("cache cleared",)),
                                                            original_clear(self)))
+    # every hand-over waits for all ranks: a group's engine spans several trainer ranks' GPUs
+    monkeypatch.setattr(memory_saver.TrainerMemory, "_wait_for_every_rank",
+                        lambda self: saver.calls.append(("all ranks",)))
     cfg = load_config(str(REPO / "configs" / "tiny_qarl_w4a16_tbpo.yaml"), [
         "train.steps=2", "train.prompts_per_step=2", "rollout.n=2", "train.mini_batch_prompts=2",
         "train.micro_batch_size=2", "rollout.max_new_tokens=4", "logging.wandb.mode=disabled",
         f"logging.out_dir={tmp_path}", "checkpoint.every=0", "eval.path=null"])
     train(cfg)
     build = [("region", TRAINER_STATE, True), ("region", TRAINER_GRADS, False), ("region", TRAINER_STATE, True)]
-    # before the engines start: the cache dropped, everything released
-    start = [("cache cleared",), ("pause", TRAINER_GRADS), ("pause", TRAINER_STATE)]
-    # the first publish: the engines (just started) sleep, the state comes back (grads stay away), the engines'
-    # weights come back, the publish, the cache dropped, the state released, then the engines' KV cache
-    publish_tail = [("engine resume", "weights"), ("cache cleared",), ("pause", TRAINER_STATE),
-                    ("engine resume", "kv_cache")]
-    first = [("engine release",), ("resume", TRAINER_STATE)] + publish_tail
+    wait = [("all ranks",)]
+    # before the engines start: the cache dropped, everything released, every rank done before any engine starts
+    start = [("cache cleared",), ("pause", TRAINER_GRADS), ("pause", TRAINER_STATE)] + wait
+    # the publish: the engines' weights back once every rank dropped its grads; the cache dropped and the state
+    # released on every rank before the engines' KV cache comes back
+    publish_tail = wait + [("engine resume", "weights"), ("cache cleared",), ("pause", TRAINER_STATE)] + wait \
+        + [("engine resume", "kv_cache")]
+    # the first publish: the engines (just started) sleep, then the state comes back (grads stay away)
+    first = [("engine release",)] + wait + [("resume", TRAINER_STATE)] + publish_tail
     # a step: rollout; the engines sleep; everything of the trainer back; ...; grads dropped before the publish
-    step = [("engine release",), ("resume", TRAINER_STATE), ("resume", TRAINER_GRADS), ("pause", TRAINER_GRADS)] \
-        + publish_tail
+    step = [("engine release",)] + wait + [("resume", TRAINER_STATE), ("resume", TRAINER_GRADS)] + wait \
+        + [("pause", TRAINER_GRADS)] + publish_tail
     assert saver.calls == build + start + first + step + step
