@@ -64,7 +64,7 @@ CHILD = r"""
 import json, resource, sys, time
 import megatron.core.dist_checkpointing, megatron.core.models.gpt  # imported before the baseline, as the rest
 from megatron_qarl.parallel import ParallelLayout, init_distributed
-from megatron_qarl.rl.tokenizer import build_char_tokenizer
+from megatron_qarl.tokenizer import build_char_tokenizer
 from megatron_qarl.weights import convert
 init_distributed(ParallelLayout(), seed=0)
 build_char_tokenizer()

@@ -372,7 +372,7 @@ def verify_checkpoint(path: str | os.PathLike, *, digests: bool = True) -> list[
 
 
 def _sharded_state(model, optimizer, is_loading: bool) -> dict[str, Any]:
-    from megatron_qarl.weights.sharding import unwrap_model
+    from megatron_qarl.parallel import unwrap_model
 
     model_sd = unwrap_model(model).sharded_state_dict()
     state = {"model": model_sd}
@@ -430,7 +430,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None, *,
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not Exception
 
-    from megatron_qarl.weights.sharding import unwrap_model
+    from megatron_qarl.parallel import unwrap_model
 
     path = Path(path)
     local = extra = None

@@ -26,7 +26,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from megatron_qarl.fileio import RunDirInUseError
     from megatron_qarl.quant.config import QuantConfigError
     from megatron_qarl.rl.data import DatasetError
-    from megatron_qarl.rl.tokenizer import TokenizerError
+    from megatron_qarl.tokenizer import TokenizerError
     from megatron_qarl.rollout.vllm_engine import VLLMSetupError
     from megatron_qarl.tracking import TrackingError
     from megatron_qarl.weights.convert import ConversionError
@@ -126,7 +126,7 @@ def check_inputs(cfg) -> list[str]:
     import dataclasses
     import tempfile
 
-    from megatron_qarl.rl.tokenizer import load_tokenizer, split_stops
+    from megatron_qarl.tokenizer import load_tokenizer, split_stops
     from megatron_qarl.run_context import build_prompt_dataset, check_run_inputs, load_eval_examples
 
     tokenizer = load_tokenizer(cfg.model)

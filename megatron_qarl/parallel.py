@@ -259,6 +259,17 @@ class RolloutTopology:
         return line + f"GPUs generating: {self.generating_gpus} dedicated (+ {self.world_size} training)"
 
 
+def unwrap_model(model):
+    """The GPTModel inside DDP / Float16Module wrappers (and the first chunk of a list)."""
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise ValueError("virtual pipeline chunks are not supported here; pass a single model chunk")
+        model = model[0]
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def is_logging_rank() -> bool:
     """The rank that writes metrics, the resolved config and console progress (global rank 0, or the only
     process when there is no process group)."""

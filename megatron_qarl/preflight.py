@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_qarl.rl.rewards import REWARD_NAMES, RewardError
-from megatron_qarl.rl.tokenizer import CHAR_VOCABULARY, TokenizerError, describe_characters, unknown_characters
+from megatron_qarl.tokenizer import CHAR_VOCABULARY, TokenizerError, describe_characters, unknown_characters
 
 SMOKE_ROWS = 4  # rows the reward is called on (each with its own answer as a response, and an empty response)
 PROMPT_KEYS = (("data.prompt.system", "system"), ("data.prompt.template", "template"))

@@ -348,7 +348,7 @@ def checkpoint_tokenizer(hf_dir):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(hf_dir))
-    from megatron_qarl.rl.tokenizer import build_char_tokenizer
+    from megatron_qarl.tokenizer import build_char_tokenizer
 
     return build_char_tokenizer()
 

@@ -15,7 +15,7 @@ import torch
 from megatron_qarl.config import RunConfig, rollout_topology, save_yaml, to_dict
 from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
 from megatron_qarl.parallel import RolloutTopology, collective_device, init_distributed, is_logging_rank
-from megatron_qarl.rl.tokenizer import load_tokenizer
+from megatron_qarl.tokenizer import load_tokenizer
 
 
 def prompt_data_config(cfg: RunConfig, path):
@@ -256,7 +256,7 @@ def run_sampling_params(cfg: RunConfig, tokenizer):
     """Step 0's SamplingParams: rollout.* with the stops resolved against the tokenizer (EOS, single-token
     stop strings and rollout.stop_token_ids as ids; longer stop strings as text)."""
     from megatron_qarl.config import ConfigError
-    from megatron_qarl.rl.tokenizer import split_stops
+    from megatron_qarl.tokenizer import split_stops
     from megatron_qarl.rollout.protocol import SamplingParams
 
     r = cfg.rollout
@@ -346,7 +346,7 @@ def lock_run_dirs(cfg: RunConfig, held=None) -> list:
 def check_tokenizer(cfg: RunConfig, tokenizer) -> None:
     """A tokenizer with no vocabulary is refused here, not deep in the engine: transformers builds an empty one
     from a directory without tokenizer files (e.g. model.hf_path holding only config.json and weights)."""
-    from megatron_qarl.rl.tokenizer import TokenizerError
+    from megatron_qarl.tokenizer import TokenizerError
 
     source = cfg.model.tokenizer or cfg.model.hf_path
     if len(tokenizer) < 2 or not tokenizer.encode("1+1=", add_special_tokens=False):

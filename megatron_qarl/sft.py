@@ -40,7 +40,7 @@ from megatron_qarl.parallel import (
     is_logging_rank,
 )
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig, make_problem
-from megatron_qarl.rl.tokenizer import load_tokenizer
+from megatron_qarl.tokenizer import load_tokenizer
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import pytest
 from megatron_qarl.cli import convert_main, train_main
 from megatron_qarl.rl.data import DatasetError, PromptDataConfig, PromptDataset, PromptSampler
 from megatron_qarl.rl.rewards import RewardConfig, build_reward_fn
-from megatron_qarl.rl.tokenizer import build_char_tokenizer
+from megatron_qarl.tokenizer import build_char_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny_qarl_w4a16_tbpo.yaml")

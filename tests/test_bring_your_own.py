@@ -160,7 +160,7 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
 
 def test_a_preset_without_a_tokenizer_is_refused():
     from megatron_qarl.config import load_config
-    from megatron_qarl.rl.tokenizer import TokenizerError, load_tokenizer
+    from megatron_qarl.tokenizer import TokenizerError, load_tokenizer
 
     cfg = load_config(None, ["model.preset=tiny"])
     with pytest.raises(TokenizerError, match="model.tokenizer=char"):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from megatron_qarl.rollout.sglang_compat import sglang_bucket_dict
 from megatron_qarl.rollout.payload import (
     FlattenedBucket,
     TensorMeta,
@@ -96,7 +97,7 @@ def test_sglang_style_reconstruction_casts_nothing():
     """SGLang rebuilds with flattened[start:end].reshape(shape).to(dtype): with one dtype per bucket the
     cast is a no-op, so its reconstruction is bit-identical too (the contract test runs SGLang's class)."""
     for b in iter_buckets(_payload(), bucket_bytes=1 << 20):
-        for m in b.to_sglang_dict()["metadata"]:
+        for m in sglang_bucket_dict(b)["metadata"]:
             t = b.flattened_tensor[m.start_idx:m.end_idx].reshape(m.shape)
             assert t.dtype == m.dtype and m.end_idx - m.start_idx == m.numel
 

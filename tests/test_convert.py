@@ -321,7 +321,7 @@ def char_ckpt(tmp_path_factory):
 def assert_char_tokenizer(path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from megatron_qarl.rl.tokenizer import build_char_tokenizer
+    from megatron_qarl.tokenizer import build_char_tokenizer
 
     loaded, char = AutoTokenizer.from_pretrained(str(path)), build_char_tokenizer()
     assert loaded("12+34=")["input_ids"] == char("12+34=")["input_ids"] == [5, 6, 66, 7, 8, 70]

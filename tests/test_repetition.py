@@ -3,7 +3,7 @@ import pytest
 
 from megatron_qarl.rl.repetition import is_repetitive
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig, generate_arithmetic_rows
-from megatron_qarl.rl.tokenizer import build_char_tokenizer
+from megatron_qarl.tokenizer import build_char_tokenizer
 
 
 @pytest.mark.parametrize("text, loops", [

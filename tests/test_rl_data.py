@@ -16,7 +16,7 @@ from megatron_qarl.rl.synthetic import (
     reward_kind_for_style,
     write_rows,
 )
-from megatron_qarl.rl.tokenizer import build_char_tokenizer
+from megatron_qarl.tokenizer import build_char_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 

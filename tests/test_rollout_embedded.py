@@ -228,7 +228,7 @@ def test_checkpoint_loaded_by_transformers_equals_refit(tmp_path, quant_cfg):
 def test_stop_string_ends_sample_after_the_token_that_completes_it():
     """A multi-token stop string ends a row right after the token that completes it (kept, as SGLang and
     vLLM keep it); rows without it run on unchanged (their own seeds), and the logprobs are the prefix's."""
-    from megatron_qarl.rl.tokenizer import build_char_tokenizer
+    from megatron_qarl.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     engine = EmbeddedEngine.from_hf_config(tiny_config(), dtype="float32", seed=1, tokenizer=tok)

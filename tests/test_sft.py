@@ -8,7 +8,7 @@ import torch
 
 from megatron_qarl.models.qwen3_moe import tiny_hf_config
 from megatron_qarl.parallel import ParallelLayout, init_distributed
-from megatron_qarl.rl.tokenizer import build_char_tokenizer
+from megatron_qarl.tokenizer import build_char_tokenizer
 from megatron_qarl.config import SFTConfig, SFTConfigError
 from megatron_qarl.sft import (
     ProblemStream, answer_token_ids, build_sft_model, collate, encode_example, generate, held_out_problems,

@@ -236,7 +236,7 @@ def _eval_ctx(*overrides):
 
     from megatron_qarl.config import load_config, rollout_topology
     from megatron_qarl.rl.data import PromptExample
-    from megatron_qarl.rl.tokenizer import build_char_tokenizer
+    from megatron_qarl.tokenizer import build_char_tokenizer
     from megatron_qarl.rollout.protocol import SamplingParams
 
     cfg = load_config(CONFIG, [f"eval.path={DATA}", "eval.n=2", "eval.k=2", *overrides])
@@ -460,7 +460,7 @@ def test_a_prompt_of_no_tokens_is_a_bad_row_not_an_engine_error(tmp_path):
 
 
 def test_a_tokenizer_json_without_added_tokens_is_one_line(tmp_path):
-    from megatron_qarl.rl.tokenizer import build_char_tokenizer
+    from megatron_qarl.tokenizer import build_char_tokenizer
 
     tok_dir = tmp_path / "tok"
     build_char_tokenizer().save_pretrained(tok_dir)

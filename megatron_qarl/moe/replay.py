@@ -71,6 +71,10 @@ class RouteGeometry:
     def as_kwargs(self) -> dict[str, int]:
         return dict(num_layers=self.num_layers, topk=self.topk, num_experts=self.num_experts)
 
+    def pack(self, routes: Sequence[torch.Tensor], lengths: Sequence[int], seq_len: int) -> torch.Tensor:
+        """`pack_routes` for this geometry (rl's batch builder calls it on the geometry it is handed)."""
+        return pack_routes(routes, lengths, seq_len, **self.as_kwargs())
+
     @property
     def bytes_per_token(self) -> int:
         return route_bytes_per_token(self.num_layers, self.topk)

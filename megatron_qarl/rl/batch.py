@@ -71,7 +71,7 @@ def build_rollout_batch(
 
     `routed_experts`: the engine's per-sample routes ([prompt+response-1, layers, topk] each), checked
     against `route_geometry` (a `megatron_qarl.moe.replay.RouteGeometry`) and packed to
-    [N, S, layers, topk] uint8 (see `pack_routes`).
+    [N, S, layers, topk] uint8 by the geometry (`RouteGeometry.pack`).
     """
     if not (len(prompt_ids) == len(response_ids) == len(response_logprobs) == len(group_ids)):
         raise ValueError("prompt_ids, response_ids, response_logprobs and group_ids must have the same length")
@@ -93,11 +93,9 @@ def build_rollout_batch(
         sampler_logp[i, start : start + len(r)] = torch.tensor(lp, dtype=torch.float32)
     routes = None
     if routed_experts is not None:
-        from megatron_qarl.moe.replay import pack_routes
-
         if route_geometry is None:
             raise ValueError("routed_experts need route_geometry (the model's MoE layers, top-k and experts)")
-        routes = pack_routes(routed_experts, [len(r) for r in rows], seq, **route_geometry.as_kwargs())
+        routes = route_geometry.pack(routed_experts, [len(r) for r in rows], seq)
     return RolloutBatch(
         input_ids=input_ids,
         response_mask=response_mask,

@@ -142,19 +142,6 @@ class FlattenedBucket:
     def names(self) -> list[str]:
         return [m.name for m in self.metadata]
 
-    def to_sglang_dict(self) -> dict:
-        """``{"flattened_tensor", "metadata"}`` as ``update_weights_from_tensor(load_format=
-        "flattened_bucket")`` expects. Metadata become SGLang's own dataclass when it is importable (the
-        engine process unpickles them and may not import this package), else ours (same attributes)."""
-        from megatron_qarl.rollout import sglang_compat
-
-        Meta = sglang_compat.flattened_tensor_metadata_class() or BucketEntry
-        meta = [
-            Meta(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx, end_idx=m.end_idx, numel=m.numel)
-            for m in self.metadata
-        ]
-        return {"flattened_tensor": self.flattened_tensor, "metadata": meta}
-
 
 def unflatten_bucket(bucket: FlattenedBucket) -> list[tuple[str, torch.Tensor]]:
     """Named tensors back from a bucket: views of its buffer, bit-identical to what went in."""

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
-if TYPE_CHECKING:
-    from megatron_qarl.rollout.payload import FlattenedBucket
+from megatron_qarl.rollout.payload import FlattenedBucket
 
 FINISH_REASONS = ("stop", "length")
 
@@ -31,7 +30,7 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: list[int] = field(default_factory=list)
     # Stop strings of more than one token (single-token ones travel as stop_token_ids, see
-    # rl.tokenizer.split_stops): generation ends once the response text contains one; the tokens that
+    # tokenizer.split_stops): generation ends once the response text contains one; the tokens that
     # completed it stay in the response. Engines that cannot match text refuse them.
     stop: list[str] = field(default_factory=list)
     seed: int | None = None

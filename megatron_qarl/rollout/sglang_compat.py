@@ -71,3 +71,17 @@ def custom_process_group_init() -> Callable[..., Any]:
     from sglang.srt.utils.common import init_custom_process_group
 
     return init_custom_process_group
+
+
+def sglang_bucket_dict(bucket) -> dict:
+    """A ``payload.FlattenedBucket`` as ``{"flattened_tensor", "metadata"}``, what
+    ``update_weights_from_tensor(load_format="flattened_bucket")`` expects. Metadata become SGLang's own dataclass
+    when it is importable (the engine process unpickles them and may not import this package), else the bucket's
+    own entries stay (same attributes)."""
+    meta_class = flattened_tensor_metadata_class()
+    if meta_class is None:
+        meta = list(bucket.metadata)
+    else:
+        meta = [meta_class(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx, end_idx=m.end_idx,
+                           numel=m.numel) for m in bucket.metadata]
+    return {"flattened_tensor": bucket.flattened_tensor, "metadata": meta}

@@ -443,7 +443,7 @@ def _check_success(result: Any, what: str) -> None:
 
 # Stop strings need the scheduler's tokenizer: Req.tail_str decodes the output tail with self.tokenizer
 # (srt/managers/schedule_batch.py:1819-1828), which is None under --skip-tokenizer-init (we send token ids
-# and read token ids). Single-token stops travel as stop_token_ids (rl.tokenizer.split_stops).
+# and read token ids). Single-token stops travel as stop_token_ids (tokenizer.split_stops).
 MULTI_TOKEN_STOP_UNSUPPORTED = (
     "SGLang runs with --skip-tokenizer-init (the trainer tokenizes), so it matches stop token ids only, not "
     "multi-token stop strings; use single-token stops (e.g. '<|im_end|>') or rollout.stop_token_ids")
@@ -887,4 +887,4 @@ def _sglang_serialize_bucket(bucket: FlattenedBucket) -> str:
     serialize = sglang_compat.ipc_serializer()
     if not bucket.flattened_tensor.is_cuda:
         bucket = FlattenedBucket(bucket.flattened_tensor.cuda(), bucket.metadata)
-    return serialize(bucket.to_sglang_dict())
+    return serialize(sglang_compat.sglang_bucket_dict(bucket))

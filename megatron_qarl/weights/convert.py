@@ -180,7 +180,7 @@ def copy_tokenizer_files(files: dict[str, bytes], out: Path) -> None:
 
 
 def tokenizer_source(model_cfg) -> str:
-    """What a run records under TOKENIZER_SOURCE_KEY: the tokenizer `rl.tokenizer.load_tokenizer` loads for
+    """What a run records under TOKENIZER_SOURCE_KEY: the tokenizer `tokenizer.load_tokenizer` loads for
     `model_cfg` (model.tokenizer, else model.hf_path, else the char tokenizer), a local path made absolute."""
     source = model_cfg.tokenizer or model_cfg.hf_path or CHAR_TOKENIZER
     if source != CHAR_TOKENIZER and Path(source).exists():
@@ -203,7 +203,7 @@ class TokenizerLoadError(ConversionError):
 def load_tokenizer_source(source: str, what: str):
     """The HF tokenizer `source` names: "char" (the demo char tokenizer) or an HF tokenizer dir / hub name."""
     if source == CHAR_TOKENIZER:
-        from megatron_qarl.rl.tokenizer import build_char_tokenizer
+        from megatron_qarl.tokenizer import build_char_tokenizer
 
         return build_char_tokenizer()
     if (os.path.isabs(source) or source.startswith((".", "~"))) and not Path(source).expanduser().is_dir():

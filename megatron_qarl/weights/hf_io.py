@@ -275,7 +275,8 @@ def load_hf_checkpoint_into_model(model, hf_config, path: str | os.PathLike, *, 
     on_read(HF name, tensor) sees each tensor or slice read; `index`: a scan_hf_checkpoint(path) already made.
     check_finite: every read is then checked (check_finite_weight), after on_read.
     """
-    from megatron_qarl.weights.sharding import RankCoords, num_local_experts, unwrap_model
+    from megatron_qarl.parallel import unwrap_model
+    from megatron_qarl.weights.sharding import RankCoords, num_local_experts
 
     start = time.perf_counter()
     index = index or scan_hf_checkpoint(path)

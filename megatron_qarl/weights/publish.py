@@ -516,7 +516,7 @@ class WeightPublisher:
     def __init__(self, model, hf_config, quant_cfg, *, quant=None, engine=None, leaders: list[int] | None = None,
                  bucket_bytes: int = 512 << 20, verify: bool | str = False, mode: str = "full", full_every: int = 50,
                  count_flips: bool = False, verify_sample: int = 8):
-        from megatron_qarl.weights.sharding import unwrap_model
+        from megatron_qarl.parallel import unwrap_model
 
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")

@@ -20,6 +20,7 @@ from typing import Mapping
 
 import torch
 
+from megatron_qarl.parallel import unwrap_model
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_names, is_expert_param
 
 _LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
@@ -168,17 +169,6 @@ def shard_full_tensor(name: str, full: torch.Tensor, coords: RankCoords, param: 
     rule = shard_rule(name, param, gated_linear_unit=gated_linear_unit)
     rank, size = (coords.etp_rank, coords.etp_size) if rule.expert else (coords.tp_rank, coords.tp_size)
     return slice_for_rank(full, rule, rank, size)
-
-
-def unwrap_model(model):
-    """The GPTModel inside DDP / Float16Module wrappers (and the first chunk of a list)."""
-    if isinstance(model, (list, tuple)):
-        if len(model) != 1:
-            raise ValueError("virtual pipeline chunks are not supported here; pass a single model chunk")
-        model = model[0]
-    while hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def num_local_experts(model) -> int:

@@ -34,6 +34,7 @@ from sglang_stubs import stub_torchvision  # noqa: E402
 from megatron_qarl.config import load_config  # noqa: E402
 from megatron_qarl.rollout.payload import FlattenedBucket, iter_buckets  # noqa: E402
 from megatron_qarl.rollout.protocol import SamplingParams  # noqa: E402
+from megatron_qarl.rollout.sglang_compat import sglang_bucket_dict  # noqa: E402
 from megatron_qarl.rollout.sglang_engine import (  # noqa: E402
     SGLangEngineConfig,
     broadcast_bytes,
@@ -195,7 +196,7 @@ def test_ipc_bucket_reconstructed_by_sglang_flattened_tensor_bucket(srt):
     expected = dict(_named_tensors())
     seen = {}
     for bucket in iter_buckets(_named_tensors(), bucket_bytes=1 << 20):
-        d = bucket.to_sglang_dict()
+        d = sglang_bucket_dict(bucket)
         assert all(isinstance(m, FlattenedTensorMetadata) for m in d["metadata"])  # SafeUnpickler allow-listed
         # what model_runner_components/weight_updater.py:_update_weights_from_flattened_bucket does
         meta = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,

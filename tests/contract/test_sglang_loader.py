@@ -25,6 +25,7 @@ from sglang_stubs import sglang_runtime  # noqa: E402,F401 - the fixture
 
 from megatron_qarl.quant import QuantConfig  # noqa: E402
 from megatron_qarl.rollout.payload import iter_buckets  # noqa: E402
+from megatron_qarl.rollout.sglang_compat import sglang_bucket_dict  # noqa: E402
 from megatron_qarl.quant.engine_layout import (  # noqa: E402
     engine_named_tensors,
     fp8_quantization_config,
@@ -135,7 +136,7 @@ def push_through_sglang_buckets(model, payload):
 
     named = []
     for bucket in iter_buckets(payload.items(), bucket_bytes=256 * 1024):
-        d = bucket.to_sglang_dict()
+        d = sglang_bucket_dict(bucket)
         assert all(isinstance(m, FlattenedTensorMetadata) for m in d["metadata"])
         named += FlattenedTensorBucket(flattened_tensor=d["flattened_tensor"], metadata=d["metadata"]).reconstruct_tensors()
     # each reconstructed tensor gets its own storage so the loader hooks can tell them apart
@@ -229,7 +230,7 @@ def test_bucket_survives_sglang_serializer_round_trip(sglang_runtime):
 
     payload = dict(engine_named_tensors(hf_weights(3).items(), SCHEMES["w4a16"][0]))
     for bucket in iter_buckets(payload.items(), bucket_bytes=128 * 1024):
-        wire = MultiprocessingSerializer.serialize(bucket.to_sglang_dict(), output_str=True)
+        wire = MultiprocessingSerializer.serialize(sglang_bucket_dict(bucket), output_str=True)
         d = MultiprocessingSerializer.deserialize(wire)
         for name, t in FlattenedTensorBucket(flattened_tensor=d["flattened_tensor"], metadata=d["metadata"]).reconstruct_tensors():
             assert t.dtype == payload[name].dtype and torch.equal(t, payload[name]), name

@@ -18,7 +18,8 @@ from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_dis
 from megatron_qarl.checkpointing import load_checkpoint, save_checkpoint
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_state_from_model, load_hf_state_into_model
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore, mcore_to_hf
-from megatron_qarl.weights.sharding import RankCoords, _value, gather_full_state, load_full_state_into_model, shard_rule, unwrap_model
+from megatron_qarl.parallel import unwrap_model
+from megatron_qarl.weights.sharding import RankCoords, _value, gather_full_state, load_full_state_into_model, shard_rule
 
 BATCH, SEQ = 2, 16
 TOL = 1e-4

@@ -150,7 +150,7 @@ def main():
 
     # -- the trainer's rollout phase: clean, killed + recovered, killed without restarts
     from megatron_qarl.rl.rewards import RewardConfig, build_reward_fn
-    from megatron_qarl.rl.tokenizer import build_char_tokenizer
+    from megatron_qarl.tokenizer import build_char_tokenizer
     from megatron_qarl.trainer import collect_rollouts
 
     run_cfg = load_config(None, ["rollout.n=2", f"train.prompts_per_step={PROMPTS}", "train.mini_batch_prompts=4",

@@ -46,7 +46,7 @@ def _world(world_of_one):
 
 def export_checkpoint(path: Path, cfg, named: dict, quant_cfg) -> Path:
     """With the char tokenizer: vLLM matches stop strings with the checkpoint's tokenizer."""
-    from megatron_qarl.rl.tokenizer import build_char_tokenizer
+    from megatron_qarl.tokenizer import build_char_tokenizer
 
     return write_engine_checkpoint(path, cfg, named, quant_cfg, tokenizer=build_char_tokenizer())
 
@@ -164,7 +164,7 @@ def test_stop_token_ends_the_row_and_is_kept(bf16_engine):
 
 
 def test_a_multi_token_stop_string_ends_the_row_and_its_tokens_stay(bf16_engine):
-    from megatron_qarl.rl.tokenizer import build_char_tokenizer
+    from megatron_qarl.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     free = bf16_engine.generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_new_tokens=16, seed=4))[0]
