@@ -197,14 +197,14 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     from megatron_qarl.models.logprobs import token_logprobs
-    from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
+    from megatron_qarl.models.registry import build_model, preset_hf_config
     from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
     from megatron_qarl.quant import QuantConfig
     from megatron_qarl.models.aligned import apply_aligned_quantization
 
     layout = init_distributed(ParallelLayout(), seed=0)
-    cfg = tiny_hf_config(**MODELS[args.model])
-    model = build_qwen3_moe_model(cfg, layout, params_dtype=torch.bfloat16,
+    cfg = preset_hf_config("tiny", **MODELS[args.model])
+    model = build_model(cfg, layout, params_dtype=torch.bfloat16,
                                   config_overrides=dict(moe_aux_loss_coeff=0.0)).eval()
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
 

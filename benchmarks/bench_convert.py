@@ -29,7 +29,7 @@ TARGET = 2.5  # peak RSS growth / layer size
 
 
 def layer_config(experts: int) -> dict:
-    from megatron_qarl.models.qwen3_moe import preset_hf_config
+    from megatron_qarl.models.registry import preset_hf_config
 
     return preset_hf_config("qwen3-30b-a3b", num_hidden_layers=1, num_experts=experts, vocab_size=256).to_dict()
 
@@ -39,12 +39,13 @@ def write_layer(src: Path, experts: int) -> int:
     files, generated a file at a time. Returns the layer's bf16 bytes."""
     from safetensors.torch import save_file
 
-    from megatron_qarl.models.qwen3_moe.args import read_hf_config
-    from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_hf_shapes
+    from megatron_qarl.models.registry import read_hf_config
+    from megatron_qarl.models.registry import family_of
 
     src.mkdir(parents=True)
     (src / "config.json").write_text(json.dumps(layer_config(experts)))
-    shapes = list(expected_hf_shapes(read_hf_config(src)).items())
+    hf = read_hf_config(src)
+    shapes = list(family_of(hf).adapter.expected_hf_shapes(hf).items())
     gen = torch.Generator().manual_seed(0)
     weight_map, total, shard, part = {}, 0, {}, 0
     for i, (name, shape) in enumerate(shapes):

@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def bench_config(hidden: int, experts: int, inter: int, layers: int, vocab: int):
-    from megatron_qarl.models.qwen3_moe import preset_hf_config
+    from megatron_qarl.models.registry import preset_hf_config
 
     return preset_hf_config("tiny", hidden_size=hidden, num_hidden_layers=layers, num_experts=experts,
                             num_experts_per_tok=4, moe_intermediate_size=inter, intermediate_size=2 * inter,
@@ -59,12 +59,12 @@ def bench_config(hidden: int, experts: int, inter: int, layers: int, vocab: int)
 
 def write_checkpoint(path: Path, hf_config, shard_bytes: int) -> int:
     """Random bf16 tensors of every checkpoint name, in `shard_bytes` files; the total bytes."""
-    from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_hf_shapes
+    from megatron_qarl.models.registry import family_of
     from megatron_qarl.weights.hf_io import write_hf_checkpoint
 
     gen = torch.Generator().manual_seed(0)
     state = {name: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-             for name, shape in expected_hf_shapes(hf_config).items()}
+             for name, shape in family_of(hf_config).adapter.expected_hf_shapes(hf_config).items()}
     write_hf_checkpoint(path, hf_config, state, max_shard_bytes=shard_bytes)
     return sum(t.numel() * t.element_size() for t in state.values())
 
@@ -73,12 +73,12 @@ WORKER = r'''
 import json, os, resource, sys, threading, time
 import psutil, torch
 import torch.distributed as dist
-from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model
-from megatron_qarl.models.qwen3_moe.args import read_hf_config
+from megatron_qarl.models.registry import build_model, family_of
+from megatron_qarl.models.registry import read_hf_config
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
 # imported before the baseline, so their import is not counted as loading
 import safetensors.torch
-from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
+from megatron_qarl.models.registry import family_of
 from megatron_qarl.weights.hf_io import load_hf_checkpoint_into_model, read_hf_state
 from megatron_qarl.weights.sharding import load_full_state_into_model
 
@@ -100,7 +100,7 @@ dist.barrier()
 before_build, maxrss_before = proc.memory_info().rss, maxrss_kb()
 sampler = threading.Thread(target=sample, daemon=True)
 sampler.start()
-model = build_qwen3_moe_model(cfg, layout, params_dtype=torch.bfloat16)
+model = build_model(cfg, layout, params_dtype=torch.bfloat16)
 gc.collect()
 phase[0] = "load"
 build_peak = peaks["build"]  # megatron's CPU init holds transient fp32 weights: its own peak
@@ -114,7 +114,7 @@ if mode == "sharded":
 else:
     state = read_hf_state(hf_dir)
     read = sum(t.numel() * t.element_size() for t in state.values())
-    load_full_state_into_model(model, hf_to_mcore(cfg, state))
+    load_full_state_into_model(model, family_of(cfg).adapter.hf_to_mcore(cfg, state))
     del state
 seconds = time.perf_counter() - start
 stop.set(); sampler.join()

@@ -32,7 +32,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import torch  # noqa: E402
 
-from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, preset_hf_config, tiny_hf_config  # noqa: E402
+from megatron_qarl.models.registry import build_model, family_of, preset_hf_config  # noqa: E402
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed  # noqa: E402
 from megatron_qarl.quant import QuantConfig  # noqa: E402
 from megatron_qarl.models.aligned import apply_aligned_quantization  # noqa: E402
@@ -60,10 +60,10 @@ def _time(fn) -> float:
 
 def p2(repeats: int, hidden: int, experts: int, moe_inter: int) -> float:
     init_distributed(ParallelLayout(), seed=1)
-    cfg = tiny_hf_config(hidden_size=hidden, num_experts=experts, moe_intermediate_size=moe_inter,
+    cfg = preset_hf_config("tiny", hidden_size=hidden, num_experts=experts, moe_intermediate_size=moe_inter,
                          num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256))
     quant_cfg = QuantConfig(scheme="w4a16", scope="experts")
-    model = build_qwen3_moe_model(cfg, ParallelLayout(), params_dtype=torch.bfloat16,
+    model = build_model(cfg, ParallelLayout(), params_dtype=torch.bfloat16,
                                   config_overrides=dict(moe_aux_loss_coeff=0.0))
     aligned = apply_aligned_quantization(model, quant_cfg)
     cached = WeightPublisher(model, cfg, quant_cfg, quant=aligned, engine=None)

@@ -143,8 +143,9 @@ def versions() -> dict:
 
 # ------------------------------------------------------------------------------------------------ part A
 
-def _engine_state(hf_state: dict, quant_cfg) -> dict:
-    """HF-named fp32 weights the engine holds: in-scope linears spec-quantized and dequantized."""
+def _engine_state(hf_state: dict, quant_cfg, family) -> dict:
+    """HF-named fp32 weights the engine holds: in-scope linears (as model `family` names them) spec-quantized
+    and dequantized."""
     from megatron_qarl.quant import (dequantize_fp8_block, dequantize_int4_groupwise, quantize_fp8_block,
                                      quantize_int4_groupwise)
 
@@ -152,7 +153,7 @@ def _engine_state(hf_state: dict, quant_cfg) -> dict:
         return dict(hf_state)
     out = {}
     for name, w in hf_state.items():
-        if quant_cfg.quantizes(name):
+        if quant_cfg.quantizes(name, family):
             if quant_cfg.scheme == "w4a16":
                 q = quantize_int4_groupwise(w, quant_cfg.group_size)
                 w = dequantize_int4_groupwise(q.codes, q.scales, quant_cfg.group_size, dtype=torch.bfloat16).float()
@@ -176,6 +177,7 @@ def _hf_logprobs(cfg, state: dict, ids: torch.Tensor, act_tile: int | None = Non
     calls = [0]
     original = torch.nn.functional.linear
     if act_tile is not None:
+        from megatron_qarl.models.registry import family_of
         from megatron_qarl.quant import dequantize_fp8_activation, quantize_fp8_activation
 
         in_scope = set()
@@ -183,7 +185,7 @@ def _hf_logprobs(cfg, state: dict, ids: torch.Tensor, act_tile: int | None = Non
             probe = name if name.endswith(".weight") else name + ".weight"
             probe = probe.replace(".experts.gate_up_proj", ".experts.0.gate_proj").replace(
                 ".experts.down_proj", ".experts.0.down_proj")
-            if quant_cfg.quantizes(probe):
+            if quant_cfg.quantizes(probe, family_of(cfg)):
                 in_scope.add(p.untyped_storage().data_ptr())
 
         def linear(x, weight, bias=None):
@@ -218,11 +220,11 @@ def part_a(device: str, batch: int, seq: int, reps: int, dtype: torch.dtype = to
     from aligned_common import seeded_hf_state
 
     from megatron_qarl.models.logprobs import token_logprobs
-    from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, preset_hf_config
+    from megatron_qarl.models.registry import build_model, family_of, preset_hf_config
     from megatron_qarl.parallel import ParallelLayout
     from megatron_qarl.quant import QuantConfig
     from megatron_qarl.models.aligned import apply_aligned_quantization
-    from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
+    from megatron_qarl.models.registry import family_of
     from megatron_qarl.weights.sharding import load_full_state_into_model
 
     cfg = preset_hf_config("tiny")
@@ -249,10 +251,10 @@ def part_a(device: str, batch: int, seq: int, reps: int, dtype: torch.dtype = to
         v = {}
         out["variants"][label] = v
         try:
-            model = build_qwen3_moe_model(cfg, ParallelLayout(), params_dtype=dtype,
+            model = build_model(cfg, ParallelLayout(), params_dtype=dtype,
                                           config_overrides=dict(moe_aux_loss_coeff=0.0))
             model = model.to(device)
-            load_full_state_into_model(model, hf_to_mcore(cfg, hf_state))
+            load_full_state_into_model(model, family_of(cfg).adapter.hf_to_mcore(cfg, hf_state))
             v["param_device"] = str(next(model.parameters()).device)
             v["param_dtype"] = str(next(model.parameters()).dtype)
             aligned = apply_aligned_quantization(model, qcfg) if qcfg is not None else None
@@ -281,11 +283,11 @@ def part_a(device: str, batch: int, seq: int, reps: int, dtype: torch.dtype = to
                 learner = token_logprobs(model, ids_dev).float().cpu()
             key = "none" if qcfg is None else qcfg.scheme
             if key not in refs:
-                refs[key], _ = _hf_logprobs(ref_cfg, _engine_state(hf_state, qcfg), ids)
+                refs[key], _ = _hf_logprobs(ref_cfg, _engine_state(hf_state, qcfg, family_of(ref_cfg)), ids)
             d = (learner - refs[key]).abs()
             v["dlogp_vs_transformers_fp32_engine_weights"] = _dstats(d)
             if qcfg is not None and qcfg.scheme == "fp8":  # W8A8 reference: activations quantized too
-                ref_w8a8, hooked = _hf_logprobs(ref_cfg, _engine_state(hf_state, qcfg), ids,
+                ref_w8a8, hooked = _hf_logprobs(ref_cfg, _engine_state(hf_state, qcfg, family_of(ref_cfg)), ids,
                                                 act_tile=qcfg.block_size, quant_cfg=qcfg)
                 d = (learner - ref_w8a8).abs()
                 v["dlogp_vs_transformers_fp32_w8a8"] = {**_dstats(d), "hooked_linear_calls": hooked}
@@ -375,17 +377,17 @@ def part_c(device: str) -> dict:
     # one aligned FP8 megatron site (tiny model, fp32 params, block 64) on this device vs the spec on the CPU
     from aligned_common import seeded_hf_state
 
-    from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, preset_hf_config
+    from megatron_qarl.models.registry import build_model, family_of, preset_hf_config
     from megatron_qarl.parallel import ParallelLayout
     from megatron_qarl.quant import (QuantConfig, dequantize_fp8_activation, dequantize_fp8_block)
     from megatron_qarl.models.aligned import apply_aligned_quantization
-    from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
+    from megatron_qarl.models.registry import family_of
     from megatron_qarl.weights.sharding import load_full_state_into_model
 
     cfg = preset_hf_config("tiny")
-    model = build_qwen3_moe_model(cfg, ParallelLayout(), params_dtype=torch.float32,
+    model = build_model(cfg, ParallelLayout(), params_dtype=torch.float32,
                                   config_overrides=dict(moe_aux_loss_coeff=0.0)).to(device)
-    load_full_state_into_model(model, hf_to_mcore(cfg, seeded_hf_state(cfg)))
+    load_full_state_into_model(model, family_of(cfg).adapter.hf_to_mcore(cfg, seeded_hf_state(cfg)))
     aligned = apply_aligned_quantization(model, QuantConfig(scheme="fp8", scope="all-linears", block_size=64))
     for name in ("decoder.layers.0.self_attention.linear_qkv.weight", "decoder.layers.0.self_attention.linear_proj.weight",
                  "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight",
@@ -417,7 +419,7 @@ def _estimate(preset: str, layers: int, tokens: int, quant, optim_name: str, bf1
     """memory.estimate_memory for the same shape / layout / tokens / quant / optimizer (world 1)."""
     from megatron_qarl.config import load_config
     from megatron_qarl.memory import estimate_memory
-    from megatron_qarl.models.qwen3_moe import preset_hf_config
+    from megatron_qarl.models.registry import preset_hf_config
 
     hf_dir = tmp / f"{preset}-{layers}l"
     hf_dir.mkdir(parents=True, exist_ok=True)
@@ -446,7 +448,7 @@ def part_b_variant(label: str, preset: str, layers: int, tokens: int, quant, opt
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     from megatron_qarl.models.logprobs import token_logprobs
-    from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, preset_hf_config
+    from megatron_qarl.models.registry import build_model, family_of, preset_hf_config
     from megatron_qarl.optim import OptimConfig, build_optimizer
     from megatron_qarl.parallel import ParallelLayout
     from megatron_qarl.models.aligned import apply_aligned_quantization
@@ -477,7 +479,7 @@ def part_b_variant(label: str, preset: str, layers: int, tokens: int, quant, opt
         torch.cuda.reset_peak_memory_stats()
     hf = preset_hf_config(preset, num_hidden_layers=layers)
     t0 = time.perf_counter()
-    model = build_qwen3_moe_model(
+    model = build_model(
         hf, ParallelLayout(), params_dtype=torch.bfloat16 if bf16 else torch.float32,
         config_overrides={"calculate_per_token_loss": True, "moe_enable_routing_replay": False})
     model = model.to(device)

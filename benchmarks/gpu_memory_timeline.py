@@ -35,7 +35,7 @@ GIB = 1024 ** 3
 
 def _config(preset: str, layers: int, tokens: int, attention: str, scheme: str, hf_dir: Path, cuda: bool):
     from megatron_qarl.config import load_config
-    from megatron_qarl.models.qwen3_moe import preset_hf_config
+    from megatron_qarl.models.registry import preset_hf_config
 
     preset_hf_config(preset, num_hidden_layers=layers).save_pretrained(str(hf_dir))
     return load_config(None, [
@@ -74,8 +74,8 @@ def measure(cfg, cuda: bool) -> dict:
     from megatron_qarl.memory_saver import TRAINER_GRADS, TRAINER_STATE, TrainerMemory, init_optimizer_state
     from megatron_qarl.models.aligned import apply_aligned_quantization
     from megatron_qarl.models.logprobs import token_logprobs
-    from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model
-    from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
+    from megatron_qarl.models.registry import build_model, family_of
+    from megatron_qarl.models.registry import resolve_hf_config
     from megatron_qarl.optim import build_optimizer
     from megatron_qarl.parallel import ParallelLayout
 
@@ -83,7 +83,7 @@ def measure(cfg, cuda: bool) -> dict:
     memory = TrainerMemory.for_run(True)  # the real torch_memory_saver on CUDA, the no-op saver on the CPU
     dtype = torch.bfloat16 if cuda else torch.float32
     with memory.region(TRAINER_STATE):
-        model = build_qwen3_moe_model(hf, ParallelLayout(), params_dtype=dtype, core_attention=cfg.model.core_attention,
+        model = build_model(hf, ParallelLayout(), params_dtype=dtype, core_attention=cfg.model.core_attention,
                                       config_overrides={"calculate_per_token_loss": True, "recompute_granularity": "full",
                                                         "recompute_method": "uniform", "recompute_num_layers": 1})
     aligned = apply_aligned_quantization(model, cfg.quant)

@@ -241,8 +241,7 @@ def _run(args) -> int:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from megatron_qarl.errors import CheckpointError
-    from megatron_qarl.models.qwen3_moe import UnsupportedModelError
-    from megatron_qarl.models.qwen3_moe.state_dict_adapter import WeightMappingError
+    from megatron_qarl.models.family import UnsupportedModelError, WeightMappingError
     from megatron_qarl.parallel import ParallelLayoutError
     from megatron_qarl.quant import QuantConfigError, QuantizationError
     from megatron_qarl.quant.engine_layout import EngineLayoutError

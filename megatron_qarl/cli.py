@@ -27,12 +27,12 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from megatron_qarl.quant.config import QuantConfigError
     from megatron_qarl.rl.data import DatasetError
     from megatron_qarl.tokenizer import TokenizerError
-    from megatron_qarl.rollout.vllm_engine import VLLMSetupError
+    from megatron_qarl.rollout.protocol import EngineSetupError
     from megatron_qarl.tracking import TrackingError
     from megatron_qarl.weights.convert import ConversionError
 
     return (UserError, ConfigError, SFTConfigError, DatasetError, CheckpointError, QuantConfigError, ConversionError,
-            DivergenceError, TokenizerError, TrackingError, VLLMSetupError, RunDirInUseError)
+            DivergenceError, TokenizerError, TrackingError, EngineSetupError, RunDirInUseError)
 
 
 def _quiet_library_warnings() -> None:

@@ -22,22 +22,20 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_qarl.models.qwen3_moe import PRESETS as MODEL_PRESETS
-from megatron_qarl.models.qwen3_moe.model import CORE_ATTENTIONS, transformer_engine_problem
+from megatron_qarl.models.registry import family_of, preset_names, resolve_hf_config
+from megatron_qarl.models.local_spec import CORE_ATTENTIONS, transformer_engine_problem
+from megatron_qarl.errors import ConfigError
 from megatron_qarl.optim import OptimConfig
-from megatron_qarl.parallel import ParallelLayout, RolloutTopology, is_loopback_host
+from megatron_qarl.parallel import ParallelLayout, RolloutTopology
 from megatron_qarl.quant.aten_int4 import GROUP_SIZES as ATEN_INT4_GROUP_SIZES, SAMPLER_W4A16_KERNELS
 from megatron_qarl.quant.config import QuantConfig
-from megatron_qarl.quant.scheme import ENGINE_KINDS
 from megatron_qarl.quant.schemes import SCHEMES, scheme_of
 from megatron_qarl.rl.losses import LossConfig
 from megatron_qarl.rl.data import BAD_ROWS_MODES, PROBLEM
 from megatron_qarl.rl.rewards import check_reward_spec
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig
-
-
-class ConfigError(ValueError):
-    """A run configuration that cannot be used; the message lists every problem and its fix."""
+from megatron_qarl.rollout.engine_kind import EngineKind, choice_problem
+from megatron_qarl.rollout.engines import engine_kind, engine_names
 
 
 class SFTConfigError(ValueError):
@@ -49,9 +47,7 @@ class SFTConfigError(ValueError):
 # --------------------------------------------------------------------------------------------------
 
 COMPUTE_DTYPES = ("bfloat16", "float32")
-ENGINES = ("embedded", "sglang", "vllm")
-# Engines the rollout protocol names but that are not built yet: refused up front, not at the first rollout.
-VLLM_DEVICES = ("cpu", "cuda")
+ENGINES = engine_names()  # the registered rollout engines (rollout/engines.py)
 SGLANG_MODES = ("colocated", "separate")
 SGLANG_LAUNCH = ("subprocess", "inprocess", "attach")
 DATA_SOURCES = ("file", "synthetic")
@@ -602,17 +598,18 @@ def validate_config(cfg: RunConfig, world_size: int | None = None) -> None:
 
 
 def _choice(key: str, value, allowed) -> list[str]:
-    if value in allowed:
-        return []
-    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.5)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return [f"{key}={value!r} is not one of {', '.join(map(repr, allowed))}{hint}"]
+    return choice_problem(key, value, allowed)
+
+
+def _engine(cfg: RunConfig) -> EngineKind | None:
+    """The kind of rollout.engine (None for an unregistered name, which _check_choices reports)."""
+    return engine_kind(cfg.rollout.engine) if cfg.rollout.engine in ENGINES else None
 
 
 def _check_choices(cfg: RunConfig) -> list[str]:
     out = []
     if cfg.model.preset is not None:
-        out += _choice("model.preset", cfg.model.preset, tuple(MODEL_PRESETS))
+        out += _choice("model.preset", cfg.model.preset, tuple(preset_names()))
     out += _choice("model.dtype", cfg.model.dtype, COMPUTE_DTYPES)
     out += _choice("model.core_attention", cfg.model.core_attention, CORE_ATTENTIONS)
     if cfg.model.core_attention == "te" and (te_problem := transformer_engine_problem()):
@@ -630,11 +627,16 @@ def _check_choices(cfg: RunConfig) -> list[str]:
     out += _choice("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES)
     out += _choice("publish.mode", cfg.publish.mode, PUBLISH_MODES)
     out += _choice("publish.verify", cfg.publish.verify, PUBLISH_VERIFY)
-    if cfg.publish.mode == "delta" and cfg.rollout.engine == "sglang":
-        out.append("publish.mode=delta with rollout.engine=sglang: SGLang 0.5.23 re-packs every W4A16 expert "
-                   "into Marlin layout at the end of each refit and keeps no compressed copy a delta could "
-                   "patch (compressed_tensors_wNa16_moe.py:351-418), so every expert tensor is re-sent; use "
-                   "publish.mode=full, or the embedded / vllm engine")
+    kind = _engine(cfg)
+    if cfg.publish.mode == "delta" and kind is not None and not kind.applies_deltas:
+        takers = [n for n in ENGINES if engine_kind(n).applies_deltas]
+        out.append(f"publish.mode=delta with rollout.engine={kind.name}: {kind.why_no_deltas}; use "
+                   f"publish.mode=full, or the {' / '.join(takers)} engine")
+    if cfg.publish.verify in ("all", "sampled") and kind is not None and not kind.verifies_checksums:
+        auditors = [n for n in ENGINES if engine_kind(n).verifies_checksums]
+        out.append(f"publish.verify={cfg.publish.verify} with rollout.engine={kind.name}: the engine reports no "
+                   f"checksum of the tensors it holds, so the first publish would fail its audit; use "
+                   f"publish.verify=off, or the {' / '.join(auditors)} engine")
     return out
 
 
@@ -769,38 +771,27 @@ def _check_engine_quant(cfg: RunConfig) -> list[str]:
                    "quant.scheme=none the learner and sampler already run the same bf16 arithmetic "
                    "(leave learner_aligned at true)")
     kernels = scheme_of(q).sampler_kernels if q.enabled else ()
+    kind = _engine(cfg)
     if r.embedded_w4a16_kernel != "dequantized":
-        if r.engine != "embedded" or r.embedded_w4a16_kernel not in kernels:
+        chooses = kind is not None and kind.chooses_w4a16_kernel
+        if not chooses or r.embedded_w4a16_kernel not in kernels:
             out.append(f"rollout.embedded_w4a16_kernel={r.embedded_w4a16_kernel} chooses the embedded engine's "
                        f"W4A16 GEMM; this run has rollout.engine={r.engine}, quant.scheme={q.scheme}: leave it at "
                        "dequantized")
         elif q.group_size not in ATEN_INT4_GROUP_SIZES:
             out.append(f"rollout.embedded_w4a16_kernel=aten_int4 with quant.group_size={q.group_size}: PyTorch's "
                        f"int4 CPU kernel takes group sizes {ATEN_INT4_GROUP_SIZES}")
+    if kind is None:  # an unregistered rollout.engine: _check_choices names it
+        return out
     out += _check_scheme_on_engine(cfg)
-    if r.engine == "sglang":
-        out += _choice("rollout.sglang.cuda_graph", r.sglang.cuda_graph, ("auto", "on", "off"))
-        if r.sglang.url and r.sglang.urls:
-            out.append("rollout.sglang: set url (one engine) or urls (one per engine), not both")
-        if r.sglang.urls and r.engines and len(r.sglang.urls) != r.engines:
-            out.append(f"rollout.sglang.urls lists {len(r.sglang.urls)} engine URLs for rollout.engines="
-                       f"{r.engines}; give one per engine")
-    if r.engine == "sglang" and r.sglang.launch == "attach" and not (r.sglang.url or r.sglang.urls):
-        out.append("rollout.sglang.launch=attach needs rollout.sglang.url or rollout.sglang.urls (e.g. "
-                   "http://head-node:30000)")
-    if r.engine == "sglang":
-        out += _check_sglang_access(r.sglang)
-    if r.engine == "vllm":
-        out += _check_vllm(cfg)
-    if r.engine == "sglang" and r.sglang.launch == "inprocess" and r.sglang.mode == "separate":
-        out.append("rollout.sglang.launch=inprocess runs the engine inside the trainer process, which is "
-                   "mode=colocated; use launch=subprocess or attach for mode=separate")
+    out += kind.check_config(cfg)  # the engine's own keys (rollout.<engine>.*) and what it cannot run
     return out
 
 
 def _check_scheme_on_engine(cfg: RunConfig) -> list[str]:
     """What the configured scheme says about the configured engine's refit (quant/scheme.py EngineSupport):
-    whether it refits the format at all, for which scopes, with which SGLang MoE backend."""
+    whether it refits the format at all, and for which scopes (the engine's own check_config adds what else it
+    needs, e.g. SGLang's MoE backend)."""
     q, r = cfg.quant, cfg.rollout
     if not q.enabled:
         return []
@@ -808,62 +799,23 @@ def _check_scheme_on_engine(cfg: RunConfig) -> list[str]:
     run = f"rollout.engine={r.engine} with quant.scheme={q.scheme}"
     if not support.refit:
         schemes = [n for n, s in SCHEMES.items() if s.engine(r.engine).refit]
-        engines = [e for e in ENGINE_KINDS if scheme_of(q).engine(e).refit]
+        engines = [e for e in ENGINES if scheme_of(q).engine(e).refit]
         return [f"{run} is not built ({support.why_not}); use quant.scheme={' or '.join(schemes + ['none'])}, or "
                 f"rollout.engine={' or '.join(engines)} for {q.scheme}"]
     out = []
     if support.scopes is not None and q.scope not in support.scopes:
         out.append(f"{run} and quant.scope={q.scope!r}: {support.why_scopes}; use quant.scope="
                    f"{' or '.join(support.scopes)}")
-    why = support.moe_backend_problem(r.sglang.moe_runner_backend) if r.engine == "sglang" else None
-    if why:
-        out.append(f"rollout.sglang.moe_runner_backend={r.sglang.moe_runner_backend} with quant.scheme={q.scheme}: "
-                   f"{why}; use moe_runner_backend={support.moe_backend} (or auto, pinned to it for {q.scheme})")
-    return out
-
-
-def _check_vllm(cfg: RunConfig) -> list[str]:
-    """What the config alone decides; the machine (the vLLM venv, AMX for W4A16) is checked when the run
-    starts (rollout.vllm_engine.check_vllm_machine), so a config written here validates on any host."""
-    r, v, out = cfg.rollout, cfg.rollout.vllm, []
-    out += _choice("rollout.vllm.device", v.device, VLLM_DEVICES)
-    out += _choice("rollout.vllm.dtype", v.dtype, ("bfloat16", "float16", "float32"))
-    if cfg.train.routing_replay == "replay" or cfg.train.routing_telemetry:
-        out.append("rollout.engine=vllm returns no routed experts (vLLM 0.32 has them only with Model Runner V2, "
-                   "which needs Triton/GPU): set train.routing_replay=off and train.routing_telemetry=false")
-    if r.top_k > 0 or r.top_p < 1.0:
-        out.append(f"rollout.engine=vllm with rollout.top_k={r.top_k} / top_p={r.top_p}: vLLM returns the "
-                   "truncated distribution's log-probs, not log_softmax(logits / T); use top_k=0, top_p=1.0")
-    if v.device == "cpu" and r.engine_tp != 1:
-        out.append(f"rollout.engine_tp={r.engine_tp} with rollout.vllm.device=cpu: a vLLM-CPU engine is one process; "
-                   "use engine_tp=1 (and rollout.engines for more engines)")
-    if not is_loopback_host(v.host):
-        out.append(f"rollout.vllm.host={v.host!r}: the engine process listens for its trainer on the same node; "
-                   "keep a loopback address")
-    return out
-
-
-def _check_sglang_access(s: SGLangConfig) -> list[str]:
-    out = []
-    attach = s.launch == "attach" or bool(s.url or s.urls)
-    if attach and not os.environ.get(s.api_key_env):
-        out.append(f"rollout.sglang.launch=attach needs the server's API key in the environment variable "
-                   f"{s.api_key_env} (named by rollout.sglang.api_key_env); start the server with that key "
-                   f"and `export {s.api_key_env}=<key>` before qarl-train, so requests are authenticated")
-    if not attach and not is_loopback_host(s.host) and not s.allow_remote_host:
-        out.append(f"rollout.sglang.host={s.host!r} is not a loopback address: the engine's generate and "
-                   "weight-update endpoints would be reachable from the network; keep host=127.0.0.1, or set "
-                   "rollout.sglang.allow_remote_host=true to accept that")
     return out
 
 
 def _check_shard_shapes(cfg: RunConfig) -> list[str]:
     """Every rank's shard of a quantized weight must hold whole groups/blocks, else the learner's codes
     (quantized per shard) would differ from the engine's (quantized on the gathered weight)."""
-    from megatron_qarl.models.qwen3_moe.args import ModelShape, resolve_hf_config
-
     try:
-        shape = ModelShape.from_hf(resolve_hf_config(cfg.model))
+        hf_config = resolve_hf_config(cfg.model)
+        family = family_of(hf_config)
+        shape = family.shape(hf_config)
     except (ValueError, OSError, KeyError) as err:
         return [f"model: {err}"]
     layout = cfg.parallel
@@ -884,8 +836,9 @@ def _check_shard_shapes(cfg: RunConfig) -> list[str]:
     scheme = scheme_of(cfg.quant)
     block_rows, unit = scheme.scale_block(cfg.quant)
     what = scheme.describe(cfg.quant)
-    for layer, dim_name, size, parts, axis, along_k in _quantized_shards(cfg.quant, shape, tp, etp):
-        need = unit if along_k else block_rows
+    for d in family.quantized_dims(shape, cfg.quant.quantized_groups, tp, etp):
+        layer, dim_name, size, parts, axis = d.linears, d.dim, d.size, d.parts, d.axis
+        need = unit if d.along_k else block_rows
         if need > 1 and (size // parts) % need:
             fix = f"choose {axis} so that {size}/{axis} is a multiple of {need}" if parts > 1 else \
                 f"this model cannot use {what}"
@@ -902,35 +855,6 @@ def _check_shard_shapes(cfg: RunConfig) -> list[str]:
                    f"{block_rows}, so the fused QKV's {scheme.name} blocks would differ from the engine's "
                    f"per-projection blocks; use quant.{scheme.unit_field} dividing {shape.head_dim} (e.g. 64)")
     return out
-
-
-def _quantized_shards(quant, shape, tp: int, etp: int):
-    """(layer, dimension, size, shard count, parallel axis, whether it is the input dim K) for each dimension
-    of a quantized linear. Column-parallel layers split the output dim, row-parallel ones (o_proj, down_proj)
-    the input dim; the scheme's scale block says which must hold whole groups / blocks."""
-    from megatron_qarl.models.qwen3_moe.args import quantized_groups
-
-    scope = quantized_groups(quant)
-    hidden, ffn, dense_ffn = shape.hidden_size, shape.moe_intermediate_size, shape.intermediate_size
-    q_out = shape.num_attention_heads * shape.head_dim
-    kv_out = shape.num_key_value_heads * shape.head_dim
-    rows = []
-    if "experts" in scope:
-        rows += [("mlp.experts.*.gate_proj/up_proj", "input dim (hidden)", hidden, 1, "ETP", True),
-                 ("mlp.experts.*.down_proj", "input dim (moe_intermediate_size)", ffn, etp, "ETP", True),
-                 ("mlp.experts.*.gate_proj/up_proj", "output dim (moe_intermediate_size)", ffn, etp, "ETP", False),
-                 ("mlp.experts.*.down_proj", "output dim (hidden)", hidden, 1, "ETP", False)]
-    if "attention" in scope:
-        rows += [("self_attn.q_proj/k_proj/v_proj", "input dim (hidden)", hidden, 1, "TP", True),
-                 ("self_attn.o_proj", "input dim (heads*head_dim)", q_out, tp, "TP", True),
-                 ("self_attn.q_proj", "output dim (heads*head_dim)", q_out, tp, "TP", False),
-                 ("self_attn.k_proj/v_proj", "output dim (kv_heads*head_dim)", kv_out, tp, "TP", False),
-                 ("self_attn.o_proj", "output dim (hidden)", hidden, 1, "TP", False)]
-    if "dense_mlp" in scope and shape.dense_layers:
-        rows += [("mlp.gate_proj/up_proj", "input dim (hidden)", hidden, 1, "TP", True),
-                 ("mlp.down_proj", "input dim (intermediate_size)", dense_ffn, tp, "TP", True),
-                 ("mlp.gate_proj/up_proj", "output dim (intermediate_size)", dense_ffn, tp, "TP", False)]
-    return rows
 
 
 def _check_world(cfg: RunConfig, world_size: int) -> list[str]:
@@ -957,10 +881,10 @@ def _check_world(cfg: RunConfig, world_size: int) -> list[str]:
     elif t.micro_batch_size > 0 and (seqs_mini // dp) % t.micro_batch_size:
         out.append(f"each DP rank gets {seqs_mini // dp} sequences per mini-batch, not divisible by "
                    f"train.micro_batch_size={t.micro_batch_size}; choose a divisor of {seqs_mini // dp}")
-    out += rollout_topology(cfg, world_size).problems(r.allow_idle_gpus)
-    if r.engine == "embedded" and r.engine_tp != 1:
-        out.append(f"rollout.engine_tp={r.engine_tp} with rollout.engine=embedded: the embedded engine runs in "
-                   "one process; use rollout.engine_tp=1")
+    kind = _engine(cfg)
+    if kind is not None:  # an unregistered rollout.engine has no topology: _check_choices names it
+        out += rollout_topology(cfg, world_size).problems(r.allow_idle_gpus)
+        out += kind.check_world(cfg, world_size)
     if r.request_retries < 0 or r.engine_restarts < 0:
         out.append(f"rollout.request_retries={r.request_retries} and rollout.engine_restarts={r.engine_restarts} "
                    "must be >= 0")
@@ -971,13 +895,14 @@ def _check_world(cfg: RunConfig, world_size: int) -> list[str]:
 
 
 def rollout_topology(cfg: RunConfig, world_size: int) -> RolloutTopology:
-    """The engines this run builds on `world_size` trainer ranks (see parallel.RolloutTopology)."""
+    """The engines this run builds on `world_size` trainer ranks (see parallel.RolloutTopology); its engine
+    kind says whether they are colocated and, when not, how many there are without rollout.engines."""
     r = cfg.rollout
-    colocated = r.engine == "embedded" or r.sglang.mode == "colocated"
-    if not r.engines and not colocated:  # separate engines: one per URL (one URL or a launched server: 1)
-        return RolloutTopology.resolve(world_size, len(r.sglang.urls) or 1, r.engine_tp, colocated)
-    engines = r.engines
-    return RolloutTopology.resolve(world_size, engines, r.engine_tp, colocated)
+    kind = engine_kind(r.engine)
+    colocated = kind.colocated(cfg)
+    if not r.engines and not colocated:  # separate engines: the kind's count (SGLang: one per URL)
+        return RolloutTopology.resolve(world_size, kind.separate_engines(cfg), r.engine_tp, colocated)
+    return RolloutTopology.resolve(world_size, r.engines, r.engine_tp, colocated)
 
 
 def _nearest_divisor(n: int, near: int) -> int:

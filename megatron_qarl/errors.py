@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 
+class ConfigError(ValueError):
+    """A run configuration that cannot be used; the message lists every problem and its fix (config.py raises
+    it, and so do the engine kinds' run-time placement checks)."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint (HF safetensors directory or megatron dist checkpoint) that cannot be used: missing,
     incomplete, corrupted, or of another model."""

@@ -49,9 +49,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_qarl.models.qwen3_moe.args import (
-    ModelShape, ParamGroups, param_groups, parameter_counts, quantized_groups, resolve_hf_config,
-)
+from megatron_qarl.models.registry import family_of, resolve_hf_config
 from megatron_qarl.quant.schemes import NO_SCHEME, scheme_of
 
 GIB = 1024 ** 3
@@ -70,7 +68,7 @@ def _backend_form_bytes(numel: float, quant) -> float:
     return 0.0
 
 
-def _local_params(groups: ParamGroups, tp: int, ep: int, etp: int) -> dict[str, float]:
+def _local_params(groups, tp: int, ep: int, etp: int) -> dict[str, float]:
     return {"attention": groups.attention / tp, "dense_mlp": groups.dense_mlp / tp,
             "experts": groups.experts / (ep * etp), "router": groups.router, "norms": groups.norms,
             "embedding": groups.embedding / tp, "lm_head": groups.lm_head / tp}
@@ -95,7 +93,7 @@ def _fused_attention(cfg) -> bool:
     return getattr(cfg.model, "core_attention", "sdpa") != "unfused"
 
 
-def _per_layer_token_bytes(shape: ModelShape, tp: int, etp: int, aligned_attention: bool) -> float:
+def _per_layer_token_bytes(shape, tp: int, etp: int, aligned_attention: bool) -> float:
     h, hd, f = shape.hidden_size, shape.head_dim, shape.moe_intermediate_size
     attn = 2.0 * (2 * h + (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads) * hd) / tp
     if aligned_attention:
@@ -105,7 +103,7 @@ def _per_layer_token_bytes(shape: ModelShape, tp: int, etp: int, aligned_attenti
     return attn + moe
 
 
-def _activation_bytes(cfg, shape: ModelShape, tp: int, etp: int, aligned_attention: bool) -> dict[str, float]:
+def _activation_bytes(cfg, shape, tp: int, etp: int, aligned_attention: bool) -> dict[str, float]:
     b, seq = cfg.train.micro_batch_size, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     t = b * seq
     h = shape.hidden_size
@@ -128,17 +126,18 @@ def _activation_bytes(cfg, shape: ModelShape, tp: int, etp: int, aligned_attenti
 def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     """Per-GPU byte estimate for `cfg` on `world_size` trainer ranks (see the module docstring)."""
     hf_config = resolve_hf_config(cfg.model)
-    shape = ModelShape.from_hf(hf_config)
+    family = family_of(hf_config)
+    shape = family.shape(hf_config)
     layout = cfg.parallel
     tp, ep = layout.tp, layout.ep
     etp = layout.etp if layout.etp is not None else tp
     dp = max(world_size // (tp * layout.pp), 1)
     expert_dp = max(world_size // (etp * ep * layout.pp), 1)
-    groups = param_groups(shape)
+    groups = family.param_groups(shape)
     local = _local_params(groups, tp, ep, etp)
     local_total = sum(local.values())
     quant = cfg.quant
-    in_scope = quantized_groups(quant)
+    in_scope = quant.quantized_groups
     aligned = quant.scheme != NO_SCHEME and quant.learner_aligned
 
     optimizer = _optimizer_bytes(local, cfg.train.optim)
@@ -169,7 +168,7 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     trainer["total"] = sum(trainer.values())
     engine = engine_weight_bytes(cfg, groups)
     return {
-        "params": {**parameter_counts(hf_config), "local_per_gpu": local_total},
+        "params": {**family.parameter_counts(hf_config), "local_per_gpu": local_total},
         "layout": {"world_size": world_size, "tp": tp, "ep": ep, "etp": etp, "pp": layout.pp, "dp": dp,
                    "expert_dp": expert_dp},
         "trainer_per_gpu": trainer,
@@ -180,17 +179,17 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     }
 
 
-def kv_bytes_per_token(shape: ModelShape, engine_tp: int) -> float:
+def kv_bytes_per_token(shape, engine_tp: int) -> float:
     """bf16 K and V of every layer for one token on one engine GPU: the KV heads split over the engine's TP
     ranks (replicated when there are fewer heads than ranks, as SGLang does)."""
     heads = max(shape.num_key_value_heads / engine_tp, 1.0)
     return shape.num_hidden_layers * 2 * heads * shape.head_dim * 2.0
 
 
-def engine_weight_bytes(cfg, groups: ParamGroups) -> dict[str, float]:
+def engine_weight_bytes(cfg, groups) -> dict[str, float]:
     """The rollout engine's weights: as published (quantized scope low-bit) and, for comparison, bf16."""
     quant = cfg.quant
-    in_scope = quantized_groups(quant)
+    in_scope = quant.quantized_groups
     low_bit_numel = sum(getattr(groups, g) for g in in_scope)
     bf16_all = 2.0 * groups.total
     published = 2.0 * (groups.total - low_bit_numel)
@@ -217,10 +216,12 @@ PHASES = ("engine start", "rollout", "old-logprob", "train", "publish", "engine 
 
 
 def engine_shares_gpu(cfg) -> bool:
-    """The rollout engine's weights and KV live on the trainer's GPUs: SGLang colocated, or vLLM on CUDA (each
-    group's engine runs on the group's GPUs, vllm_engine.py). The engines and the trainer then take turns."""
-    r = cfg.rollout
-    return (r.engine == "sglang" and r.sglang.mode == "colocated") or (r.engine == "vllm" and r.vllm.device == "cuda")
+    """The rollout engine's weights and KV live on the trainer's GPUs, as its kind says (EngineKind.
+    shares_trainer_gpus: SGLang colocated, or vLLM on CUDA, each group's engine on the group's GPUs). The engines
+    and the trainer then take turns."""
+    from megatron_qarl.rollout.engines import engine_kind
+
+    return engine_kind(cfg.rollout.engine).shares_trainer_gpus(cfg)
 
 
 def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str, Any]:
@@ -234,6 +235,8 @@ def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str
     as `mem_fraction_static` x the GPU memory free when it starts (kv_cache_configurator.py:2990-3058 in
     0.5.23), so the KV budget is that minus the weights. Without a GPU-sharing engine nothing is released.
     Returns rows (phase, terms, total, free), the peak, the KV budget and a verdict."""
+    from megatron_qarl.rollout.engines import engine_kind
+
     est = estimate_memory(cfg, world_size)
     tr, act, eng = est["trainer_per_gpu"], est["activation_detail"], est["engine"]
     capacity = gpu_gib * GIB
@@ -255,7 +258,7 @@ def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str
     if shares:
         engine_nccl = NCCL_BUFFERS if cfg.rollout.engine_tp > 1 else 0.0
         fraction = cfg.rollout.sglang.mem_fraction_static  # vLLM reads it as gpu_memory_utilization
-        if cfg.rollout.engine == "vllm":  # a share of the TOTAL memory, its forward's activations included
+        if engine_kind(cfg.rollout.engine).gpu_fraction_of_total:  # vLLM: of the TOTAL memory, activations included
             kv = fraction * capacity - eng["per_engine_gpu"] - ENGINE_ACTIVATIONS
         else:  # SGLang: a share of the memory free at start, for weights + KV only
             kv = fraction * (capacity - sum(residue.values()) - CUDA_CONTEXT) - eng["per_engine_gpu"]

@@ -24,7 +24,7 @@ TP2/expert-TP1 steps equal torch.optim.Muon on the gathered whole matrices exact
 
 Usage (fp32 masters, megatron DDP chunks, parallel state initialised)::
 
-    opt = build_optimizer(cfg, [ddp_model])
+    opt = build_optimizer(cfg, [ddp_model], family_of(hf_config))
     ddp_model.zero_grad_buffer(); loss.backward(); finalize_model_grads([ddp_model])
     success, grad_norm, num_zeros = opt.step()      # also advances the lr schedule
     sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}   # dist_checkpointing.save
@@ -43,7 +43,6 @@ from typing import Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_qarl.models.qwen3_moe.state_dict_adapter import is_expert_param
 
 OPTIMIZER_NAMES = ("adamw", "muon")
 MUON_ADJUST_LR = ("original", "match_rms_adamw")
@@ -51,8 +50,6 @@ MUON_TP_MODES = ("whole", "blockwise")
 MUON_BACKENDS = ("auto", "megatron", "torch")
 
 # Row-block labels of one local 2-D shard (see MuonMatrixLayout).
-_FC1_NAME = re.compile(r"linear_fc1\.weight\d*$")
-_QKV_NAME = re.compile(r"linear_qkv\.weight$")
 # megatron's legacy GroupedMLP keeps all local experts in one [H, E*F] matrix: Muon would
 # orthogonalise the experts jointly, which is not per-expert Muon.
 _LEGACY_GROUPED_MLP_NAME = re.compile(r"experts\.weight[12]$")
@@ -339,18 +336,18 @@ def is_muon_param(name: str, param: torch.nn.Parameter) -> bool:
     return param.ndim == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
 
 
-def is_routed_expert_param(name: str, param) -> bool:
-    # By name as well as by `allreduce`: megatron only marks experts allreduce=False when EP > 1,
+def is_routed_expert_param(layout, param) -> bool:
+    # By the family's layout as well as by `allreduce`: megatron only marks experts allreduce=False when EP > 1,
     # but they are sharded over the expert-TP group whatever the EP size.
-    return not getattr(param, "allreduce", True) or is_expert_param(name)
+    return not getattr(param, "allreduce", True) or layout.expert
 
 
-def _tp_placement(name: str, param) -> tuple[Optional[int], Optional[dist.ProcessGroup]]:
+def _tp_placement(layout, param) -> tuple[Optional[int], Optional[dist.ProcessGroup]]:
     if not getattr(param, "tensor_model_parallel", False):
         return None, None
     from megatron.core import parallel_state
 
-    is_expert = is_routed_expert_param(name, param)
+    is_expert = is_routed_expert_param(layout, param)
     group = (parallel_state.get_expert_tensor_parallel_group() if is_expert
              else parallel_state.get_tensor_model_parallel_group())
     if dist.get_world_size(group) == 1:
@@ -359,15 +356,16 @@ def _tp_placement(name: str, param) -> tuple[Optional[int], Optional[dist.Proces
 
 
 def muon_layout_for(name: str, param: torch.nn.Parameter, transformer_config,
-                    split_qkv: bool, split_glu: bool) -> MuonMatrixLayout:
-    """The MuonMatrixLayout of one megatron 2-D parameter (its TP shard on this rank)."""
+                    split_qkv: bool, split_glu: bool, layout) -> MuonMatrixLayout:
+    """The MuonMatrixLayout of one megatron 2-D parameter (its TP shard on this rank); `layout`: the model
+    family's `ParamLayout` of the parameter (fused qkv, gated fc1, expert)."""
     if _LEGACY_GROUPED_MLP_NAME.search(name):
         raise ValueError(
             f"{name}: megatron's legacy GroupedMLP stores all experts in one matrix, which Muon would "
             "orthogonalise jointly; build the model with SequentialMLP or TEGroupedMLP experts")
-    partition_dim, tp_group = _tp_placement(name, param)
+    partition_dim, tp_group = _tp_placement(layout, param)
     rows = param.shape[0]
-    if _QKV_NAME.search(name) and split_qkv:
+    if layout.fused_qkv and split_qkv:
         c = transformer_config
         kv = c.kv_channels
         q_rows = c.num_attention_heads // c.num_query_groups * kv
@@ -376,7 +374,7 @@ def muon_layout_for(name: str, param: torch.nn.Parameter, transformer_config,
             raise ValueError(f"{name}: {rows} rows is not a multiple of the q+k+v rows per group ({per_group})")
         blocks = tuple(b for _ in range(rows // per_group) for b in (("q", q_rows), ("k", kv), ("v", kv)))
         return MuonMatrixLayout(blocks, (("q",), ("k",), ("v",)), partition_dim, tp_group)
-    if _FC1_NAME.search(name) and transformer_config.gated_linear_unit:
+    if layout.glu and transformer_config.gated_linear_unit:
         if rows % 2:
             raise ValueError(f"{name}: a GLU fc1 needs an even number of rows, got {rows}")
         blocks = (("gate", rows // 2), ("up", rows // 2))
@@ -447,13 +445,14 @@ def _init_momentum_state(opt, config=None):
                 opt.state[p]["momentum_buffer"] = torch.zeros_like(p.data)
 
 
-def _muon_layouts(model_chunks, cfg: OptimConfig) -> dict[int, MuonMatrixLayout]:
+def _muon_layouts(model_chunks, cfg: OptimConfig, family) -> dict[int, MuonMatrixLayout]:
     layouts = {}
     for chunk in model_chunks:
         tcfg = _unwrap(chunk).config
         for name, param in chunk.named_parameters():
             if param.requires_grad and is_muon_param(name, param):
-                layouts[id(param)] = muon_layout_for(name, param, tcfg, cfg.muon_split_qkv, cfg.muon_split_glu)
+                layouts[id(param)] = muon_layout_for(name, param, tcfg, cfg.muon_split_qkv, cfg.muon_split_glu,
+                                                     family.param_layout(name))
     return layouts
 
 
@@ -474,14 +473,14 @@ def _wrap_muon(param_groups, layouts_by_id, cfg, mcfg, grad_stats_group, tp_grou
     return wrapped
 
 
-def _build_torch_muon(cfg: OptimConfig, model_chunks, mcfg):
+def _build_torch_muon(cfg: OptimConfig, model_chunks, mcfg, family):
     """megatron's get_megatron_muon_optimizer, with the torch-based TP Muon in place of
     emerging_optimizers: [dense Muon, expert Muon] + megatron's chained AdamW for the rest."""
     from megatron.core import parallel_state
     from megatron.core.optimizer import _get_param_groups, get_megatron_optimizer
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
-    layouts = _muon_layouts(model_chunks, cfg)
+    layouts = _muon_layouts(model_chunks, cfg, family)
     muon_ids = set(layouts)
     with _only_trainable(model_chunks, muon_ids):
         groups = _get_param_groups(model_chunks, mcfg, None)
@@ -575,8 +574,9 @@ class QarlOptimizer:
         self.scheduler.load_state_dict(state_dict["scheduler"])
 
 
-def build_optimizer(cfg: OptimConfig, model_chunks: Iterable) -> QarlOptimizer:
-    """The trainer's optimizer over megatron-DDP-wrapped model chunks (parallel state initialised)."""
+def build_optimizer(cfg: OptimConfig, model_chunks: Iterable, family) -> QarlOptimizer:
+    """The trainer's optimizer over megatron-DDP-wrapped model chunks (parallel state initialised); `family`: the
+    model's `ModelFamily` (which parameters are experts, fused qkv, gated fc1)."""
     cfg.validate()
     model_chunks = list(model_chunks)
     if not model_chunks:
@@ -598,5 +598,5 @@ def build_optimizer(cfg: OptimConfig, model_chunks: Iterable) -> QarlOptimizer:
     elif muon_backend_in_use(cfg) == "megatron":
         optimizer, backend = _build_megatron_muon(cfg, model_chunks, mcfg), "megatron"
     else:
-        optimizer, backend = _build_torch_muon(cfg, model_chunks, mcfg), "torch"
+        optimizer, backend = _build_torch_muon(cfg, model_chunks, mcfg, family), "torch"
     return QarlOptimizer(cfg, optimizer, _linear_warmup_constant_scheduler(optimizer, cfg), backend)

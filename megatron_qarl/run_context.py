@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from megatron_qarl.config import RunConfig, rollout_topology, save_yaml, to_dict
-from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
+from megatron_qarl.models.registry import family_of, resolve_hf_config
 from megatron_qarl.parallel import RolloutTopology, collective_device, init_distributed, is_logging_rank
 from megatron_qarl.tokenizer import load_tokenizer
 
@@ -70,7 +70,7 @@ class RunContext:
     data-parallel coordinates are not copied here: `megatron_qarl.parallel` reads them from megatron."""
 
     cfg: RunConfig
-    hf_config: Any  # the transformers Qwen3MoeConfig the run trains
+    hf_config: Any  # the transformers config the run trains (its model_type names the family)
     model: Any  # megatron DDP-wrapped GPTModel
     optimizer: Any
     quant: Any  # AlignedQuantization or None (unaligned learner)
@@ -102,18 +102,15 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_qarl.checkpointing import RunCheckpoints
-    from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model
     from megatron_qarl.moe.replay import RouteGeometry
     from megatron_qarl.optim import build_optimizer
     from megatron_qarl.models.aligned import apply_aligned_quantization
     from megatron_qarl.memory import engine_shares_gpu
     from megatron_qarl.memory_saver import TRAINER_GRADS, TRAINER_STATE, TrainerMemory, init_optimizer_state
+    from megatron_qarl.rollout.engines import engine_kind
 
     check_initial_weights(cfg)
-    if cfg.rollout.engine == "vllm":  # the vLLM venv / CPU features: before any process group or model
-        from megatron_qarl.rollout.vllm_engine import check_vllm_machine
-
-        check_vllm_machine(cfg.rollout.vllm.venv, cfg.rollout.vllm.device, cfg.quant)
+    engine_kind(cfg.rollout.engine).check_machine(cfg)  # e.g. the vLLM venv / CPU features: before any process group
     layout = init_distributed(cfg.parallel, seed=cfg.train.seed)
     locks = lock_run_dirs(cfg, held)  # one trainer per run dir: before anything there is read, moved or removed
     continuing = prepare_out_dir(cfg)  # before anything is written there: an earlier run's results are kept
@@ -141,7 +138,7 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
     # while it generates (memory_saver.py; the phases are memory.memory_timeline's).
     memory = TrainerMemory.for_run(engine_shares_gpu(cfg))
     with memory.region(TRAINER_STATE):
-        model = build_qwen3_moe_model(
+        model = family_of(hf_config).build_model(
             # bfloat16: megatron mixed precision (bf16 params, fp32 masters in the optimizer).
             hf_config, layout, params_dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
             config_overrides=overrides, core_attention=cfg.model.core_attention,
@@ -155,7 +152,7 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
             model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model,
         )
     with memory.region(TRAINER_STATE):
-        optimizer = build_optimizer(cfg.train.optim, [ddp])
+        optimizer = build_optimizer(cfg.train.optim, [ddp], family_of(hf_config))
         init_optimizer_state(optimizer)
 
     ctx = RunContext(
@@ -257,14 +254,14 @@ def run_sampling_params(cfg: RunConfig, tokenizer):
     stop strings and rollout.stop_token_ids as ids; longer stop strings as text)."""
     from megatron_qarl.config import ConfigError
     from megatron_qarl.tokenizer import split_stops
+    from megatron_qarl.rollout.engines import engine_kind
     from megatron_qarl.rollout.protocol import SamplingParams
 
     r = cfg.rollout
     stop_ids, stop_strings = split_stops(tokenizer, list(r.stop), list(r.stop_token_ids))
-    if stop_strings and r.engine == "sglang":
-        from megatron_qarl.rollout.sglang_engine import MULTI_TOKEN_STOP_UNSUPPORTED
-
-        raise ConfigError(f"rollout.stop={stop_strings} (more than one token each): {MULTI_TOKEN_STOP_UNSUPPORTED}")
+    kind = engine_kind(r.engine)
+    if stop_strings and not kind.supports_text_stops:
+        raise ConfigError(f"rollout.stop={stop_strings} (more than one token each): {kind.why_no_text_stops}")
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                           stop_token_ids=stop_ids, stop=stop_strings, seed=cfg.train.seed)
 
@@ -433,11 +430,13 @@ def prepare_out_dir(cfg: RunConfig) -> bool:
 
 
 def check_initial_weights(cfg: RunConfig) -> None:
-    """A GPU-engine run must start from real weights unless random init is asked for explicitly."""
+    """A GPU-engine run (its kind needs_real_weights) must start from real weights unless random init is asked
+    for explicitly."""
     from megatron_qarl.config import ConfigError
+    from megatron_qarl.rollout.engines import engine_kind
 
     m = cfg.model
-    if cfg.rollout.engine == "sglang" and not (m.hf_path or m.init_checkpoint or m.random_init):
+    if engine_kind(cfg.rollout.engine).needs_real_weights and not (m.hf_path or m.init_checkpoint or m.random_init):
         raise ConfigError(
             f"model.preset={m.preset!r} without model.hf_path or model.init_checkpoint would train megatron's "
             "random init with the 128-symbol demo tokenizer; set model.preset=null model.hf_path=/path/to/"
@@ -453,14 +452,14 @@ def engine_start_checkpoint(cfg: RunConfig, model, hf_config, quant, tokenizer=N
     need no start-up checkpoint (embedded, attach)."""
     import torch.distributed as dist
 
+    from megatron_qarl.rollout.engines import engine_kind
     from megatron_qarl.weights.convert import EngineCheckpointSink, TokenizerPlan, hf_checkpoint_files
     from megatron_qarl.weights.publish import WeightPublisher
 
-    s = cfg.rollout.sglang
-    if cfg.rollout.engine == "embedded":
-        return None
-    if cfg.rollout.engine == "sglang" and (s.model_path or s.url or s.urls or s.launch == "attach"):
-        return s.model_path
+    kind = engine_kind(cfg.rollout.engine)
+    given = kind.configured_start_checkpoint(cfg)
+    if not kind.needs_start_checkpoint(cfg) or given:  # it starts empty, attaches, or the config names one
+        return given
     out = Path(cfg.logging.out_dir) / "engine_start"
     exists = torch.tensor([1 if (out / "config.json").is_file() else 0], device=collective_device())
     dist.broadcast(exists, src=0)  # rank 0's view decides for every rank
@@ -601,38 +600,12 @@ def resume_run(ctx: RunContext) -> int:
 
 
 def _build_engine(cfg: RunConfig, hf_config, topology: RolloutTopology, start_checkpoint: str | None, tokenizer):
-    """This leader's engine: its rollout group's GPUs (from the leader's local GPU) or its URL."""
-    from megatron_qarl.rollout.factory import make_engine
+    """This leader's engine: its rollout group's GPUs (from the leader's local GPU) or its URL, as its kind
+    places it (rollout/engines.py)."""
+    from megatron_qarl.rollout.engines import engine_kind
 
-    if cfg.rollout.engine == "embedded":
-        from megatron_qarl.quant.engine_layout import quantization_config_for
-
-        # it serves the run's format, as a server does its checkpoint's: a push in another form is refused
-        return make_engine({"name": "embedded", "hf_config": hf_config, "dtype": cfg.rollout.embedded_dtype,
-                            "seed": cfg.train.seed, "collect_routed_experts": True, "tokenizer": tokenizer,
-                            "w4a16_kernel": cfg.rollout.embedded_w4a16_kernel,
-                            "quantization_config": quantization_config_for(cfg.quant)})
-    if cfg.rollout.engine == "sglang":
-        from megatron_qarl.rollout.sglang_engine import SGLangEngineConfig
-
-        import os
-
-        group = topology.group_of(torch.distributed.get_rank())
-        base_gpu = int(os.environ.get("LOCAL_RANK", "0"))  # a colocated engine starts on its leader's GPU
-        node_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", base_gpu + cfg.rollout.engine_tp))
-        if cfg.rollout.sglang.mode == "colocated" and base_gpu + cfg.rollout.engine_tp > node_gpus:
-            from megatron_qarl.config import ConfigError
-
-            raise ConfigError(f"rollout group {group} would span two nodes (local GPUs {base_gpu}.."
-                              f"{base_gpu + cfg.rollout.engine_tp - 1} of {node_gpus}): rollout.engine_tp must "
-                              "divide the GPUs per node")
-        engine_cfg = SGLangEngineConfig.from_run(cfg, group=group, base_gpu_id=base_gpu, model_path=start_checkpoint,
-                                                 run_dir=cfg.logging.out_dir)
-        return make_engine({"name": "sglang", **dataclasses.asdict(engine_cfg)})
-    if cfg.rollout.engine == "vllm":
-        from megatron_qarl.rollout.vllm_engine import VLLMEngineConfig
-
-        group = topology.group_of(torch.distributed.get_rank())
-        engine_cfg = VLLMEngineConfig.from_run(cfg, model_path=start_checkpoint, group=group, run_dir=cfg.logging.out_dir)
-        return make_engine({"name": "vllm", **dataclasses.asdict(engine_cfg)})
-    return make_engine({"name": cfg.rollout.engine})
+    kind = engine_kind(cfg.rollout.engine)
+    group = topology.group_of(torch.distributed.get_rank())
+    engine_config = kind.config_from_run(cfg, group=group, start_checkpoint=start_checkpoint, hf_config=hf_config,
+                                         tokenizer=tokenizer)
+    return kind.build(engine_config)

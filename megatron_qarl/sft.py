@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_qarl.config import SFTConfig, SFTConfigError
-from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
+from megatron_qarl.models.registry import family_of, resolve_hf_config
 from megatron_qarl.parallel import (
     ParallelLayout, collective_device, destroy_distributed, dp_group, dp_rank, dp_size, init_distributed,
     is_logging_rank,
@@ -259,15 +259,14 @@ def build_sft_model(hf_config, layout, sft: SFTConfig, core_attention: str = "sd
     """(megatron DDP-wrapped GPTModel, QarlOptimizer) with fp32 masters; `core_attention`: model.core_attention."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model
     from megatron_qarl.optim import OptimConfig, build_optimizer
 
-    model = build_qwen3_moe_model(hf_config, layout, params_dtype=torch.float32, core_attention=core_attention)
+    model = family_of(hf_config).build_model(hf_config, layout, params_dtype=torch.float32, core_attention=core_attention)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
                                   module=model)
     optimizer = build_optimizer(
         OptimConfig(name="adamw", lr=sft.lr, weight_decay=sft.weight_decay, clip_grad=sft.clip_grad,
-                    lr_warmup_steps=sft.lr_warmup_steps), [ddp])
+                    lr_warmup_steps=sft.lr_warmup_steps), [ddp], family_of(hf_config))
     return ddp, optimizer
 
 

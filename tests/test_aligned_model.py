@@ -22,6 +22,9 @@ from megatron_qarl.models.aligned import (  # noqa: E402
     SiteGeometry, apply_aligned_quantization, check_site_geometry, site_in_scope)
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore, mcore_to_hf  # noqa: E402
 from megatron_qarl.weights.sharding import gather_full_state, load_full_state_into_model  # noqa: E402
+from megatron_qarl.models.registry import family_named  # noqa: E402
+
+QWEN3 = family_named("qwen3_moe")
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU world-of-one tests")
 
@@ -63,13 +66,13 @@ def _scope(scope: str) -> QuantConfig:
 
 
 def test_site_scope_mapping_by_name():
-    assert site_in_scope("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1", _scope("experts"))
-    assert not site_in_scope("decoder.layers.0.self_attention.linear_qkv", _scope("experts"))
-    assert site_in_scope("decoder.layers.0.self_attention.linear_proj", _scope("experts+attention"))
-    assert not site_in_scope("decoder.layers.0.mlp.linear_fc1", _scope("experts+attention"))
-    assert site_in_scope("decoder.layers.0.mlp.shared_experts.linear_fc2", _scope("all-linears"))
+    assert site_in_scope("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1", _scope("experts"), QWEN3)
+    assert not site_in_scope("decoder.layers.0.self_attention.linear_qkv", _scope("experts"), QWEN3)
+    assert site_in_scope("decoder.layers.0.self_attention.linear_proj", _scope("experts+attention"), QWEN3)
+    assert not site_in_scope("decoder.layers.0.mlp.linear_fc1", _scope("experts+attention"), QWEN3)
+    assert site_in_scope("decoder.layers.0.mlp.shared_experts.linear_fc2", _scope("all-linears"), QWEN3)
     for never in ("output_layer", "embedding.word_embeddings", "decoder.layers.0.mlp.router"):
-        assert not site_in_scope(never, _scope("all-linears"))
+        assert not site_in_scope(never, _scope("all-linears"), QWEN3)
 
 
 # ---------------------------------------------------------------------------------------- numerics
@@ -275,16 +278,19 @@ def mcore_to_hf_names(cfg, name: str) -> list[str]:
 
 def _export_w4a16_checkpoint(cfg, model, aligned, quant_cfg, path):
     """Engine-layout payload (cached codes for the experts, bf16 for the rest) as an HF checkpoint."""
+    from megatron_qarl.models.registry import family_of
     from megatron_qarl.quant.engine_layout import engine_named_tensors, w4a16_quantization_config
     from megatron_qarl.weights.hf_io import write_hf_checkpoint
 
     exported_hf = mcore_to_hf(cfg, gather_full_state(model))
-    payload = dict(engine_named_tensors(exported_hf.items(), quant_cfg, cache=_hf_cache_from_aligned(cfg, aligned)))
+    payload = dict(engine_named_tensors(exported_hf.items(), quant_cfg, cache=_hf_cache_from_aligned(cfg, aligned),
+                                        naming=family_of(cfg)))
     shipped = unpack_int4_groupwise(payload["model.layers.1.mlp.experts.5.up_proj.weight_packed"], (256, 256))
     cached = aligned.entry("decoder.layers.1.mlp.experts.local_experts.5.linear_fc1.weight").qweight.codes[256:]
     assert torch.equal(shipped, cached)  # the export ships the trainer's cached codes
     ckpt_cfg = tiny_hf_config()
-    ckpt_cfg.quantization_config = w4a16_quantization_config(quant_cfg.scope, quant_cfg.group_size)
+    ckpt_cfg.quantization_config = w4a16_quantization_config(quant_cfg.scope, quant_cfg.group_size,
+                                                             naming=family_of(ckpt_cfg))
     ckpt_cfg.architectures = ["Qwen3MoeForCausalLM"]
     write_hf_checkpoint(path, ckpt_cfg, payload, validate=False)
     assert json.loads((path / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
@@ -414,7 +420,7 @@ def test_fp8_aligned_learner_computes_what_the_embedded_w8a8_sampler_does(hf_sta
     ids = tokens(cfg.vocab_size)
     engine = EmbeddedEngine.from_hf_config(cfg, dtype="float32")
     engine.begin_weight_update()
-    engine.update_weights(engine_named_tensors(state.items(), quant_cfg))
+    engine.update_weights(engine_named_tensors(state.items(), quant_cfg, naming=engine.family))
     engine.end_weight_update()
     with torch.no_grad():
         learner = torch.log_softmax(mcore_logits(model, ids).double(), -1)

@@ -1,17 +1,23 @@
 """Flattened buckets: planning rules, bitwise round trip, streaming, SGLang reconstruction semantics."""
 
+import functools
+
 import pytest
 import torch
 
+from megatron_qarl.models.registry import family_named
+from megatron_qarl.quant.engine_layout import is_expert_engine_name
 from megatron_qarl.rollout.sglang_compat import sglang_bucket_dict
 from megatron_qarl.rollout.payload import (
     FlattenedBucket,
     TensorMeta,
-    is_expert_engine_name,
     iter_buckets,
     plan_buckets,
     unflatten_bucket,
 )
+
+QWEN3 = family_named("qwen3_moe")
+IS_EXPERT = functools.partial(is_expert_engine_name, naming=QWEN3)  # what the publisher buckets by
 
 EXPERT = "model.layers.0.mlp.experts.{}.up_proj.weight_packed"
 ATTN = "model.layers.0.self_attn.q_proj.weight"
@@ -22,17 +28,17 @@ def meta(name, numel, dtype=torch.bfloat16):
 
 
 def test_expert_names_are_recognised_in_every_engine_form():
-    assert is_expert_engine_name("model.layers.3.mlp.experts.7.down_proj.weight_scale")
-    assert is_expert_engine_name("model.layers.3.mlp.experts.7.gate_proj.weight_shape")
-    assert is_expert_engine_name("model.layers.3.mlp.experts.7.gate_proj.weight_scale_inv")
-    assert is_expert_engine_name("model.layers.3.mlp.experts.7.gate_proj.weight")
-    assert not is_expert_engine_name("model.layers.3.mlp.gate.weight")
-    assert not is_expert_engine_name(ATTN)
+    assert IS_EXPERT("model.layers.3.mlp.experts.7.down_proj.weight_scale")
+    assert IS_EXPERT("model.layers.3.mlp.experts.7.gate_proj.weight_shape")
+    assert IS_EXPERT("model.layers.3.mlp.experts.7.gate_proj.weight_scale_inv")
+    assert IS_EXPERT("model.layers.3.mlp.experts.7.gate_proj.weight")
+    assert not IS_EXPERT("model.layers.3.mlp.gate.weight")
+    assert not IS_EXPERT(ATTN)
 
 
 def test_exact_fit_fills_a_bucket_and_overflow_starts_the_next():
     metas = [meta(f"model.norm{i}.weight", 50) for i in range(5)]  # 100 bytes each
-    plan = plan_buckets(metas, bucket_bytes=200)
+    plan = plan_buckets(metas, bucket_bytes=200, is_expert=IS_EXPERT)
     assert [[m.name for m in b] for b in plan] == [
         ["model.norm0.weight", "model.norm1.weight"],
         ["model.norm2.weight", "model.norm3.weight"],
@@ -42,30 +48,30 @@ def test_exact_fit_fills_a_bucket_and_overflow_starts_the_next():
 
 def test_tensor_larger_than_a_bucket_gets_its_own():
     metas = [meta("a.weight", 10), meta("big.weight", 1000), meta("b.weight", 10)]
-    plan = plan_buckets(metas, bucket_bytes=100)
+    plan = plan_buckets(metas, bucket_bytes=100, is_expert=IS_EXPERT)
     assert [[m.name for m in b] for b in plan] == [["a.weight"], ["big.weight"], ["b.weight"]]
 
 
 def test_experts_and_dtypes_never_share_a_bucket():
     metas = [meta(ATTN, 10), TensorMeta(EXPERT.format(0), (4,), torch.int32), meta("model.norm.weight", 10),
              TensorMeta(EXPERT.format(1), (4,), torch.int32), meta(EXPERT.format(2)[:-7] + "_scale", 2)]
-    plan = plan_buckets(metas, bucket_bytes=1 << 20)
+    plan = plan_buckets(metas, bucket_bytes=1 << 20, is_expert=IS_EXPERT)
     names = [[m.name for m in b] for b in plan]
     assert names[0] == [EXPERT.format(0), EXPERT.format(1)]  # experts first
     assert names[1] == [EXPERT.format(2)[:-7] + "_scale"]
     assert names[2] == [ATTN, "model.norm.weight"]
     for b in plan:
         assert len({m.dtype for m in b}) == 1
-        assert len({is_expert_engine_name(m.name) for m in b}) == 1
+        assert len({IS_EXPERT(m.name) for m in b}) == 1
 
 
 def test_empty_update_plans_and_streams_nothing():
-    assert plan_buckets([], 100) == []
-    assert list(iter_buckets(iter([]), 100)) == []
+    assert plan_buckets([], 100, is_expert=IS_EXPERT) == []
+    assert list(iter_buckets(iter([]), 100, is_expert=IS_EXPERT)) == []
     with pytest.raises(ValueError, match="empty bucket"):
         FlattenedBucket.from_named_tensors([])
     with pytest.raises(ValueError, match="positive"):
-        plan_buckets([], 0)
+        plan_buckets([], 0, is_expert=IS_EXPERT)
 
 
 def _payload():
@@ -83,7 +89,7 @@ def _payload():
 
 def test_round_trip_is_bitwise_for_every_dtype():
     payload = _payload()
-    buckets = list(iter_buckets(payload, bucket_bytes=64))
+    buckets = list(iter_buckets(payload, bucket_bytes=64, is_expert=IS_EXPERT))
     got = dict(kv for b in buckets for kv in unflatten_bucket(b))
     assert set(got) == {n for n, _ in payload}
     for name, t in payload:
@@ -96,7 +102,7 @@ def test_round_trip_is_bitwise_for_every_dtype():
 def test_sglang_style_reconstruction_casts_nothing():
     """SGLang rebuilds with flattened[start:end].reshape(shape).to(dtype): with one dtype per bucket the
     cast is a no-op, so its reconstruction is bit-identical too (the contract test runs SGLang's class)."""
-    for b in iter_buckets(_payload(), bucket_bytes=1 << 20):
+    for b in iter_buckets(_payload(), bucket_bytes=1 << 20, is_expert=IS_EXPERT):
         for m in sglang_bucket_dict(b)["metadata"]:
             t = b.flattened_tensor[m.start_idx:m.end_idx].reshape(m.shape)
             assert t.dtype == m.dtype and m.end_idx - m.start_idx == m.numel
@@ -117,8 +123,18 @@ def test_streaming_holds_at_most_one_open_bucket_per_group():
             yield f"model.layers.{i}.input_layernorm.weight", torch.zeros(64, dtype=torch.bfloat16)  # 128 B
 
     seen = 0
-    for bucket in iter_buckets(stream(), bucket_bytes=512):
+    for bucket in iter_buckets(stream(), bucket_bytes=512, is_expert=IS_EXPERT):
         # bucket k is emitted at latest when tensor 4k+5 has been pulled (4 per bucket + the overflow one)
         seen += len(bucket.metadata)
         assert len(produced) <= seen + 1
     assert seen == 40
+
+
+def test_the_caller_says_which_names_are_experts():
+    """payload knows no model naming: the predicate it is handed decides (here: every name with a 7 in it)."""
+    metas = [meta("a7.weight", 10), meta("b.weight", 10), meta("c7.weight", 10)]
+    plan = plan_buckets(metas, bucket_bytes=1 << 20, is_expert=lambda name: "7" in name)
+    assert [[m.name for m in b] for b in plan] == [["a7.weight", "c7.weight"], ["b.weight"]]
+    streamed = iter_buckets([(m.name, torch.zeros(10, dtype=torch.bfloat16)) for m in metas], 1 << 20,
+                            is_expert=lambda name: "7" in name)
+    assert sorted(b.names for b in streamed) == [["a7.weight", "c7.weight"], ["b.weight"]]

@@ -309,12 +309,13 @@ def write_dense_qwen3(path):
 
 
 def test_dense_qwen3_model_is_refused_as_not_moe(tmp_path):
-    from megatron_qarl.models.qwen3_moe.args import UnsupportedModelError, read_hf_config
+    from megatron_qarl.models.family import UnsupportedModelError
+    from megatron_qarl.models.registry import read_hf_config
 
     model = write_dense_qwen3(tmp_path / "Qwen3-0.6B")
-    with pytest.raises(UnsupportedModelError, match="only Qwen3-MoE .* is supported"):
+    with pytest.raises(UnsupportedModelError, match="a dense model.*supported model families: 'qwen3_moe'"):
         read_hf_config(model)
-    with pytest.raises(ConfigError, match="model_type 'qwen3'.*only Qwen3-MoE"):
+    with pytest.raises(ConfigError, match="model_type 'qwen3'.*supported model families"):
         load_config(None, ["model.preset=null", f"model.hf_path={model}"])
 
 

@@ -26,11 +26,13 @@ from megatron_qarl.quant import QuantConfig  # noqa: E402
 from megatron_qarl.quant.engine_layout import (  # noqa: E402
     engine_named_tensors, quantization_config_for, quantization_mismatch)
 from megatron_qarl.rollout.embedded import EmbeddedEngine, EngineWeightError  # noqa: E402
+from megatron_qarl.models.registry import family_named  # noqa: E402
 from megatron_qarl.weights.publish import (  # noqa: E402
     EngineQuantizationMismatch, PublishVerificationError, WeightPublisher, check_engine_quantization,
     engine_linear_names)
 
 W4A16 = QuantConfig(scheme="w4a16", scope="experts")
+QWEN3 = family_named("qwen3_moe")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -44,7 +46,7 @@ def cfg():
 
 
 def served(**changes) -> dict:
-    qc = quantization_config_for(W4A16)
+    qc = quantization_config_for(W4A16, naming=QWEN3)
     qc.update(changes)
     return qc
 
@@ -53,29 +55,31 @@ def served(**changes) -> dict:
 
 def test_what_peers_hit_is_each_named_in_one_line(cfg):
     names = engine_linear_names(cfg)
-    assert quantization_mismatch(W4A16, served(), names) is None
+    assert quantization_mismatch(W4A16, served(), names, naming=QWEN3) is None
     group = served()
     group["config_groups"]["group_0"]["weights"]["group_size"] = 64  # a group-size split (Miles' 30B recipe)
-    assert "group_size=64, the learner quant.group_size=128" in quantization_mismatch(W4A16, group, names)
+    assert "group_size=64, the learner quant.group_size=128" in quantization_mismatch(W4A16, group, names,
+                                                                                       naming=QWEN3)
     router = served(ignore=[e for e in served()["ignore"] if "mlp.gate$" not in e])  # a quantized router (slime #1539)
     assert "quantizes 2 linear(s) the learner keeps bf16 (e.g. model.layers.0.mlp.gate" in \
-        quantization_mismatch(W4A16, router, names)
+        quantization_mismatch(W4A16, router, names, naming=QWEN3)
     swallowed = served(ignore=served()["ignore"] + [r"re:.*layers\.1\.mlp\.experts\..*"])  # verl #7519
     assert "keeps bf16 24 the learner quantizes (e.g. model.layers.1.mlp.experts.0.down_proj" in \
-        quantization_mismatch(W4A16, swallowed, names)
-    assert "serves quant.scheme=none" in quantization_mismatch(W4A16, None, names)
+        quantization_mismatch(W4A16, swallowed, names, naming=QWEN3)
+    assert "serves quant.scheme=none" in quantization_mismatch(W4A16, None, names, naming=QWEN3)
     assert "serves quant.scheme=w4a16, the learner quantizes quant.scheme=none" in \
-        quantization_mismatch(QuantConfig(), served(), names)
+        quantization_mismatch(QuantConfig(), served(), names, naming=QWEN3)
     fp8 = QuantConfig(scheme="fp8", scope="all-linears", block_size=64)
-    assert quantization_mismatch(fp8, quantization_config_for(fp8), names) is None
-    assert "no registered scheme reads" in quantization_mismatch(W4A16, {"quant_method": "awq"}, names)
+    assert quantization_mismatch(fp8, quantization_config_for(fp8, naming=QWEN3), names, naming=QWEN3) is None
+    assert "no registered scheme reads" in quantization_mismatch(W4A16, {"quant_method": "awq"}, names, naming=QWEN3)
 
 
 # ------------------------------------------------------------------------------------------ engines, at start
 
 def export(cfg, tmp_path, quant_cfg, name="engine"):
     hf = seeded_hf_state(cfg)
-    return write_engine_checkpoint(tmp_path / name, cfg, dict(engine_named_tensors(hf.items(), quant_cfg)), quant_cfg)
+    named = dict(engine_named_tensors(hf.items(), quant_cfg, naming=QWEN3))
+    return write_engine_checkpoint(tmp_path / name, cfg, named, quant_cfg)
 
 
 def test_an_embedded_engine_started_from_another_group_size_is_refused(cfg, tmp_path):
@@ -119,7 +123,8 @@ def test_the_run_stops_on_every_rank_before_the_first_step(cfg, tmp_path, capsys
 
 def test_the_embedded_engine_refuses_a_push_in_another_form_than_it_serves(cfg):
     payload = offline_engine_tensors(build_model(ParallelLayout(), cfg), cfg, W4A16)
-    engine = EmbeddedEngine.from_hf_config(cfg, dtype="float32", quantization_config=quantization_config_for(W4A16))
+    engine = EmbeddedEngine.from_hf_config(cfg, dtype="float32",
+                                           quantization_config=quantization_config_for(W4A16, naming=QWEN3))
     engine.begin_weight_update()
     engine.update_weights(payload.items())
     engine.end_weight_update()
@@ -163,7 +168,8 @@ def test_sampled_verify_with_training_and_the_config_key(cfg):
     from megatron_qarl.models.aligned import apply_aligned_quantization
 
     aligned = apply_aligned_quantization(model, W4A16)
-    engine = EmbeddedEngine.from_hf_config(cfg, dtype="float32", quantization_config=quantization_config_for(W4A16))
+    engine = EmbeddedEngine.from_hf_config(cfg, dtype="float32",
+                                           quantization_config=quantization_config_for(W4A16, naming=QWEN3))
     publisher = WeightPublisher(model, cfg, W4A16, quant=aligned, engine=engine, mode="delta", verify="sampled",
                                 verify_sample=4)
     publisher.publish()

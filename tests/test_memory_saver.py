@@ -5,6 +5,7 @@ import contextlib
 import pytest
 import torch
 
+from megatron_qarl.models.registry import family_named
 from megatron_qarl.memory_saver import (
     REGIONS, TRAINER_GRADS, TRAINER_STATE, MemorySaverError, NoopSaver, TrainerMemory, init_optimizer_state,
     torch_memory_saver_singleton,
@@ -95,7 +96,7 @@ def _tiny_optimizer(name: str):
     model = build_qwen3_moe_model(resolve_hf_config(ModelConfig(preset="tiny")))
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
                                   module=model)
-    return ddp, build_optimizer(OptimConfig(name=name, lr=1e-2), [ddp])
+    return ddp, build_optimizer(OptimConfig(name=name, lr=1e-2), [ddp], family_named("qwen3_moe"))
 
 
 def _step(ddp, optimizer, seed: int):

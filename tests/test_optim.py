@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_qarl.models.registry import family_named
 from megatron_qarl.optim import (
     MuonMatrixLayout,
     OptimConfig,
@@ -23,6 +24,8 @@ from megatron_qarl.optim import (
 )
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+QWEN3 = family_named("qwen3_moe")
 
 
 def _param_pair(shape, seed=0):
@@ -166,22 +169,22 @@ def _tcfg(**kw):
 
 def test_layouts_for_megatron_parameter_names():
     qkv = torch.nn.Parameter(torch.zeros(2 * (4 + 2 + 2), 8))  # 2 groups x [q 2 heads * 2, k 2, v 2]
-    layout = muon_layout_for("decoder.layers.0.self_attention.linear_qkv.weight", qkv, _tcfg(), True, False)
+    layout = muon_layout_for("decoder.layers.0.self_attention.linear_qkv.weight", qkv, _tcfg(), True, False, QWEN3.param_layout("decoder.layers.0.self_attention.linear_qkv.weight"))
     assert layout.blocks == (("q", 4), ("k", 2), ("v", 2)) * 2
     assert layout.ortho_groups == (("q",), ("k",), ("v",))
-    assert muon_layout_for("x.linear_qkv.weight", qkv, _tcfg(), False, False) == MuonMatrixLayout.whole(16)
+    assert muon_layout_for("x.linear_qkv.weight", qkv, _tcfg(), False, False, QWEN3.param_layout("x.linear_qkv.weight")) == MuonMatrixLayout.whole(16)
     fc1 = torch.nn.Parameter(torch.zeros(12, 8))
     name = "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"
-    assert muon_layout_for(name, fc1, _tcfg(), True, False).ortho_groups == (("gate", "up"),)
-    assert muon_layout_for(name, fc1, _tcfg(), True, True).ortho_groups == (("gate",), ("up",))
-    assert muon_layout_for(name, fc1, _tcfg(gated_linear_unit=False), True, False) == MuonMatrixLayout.whole(12)
+    assert muon_layout_for(name, fc1, _tcfg(), True, False, QWEN3.param_layout(name)).ortho_groups == (("gate", "up"),)
+    assert muon_layout_for(name, fc1, _tcfg(), True, True, QWEN3.param_layout(name)).ortho_groups == (("gate",), ("up",))
+    assert muon_layout_for(name, fc1, _tcfg(gated_linear_unit=False), True, False, QWEN3.param_layout(name)) == MuonMatrixLayout.whole(12)
     # TEGroupedMLP names its per-expert weights weight0..N
-    assert muon_layout_for("mlp.experts.linear_fc1.weight7", fc1, _tcfg(), True, False).blocks == (
+    assert muon_layout_for("mlp.experts.linear_fc1.weight7", fc1, _tcfg(), True, False, QWEN3.param_layout("mlp.experts.linear_fc1.weight7")).blocks == (
         ("gate", 6), ("up", 6))
     with pytest.raises(ValueError, match="legacy GroupedMLP"):
-        muon_layout_for("decoder.layers.0.mlp.experts.weight1", fc1, _tcfg(), True, False)
+        muon_layout_for("decoder.layers.0.mlp.experts.weight1", fc1, _tcfg(), True, False, QWEN3.param_layout("decoder.layers.0.mlp.experts.weight1"))
     with pytest.raises(ValueError, match="not a multiple"):
-        muon_layout_for("x.linear_qkv.weight", torch.nn.Parameter(torch.zeros(10, 8)), _tcfg(), True, False)
+        muon_layout_for("x.linear_qkv.weight", torch.nn.Parameter(torch.zeros(10, 8)), _tcfg(), True, False, QWEN3.param_layout("x.linear_qkv.weight"))
 
 
 def test_only_2d_hidden_matrices_go_to_muon():
@@ -331,9 +334,9 @@ def test_megatron_optimizer_config_carries_our_settings():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only check")
 def test_bf16_masters_without_cuda_are_refused_up_front():
     with pytest.raises(OptimConfigError, match="bf16"):
-        build_optimizer(OptimConfig(bf16=True), [SimpleNamespace(ddp_config=None)])
+        build_optimizer(OptimConfig(bf16=True), [SimpleNamespace(ddp_config=None)], QWEN3)
 
 
 def test_build_optimizer_needs_megatron_ddp_chunks():
     with pytest.raises(TypeError, match="DistributedDataParallel"):
-        build_optimizer(OptimConfig(), [torch.nn.Linear(2, 2)])
+        build_optimizer(OptimConfig(), [torch.nn.Linear(2, 2)], QWEN3)

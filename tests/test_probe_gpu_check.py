@@ -63,9 +63,10 @@ def test_gpu_check_fp8_te_probe_gets_past_the_block_size_refusal(tmp_path, monke
 
     sampled = []
 
-    def embedded_sampler(hf_config, payload, prompts, settings, quant_cfg, sampling):
+    def embedded_sampler(kind, hf_config, payload, prompts, settings, quant_cfg, sampling):
         from megatron_qarl.rollout.embedded import EmbeddedEngine
 
+        assert kind.name == "sglang"  # the engine the script samples with, started from an export
         engine = EmbeddedEngine.from_hf_config(hf_config, dtype=settings.engine_dtype, seed=settings.seed)
         engine.begin_weight_update()
         engine.update_weights(payload)
@@ -73,7 +74,7 @@ def test_gpu_check_fp8_te_probe_gets_past_the_block_size_refusal(tmp_path, monke
         sampled.append(quant_cfg)
         return engine.generate([list(p) for p in prompts], sampling)
 
-    monkeypatch.setattr(probe, "_sample_sglang", embedded_sampler)
+    monkeypatch.setattr(probe, "_sample_from_export", embedded_sampler)
     import megatron_qarl.models.aligned as aligned_mod  # probe_mismatch imports it when called
 
     aligned, real = [], aligned_mod.apply_aligned_quantization

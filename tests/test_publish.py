@@ -23,7 +23,11 @@ from megatron_qarl.models.aligned import apply_aligned_quantization  # noqa: E40
 from megatron_qarl.rollout.embedded import EmbeddedEngine  # noqa: E402
 from megatron_qarl.rollout.protocol import SamplingParams  # noqa: E402
 from megatron_qarl.weights.publish import (  # noqa: E402
-    PublishError, PublishVerificationError, WeightPublisher, _changed_codes, plan_publish, push_named_tensors)
+    PublishError, PublishVerificationError, WeightPublisher, _changed_codes, expert_names_of, plan_publish,
+    push_named_tensors)
+from megatron_qarl.models.registry import family_named  # noqa: E402
+
+IS_EXPERT = expert_names_of(family_named("qwen3_moe"))
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU world-of-one tests")
 
@@ -146,7 +150,7 @@ def test_bucket_boundaries_oversized_tensor_and_exact_fit():
     named = _named({"model.norm.weight": 1000, "model.embed_tokens.weight": 5000, "lm_head.weight": 600,
                     "model.layers.0.input_layernorm.weight": 400,
                     "model.layers.0.post_attention_layernorm.weight": 200})
-    stats = push_named_tensors(engine, named, bucket_bytes=1000)
+    stats = push_named_tensors(engine, named, bucket_bytes=1000, is_expert=IS_EXPERT)
     # 1000 fits exactly; 5000 > bucket gets its own; 600 + 400 fit exactly; 200 starts a new one
     assert engine.bucket_sizes == [1000, 5000, 1000, 200]
     assert (stats.bytes, stats.num_tensors, stats.num_buckets) == (7200, 5, 4)
@@ -156,12 +160,12 @@ def test_bucket_boundaries_oversized_tensor_and_exact_fit():
 def test_experts_and_the_rest_never_share_a_bucket():
     engine = RecordingEngine()
     named = _named({"model.norm.weight": 100, "model.layers.0.mlp.experts.0.up_proj.weight": 100})
-    assert push_named_tensors(engine, named, bucket_bytes=10_000).num_buckets == 2
+    assert push_named_tensors(engine, named, bucket_bytes=10_000, is_expert=IS_EXPERT).num_buckets == 2
 
 
 def test_empty_update_opens_and_closes_the_engine_and_sends_nothing():
     engine = RecordingEngine()
-    stats = push_named_tensors(engine, [], bucket_bytes=1000, verify=False)
+    stats = push_named_tensors(engine, [], bucket_bytes=1000, verify=False, is_expert=IS_EXPERT)
     assert engine.calls == ["begin", "end"] and (stats.bytes, stats.num_buckets) == (0, 0)
 
 
@@ -206,13 +210,13 @@ def test_verification_catches_altered_bytes():
 
     named = [(n, torch.full((4,), 1.5, dtype=torch.bfloat16)) for n in ("model.norm.weight", "lm_head.weight")]
     with pytest.raises(PublishVerificationError, match=r"lm_head\.weight"):
-        push_named_tensors(Corrupting(), named, verify=True)
+        push_named_tensors(Corrupting(), named, verify=True, is_expert=IS_EXPERT)
 
 
 def test_verify_needs_an_engine_with_checksums():
     with pytest.raises(PublishError, match="checksum"):
         push_named_tensors(RecordingEngine(), [("model.norm.weight", torch.ones(2, dtype=torch.bfloat16))],
-                           verify=True)
+                           verify=True, is_expert=IS_EXPERT)
 
 
 def test_bad_bucket_size_is_refused(cfg):

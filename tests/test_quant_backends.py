@@ -13,6 +13,9 @@ from megatron_qarl.quant import (
     quantize_fp8_block,
     quantize_int4_groupwise,
 )
+from megatron_qarl.models.registry import family_named
+
+QWEN3 = family_named("qwen3_moe")
 
 
 # -- config ---------------------------------------------------------------------------------------
@@ -51,11 +54,12 @@ def test_scope_membership_per_scheme():
     experts = QuantConfig(scheme="w4a16", scope="experts")
     wide = QuantConfig(scheme="w4a16", scope="experts+attention")
     fp8 = QuantConfig(scheme="fp8", scope="all-linears")
-    assert experts.quantizes(expert) and not experts.quantizes(attn)
-    assert wide.quantizes(expert) and wide.quantizes(attn)
-    assert fp8.quantizes(expert) and fp8.quantizes(attn) and fp8.quantizes("model.layers.1.mlp.up_proj")
-    assert not any(cfg.quantizes(n) for cfg in (experts, wide, fp8) for n in never)
-    assert not QuantConfig().quantizes(expert)
+    assert experts.quantizes(expert, QWEN3) and not experts.quantizes(attn, QWEN3)
+    assert wide.quantizes(expert, QWEN3) and wide.quantizes(attn, QWEN3)
+    assert fp8.quantizes(expert, QWEN3) and fp8.quantizes(attn, QWEN3)
+    assert fp8.quantizes("model.layers.1.mlp.up_proj", QWEN3)
+    assert not any(cfg.quantizes(n, QWEN3) for cfg in (experts, wide, fp8) for n in never)
+    assert not QuantConfig().quantizes(expert, QWEN3)
     with pytest.raises(QuantizationError, match="K=200"):
         experts.check_divisible((64, 200), "w")
 

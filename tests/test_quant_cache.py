@@ -9,6 +9,9 @@ from megatron_qarl.quant import (
     engine_tensors_for_linear,
     quantize_int4_groupwise,
 )
+from megatron_qarl.models.registry import family_named
+
+QWEN3 = family_named("qwen3_moe")
 
 
 def make_mlp(seed=0):
@@ -75,7 +78,7 @@ def test_publishing_reuses_cached_codes():
     prefix = "model.layers.0.mlp.experts.0.up_proj"
     published = cache.engine_tensors(prefix, mlp[0].weight, name="fc1")
     assert cache.counters.quantize_calls == calls
-    direct = engine_tensors_for_linear(prefix, mlp[0].weight, cfg)
+    direct = engine_tensors_for_linear(prefix, mlp[0].weight, cfg, naming=QWEN3)
     assert published.keys() == direct.keys() and all(torch.equal(published[k], direct[k]) for k in direct)
 
 

@@ -12,6 +12,9 @@ from megatron_qarl.quant import (
     quantize_fp8_activation,
     quantize_fp8_block,
 )
+from megatron_qarl.models.registry import family_named
+
+QWEN3 = family_named("qwen3_moe")
 
 E4M3 = torch.float8_e4m3fn
 
@@ -98,11 +101,11 @@ def test_engine_tensors_fp8_layout():
     cfg = QuantConfig(scheme="fp8", scope="all-linears")
     master = torch.randn(256, 384)
     prefix = "model.layers.1.self_attn.o_proj"
-    tensors = engine_tensors_for_linear(prefix, master, cfg)
+    tensors = engine_tensors_for_linear(prefix, master, cfg, naming=QWEN3)
     assert sorted(tensors) == [f"{prefix}.weight", f"{prefix}.weight_scale_inv"]
     assert tensors[f"{prefix}.weight"].dtype == E4M3 and tensors[f"{prefix}.weight_scale_inv"].dtype == torch.float32
     assert tuple(tensors[f"{prefix}.weight_scale_inv"].shape) == (2, 3)
-    router = engine_tensors_for_linear("model.layers.1.mlp.gate", torch.randn(8, 256), cfg)
+    router = engine_tensors_for_linear("model.layers.1.mlp.gate", torch.randn(8, 256), cfg, naming=QWEN3)
     assert list(router) == ["model.layers.1.mlp.gate.weight"] and router["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
 
 

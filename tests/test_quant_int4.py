@@ -17,6 +17,9 @@ from megatron_qarl.quant import (
     quantize_int4_groupwise,
     unpack_int4_groupwise,
 )
+from megatron_qarl.models.registry import family_named
+
+QWEN3 = family_named("qwen3_moe")
 
 SHAPES = [(64, 128), (256, 512), (33, 384), (8, 1024)]
 
@@ -136,7 +139,7 @@ def test_engine_tensors_decompress_with_library_to_the_spec_weight():
     cfg = QuantConfig(scheme="w4a16", scope="experts")
     master = random_weight((64, 256), seed=11)
     prefix = "model.layers.0.mlp.experts.3.up_proj"
-    tensors = engine_tensors_for_linear(prefix, master, cfg)
+    tensors = engine_tensors_for_linear(prefix, master, cfg, naming=QWEN3)
     assert sorted(tensors) == [f"{prefix}.weight_packed", f"{prefix}.weight_scale", f"{prefix}.weight_shape"]
     assert tensors[f"{prefix}.weight_packed"].dtype == torch.int32
     assert tuple(tensors[f"{prefix}.weight_packed"].shape) == (64, 32)
@@ -147,7 +150,7 @@ def test_engine_tensors_decompress_with_library_to_the_spec_weight():
     decompressed = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
     assert_bitwise(quantize_int4_groupwise(master).dequantize(), decompressed)
     # An already quantized entry gives the same tensors (publishing never re-quantizes).
-    again = engine_tensors_for_linear(prefix, quantize_int4_groupwise(master), cfg)
+    again = engine_tensors_for_linear(prefix, quantize_int4_groupwise(master), cfg, naming=QWEN3)
     assert all(torch.equal(again[k], tensors[k]) for k in tensors)
 
 
@@ -155,11 +158,11 @@ def test_engine_tensors_out_of_scope_is_bf16_weight():
     cfg = QuantConfig(scheme="w4a16", scope="experts")
     master = random_weight((64, 256), seed=12)
     for prefix in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.gate", "lm_head"):
-        tensors = engine_tensors_for_linear(prefix + ".weight", master, cfg)
+        tensors = engine_tensors_for_linear(prefix + ".weight", master, cfg, naming=QWEN3)
         assert list(tensors) == [prefix + ".weight"]
         assert torch.equal(tensors[prefix + ".weight"], master.to(torch.bfloat16))
     with pytest.raises(QuantizationError, match="outside scope"):
-        engine_tensors_for_linear("model.layers.0.mlp.gate", quantize_int4_groupwise(master), cfg)
+        engine_tensors_for_linear("model.layers.0.mlp.gate", quantize_int4_groupwise(master), cfg, naming=QWEN3)
 
 
 def test_byte_order_independent_packer_gives_the_same_words():

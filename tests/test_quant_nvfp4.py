@@ -25,6 +25,9 @@ from megatron_qarl.quant import QuantConfig, QuantConfigError, QuantizationError
 from megatron_qarl.quant.engine_layout import engine_named_tensors  # noqa: E402
 from megatron_qarl.quant.schemes.nvfp4 import Nvfp4Weight, quantize_nvfp4  # noqa: E402
 from megatron_qarl.quant.schemes import scheme_named  # noqa: E402
+from megatron_qarl.models.registry import family_named  # noqa: E402
+
+QWEN3 = family_named("qwen3_moe")
 
 ct_helpers = pytest.importorskip("compressed_tensors.quantization.utils.helpers")
 from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor  # noqa: E402
@@ -117,11 +120,11 @@ def test_fused_linears_share_the_librarys_fused_global_scale():
     assert torch.equal(fc1.global_scale, q_gate.global_scale)
     assert torch.equal(fc1.packed, torch.cat([q_gate.packed, q_up.packed]))
     named = dict(engine_named_tensors([("m.layers.0.mlp.experts.1.up_proj.weight", up),
-                                       ("m.layers.0.mlp.experts.1.gate_proj.weight", gate)], NVFP4))
+                                       ("m.layers.0.mlp.experts.1.gate_proj.weight", gate)], NVFP4, naming=QWEN3))
     assert torch.equal(named["m.layers.0.mlp.experts.1.up_proj.weight_global_scale"], q_up.global_scale)
     assert torch.equal(named["m.layers.0.mlp.experts.1.up_proj.weight_packed"], q_up.packed)
     with pytest.raises(ValueError, match="fused linears"):
-        dict(engine_named_tensors([("m.layers.0.mlp.experts.1.up_proj.weight", up)], NVFP4))
+        dict(engine_named_tensors([("m.layers.0.mlp.experts.1.up_proj.weight", up)], NVFP4, naming=QWEN3))
 
 
 # ------------------------------------------------------------------------------------------ the learner
@@ -138,10 +141,10 @@ def cfg():
 
 def library_engine_state(hf_state: dict, quant_cfg: QuantConfig) -> dict:
     """The weights an NVFP4 engine holds: in-scope linears decompressed by the library from our payload."""
-    payload = dict(engine_named_tensors(hf_state.items(), quant_cfg))
+    payload = dict(engine_named_tensors(hf_state.items(), quant_cfg, naming=QWEN3))
     out = {}
     for name, w in hf_state.items():
-        if quant_cfg.quantizes(name):
+        if quant_cfg.quantizes(name, QWEN3):
             prefix = name[: -len(".weight")]
             parts = {p: payload[f"{prefix}.{p}"] for p in ("weight_packed", "weight_scale", "weight_global_scale")}
             w = library_dequantized(parts).float()
@@ -240,7 +243,7 @@ def test_delta_publish_to_the_embedded_engine_holds_the_offline_weights_and_coun
     assert mismatches({n: engine._held[n] for n in want}, want) == []
     held = engine.hf_state()
     for name, w in library_engine_state(mcore_hf_state(model, cfg), NVFP4).items():
-        if NVFP4.quantizes(name):
+        if NVFP4.quantizes(name, QWEN3):
             assert torch.equal(held[name], w), name
 
 
@@ -261,8 +264,8 @@ def test_transformers_drops_the_experts_global_scale(cfg, tmp_path):
 
     quant_cfg = QuantConfig(scheme="nvfp4", scope="experts", group_size=16)
     hf_state = seeded_hf_state(cfg)
-    path = write_engine_checkpoint(tmp_path / "ck", cfg, dict(engine_named_tensors(hf_state.items(), quant_cfg)),
-                                   quant_cfg)
+    named = dict(engine_named_tensors(hf_state.items(), quant_cfg, naming=QWEN3))
+    path = write_engine_checkpoint(tmp_path / "ck", cfg, named, quant_cfg)
     loaded = hf_state_from_model(Qwen3MoeForCausalLM.from_pretrained(str(path), dtype=torch.float32))
     name = "model.layers.0.mlp.experts.0.down_proj.weight"
     want = library_engine_state(hf_state, quant_cfg)[name]

@@ -2,6 +2,7 @@
 the compressed-tensors library / hand-computed FP8 dequantization."""
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -14,11 +15,14 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from megatron_qarl.quant import QuantConfig
 from megatron_qarl.quant.aten_int4 import aten_int4_linear
 from megatron_qarl.rollout.embedded import EmbeddedEngine, EngineWeightError
-from megatron_qarl.rollout.factory import make_engine
+from megatron_qarl.rollout.engines import make_engine
 from megatron_qarl.rollout.payload import iter_buckets
 from megatron_qarl.rollout.protocol import RolloutEngine, RolloutEngineError, SamplingParams
-from megatron_qarl.quant.engine_layout import engine_named_tensors, quantization_config_for
+from megatron_qarl.quant.engine_layout import engine_named_tensors, is_expert_engine_name, quantization_config_for
+from megatron_qarl.models.registry import family_named
 
+QWEN3 = family_named("qwen3_moe")
+IS_EXPERT = functools.partial(is_expert_engine_name, naming=QWEN3)
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
 
 
@@ -50,11 +54,11 @@ def fp32_engine():
     return EmbeddedEngine.from_hf_config(tiny_config(), dtype="float32", seed=1, collect_routed_experts=True)
 
 
-def test_is_a_rollout_engine_and_factory_builds_it():
-    engine = make_engine({"name": "embedded", "hf_config": tiny_config().to_dict(), "dtype": "float32"})
+def test_is_a_rollout_engine_and_the_registry_builds_it():
+    engine = make_engine("embedded", {"hf_config": tiny_config().to_dict(), "dtype": "float32"})
     assert isinstance(engine, RolloutEngine)
     with pytest.raises(ValueError, match="unknown rollout engine"):
-        make_engine({"name": "tgi"})
+        make_engine("tgi", {})
 
 
 def test_seeded_generation_is_deterministic(fp32_engine):
@@ -131,7 +135,7 @@ def _ct_decompress(packed, scale, shape):
 
 def test_w4a16_refit_equals_compressed_tensors_decompression_bitwise():
     engine = EmbeddedEngine.from_hf_config(tiny_config(), seed=2)  # bf16
-    payload = dict(engine_named_tensors(hf_master_weights(seed=3).items(), QuantConfig(scheme="w4a16")))
+    payload = dict(engine_named_tensors(hf_master_weights(seed=3).items(), QuantConfig(scheme="w4a16"), naming=QWEN3))
     push(engine, payload.items())
     held = engine.hf_state()
     n_experts = 0
@@ -149,7 +153,8 @@ def test_w4a16_refit_equals_compressed_tensors_decompression_bitwise():
 
 def test_fp8_refit_equals_hand_dequantization():
     engine = EmbeddedEngine.from_hf_config(tiny_config(), seed=2)
-    payload = dict(engine_named_tensors(hf_master_weights(seed=3).items(), QuantConfig(scheme="fp8", scope="all-linears")))
+    fp8 = QuantConfig(scheme="fp8", scope="all-linears")
+    payload = dict(engine_named_tensors(hf_master_weights(seed=3).items(), fp8, naming=QWEN3))
     push(engine, payload.items())
     held = engine.hf_state()
     name = "model.layers.1.self_attn.o_proj.weight"
@@ -165,18 +170,18 @@ def test_subset_update_touches_only_pushed_tensors():
     before = engine.hf_state()
     new = hf_master_weights(seed=4)
     subset = {k: v for k, v in new.items() if ".layers.0.mlp.experts." in k}
-    push(engine, engine_named_tensors(subset.items(), QuantConfig(scheme="w4a16")))
+    push(engine, engine_named_tensors(subset.items(), QuantConfig(scheme="w4a16"), naming=QWEN3))
     after = engine.hf_state()
     changed = {k for k in after if not torch.equal(after[k], before[k])}
     assert changed == set(subset)
 
 
 def test_update_through_buckets_equals_direct_update():
-    payload = list(engine_named_tensors(hf_master_weights(seed=3).items(), QuantConfig(scheme="w4a16")))
+    payload = list(engine_named_tensors(hf_master_weights(seed=3).items(), QuantConfig(scheme="w4a16"), naming=QWEN3))
     direct, bucketed = (EmbeddedEngine.from_hf_config(tiny_config(), seed=2) for _ in range(2))
     push(direct, payload)
     bucketed.begin_weight_update()
-    for bucket in iter_buckets(payload, bucket_bytes=200_000):
+    for bucket in iter_buckets(payload, bucket_bytes=200_000, is_expert=IS_EXPERT):
         bucketed.update_weights(bucket)
     bucketed.end_weight_update()
     a, b = direct.hf_state(), bucketed.hf_state()
@@ -209,9 +214,9 @@ def test_checkpoint_loaded_by_transformers_equals_refit(tmp_path, quant_cfg):
     (compressed-tensors for W4A16, its FP8 dequantization on CPU — needs accelerate), holds exactly the
     refit engine's weights."""
     cfg = tiny_config()
-    payload = dict(engine_named_tensors(hf_master_weights(seed=3).items(), quant_cfg))
+    payload = dict(engine_named_tensors(hf_master_weights(seed=3).items(), quant_cfg, naming=QWEN3))
     config = cfg.to_dict()
-    config["quantization_config"] = quantization_config_for(quant_cfg)
+    config["quantization_config"] = quantization_config_for(quant_cfg, naming=QWEN3)
     config["architectures"] = ["Qwen3MoeForCausalLM"]
     config["torch_dtype"] = "bfloat16"
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -265,7 +270,7 @@ def _int4_kernel_engine(monkeypatch, scope: str, seed: int = 3):
     monkeypatch.setattr(embedded, "aten_int4_linear", lambda x, w: calls.append(w) or real(x, w))
     engine = EmbeddedEngine.from_hf_config(tiny_config(), dtype="float32", seed=2, w4a16_kernel="aten_int4")
     quant_cfg = QuantConfig(scheme="w4a16", scope=scope)
-    push(engine, engine_named_tensors(hf_master_weights(seed=seed).items(), quant_cfg))
+    push(engine, engine_named_tensors(hf_master_weights(seed=seed).items(), quant_cfg, naming=QWEN3))
     return engine, quant_cfg, calls
 
 
@@ -275,7 +280,7 @@ def _assert_operands_are_the_pushed_codes(engine, quant_cfg):
     eps(fp32) x K x max|x| max|w|; and that weight is the engine's held (spec, bf16-rounded) weight up to
     the bf16 rounding of code x scale: half a bf16 eps, relative."""
     held = engine.hf_state()
-    quantized = sorted(n[: -len(".weight")] for n in held if quant_cfg.quantizes(n))
+    quantized = sorted(n[: -len(".weight")] for n in held if quant_cfg.quantizes(n, QWEN3))
     assert sorted(engine._int4) == quantized
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
     for prefix, operands in engine._int4.items():
@@ -307,7 +312,7 @@ def test_int4_kernel_engine_refits_in_place_and_samples_like_a_fresh_one(monkeyp
     engine, quant_cfg, _ = _int4_kernel_engine(monkeypatch, "experts+attention", seed=3)
     sampling = SamplingParams(max_new_tokens=6, seed=5, n=2)
     before = engine.generate(PROMPTS, sampling)
-    push(engine, engine_named_tensors(hf_master_weights(seed=4).items(), quant_cfg))
+    push(engine, engine_named_tensors(hf_master_weights(seed=4).items(), quant_cfg, naming=QWEN3))
     _assert_operands_are_the_pushed_codes(engine, quant_cfg)
     fresh, _, _ = _int4_kernel_engine(monkeypatch, "experts+attention", seed=4)
     after, expected = engine.generate(PROMPTS, sampling), fresh.generate(PROMPTS, sampling)
@@ -324,9 +329,11 @@ def test_int4_kernel_engine_refuses_what_the_kernel_cannot_run(tmp_path):
         EmbeddedEngine.from_config(EmbeddedEngineConfig(checkpoint_dir=str(tmp_path), w4a16_kernel="aten_int4"))
     engine = EmbeddedEngine.from_hf_config(tiny_config(), dtype="float32", w4a16_kernel="aten_int4")
     engine.begin_weight_update()
-    engine.update_weights(engine_named_tensors(hf_master_weights().items(), QuantConfig(scheme="w4a16", group_size=64)))
+    engine.update_weights(engine_named_tensors(hf_master_weights().items(), QuantConfig(scheme="w4a16", group_size=64),
+                                               naming=QWEN3))
     engine.end_weight_update()  # 64 is one of the kernel's group sizes
     engine.begin_weight_update()
-    engine.update_weights(engine_named_tensors(hf_master_weights().items(), QuantConfig(scheme="w4a16", group_size=16)))
+    engine.update_weights(engine_named_tensors(hf_master_weights().items(), QuantConfig(scheme="w4a16", group_size=16),
+                                               naming=QWEN3))
     with pytest.raises(EngineWeightError, match="group size 16 is not one PyTorch's int4 CPU kernel takes"):
         engine.end_weight_update()

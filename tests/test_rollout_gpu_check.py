@@ -9,6 +9,9 @@ from megatron_qarl.rollout import gpu_check
 from megatron_qarl.rollout.embedded import EmbeddedEngine
 from megatron_qarl.rollout.protocol import SamplingParams
 from megatron_qarl.quant.engine_layout import engine_named_tensors
+from megatron_qarl.models.registry import family_named
+
+QWEN3 = family_named("qwen3_moe")
 
 
 def test_check_separates_refit_from_stale_weights(tmp_path):
@@ -24,7 +27,7 @@ def test_check_separates_refit_from_stale_weights(tmp_path):
     assert gap_a.mean() < 0.05 < gap_b.mean()  # not refit: matches A, not B
 
     engine.begin_weight_update()
-    engine.update_weights(engine_named_tensors(b.items(), quant_cfg))
+    engine.update_weights(engine_named_tensors(b.items(), quant_cfg, naming=QWEN3))
     engine.end_weight_update()
     fresh = engine.generate(prompts, sp)
     gap_b, gap_a = gpu_check.logprob_gaps(fresh, prompts, a, b, quant_cfg)

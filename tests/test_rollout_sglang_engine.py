@@ -116,6 +116,7 @@ def fake(tmp_path, monkeypatch):
             health_timeout_s=cfg_kw.pop("health_timeout_s", 20),
             request_timeout_s=cfg_kw.pop("request_timeout_s", 10),
             bucket_bytes=cfg_kw.pop("bucket_bytes", 4096),
+            model_type="qwen3_moe",  # the naming that buckets what update_weights is given
             log_path=str(tmp_path / "server.log"),
             **cfg_kw,
         )
@@ -340,7 +341,7 @@ def test_nccl_broadcast_sends_the_buckets_bytes_as_uint8(monkeypatch):
         assert torch.equal(out.view(bucket.dtype), bucket.flattened_tensor)
 
     engine = SGLangEngine(SGLangEngineConfig(mode="attach", url="http://x", api_key="k", transport="distributed",
-                                             master_address="10.0.0.1"), start=False)
+                                             master_address="10.0.0.1", model_type="qwen3_moe"), start=False)
     sent, posted = [], []
     monkeypatch.setattr(engine, "_ensure_group", lambda: None)
     monkeypatch.setattr(engine, "_broadcast", lambda flat: sent.append(flat))
@@ -368,7 +369,7 @@ class FakeInproc:
 
 
 def inproc_engine(**results):
-    engine = SGLangEngine(SGLangEngineConfig(mode="inprocess", model_path="/m", tp_size=2),
+    engine = SGLangEngine(SGLangEngineConfig(mode="inprocess", model_path="/m", tp_size=2, model_type="qwen3_moe"),
                           serializer=CountingSerializer(), start=False)
     engine._inproc = FakeInproc(**results)
     return engine

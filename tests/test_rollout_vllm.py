@@ -9,11 +9,14 @@ import pytest
 import torch
 
 from megatron_qarl.quant import QuantConfig
+from megatron_qarl.models.registry import family_named
 from megatron_qarl.quant.engine_layout import w4a16_quantization_config
 from megatron_qarl.rollout.payload import FlattenedBucket
 from megatron_qarl.rollout.vllm_engine import VLLMSetupError, check_vllm_machine, check_vllm_venv
 from megatron_qarl.rollout.vllm_server import bucket_header, checkpoint_int4_linears, tensors_from_bucket
 from megatron_qarl.rollout.payload import tensor_sha256
+
+QWEN3 = family_named("qwen3_moe")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int32, torch.float32, torch.float8_e4m3fn])
@@ -74,7 +77,8 @@ def test_int4_linears_this_cpu_has_no_kernel_for_are_refused_before_anything_sta
 def test_int4_linears_are_read_from_the_exported_ignore_list(tmp_path, scope, int4):
     """What the server checks before starting vLLM: the exporter's own quantization_config per scope, read
     with compressed-tensors' matching rule ("re:" = regex), not with our scope names."""
-    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": w4a16_quantization_config(scope)}))
+    qc = w4a16_quantization_config(scope, naming=QWEN3)
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
     assert checkpoint_int4_linears(str(tmp_path)) == int4
     (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
     assert checkpoint_int4_linears(str(tmp_path)) == (False, False)

@@ -8,10 +8,13 @@ from megatron_qarl.models.qwen3_moe.state_dict_adapter import (
     WeightMappingError, expected_hf_shapes, expected_mcore_shapes, hf_to_mcore, interleave_qkv, mcore_to_hf,
     split_qkv,
 )
+from megatron_qarl.models.registry import family_named
 from megatron_qarl.weights.sharding import (
     RankCoords, ShardRule, global_to_local_name, join_shards, local_to_global_name, shard_full_tensor,
     shard_rule, slice_for_rank,
 )
+
+QWEN3 = family_named("qwen3_moe")
 
 
 def random_hf_state(cfg, seed=0):
@@ -143,14 +146,14 @@ def test_row_and_column_slices():
 
 
 def test_rules_by_name():
-    assert shard_rule("decoder.layers.0.self_attention.linear_qkv.weight") == ShardRule(0, False, False)
-    assert shard_rule("decoder.layers.0.self_attention.linear_proj.weight") == ShardRule(1, False, False)
-    assert shard_rule("embedding.word_embeddings.weight") == ShardRule(0, False, False)
-    assert shard_rule("output_layer.weight") == ShardRule(0, False, False)
-    assert shard_rule("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight") == ShardRule(0, True, True)
-    assert shard_rule("decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight") == ShardRule(1, False, True)
-    assert shard_rule("decoder.layers.0.mlp.router.weight").partition_dim is None
-    assert shard_rule("decoder.layers.0.self_attention.q_layernorm.weight").partition_dim is None
+    assert shard_rule("decoder.layers.0.self_attention.linear_qkv.weight", family=QWEN3) == ShardRule(0, False, False, fused_qkv=True)
+    assert shard_rule("decoder.layers.0.self_attention.linear_proj.weight", family=QWEN3) == ShardRule(1, False, False)
+    assert shard_rule("embedding.word_embeddings.weight", family=QWEN3) == ShardRule(0, False, False)
+    assert shard_rule("output_layer.weight", family=QWEN3) == ShardRule(0, False, False)
+    assert shard_rule("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight", family=QWEN3) == ShardRule(0, True, True)
+    assert shard_rule("decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight", family=QWEN3) == ShardRule(1, False, True)
+    assert shard_rule("decoder.layers.0.mlp.router.weight", family=QWEN3).partition_dim is None
+    assert shard_rule("decoder.layers.0.self_attention.q_layernorm.weight", family=QWEN3).partition_dim is None
 
 
 def test_expert_ids_global_local():
@@ -165,8 +168,8 @@ def test_expert_tensors_use_expert_tp_not_attention_tp():
     full = torch.arange(8.0).reshape(8, 1)
     coords = RankCoords(tp_rank=1, tp_size=2, etp_rank=0, etp_size=1)
     expert = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
-    assert torch.equal(shard_full_tensor(expert, full, coords), full)
-    assert rows(shard_full_tensor("output_layer.weight", full, coords)) == [4, 5, 6, 7]
+    assert torch.equal(shard_full_tensor(expert, full, coords, family=QWEN3), full)
+    assert rows(shard_full_tensor("output_layer.weight", full, coords, family=QWEN3)) == [4, 5, 6, 7]
 
 
 class _FakeExpertModel(torch.nn.Module):
@@ -177,6 +180,7 @@ class _FakeExpertModel(torch.nn.Module):
         from types import SimpleNamespace
 
         self.config = SimpleNamespace(gated_linear_unit=True, num_moe_experts=4, expert_model_parallel_size=2)
+        self.model_family = "qwen3_moe"  # what a family's build stamps on the models it builds
         self.decoder = torch.nn.Module()
         self.decoder.final_layernorm = torch.nn.Module()
         self.decoder.final_layernorm.weight = torch.nn.Parameter(torch.zeros(2))

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_linear_name, is_expert_param
+from megatron_qarl.models.registry import family_of_model
 from megatron_qarl.quant.cache import CacheEntry, QuantCache
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.quant.errors import QuantizationError
@@ -72,11 +72,12 @@ class AlignedQuantization:
 
 # ------------------------------------------------------------------------------------- site selection
 
-def site_in_scope(module_name: str, quant_cfg: QuantConfig) -> bool:
+def site_in_scope(module_name: str, quant_cfg: QuantConfig, family) -> bool:
     """Whether `quant_cfg` quantizes the megatron linear `module_name`: the quant config is asked about the
-    HF linear the module computes (one scope table for trainer, publisher and exporter)."""
-    hf_name = hf_linear_name(module_name)
-    return hf_name is not None and quant_cfg.quantizes(hf_name)
+    HF linear the module computes, named by the model `family` (one scope table for trainer, publisher and
+    exporter)."""
+    hf_name = family.adapter.hf_linear_name(module_name)
+    return hf_name is not None and quant_cfg.quantizes(hf_name, family)
 
 
 def _parallel_linear_classes():
@@ -88,9 +89,10 @@ def _parallel_linear_classes():
 def find_sites(model: torch.nn.Module, quant_cfg: QuantConfig) -> dict[str, torch.nn.Module]:
     """{local weight name: module} of the linears `quant_cfg.scope` targets in an unwrapped GPTModel."""
     column, row = _parallel_linear_classes()
+    family = family_of_model(model)
     sites = {}
     for name, module in model.named_modules():
-        if not name or not site_in_scope(name, quant_cfg):
+        if not name or not site_in_scope(name, quant_cfg, family):
             continue
         if not isinstance(module, (column, row)):
             raise QuantizationError(
@@ -125,15 +127,17 @@ def check_site_geometry(geom: SiteGeometry, quant_cfg: QuantConfig) -> None:
     check_shard(scheme_of(quant_cfg), geom, quant_cfg)
 
 
-def site_geometry(name: str, module: torch.nn.Module) -> SiteGeometry:
+def site_geometry(name: str, module: torch.nn.Module, family) -> SiteGeometry:
+    """The local shard of a site as the scheme's shard check asks it (its layout: the model family's)."""
     _, row = _parallel_linear_classes()
     config = module.config
-    expert = is_expert_param(name)
+    layout = family.param_layout(name)
+    expert = layout.expert
     group = getattr(module, "tp_group", None)
     parts = group.size() if group is not None else (
         config.expert_tensor_parallel_size if expert else config.tensor_model_parallel_size)
-    glu = bool(config.gated_linear_unit) and name.endswith("linear_fc1.weight")
-    head_dim = config.kv_channels if name.endswith("linear_qkv.weight") else None
+    glu = bool(config.gated_linear_unit) and layout.glu
+    head_dim = config.kv_channels if layout.fused_qkv else None
     return SiteGeometry(name=name, local_shape=tuple(module.weight.shape), row_parallel=isinstance(module, row),
                         parts=int(parts or 1), axis="expert-TP" if expert else "TP", glu=glu, head_dim=head_dim)
 
@@ -256,8 +260,9 @@ def apply_aligned_quantization(model: torch.nn.Module, quant_cfg: QuantConfig) -
     if not sites:
         raise QuantizationError(f"no linear of this model is in scope {quant_cfg.scope!r}: expected megatron "
                                 "modules like decoder.layers.0.mlp.experts.local_experts.0.linear_fc1")
+    family = family_of_model(model)
     for name, module in sites.items():
-        check_site_geometry(site_geometry(name, module), quant_cfg)
+        check_site_geometry(site_geometry(name, module, family), quant_cfg)
     # Kept in the params (= activation) dtype, the GEMM's: W4A16 is exact in bf16; FP8 is exact in fp32
     # (the CPU twin) and rounds to bf16 on a bf16 learner (the fp8 scheme's reference_forward).
     dequant_dtype = _model_params_dtype(model)

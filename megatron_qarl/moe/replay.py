@@ -66,7 +66,11 @@ class RouteGeometry:
 
     @classmethod
     def from_hf_config(cls, hf_config) -> "RouteGeometry":
-        return cls(hf_config.num_hidden_layers, hf_config.num_experts_per_tok, hf_config.num_experts)
+        """The geometry the model family says (its MoE layers: dense layers route nothing)."""
+        from megatron_qarl.models.registry import family_of
+
+        g = family_of(hf_config).moe_geometry(hf_config)
+        return cls(g.num_layers, g.topk, g.num_experts)
 
     def as_kwargs(self) -> dict[str, int]:
         return dict(num_layers=self.num_layers, topk=self.topk, num_experts=self.num_experts)

@@ -8,6 +8,7 @@ from megatron_qarl.quant.backends import (
 from megatron_qarl.quant.cache import CacheCounters, CacheEntry, QuantCache
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.quant.engine_layout import (
+    encode_linear,
     engine_tensors_for_linear,
     quantize_weight,
 )
@@ -33,7 +34,7 @@ __all__ = [
     "aligned_linear", "get_backend",
     "FP8_MAX", "Fp8Weight", "Int4Weight", "QuantConfig", "QuantConfigError", "QuantizationError",
     "dequantize_fp8_activation", "dequantize_fp8_block", "dequantize_int4_groupwise",
-    "engine_tensors_for_linear",
+    "encode_linear", "engine_tensors_for_linear",
     "pack_int4_groupwise", "quantize_fp8_activation", "quantize_fp8_block",
     "quantize_int4_groupwise", "quantize_weight", "unpack_int4_groupwise",
 ]

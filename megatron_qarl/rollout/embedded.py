@@ -1,4 +1,4 @@
-"""EmbeddedEngine: an in-process CPU rollout engine on transformers' Qwen3-MoE.
+"""EmbeddedEngine: an in-process CPU rollout engine on a registered model family's transformers model.
 
 It holds exactly the published payload: ``update_weights`` takes engine-layout named tensors (see
 ``megatron_qarl.quant.engine_layout``) and dequantizes W4A16 / FP8 ones with the quant spec's own
@@ -33,15 +33,15 @@ from typing import Any
 
 import torch
 
-from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_state_from_model, transformers_tensor
-from megatron_qarl.quant.config import is_routed_expert
+from megatron_qarl.models.registry import config_from_dict, family_of, family_named
 from megatron_qarl.quant.aten_int4 import (
     SAMPLER_W4A16_KERNELS, AtenInt4Weight, aten_int4_linear, pack_aten_int4)
 from megatron_qarl.quant.engine_layout import (
-    PARTS, UNQUANTIZED, EngineLayoutError, dequantize_linear, engine_part, int4_codes)
+    PARTS, UNQUANTIZED, EngineLayoutError, dequantize_linear, engine_part, int4_codes, quantization_config_for)
 from megatron_qarl.quant.errors import QuantizationError
 from megatron_qarl.quant.schemes import scheme_of_kind
 from megatron_qarl.rollout.delta import DeltaBatch, apply_delta_batch
+from megatron_qarl.rollout.engine_kind import EngineKind
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.payload import tensor_sha256
 
@@ -122,7 +122,7 @@ class EngineWeightError(ValueError):
 
 @dataclass
 class EmbeddedEngineConfig:
-    """``hf_config``: a transformers Qwen3MoeConfig (or dict); or ``checkpoint_dir`` to load from."""
+    """``hf_config``: a transformers config of a registered family (or a dict with its model_type); or ``checkpoint_dir`` to load from."""
 
     hf_config: Any = None
     checkpoint_dir: str | None = None
@@ -147,7 +147,8 @@ def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 class EmbeddedEngine:
-    """transformers Qwen3-MoE held in-process; implements ``RolloutEngine``."""
+    """A transformers model of a registered family (its `causal_lm_class`) held in-process; implements
+    ``RolloutEngine``."""
 
     def __init__(self, model, dtype: torch.dtype = torch.bfloat16, collect_routed_experts: bool = False,
                  pad_token_id: int = 0, record_checksums: bool = True, tokenizer=None,
@@ -155,6 +156,7 @@ class EmbeddedEngine:
         if w4a16_kernel not in SAMPLER_W4A16_KERNELS:
             raise ValueError(f"unknown W4A16 kernel {w4a16_kernel!r}; expected one of {SAMPLER_W4A16_KERNELS}")
         self.hf_config = model.config  # what restart() rebuilds from
+        self.family = family_of(model.config)  # its naming (HF <-> transformers tensors), router class
         self.model = model.to(dtype).eval()
         self.dtype = dtype
         self.collect_routed_experts = collect_routed_experts
@@ -181,12 +183,10 @@ class EmbeddedEngine:
     @classmethod
     def from_hf_config(cls, hf_config, dtype: str | torch.dtype = "bfloat16", seed: int = 0, **kw) -> "EmbeddedEngine":
         """Randomly initialised model (seeded) — weights normally arrive via ``update_weights``."""
-        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
         if isinstance(hf_config, dict):
-            hf_config = Qwen3MoeConfig(**hf_config)
+            hf_config = config_from_dict(hf_config)
         torch.manual_seed(seed)
-        return cls(Qwen3MoeForCausalLM(hf_config), _resolve_dtype(dtype), **kw)
+        return cls(family_of(hf_config).causal_lm_class()(hf_config), _resolve_dtype(dtype), **kw)
 
     @classmethod
     def from_hf_checkpoint(cls, checkpoint_dir: str, dtype: str | torch.dtype = "bfloat16", **kw) -> "EmbeddedEngine":
@@ -197,12 +197,11 @@ class EmbeddedEngine:
         import json
         import os
 
-        from transformers import Qwen3MoeForCausalLM
-
         from megatron_qarl.quant.schemes import scheme_of_quantization_config
 
         with open(os.path.join(checkpoint_dir, "config.json")) as f:
-            qc = json.load(f).get("quantization_config")
+            raw = json.load(f)
+        qc = raw.get("quantization_config")
         found = scheme_of_quantization_config(qc) if qc else None
         support = found[0].engine("embedded") if found else None
         if support is not None and not support.loads_checkpoint:
@@ -210,7 +209,7 @@ class EmbeddedEngine:
                                     f"checkpoint ({support.why_not_checkpoint}); start it from hf_config and push "
                                     "the weights, as the trainer does")
         dt = _resolve_dtype(dtype)
-        model = Qwen3MoeForCausalLM.from_pretrained(checkpoint_dir, dtype=dt)
+        model = family_named(raw.get("model_type")).causal_lm_class().from_pretrained(checkpoint_dir, dtype=dt)
         kw["quantization_config"] = kw.get("quantization_config") or qc
         return cls(model, dt, **kw)
 
@@ -297,7 +296,7 @@ class EmbeddedEngine:
             from megatron_qarl.quant.schemes import scheme_of_quantization_config
 
             scheme = scheme_of_quantization_config(self._served)[0]
-            linears = [n[: -len(".weight")] for n, t in hf_state_from_model(self.model).items()
+            linears = [n[: -len(".weight")] for n, t in self.family.adapter.hf_state_from_model(self.model).items()
                        if n.endswith(".weight") and t.dim() == 2 and "embed_tokens" not in n]
             held = scheme.quantized_linears(self._served, linears)
             self._served_linears = {n: scheme.kind if n in held else UNQUANTIZED for n in linears}
@@ -383,19 +382,19 @@ class EmbeddedEngine:
 
     def _target(self, hf_name: str) -> torch.Tensor:
         """The model tensor (or fused-expert slice) that checkpoint name ``hf_name`` lives in."""
-        target = transformers_tensor(self._params, hf_name)
+        target = self.family.adapter.transformers_tensor(self._params, hf_name)
         if target is not None:
             return target.data
-        if is_routed_expert(hf_name):
+        if self.family.is_routed_expert(hf_name):
             raise EngineWeightError(f"unknown expert tensor {hf_name!r} (model has no such expert)")
         raise EngineWeightError(
-            f"unknown tensor name {hf_name!r}: not a parameter of this Qwen3-MoE model "
+            f"unknown tensor name {hf_name!r}: not a parameter of this {self.family.architecture} model "
             "(expected HF checkpoint names such as model.layers.0.self_attn.q_proj.weight)"
         )
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The held weights under per-expert HF checkpoint names (copies)."""
-        return {name: t.clone() for name, t in hf_state_from_model(self.model).items()}
+        return {name: t.clone() for name, t in self.family.adapter.hf_state_from_model(self.model).items()}
 
     def checksum(self, names: Iterable[str] | None = None) -> dict[str, str]:
         """sha256 of each named tensor's bytes AS RECEIVED (engine layout: packed codes, scales, fp8
@@ -419,9 +418,7 @@ class EmbeddedEngine:
     def restart(self) -> None:
         """A fresh model of the same architecture (random weights, as a restarted server holds its start-up
         checkpoint, not the trained weights): the trainer re-publishes everything next."""
-        from transformers import Qwen3MoeForCausalLM
-
-        self.model = Qwen3MoeForCausalLM(self.hf_config).to(self.dtype).eval()
+        self.model = self.family.causal_lm_class()(self.hf_config).to(self.dtype).eval()
         self._params = dict(self.model.named_parameters())
         self._in_update = False
         self._held.clear()
@@ -488,10 +485,10 @@ class _SamplingLoop:
 
     def _install_route_hooks(self):
         """Record each router's selected expert ids (its 3rd output) in layer order."""
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
-
-        routers = [m for m in self.engine.model.modules() if isinstance(m, Qwen3MoeTopKRouter)]
-        return [r.register_forward_hook(lambda _m, _i, out: self._captured.append(out[2])) for r in routers]
+        family = self.engine.family
+        routers = [m for m in self.engine.model.modules() if isinstance(m, family.router_class())]
+        return [r.register_forward_hook(lambda _m, _i, out: self._captured.append(family.routed_experts_of(out)))
+                for r in routers]
 
     def _routes(self, batch: int, seq: int) -> torch.Tensor:
         """[B, seq, layers, topk] expert ids of the tokens just fed."""
@@ -552,3 +549,44 @@ class _SamplingLoop:
                 routed = torch.cat(fed, dim=0)
             results.append(GenerationResult(prompt_index, tokens[r], logps[r], finish[r] or "length", routed))
         return results
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine kind (rollout/engine_kind.py): what the config, the run and the memory model ask of this engine
+# --------------------------------------------------------------------------------------------------
+
+class EmbeddedKind(EngineKind):
+    """rollout.engine=embedded: this engine, in each rollout-group leader's process (CPU), started empty from
+    the run's HF config and filled by the first publish."""
+
+    name = "embedded"
+    config_type = EmbeddedEngineConfig
+    chooses_w4a16_kernel = True  # rollout.embedded_w4a16_kernel
+
+    def check_world(self, cfg: Any, world_size: int) -> list[str]:
+        r = cfg.rollout
+        if r.engine_tp != 1:
+            return [f"rollout.engine_tp={r.engine_tp} with rollout.engine=embedded: the embedded engine runs in "
+                    "one process; use rollout.engine_tp=1"]
+        return []
+
+    def config_from_run(self, cfg: Any, *, group: int = 0, start_checkpoint: str | None = None, hf_config=None,
+                        tokenizer=None) -> EmbeddedEngineConfig:
+        """It serves the run's format, as a server does its checkpoint's: a push in another form is refused."""
+        return EmbeddedEngineConfig(hf_config=hf_config, dtype=cfg.rollout.embedded_dtype, seed=cfg.train.seed,
+                                    collect_routed_experts=True, tokenizer=tokenizer,
+                                    w4a16_kernel=cfg.rollout.embedded_w4a16_kernel,
+                                    quantization_config=quantization_config_for(cfg.quant,
+                                                                                naming=family_of(hf_config)))
+
+    def standalone_config(self, quant_cfg: Any, *, hf_config=None, model_path: str | None = None,
+                          dtype: str = "bfloat16", seed: int = 0, w4a16_kernel: str = "dequantized",
+                          max_model_len: int = 512, log_dir: str | None = None) -> EmbeddedEngineConfig:
+        """A seeded random model of `hf_config`; its weights come by update_weights (from_hf_config)."""
+        return EmbeddedEngineConfig(hf_config=hf_config, dtype=dtype, seed=seed, w4a16_kernel=w4a16_kernel)
+
+    def build(self, engine_config: EmbeddedEngineConfig) -> EmbeddedEngine:
+        return EmbeddedEngine.from_config(engine_config)
+
+
+KIND = EmbeddedKind()

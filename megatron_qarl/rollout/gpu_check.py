@@ -28,9 +28,9 @@ import torch
 
 
 def tiny_hf_config():
-    from megatron_qarl.models.qwen3_moe.args import tiny_hf_config as preset
+    from megatron_qarl.models.registry import preset_hf_config
 
-    return preset(bos_token_id=1, eos_token_id=2)
+    return preset_hf_config("tiny", bos_token_id=1, eos_token_id=2)
 
 
 def master_weights(seed: int) -> dict[str, torch.Tensor]:
@@ -46,16 +46,18 @@ def master_weights(seed: int) -> dict[str, torch.Tensor]:
 def export_checkpoint(out_dir: str, weights: dict[str, torch.Tensor], quant_cfg) -> None:
     from safetensors.torch import save_file
 
+    from megatron_qarl.models.registry import family_of
     from megatron_qarl.quant.engine_layout import engine_named_tensors, quantization_config_for
 
+    family = family_of(tiny_hf_config())
     cfg = tiny_hf_config().to_dict()
-    cfg["architectures"] = ["Qwen3MoeForCausalLM"]
+    cfg["architectures"] = [family.architecture]
     cfg["torch_dtype"] = "bfloat16"
-    qc = quantization_config_for(quant_cfg)
+    qc = quantization_config_for(quant_cfg, naming=family)
     if qc is not None:
         cfg["quantization_config"] = qc
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {k: v.contiguous() for k, v in engine_named_tensors(weights.items(), quant_cfg)}
+    tensors = {k: v.contiguous() for k, v in engine_named_tensors(weights.items(), quant_cfg, naming=family)}
     save_file(tensors, os.path.join(out_dir, "model.safetensors"))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
@@ -81,7 +83,7 @@ def reference_engine(weights, quant_cfg):
 
     ref = EmbeddedEngine.from_hf_config(tiny_hf_config(), dtype="float32")
     ref.begin_weight_update()
-    ref.update_weights(engine_named_tensors(weights.items(), quant_cfg))
+    ref.update_weights(engine_named_tensors(weights.items(), quant_cfg, naming=ref.family))
     ref.end_weight_update()
     return ref
 
@@ -104,6 +106,7 @@ def main(argv=None) -> int:
     from megatron_qarl.quant.config import SCHEMES
     from megatron_qarl.quant.schemes import DEFAULT_LOW_BIT, NO_SCHEME, scheme_named
     from megatron_qarl.rollout.protocol import SamplingParams
+    from megatron_qarl.models.registry import family_of
     from megatron_qarl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
     from megatron_qarl.quant.engine_layout import engine_named_tensors
 
@@ -132,16 +135,19 @@ def main(argv=None) -> int:
     print(f"exported {args.scheme} checkpoint (weights A) to {ckpt}")
 
     cfg = tiny_hf_config()
+    family = family_of(cfg)
     engine = SGLangEngine(
-        SGLangEngineConfig(mode="subprocess", model_path=ckpt, quant_scheme=args.scheme, moe_runner_backend="auto",
+        SGLangEngineConfig(mode="subprocess", model_path=ckpt, model_type=family.model_type,
+                           quant_scheme=args.scheme, moe_runner_backend="auto",
                            mem_fraction_static=0.5, return_routed_experts=True, health_timeout_s=args.health_timeout,
-                           route_layers=cfg.num_hidden_layers, route_topk=cfg.num_experts_per_tok,
+                           route_layers=family.moe_geometry(cfg).num_layers, route_topk=family.moe_geometry(cfg).topk,
                            log_path=os.path.join(workdir, "sglang_server.log"), cuda_graph=args.cuda_graph),
     )
     try:
         t0 = time.time()
         engine.begin_weight_update()
-        engine.update_weights((n, t.cuda()) for n, t in engine_named_tensors(weights_b.items(), quant_cfg))
+        engine.update_weights((n, t.cuda()) for n, t in engine_named_tensors(weights_b.items(), quant_cfg,
+                                                                             naming=family))
         engine.end_weight_update()
         print(f"refit to weights B in {time.time() - t0:.2f} s ({engine.pushes} buckets)")
         prompts = random_prompts(args.prompts, cfg.vocab_size)

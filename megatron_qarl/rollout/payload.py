@@ -8,18 +8,18 @@ indices count elements (as slime and SGLang's own callers group by dtype), so th
 the IPC path; the NCCL path broadcasts the bucket's bytes (``flattened_tensor.view(torch.uint8)``).
 
 Routed experts and the rest never share a bucket (experts are refit on a different path in the engine
-and are the bulk of the bytes). A tensor larger than the bucket size gets a bucket of its own.
+and are the bulk of the bytes): the caller says which names are experts (``is_expert``, e.g.
+``functools.partial(quant.engine_layout.is_expert_engine_name, naming=family)``), so this module needs no
+model naming. A tensor larger than the bucket size gets a bucket of its own.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
-
-from megatron_qarl.quant.engine_layout import is_expert_engine_name
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 
@@ -65,20 +65,18 @@ def _check_bucket_bytes(bucket_bytes: int) -> None:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
 
 
-def _bucket_key(name: str, dtype: torch.dtype) -> tuple[bool, torch.dtype]:
-    return (is_expert_engine_name(name), dtype)
-
-
-def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[TensorMeta]]:
+def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
+                 is_expert: Callable[[str], bool]) -> list[list[TensorMeta]]:
     """Group tensor metas into buckets of at most ``bucket_bytes`` (an oversized tensor: its own bucket).
 
-    Each bucket holds one kind (routed experts or not) and one dtype; groups are listed experts first,
-    then in order of first occurrence; tensor order within a group is preserved.
+    Each bucket holds one kind (routed experts or not, as ``is_expert`` of the engine name says) and one
+    dtype; groups are listed experts first, then in order of first occurrence; tensor order within a group
+    is preserved.
     """
     _check_bucket_bytes(bucket_bytes)
     groups: dict[tuple[bool, torch.dtype], list[TensorMeta]] = {}
     for m in metas:
-        groups.setdefault(_bucket_key(m.name, m.dtype), []).append(m)
+        groups.setdefault((bool(is_expert(m.name)), m.dtype), []).append(m)
     out: list[list[TensorMeta]] = []
     for key in sorted(groups, key=lambda k: not k[0]):  # sorted() is stable: experts first
         out += _greedy(groups[key], bucket_bytes)
@@ -149,19 +147,21 @@ def unflatten_bucket(bucket: FlattenedBucket) -> list[tuple[str, torch.Tensor]]:
 
 
 def iter_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
+    is_expert: Callable[[str], bool],
 ) -> Iterator[FlattenedBucket]:
     """Stream buckets from a stream of named tensors.
 
-    At most one open bucket per (expert?, dtype) group — a handful (bf16, int32, fp8, fp32), never the
-    whole model; a bucket is emitted as soon as the next tensor would overflow it. A tensor larger
-    than ``bucket_bytes`` is emitted alone. An empty input yields nothing.
+    At most one open bucket per (expert?, dtype) group (``is_expert``: whether an engine name is a routed
+    expert's) — a handful (bf16, int32, fp8, fp32), never the whole model; a bucket is emitted as soon as
+    the next tensor would overflow it. A tensor larger than ``bucket_bytes`` is emitted alone. An empty
+    input yields nothing.
     """
     _check_bucket_bytes(bucket_bytes)
     pending: dict[tuple[bool, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     used: dict[tuple[bool, torch.dtype], int] = {}
     for name, tensor in named_tensors:
-        key = _bucket_key(name, tensor.dtype)
+        key = (bool(is_expert(name)), tensor.dtype)
         size = tensor.numel() * tensor.element_size()
         if pending.get(key) and used[key] + size > bucket_bytes:
             yield FlattenedBucket.from_named_tensors(pending[key])

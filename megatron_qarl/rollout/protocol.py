@@ -1,6 +1,6 @@
 """The rollout-engine protocol the trainer talks to and its value types.
 
-No engine is imported here (engines import this module); ``megatron_qarl.rollout.factory`` builds them.
+No engine is imported here (engines import this module); ``megatron_qarl.rollout.engines`` builds them.
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ FINISH_REASONS = ("stop", "length")
 
 class RolloutEngineError(RuntimeError):
     """An engine failed to start, answer, or accept weights."""
+
+
+class EngineSetupError(RolloutEngineError):
+    """This host lacks what the configured engine needs (its venv, CPU features): the message names the fix, and
+    the CLI prints it as one line (EngineKind.check_machine raises it before any model is built)."""
 
 
 @dataclass

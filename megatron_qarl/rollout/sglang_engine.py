@@ -71,22 +71,21 @@ import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from megatron_qarl.errors import ConfigError
 from megatron_qarl.lifecycle import die_with_parent, stop_process
 from megatron_qarl.parallel import is_loopback_host
 from megatron_qarl.quant.scheme import EngineSupport
 from megatron_qarl.quant.schemes import NO_SCHEME, scheme_named
 from megatron_qarl.rollout import sglang_compat
+from megatron_qarl.rollout.engine_kind import EngineKind, choice_problem
 from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, FlattenedBucket, iter_buckets
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.sglang_compat import SGLangUnavailableError, require_sglang
-
-if TYPE_CHECKING:  # annotation only: config.py would bring omegaconf and the model/optim/rl configs along
-    from megatron_qarl.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +196,9 @@ class SGLangEngineConfig:
     route_topk: int | None = None  # and experts per token (num_experts_per_tok)
     transport: str = "tensor"  # tensor (colocated, CUDA IPC) | distributed (NCCL broadcast)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    # the model family (models/registry.py) whose naming buckets a stream of named tensors (routed experts
+    # apart); None: the model_type of model_path's config.json
+    model_type: str | None = None
     health_timeout_s: float = 900.0
     request_timeout_s: float = 1800.0  # one /generate request (rollout.request_timeout_s)
     update_timeout_s: float = 1800.0  # one weight-update / memory call
@@ -251,11 +253,11 @@ class SGLangEngineConfig:
         return self.cuda_graph == "on"
 
     @classmethod
-    def from_run(cls, cfg: RunConfig, *, group: int = 0, base_gpu_id: int = 0, model_path: str | None = None,
+    def from_run(cls, cfg: Any, *, group: int = 0, base_gpu_id: int = 0, model_path: str | None = None,
                  run_dir: str | None = None, route_layers: int | None = None, route_topk: int | None = None,
                  environ: Mapping[str, str] | None = None) -> SGLangEngineConfig:
-        """The engine config of rollout group ``group`` (``rollout.sglang``, ``rollout.engine_tp``,
-        ``rollout.request_timeout_s``, ``quant``, ``train`` routing, ``publish``).
+        """The engine config of rollout group ``group`` of ``cfg``, a RunConfig (``rollout.sglang``,
+        ``rollout.engine_tp``, ``rollout.request_timeout_s``, ``quant``, ``train`` routing, ``publish``).
 
         ``base_gpu_id``: the group leader's first GPU; ``model_path`` overrides ``rollout.sglang.model_path``
         (e.g. a checkpoint the trainer exported); ``run_dir``: where the server log goes
@@ -278,11 +280,12 @@ class SGLangEngineConfig:
                              f"{s.api_key_env} (named by rollout.sglang.api_key_env); export it before the run")
         routes = cfg.train.routing_replay == "replay" or cfg.train.routing_telemetry
         if routes and (route_layers is None or route_topk is None):
-            from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
+            from megatron_qarl.models.registry import family_of, resolve_hf_config
 
             hf = resolve_hf_config(cfg.model)
-            route_layers = hf.num_hidden_layers if route_layers is None else route_layers
-            route_topk = hf.num_experts_per_tok if route_topk is None else route_topk
+            geometry = family_of(hf).moe_geometry(hf)
+            route_layers = geometry.num_layers if route_layers is None else route_layers
+            route_topk = geometry.topk if route_topk is None else route_topk
         master_port = s.weight_sync_master_port
         return cls(
             mode="attach" if attach else s.launch,
@@ -587,6 +590,7 @@ class SGLangEngine:
         self._group = None
         self.restarts = 0
         self.pushes = 0  # buckets sent, for monitoring and tests
+        self._is_expert: Callable[[str], bool] | None = None  # engine name -> a routed expert's (expert_names)
         support = _sglang_support(cfg.quant_scheme)
         if not support.cuda_graphs and cfg.cuda_graphs_enabled:
             log.warning(f"SGLang {cfg.quant_scheme} refit with CUDA graphs on (cuda_graph=on): "
@@ -766,13 +770,32 @@ class SGLangEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | FlattenedBucket) -> None:
         if not self._in_update:
             raise RolloutEngineError("update_weights outside begin_weight_update()/end_weight_update()")
-        buckets = [named_tensors] if isinstance(named_tensors, FlattenedBucket) else iter_buckets(named_tensors, self.cfg.bucket_bytes)
+        buckets = [named_tensors] if isinstance(named_tensors, FlattenedBucket) else iter_buckets(
+            named_tensors, self.cfg.bucket_bytes, is_expert=self.expert_names())
         for bucket in buckets:
             if self.cfg.transport == "distributed":
                 self._push_distributed(bucket)
             else:
                 self._push_tensor(bucket)
             self.pushes += 1
+
+    def expert_names(self) -> Callable[[str], bool]:
+        """Whether an engine tensor name is a routed expert's (experts are bucketed apart), as the model family
+        of `cfg.model_type` (else of model_path's config.json) names them."""
+        if self._is_expert is None:
+            from megatron_qarl.models.registry import config_json_model_type, family_named
+            from megatron_qarl.quant.engine_layout import is_expert_engine_name
+
+            model_type = self.cfg.model_type
+            if model_type is None and self.cfg.model_path and os.path.isfile(os.path.join(self.cfg.model_path,
+                                                                                          "config.json")):
+                model_type = config_json_model_type(os.path.join(self.cfg.model_path, "config.json"))[0]
+            if model_type is None:
+                raise RolloutEngineError("the SGLang engine buckets named tensors by the model's naming (routed "
+                                         "experts apart) and does not know the model: set SGLangEngineConfig."
+                                         "model_type (e.g. 'qwen3_moe'), or push FlattenedBuckets")
+            self._is_expert = functools.partial(is_expert_engine_name, naming=family_named(model_type))
+        return self._is_expert
 
     def end_weight_update(self) -> None:
         if not self._in_update:
@@ -888,3 +911,123 @@ def _sglang_serialize_bucket(bucket: FlattenedBucket) -> str:
     if not bucket.flattened_tensor.is_cuda:
         bucket = FlattenedBucket(bucket.flattened_tensor.cuda(), bucket.metadata)
     return serialize(sglang_compat.sglang_bucket_dict(bucket))
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine kind (rollout/engine_kind.py): what the config, the run and the memory model ask of SGLang
+# --------------------------------------------------------------------------------------------------
+
+NO_DELTAS = ("SGLang 0.5.23 re-packs every W4A16 expert into Marlin layout at the end of each refit and keeps no "
+             "compressed copy a delta could patch (compressed_tensors_wNa16_moe.py:351-418), so every expert tensor "
+             "is re-sent")
+
+
+def _attaches(s) -> bool:
+    """rollout.sglang (`s`) uses servers started elsewhere: launch=attach, or a URL given."""
+    return s.launch == "attach" or bool(s.url or s.urls)
+
+
+def check_sglang_access(s) -> list[str]:
+    """rollout.sglang (`s`): an attached server needs its key in the environment; a launched one binds a loopback
+    address unless allowed otherwise."""
+    out = []
+    attach = _attaches(s)
+    if attach and not os.environ.get(s.api_key_env):
+        out.append(f"rollout.sglang.launch=attach needs the server's API key in the environment variable "
+                   f"{s.api_key_env} (named by rollout.sglang.api_key_env); start the server with that key "
+                   f"and `export {s.api_key_env}=<key>` before qarl-train, so requests are authenticated")
+    if not attach and not is_loopback_host(s.host) and not s.allow_remote_host:
+        out.append(f"rollout.sglang.host={s.host!r} is not a loopback address: the engine's generate and "
+                   "weight-update endpoints would be reachable from the network; keep host=127.0.0.1, or set "
+                   "rollout.sglang.allow_remote_host=true to accept that")
+    return out
+
+
+class SGLangKind(EngineKind):
+    """rollout.engine=sglang: a GPU server per rollout group (launched, in-process, or attached by URL)."""
+
+    name = "sglang"
+    config_type = SGLangEngineConfig
+    loads_start_checkpoint = True
+    supports_text_stops = False
+    why_no_text_stops = MULTI_TOKEN_STOP_UNSUPPORTED
+    applies_deltas = False
+    why_no_deltas = NO_DELTAS
+    verifies_checksums = False  # SGLangEngine has no checksum(names): publish.verify fails at the first publish
+    needs_real_weights = True
+
+    def needs_start_checkpoint(self, cfg: Any) -> bool:
+        return not _attaches(cfg.rollout.sglang)  # an attached server loaded its own
+
+    def configured_start_checkpoint(self, cfg: Any) -> str | None:
+        return cfg.rollout.sglang.model_path
+
+    def shares_trainer_gpus(self, cfg: Any) -> bool:
+        return cfg.rollout.sglang.mode == "colocated"
+
+    def colocated(self, cfg: Any) -> bool:
+        return cfg.rollout.sglang.mode == "colocated"
+
+    def separate_engines(self, cfg: Any) -> int:
+        return len(cfg.rollout.sglang.urls) or 1  # one per URL; one URL or a launched server: 1
+
+    def check_config(self, cfg: Any) -> list[str]:
+        q, r, s = cfg.quant, cfg.rollout, cfg.rollout.sglang
+        out = []
+        if q.enabled:
+            support = _sglang_support(q.scheme)
+            why = support.moe_backend_problem(s.moe_runner_backend) if support.refit else None
+            if why:
+                out.append(f"rollout.sglang.moe_runner_backend={s.moe_runner_backend} with quant.scheme={q.scheme}: "
+                           f"{why}; use moe_runner_backend={support.moe_backend} (or auto, pinned to it for "
+                           f"{q.scheme})")
+        out += choice_problem("rollout.sglang.cuda_graph", s.cuda_graph, CUDA_GRAPH_CHOICES)
+        if s.url and s.urls:
+            out.append("rollout.sglang: set url (one engine) or urls (one per engine), not both")
+        if s.urls and r.engines and len(s.urls) != r.engines:
+            out.append(f"rollout.sglang.urls lists {len(s.urls)} engine URLs for rollout.engines="
+                       f"{r.engines}; give one per engine")
+        if s.launch == "attach" and not (s.url or s.urls):
+            out.append("rollout.sglang.launch=attach needs rollout.sglang.url or rollout.sglang.urls (e.g. "
+                       "http://head-node:30000)")
+        out += check_sglang_access(s)
+        if s.launch == "inprocess" and s.mode == "separate":
+            out.append("rollout.sglang.launch=inprocess runs the engine inside the trainer process, which is "
+                       "mode=colocated; use launch=subprocess or attach for mode=separate")
+        return out
+
+    def config_from_run(self, cfg: Any, *, group: int = 0, start_checkpoint: str | None = None, hf_config=None,
+                        tokenizer=None) -> SGLangEngineConfig:
+        """Group `group`'s server; colocated, it starts on its leader's GPU (LOCAL_RANK) and the next
+        engine_tp - 1, which must be on the same node (ConfigError otherwise)."""
+        tp = cfg.rollout.engine_tp
+        base_gpu = int(os.environ.get("LOCAL_RANK", "0"))  # a colocated engine starts on its leader's GPU
+        node_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", base_gpu + tp))
+        if cfg.rollout.sglang.mode == "colocated" and base_gpu + tp > node_gpus:
+            raise ConfigError(f"rollout group {group} would span two nodes (local GPUs {base_gpu}.."
+                              f"{base_gpu + tp - 1} of {node_gpus}): rollout.engine_tp must divide the GPUs per node")
+        engine_cfg = SGLangEngineConfig.from_run(cfg, group=group, base_gpu_id=base_gpu, model_path=start_checkpoint,
+                                                 run_dir=cfg.logging.out_dir)
+        if hf_config is not None:  # the family's naming buckets raw named tensors (expert_names)
+            from megatron_qarl.models.registry import family_of
+
+            engine_cfg.model_type = family_of(hf_config).model_type
+        return engine_cfg
+
+    def standalone_config(self, quant_cfg: Any, *, hf_config=None, model_path: str | None = None,
+                          dtype: str = "bfloat16", seed: int = 0, w4a16_kernel: str = "dequantized",
+                          max_model_len: int = 512, log_dir: str | None = None) -> SGLangEngineConfig:
+        """A launched server on this machine's first GPU, CUDA graphs off (a one-off engine: no capture cost)."""
+        from megatron_qarl.models.registry import family_of
+
+        return SGLangEngineConfig(
+            mode="subprocess", model_path=model_path, quant_scheme=quant_cfg.scheme, moe_runner_backend="auto",
+            model_type=family_of(hf_config).model_type if hf_config is not None else None,
+            mem_fraction_static=0.5, log_path=os.path.join(log_dir, "sglang_server.log") if log_dir else None,
+            cuda_graph="off")
+
+    def build(self, engine_config: SGLangEngineConfig) -> SGLangEngine:
+        return SGLangEngine(engine_config)
+
+
+KIND = SGLangKind()

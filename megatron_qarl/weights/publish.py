@@ -43,17 +43,17 @@ import functools
 import math
 import time
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_mcore_shapes, to_hf
+from megatron_qarl.models.registry import family_of
 from megatron_qarl.parallel import collective_device
 from megatron_qarl.quant.engine_layout import (
-    UNQUANTIZED, as_quant_config, engine_part, engine_tensors, kind_of, linear_parts, meta_linear_parts,
-    quantization_mismatch, quantize_weight,
+    UNQUANTIZED, as_quant_config, engine_part, engine_tensors, is_expert_engine_name, kind_of, linear_parts,
+    meta_linear_parts, quantization_mismatch, quantize_weight,
 )
 from megatron_qarl.quant.schemes import scheme_of_kind
 from megatron_qarl.rollout.delta import (
@@ -88,9 +88,8 @@ def verify_mode(verify) -> str:
 
 def engine_linear_names(hf_config) -> list[str]:
     """The model's linears as the engines name them (HF names without `.weight`; the router and lm_head too)."""
-    from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_hf_shapes
-
-    return [n[: -len(".weight")] for n, shape in expected_hf_shapes(hf_config).items()
+    shapes = family_of(hf_config).adapter.expected_hf_shapes(hf_config)
+    return [n[: -len(".weight")] for n, shape in shapes.items()
             if n.endswith(".weight") and len(shape) == 2 and "embed_tokens" not in n]
 
 
@@ -106,7 +105,7 @@ def check_engine_quantization(engine, hf_config, quant_cfg) -> str | None:
     except LookupError as err:
         return f"not verified: {err}"
     cfg = as_quant_config(quant_cfg)
-    problem = quantization_mismatch(cfg, served, engine_linear_names(hf_config))
+    problem = quantization_mismatch(cfg, served, engine_linear_names(hf_config), naming=family_of(hf_config))
     if problem:
         raise EngineQuantizationMismatch(
             f"the rollout engine does not serve the learner's quantization: {problem}; start it from the trainer's "
@@ -131,7 +130,7 @@ class FullParam:
 
 def full_param_engine_tensors(hf_config, param: FullParam) -> Iterator[tuple[str, torch.Tensor]]:
     """Engine-layout named tensors of one full mcore parameter (the names ``engine_named_tensors`` uses)."""
-    for hf_name, parts, shape in to_hf(hf_config, param.name, param.parts, param.shape):
+    for hf_name, parts, shape in family_of(hf_config).adapter.to_hf(hf_config, param.name, param.parts, param.shape):
         yield from engine_tensors(hf_name, param.kind, parts, shape)
 
 
@@ -179,10 +178,17 @@ def _selects(verify, name: str) -> bool:
     return verify(name) if callable(verify) else bool(verify)
 
 
+def expert_names_of(family) -> Callable[[str], bool]:
+    """Whether an engine tensor name is a routed expert's, as model family `family` names them: what keeps
+    experts and the rest in separate buckets."""
+    return functools.partial(is_expert_engine_name, naming=family)
+
+
 def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify=False,
+                       is_expert: Callable[[str], bool], bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify=False,
                        live: LiveBytes | None = None, sent: dict[str, str] | None = None) -> PushStats:
     """Stream engine-layout tensors into flattened buckets and send each to `engine` (None: count only).
+    `is_expert`: which names are routed experts' (`expert_names_of(family)`), bucketed apart.
 
     One begin/end update around all buckets; with `verify` the engine's per-tensor checksums are compared
     with what was sent afterwards (PublishVerificationError names the first bad tensor); `verify` may select
@@ -193,7 +199,7 @@ def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]
     if engine is not None:
         engine.begin_weight_update()
     try:
-        for bucket in iter_buckets(named_tensors, bucket_bytes):
+        for bucket in iter_buckets(named_tensors, bucket_bytes, is_expert=is_expert):
             if live is not None:
                 live.hold(bucket, bucket.nbytes)
             stats.bytes += bucket.nbytes
@@ -297,7 +303,7 @@ class EngineCopy:
 
 
 def push_changes(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], copy: EngineCopy, *, full: bool,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify=False,
+                 is_expert: Callable[[str], bool], bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify=False,
                  live: LiveBytes | None = None) -> PushStats:
     """One begin/end update (`push_named_tensors`) that sends each tensor whole, as a delta against `copy`
     (a quantized part whose delta is worth it), or not at all (unchanged); `copy` is updated to the new
@@ -344,8 +350,8 @@ def push_changes(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], copy
         if pending:
             send_deltas()
 
-    whole = push_named_tensors(engine, whole_tensors(), bucket_bytes=bucket_bytes, verify=verify, live=live,
-                               sent=delta_sent)
+    whole = push_named_tensors(engine, whole_tensors(), is_expert=is_expert, bucket_bytes=bucket_bytes, verify=verify,
+                               live=live, sent=delta_sent)
     stats.bytes = whole.bytes + stats.delta_bytes
     stats.num_tensors, stats.num_buckets, stats.verified = whole.num_tensors, whole.num_buckets, whole.verified
     return stats
@@ -378,10 +384,11 @@ def _delta_against(copy: EngineCopy, name: str, new: torch.Tensor) -> TensorDelt
     return False if delta is None else delta
 
 
-def publish_from_copy(engine, copy: EngineCopy, *, bucket_bytes: int, verify,
+def publish_from_copy(engine, copy: EngineCopy, *, is_expert: Callable[[str], bool], bucket_bytes: int, verify,
                       live: LiveBytes | None = None) -> PushStats:
     """A full publish of what `copy` holds (the fallback after a mismatch: nothing is re-gathered)."""
-    stats = push_named_tensors(engine, list(copy.held.items()), bucket_bytes=bucket_bytes, verify=verify, live=live)
+    stats = push_named_tensors(engine, list(copy.held.items()), is_expert=is_expert, bucket_bytes=bucket_bytes,
+                               verify=verify, live=live)
     quantized = sum(t.nbytes for n, t in copy.held.items() if is_quantized_part(n, t))
     stats.quantized_bytes = stats.quantized_full_bytes = quantized
     return stats
@@ -522,6 +529,8 @@ class WeightPublisher:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.model = unwrap_model(model)
         self.hf_config = hf_config
+        self.family = family_of(hf_config)
+        self.is_expert = expert_names_of(self.family)  # engine name -> a routed expert's? (bucketed apart)
         self.quant_cfg = as_quant_config(quant_cfg)
         self.quant = quant
         self.engine = engine
@@ -565,7 +574,7 @@ class WeightPublisher:
 
         sites = find_sites(self.model, self.quant_cfg)
         for name, module in sites.items():
-            check_site_geometry(site_geometry(name, module), self.quant_cfg)
+            check_site_geometry(site_geometry(name, module, self.family), self.quant_cfg)
         return sites
 
     # -- per-parameter local payload --------------------------------------------------------------
@@ -585,7 +594,7 @@ class WeightPublisher:
     def _collect(self, topo: _Topology, name: str, param: torch.Tensor, flips: list) -> list[FullParam]:
         from megatron_qarl.weights.sharding import local_to_global_name, shard_rule
 
-        rule = shard_rule(name, param, gated_linear_unit=bool(self.model.config.gated_linear_unit))
+        rule = shard_rule(name, param, family=self.family, gated_linear_unit=bool(self.model.config.gated_linear_unit))
         if not (topo.expert_replica_has_leader if rule.expert else topo.tp_leaders):
             return []  # a replica no engine leader takes its weights from
         kind, parts = self._local(name, param)
@@ -667,8 +676,8 @@ class WeightPublisher:
                     if dist.get_rank() == self.leaders[0]:  # every leader diffed the whole model: count one
                         flips[:] = [stats.codes_changed, stats.codes_compared]
                 else:
-                    stats = push_named_tensors(self.engine, stream, bucket_bytes=self.bucket_bytes, verify=verify,
-                                               live=live)
+                    stats = push_named_tensors(self.engine, stream, is_expert=self.is_expert,
+                                               bucket_bytes=self.bucket_bytes, verify=verify, live=live)
             except Exception as exc:  # other ranks must learn about it instead of hanging
                 error = exc
                 self.copy.version = None  # the engine holds who knows what: the next publish is full
@@ -726,15 +735,15 @@ class WeightPublisher:
     def _push_delta(self, stream, live: LiveBytes, verify) -> tuple[PushStats, str | None, int]:
         reason = self._full_reason()
         try:
-            stats = push_changes(self.engine, stream, self.copy, full=reason is not None,
+            stats = push_changes(self.engine, stream, self.copy, full=reason is not None, is_expert=self.is_expert,
                                  bucket_bytes=self.bucket_bytes, verify=verify, live=live)
             fallbacks = 0
         except WeightDeltaMismatch as mismatch:
             for name, tensor in stream:  # this step's remaining tensors, into the copy (the gathers run anyway)
                 self.copy.keep(name, tensor.detach().contiguous().clone())
             reason, fallbacks = f"the engine refused a delta: {mismatch}", 1
-            stats = publish_from_copy(self.engine, self.copy, bucket_bytes=self.bucket_bytes, verify=verify,
-                                      live=live)
+            stats = publish_from_copy(self.engine, self.copy, is_expert=self.is_expert, bucket_bytes=self.bucket_bytes,
+                                      verify=verify, live=live)
         self.copy.version = self.engine.weight_version()
         self.copy.deltas_since_full = 0 if reason is not None else self.copy.deltas_since_full + 1
         return stats, reason, fallbacks
@@ -783,9 +792,10 @@ def engine_tensor_metas(hf_config, quant_cfg) -> list[TensorMeta]:
     from megatron_qarl.models.aligned import site_in_scope
 
     cfg = as_quant_config(quant_cfg)
+    family = family_of(hf_config)
     metas = []
-    for name, shape in expected_mcore_shapes(hf_config).items():
-        quantized = len(shape) == 2 and site_in_scope(name[: -len(".weight")], cfg)
+    for name, shape in family.adapter.expected_mcore_shapes(hf_config).items():
+        quantized = len(shape) == 2 and site_in_scope(name[: -len(".weight")], cfg, family)
         kind = kind_of(cfg) if quantized else UNQUANTIZED
         param = FullParam(name, kind, meta_linear_parts(kind, shape, cfg), shape)
         metas.extend(TensorMeta.of(n, t) for n, t in full_param_engine_tensors(hf_config, param))
@@ -794,6 +804,7 @@ def engine_tensor_metas(hf_config, quant_cfg) -> list[TensorMeta]:
 
 def plan_publish(hf_config, quant_cfg, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
     """Bytes / tensors / buckets one publish sends for this config (the publisher's own bucket plan)."""
-    buckets = plan_buckets(engine_tensor_metas(hf_config, quant_cfg), bucket_bytes)
+    buckets = plan_buckets(engine_tensor_metas(hf_config, quant_cfg), bucket_bytes,
+                           is_expert=expert_names_of(family_of(hf_config)))
     return {"bytes": sum(m.nbytes for b in buckets for m in b), "num_tensors": sum(len(b) for b in buckets),
             "num_buckets": len(buckets)}

@@ -21,7 +21,7 @@ from typing import Mapping
 import torch
 
 from megatron_qarl.parallel import unwrap_model
-from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_names, is_expert_param
+from megatron_qarl.models.registry import family_of_model
 
 _LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
 
@@ -50,22 +50,20 @@ class ShardRule:
     partition_dim: int | None  # None: replicated
     glu: bool = False          # fc1 of a gated MLP: shard gate and up halves separately
     expert: bool = False       # split over expert-TP (and EP) instead of TP
+    fused_qkv: bool = False    # megatron's linear_qkv (query groups of q, k, v rows)
 
 
-def shard_rule(name: str, param: torch.Tensor | None = None, *, gated_linear_unit: bool = True) -> ShardRule:
-    """How `name` is split. Megatron's param attributes win; the name is the fallback for full tensors."""
-    expert = is_expert_param(name)
-    glu = gated_linear_unit and name.endswith("linear_fc1.weight")
+def shard_rule(name: str, param: torch.Tensor | None = None, *, family, gated_linear_unit: bool = True) -> ShardRule:
+    """How `name` is split: the model family's `param_layout`, with megatron's param attributes winning for
+    the split dim where a local parameter is at hand."""
+    layout = family.param_layout(name)
+    glu = gated_linear_unit and layout.glu
     if param is not None:
         if getattr(param, "tensor_model_parallel", False):
-            return ShardRule(int(param.partition_dim), glu and param.partition_dim == 0, expert)
-        return ShardRule(None, False, expert)
-    if name.endswith(("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight",
-                      "output_layer.weight")):
-        return ShardRule(0, glu, expert)
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-        return ShardRule(1, False, expert)
-    return ShardRule(None, False, expert)
+            return ShardRule(int(param.partition_dim), glu and param.partition_dim == 0, layout.expert,
+                             layout.fused_qkv)
+        return ShardRule(None, False, layout.expert)
+    return ShardRule(layout.partition_dim, glu, layout.expert, layout.fused_qkv)
 
 
 def slice_for_rank(full: torch.Tensor, rule: ShardRule, rank: int, size: int) -> torch.Tensor:
@@ -116,14 +114,14 @@ class ParamRead:
 
 
 def param_read(global_name: str, rule: ShardRule, rank: int, size: int,
-               hf_shapes: Mapping[str, tuple[int, ...]], num_kv_heads: int) -> ParamRead:
+               hf_shapes: Mapping[str, tuple[int, ...]], num_kv_heads: int, *, family) -> ParamRead:
     """The HF tensor ranges that rank `rank` of `size` needs for full mcore parameter `global_name`
     under `rule`; the same values `slice_for_rank(hf_to_mcore(...)[global_name], rule, rank, size)` has.
 
     linear_qkv rows are query groups [q heads of g; k_g; v_g]: a rank's contiguous groups are
     contiguous q, k and v rows. A gated fc1's [gate_r; up_r] are rows of gate and of up.
     """
-    names = hf_names(global_name)
+    names = family.adapter.hf_names(global_name)
     whole = ParamRead(tuple(HfSlice(n) for n in names))
     if rule.partition_dim is None or size == 1:
         return whole
@@ -133,7 +131,7 @@ def param_read(global_name: str, rule: ShardRule, rank: int, size: int,
         each = hf_shapes[name][0] // parts * per_part
         return HfSlice(name, 0, rank * each, (rank + 1) * each)
 
-    if global_name.endswith("self_attention.linear_qkv.weight"):
+    if rule.fused_qkv:
         if dim != 0 or rule.glu or num_kv_heads % size or any(hf_shapes[n][0] % num_kv_heads for n in names):
             return resharded
         groups = num_kv_heads // size
@@ -165,8 +163,8 @@ def global_to_local_name(name: str, ep_rank: int, num_local_experts: int) -> str
 
 
 def shard_full_tensor(name: str, full: torch.Tensor, coords: RankCoords, param: torch.Tensor | None = None,
-                      *, gated_linear_unit: bool = True) -> torch.Tensor:
-    rule = shard_rule(name, param, gated_linear_unit=gated_linear_unit)
+                      *, family, gated_linear_unit: bool = True) -> torch.Tensor:
+    rule = shard_rule(name, param, family=family, gated_linear_unit=gated_linear_unit)
     rank, size = (coords.etp_rank, coords.etp_size) if rule.expert else (coords.tp_rank, coords.tp_size)
     return slice_for_rank(full, rule, rank, size)
 
@@ -183,6 +181,7 @@ def load_full_state_into_model(model, full_state: Mapping[str, torch.Tensor], *,
                                coords: RankCoords | None = None, strict: bool = True) -> None:
     """Copy this rank's slices of a full mcore state (global expert ids) into the model's params."""
     model = unwrap_model(model)
+    family = family_of_model(model)
     coords = coords or RankCoords.from_parallel_state()
     gated = bool(model.config.gated_linear_unit)
     n_local = num_local_experts(model)
@@ -198,7 +197,8 @@ def load_full_state_into_model(model, full_state: Mapping[str, torch.Tensor], *,
             raise ValueError(f"full state has {len(unexpected)} tensor(s) the model does not: {unexpected[:8]}")
     for global_name, local_name in wanted.items():
         param = params[local_name]
-        shard = shard_full_tensor(global_name, full_state[global_name], coords, param, gated_linear_unit=gated)
+        shard = shard_full_tensor(global_name, full_state[global_name], coords, param, family=family,
+                                  gated_linear_unit=gated)
         if tuple(shard.shape) != tuple(param.shape):
             raise ValueError(f"{global_name}: local shard has shape {tuple(shard.shape)} but the parameter "
                              f"{local_name} has {tuple(param.shape)} (full tensor {tuple(full_state[global_name].shape)})")
@@ -224,13 +224,14 @@ def gather_full_state(model, *, use_grad: bool = False) -> dict[str, torch.Tenso
     from megatron.core import parallel_state as ps
 
     model = unwrap_model(model)
+    family = family_of_model(model)
     coords = RankCoords.from_parallel_state()
     gated = bool(model.config.gated_linear_unit)
     n_local = num_local_experts(model)
     full: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         tensor = _value(param, use_grad)
-        rule = shard_rule(name, param, gated_linear_unit=gated)
+        rule = shard_rule(name, param, family=family, gated_linear_unit=gated)
         if rule.expert:
             if rule.partition_dim is not None and coords.etp_size > 1:
                 tensor = join_shards(_all_gather(tensor, ps.get_expert_tensor_parallel_group(), coords.etp_size), rule)

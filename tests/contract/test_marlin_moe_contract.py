@@ -22,7 +22,7 @@ pytestmark = pytest.mark.contract
 sglang = pytest.importorskip("sglang", reason="contract tests need sglang (launch/run_contract_tests.sh)")
 
 from sglang_stubs import sglang_runtime  # noqa: E402,F401 - the fixture
-from test_sglang_loader import SCHEMES, build_model, hf_weights, push_through_sglang_buckets  # noqa: E402
+from test_sglang_loader import QWEN3, SCHEMES, build_model, hf_weights, push_through_sglang_buckets  # noqa: E402
 
 from megatron_qarl.quant import quantize_int4_groupwise  # noqa: E402
 from megatron_qarl.quant.backends import (  # noqa: E402
@@ -48,7 +48,8 @@ def loaded(sglang_runtime):
     """SGLang's W4A16 Qwen3-MoE after its loader consumed our published tensors, and our layout."""
     weights = hf_weights(3)
     model = build_model("w4a16")
-    push_through_sglang_buckets(model, dict(engine_named_tensors(weights.items(), SCHEMES["w4a16"][0])))
+    payload = dict(engine_named_tensors(weights.items(), SCHEMES["w4a16"][0], naming=QWEN3))
+    push_through_sglang_buckets(model, payload)
     experts = model.model.layers[LAYER].mlp.experts
     return experts, sglang_wna16_moe_layout(*spec_experts(weights, LAYER))
 

@@ -18,6 +18,7 @@ Run with launch/run_contract_tests.sh.
 
 import argparse
 import base64
+import functools
 import types
 from pathlib import Path
 
@@ -32,6 +33,8 @@ sglang = pytest.importorskip("sglang", reason="contract tests need sglang (launc
 from sglang_stubs import stub_torchvision  # noqa: E402
 
 from megatron_qarl.config import load_config  # noqa: E402
+from megatron_qarl.models.registry import family_named  # noqa: E402
+from megatron_qarl.quant.engine_layout import is_expert_engine_name  # noqa: E402
 from megatron_qarl.rollout.payload import FlattenedBucket, iter_buckets  # noqa: E402
 from megatron_qarl.rollout.protocol import SamplingParams  # noqa: E402
 from megatron_qarl.rollout.sglang_compat import sglang_bucket_dict  # noqa: E402
@@ -47,6 +50,8 @@ from megatron_qarl.rollout.sglang_engine import (  # noqa: E402
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+QWEN3 = family_named("qwen3_moe")
+IS_EXPERT = functools.partial(is_expert_engine_name, naming=QWEN3)  # what the publisher buckets by
 CONFIGS_30B = sorted(p.name for p in (ROOT / "configs").glob("qwen3_30b_a3b_*.yaml"))
 
 
@@ -195,7 +200,7 @@ def test_ipc_bucket_reconstructed_by_sglang_flattened_tensor_bucket(srt):
 
     expected = dict(_named_tensors())
     seen = {}
-    for bucket in iter_buckets(_named_tensors(), bucket_bytes=1 << 20):
+    for bucket in iter_buckets(_named_tensors(), bucket_bytes=1 << 20, is_expert=IS_EXPERT):
         d = sglang_bucket_dict(bucket)
         assert all(isinstance(m, FlattenedTensorMetadata) for m in d["metadata"])  # SafeUnpickler allow-listed
         # what model_runner_components/weight_updater.py:_update_weights_from_flattened_bucket does
@@ -212,7 +217,7 @@ def test_nccl_bucket_is_the_uint8_buffer_sglang_allocates(srt):
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     expected = dict(_named_tensors())
-    for bucket in iter_buckets(_named_tensors(), bucket_bytes=1 << 20):
+    for bucket in iter_buckets(_named_tensors(), bucket_bytes=1 << 20, is_expert=IS_EXPERT):
         payload = distributed_update_payload(bucket, "qarl_weights_0")
         req = srt.io_struct.UpdateWeightsFromDistributedReqInput(**payload)  # our body is a valid request
         recv = FlattenedTensorBucket.empty(req.names, req.dtypes, req.shapes, "cpu")  # the receiver's buffer
@@ -242,7 +247,8 @@ def test_w4a16_moe_scheme_sglang_selects(srt, monkeypatch, backend, sm100, metho
 
     assert SGLangEngineConfig(model_path="/m", quant_scheme="w4a16", moe_runner_backend="auto").moe_runner_backend == "marlin"
     qc = get_quantization_config("compressed-tensors").from_config(
-        {**w4a16_quantization_config("experts"), "packed_modules_mapping": Qwen3MoeForCausalLM.packed_modules_mapping})
+        {**w4a16_quantization_config("experts", naming=QWEN3),
+         "packed_modules_mapping": Qwen3MoeForCausalLM.packed_modules_mapping})
     monkeypatch.setattr(ct, "get_moe_runner_backend", lambda: MoeRunnerBackend(backend))
     monkeypatch.setattr(ct, "get_platform", lambda: types.SimpleNamespace(is_sm100=sm100))
     fused_moe = type("FusedMoE", (torch.nn.Module,), {})()  # the scheme map targets FusedMoE by class name

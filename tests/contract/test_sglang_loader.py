@@ -13,6 +13,8 @@ Run with launch/run_contract_tests.sh (installs sglang --no-deps in a side venv)
 """
 
 
+import functools
+
 import pytest
 import torch
 
@@ -29,8 +31,13 @@ from megatron_qarl.rollout.sglang_compat import sglang_bucket_dict  # noqa: E402
 from megatron_qarl.quant.engine_layout import (  # noqa: E402
     engine_named_tensors,
     fp8_quantization_config,
+    is_expert_engine_name,
     w4a16_quantization_config,
 )
+from megatron_qarl.models.registry import family_named  # noqa: E402
+
+QWEN3 = family_named("qwen3_moe")
+IS_EXPERT = functools.partial(is_expert_engine_name, naming=QWEN3)  # what the publisher buckets by
 
 LAYERS, EXPERTS, HIDDEN, INTER = 2, 4, 256, 256
 
@@ -68,8 +75,9 @@ def hf_weights(seed):
 
 SCHEMES = {
     "bf16": (None, None),
-    "w4a16": (QuantConfig(scheme="w4a16", scope="experts"), ("compressed-tensors", w4a16_quantization_config("experts"))),
-    "fp8": (QuantConfig(scheme="fp8", scope="all-linears"), ("fp8", fp8_quantization_config())),
+    "w4a16": (QuantConfig(scheme="w4a16", scope="experts"),
+              ("compressed-tensors", w4a16_quantization_config("experts", naming=QWEN3))),
+    "fp8": (QuantConfig(scheme="fp8", scope="all-linears"), ("fp8", fp8_quantization_config(naming=QWEN3))),
 }
 
 
@@ -135,7 +143,7 @@ def push_through_sglang_buckets(model, payload):
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
     named = []
-    for bucket in iter_buckets(payload.items(), bucket_bytes=256 * 1024):
+    for bucket in iter_buckets(payload.items(), bucket_bytes=256 * 1024, is_expert=IS_EXPERT):
         d = sglang_bucket_dict(bucket)
         assert all(isinstance(m, FlattenedTensorMetadata) for m in d["metadata"])
         named += FlattenedTensorBucket(flattened_tensor=d["flattened_tensor"], metadata=d["metadata"]).reconstruct_tensors()
@@ -207,7 +215,7 @@ def test_engine_layout_loads_into_sglang_qwen3_moe(sglang_runtime, scheme):
     quant_cfg, _ = SCHEMES[scheme]
     model = build_model(scheme)
     fill_sentinels(model)
-    payload = dict(engine_named_tensors(hf_weights(1).items(), quant_cfg))
+    payload = dict(engine_named_tensors(hf_weights(1).items(), quant_cfg, naming=QWEN3))
     if scheme == "w4a16":
         assert any(n.endswith("weight_packed") for n in payload)
     consumed = push_through_sglang_buckets(model, payload)
@@ -217,7 +225,7 @@ def test_engine_layout_loads_into_sglang_qwen3_moe(sglang_runtime, scheme):
     # second refit, the RL way (restore -> load). process_weights_after_loading is not run: the Marlin
     # repack needs a CUDA JIT, and for bf16/FP8 it leaves values unchanged on CPU.
     DefaultModelLoader.restore_weights_before_loading(model, torch.device("cpu"))
-    payload2 = dict(engine_named_tensors(hf_weights(2).items(), quant_cfg))
+    payload2 = dict(engine_named_tensors(hf_weights(2).items(), quant_cfg, naming=QWEN3))
     consumed2 = push_through_sglang_buckets(model, payload2)
     assert check_loaded(model, payload2, consumed2, scheme) == n1
 
@@ -228,8 +236,8 @@ def test_bucket_survives_sglang_serializer_round_trip(sglang_runtime):
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-    payload = dict(engine_named_tensors(hf_weights(3).items(), SCHEMES["w4a16"][0]))
-    for bucket in iter_buckets(payload.items(), bucket_bytes=128 * 1024):
+    payload = dict(engine_named_tensors(hf_weights(3).items(), SCHEMES["w4a16"][0], naming=QWEN3))
+    for bucket in iter_buckets(payload.items(), bucket_bytes=128 * 1024, is_expert=IS_EXPERT):
         wire = MultiprocessingSerializer.serialize(sglang_bucket_dict(bucket), output_str=True)
         d = MultiprocessingSerializer.deserialize(wire)
         for name, t in FlattenedTensorBucket(flattened_tensor=d["flattened_tensor"], metadata=d["metadata"]).reconstruct_tensors():

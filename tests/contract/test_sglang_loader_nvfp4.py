@@ -20,7 +20,7 @@ sglang = pytest.importorskip("sglang", reason="contract tests need sglang (launc
 
 from sglang_stubs import sglang_runtime  # noqa: E402,F401 - the fixture
 from test_sglang_loader import (  # noqa: E402
-    EXPERTS, fill_sentinels, hf_config, hf_weights, push_through_sglang_buckets)
+    EXPERTS, QWEN3, fill_sentinels, hf_config, hf_weights, push_through_sglang_buckets)
 
 from megatron_qarl.quant import QuantConfig  # noqa: E402
 from megatron_qarl.quant.engine_layout import engine_named_tensors, quantization_config_for  # noqa: E402
@@ -38,7 +38,8 @@ def build_model(quant_cfg):
     from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
 
     quant_config = get_quantization_config("compressed-tensors").from_config(
-        {**quantization_config_for(quant_cfg), "packed_modules_mapping": Qwen3MoeForCausalLM.packed_modules_mapping})
+        {**quantization_config_for(quant_cfg, naming=QWEN3),
+         "packed_modules_mapping": Qwen3MoeForCausalLM.packed_modules_mapping})
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -90,7 +91,7 @@ def unwritten(p: torch.Tensor) -> bool:
 def loaded(sglang_runtime):
     model = build_model(NVFP4)
     fill_sentinels(model)
-    payload = dict(engine_named_tensors(hf_weights(1).items(), NVFP4))
+    payload = dict(engine_named_tensors(hf_weights(1).items(), NVFP4, naming=QWEN3))
     consumed = push_through_sglang_buckets(model, payload)
     return model, payload, consumed
 

@@ -34,10 +34,13 @@ def seeded_hf_state(cfg=None, seed: int = 1234) -> dict:
 
 
 def w4a16_dequantized_state(hf_state: dict, quant_cfg: QuantConfig) -> dict:
-    """The weights a W4A16 engine holds: in-scope linears int4-quantized and dequantized (fp32)."""
+    """The weights a W4A16 engine holds: in-scope linears (Qwen3-MoE's naming) int4-quantized and dequantized
+    (fp32)."""
+    from megatron_qarl.models.registry import family_named
+
     out = {}
     for name, w in hf_state.items():
-        if quant_cfg.quantizes(name):
+        if quant_cfg.quantizes(name, family_named("qwen3_moe")):
             q = quantize_int4_groupwise(w, quant_cfg.group_size)
             w = dequantize_int4_groupwise(q.codes, q.scales, quant_cfg.group_size, dtype=torch.bfloat16).float()
         out[name] = w

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from _common import write_result
 from aligned_common import (hf_grads_as_mcore, hf_model, mcore_logits, register_torch_moe_backend, seeded_hf_state, tokens,
                             w4a16_dequantized_state)
+from megatron_qarl.models.registry import family_named
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
 from megatron_qarl.quant import QuantConfig, quantize_int4_groupwise
@@ -41,7 +42,7 @@ def gather_like_param(tensor, name, param, coords, n_local):
     """{global name: full tensor} of a per-shard tensor laid out like `param` (codes, scales)."""
     from megatron.core import parallel_state as ps
 
-    rule = shard_rule(name, param)
+    rule = shard_rule(name, param, family=family_named("qwen3_moe"))
     if not rule.expert:
         if rule.partition_dim is not None and coords.tp_size > 1:
             tensor = join_shards(_all_gather(tensor, ps.get_tensor_model_parallel_group(), coords.tp_size), rule)

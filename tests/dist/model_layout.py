@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from _common import write_result
+from megatron_qarl.models.registry import family_named
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
 from megatron_qarl.checkpointing import load_checkpoint, save_checkpoint
@@ -42,7 +43,7 @@ def global_grad_norm(model) -> float:
     dense = torch.zeros((), dtype=torch.float64)
     expert = torch.zeros((), dtype=torch.float64)
     for name, param in module.named_parameters():
-        rule = shard_rule(name, param)
+        rule = shard_rule(name, param, family=family_named("qwen3_moe"))
         sq = _value(param, use_grad=True).double().pow(2).sum()
         if rule.expert:
             if rule.partition_dim is not None or coords.etp_rank == 0:

@@ -8,8 +8,11 @@ import torch
 from _common import write_result
 from optim_model import build_ddp_model, forward_backward
 
+from megatron_qarl.models.registry import family_named
 from megatron_qarl.optim import OptimConfig, build_optimizer
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
+
+QWEN3 = family_named("qwen3_moe")
 
 LR, WD, BETAS, EPS, CLIP = 1e-3, 0.1, (0.9, 0.95), 1e-8, 0.05
 
@@ -18,7 +21,7 @@ def main():
     init_distributed(ParallelLayout(tp=1), seed=1234)
     model = build_ddp_model(tp=1)
     opt = build_optimizer(OptimConfig(name="adamw", lr=LR, weight_decay=WD, betas=BETAS, eps=EPS, clip_grad=CLIP),
-                          [model])
+                          [model], QWEN3)
     params = dict(model.named_parameters())
     ref = {n: p.detach().clone().double() for n, p in params.items()}
     m = {n: torch.zeros_like(v) for n, v in ref.items()}

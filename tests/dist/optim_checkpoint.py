@@ -13,8 +13,11 @@ from _common import write_result
 from optim_model import build_ddp_model, forward_backward
 from optim_muon_tp import gather, to_whole, tp_group_of
 
+from megatron_qarl.models.registry import family_named
 from megatron_qarl.optim import OptimConfig, build_optimizer
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
+
+QWEN3 = family_named("qwen3_moe")
 
 
 def sharded(model, opt, is_loading=False):
@@ -48,7 +51,7 @@ def run(name: str, tp: int, ckpt_dir: str) -> dict:
 
     cfg = dict(name=name, lr=1e-3, weight_decay=0.1, lr_warmup_steps=2)
     model = build_ddp_model(tp, seed=1234)
-    opt = build_optimizer(OptimConfig(**cfg), [model])
+    opt = build_optimizer(OptimConfig(**cfg), [model], QWEN3)
     forward_backward(model, seed=1)
     opt.step()
     if dist.get_rank() == 0:
@@ -62,7 +65,7 @@ def run(name: str, tp: int, ckpt_dir: str) -> dict:
     lr_after = opt.current_lr()
 
     fresh = build_ddp_model(tp, seed=999)
-    fresh_opt = build_optimizer(OptimConfig(**cfg), [fresh])
+    fresh_opt = build_optimizer(OptimConfig(**cfg), [fresh], QWEN3)
     assert any(not torch.equal(p, expected[n]) for n, p in snapshot(fresh).items())
     loaded = dist_checkpointing.load(sharded(fresh, fresh_opt, is_loading=True), ckpt_dir)
     fresh.module.load_state_dict(loaded["model"])
@@ -82,7 +85,7 @@ def load_at_tp1(name: str, ckpt_dir: str, saved_state: dict) -> int:
 
     cfg = dict(name=name, lr=1e-3, weight_decay=0.1, lr_warmup_steps=2)
     model = build_ddp_model(1, seed=999)
-    opt = build_optimizer(OptimConfig(**cfg), [model])
+    opt = build_optimizer(OptimConfig(**cfg), [model], QWEN3)
     loaded = dist_checkpointing.load(sharded(model, opt, is_loading=True), ckpt_dir)
     model.module.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["optimizer"])

@@ -10,8 +10,11 @@ import torch.distributed as dist
 from _common import write_result
 from optim_model import build_ddp_model, forward_backward, param_names
 
+from megatron_qarl.models.registry import family_named
 from megatron_qarl.optim import OptimConfig, TensorParallelTorchMuon, build_optimizer
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
+
+QWEN3 = family_named("qwen3_moe")
 
 STEPS = 2
 LR, WD = 0.02, 0.1
@@ -88,7 +91,7 @@ def run_layout(tp: int, ep: int, etp: int) -> dict:
     model = build_ddp_model(tp, ep=ep, etp=etp)
     tcfg = model.config
     names = param_names(model)
-    opt = build_optimizer(OptimConfig(name="muon", lr=LR, weight_decay=WD, clip_grad=0.0), [model])
+    opt = build_optimizer(OptimConfig(name="muon", lr=LR, weight_decay=WD, clip_grad=0.0), [model], QWEN3)
     assert opt.backend == "torch"
 
     muon_ids, adam_ids = set(), set()

@@ -8,6 +8,7 @@ import torch
 
 from aligned_common import seeded_hf_state, tokens
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
+from megatron_qarl.models.registry import family_of
 from megatron_qarl.quant import QuantConfig, quantize_weight
 from megatron_qarl.rollout.payload import unflatten_bucket
 from megatron_qarl.quant.engine_layout import engine_named_tensors
@@ -57,7 +58,7 @@ def build_model(layout, cfg=None, seed: int = 1234):
 def offline_engine_tensors(model, cfg, quant_cfg) -> dict[str, torch.Tensor]:
     """The independent reference: gather the masters, convert to HF, quantize the full weights."""
     hf = mcore_to_hf(cfg, gather_full_state(model))
-    return dict(engine_named_tensors(hf.items(), quant_cfg))
+    return dict(engine_named_tensors(hf.items(), quant_cfg, naming=family_of(cfg)))
 
 
 def mismatches(got: dict, want: dict) -> list[str]:
@@ -76,7 +77,7 @@ def full_codes(model, cfg, quant_cfg) -> dict:
     hf = mcore_to_hf(cfg, gather_full_state(model))
     out = {}
     for name, w in hf.items():
-        if quant_cfg.quantizes(name):
+        if quant_cfg.quantizes(name, family_of(cfg)):
             q = quantize_weight(w, quant_cfg)
             out[name] = q.codes if quant_cfg.scheme == "w4a16" else q.qweight.view(torch.uint8)
     return out
@@ -114,8 +115,9 @@ def write_engine_checkpoint(path, cfg, named: dict, quant_cfg, tokenizer=None):
 
     config = cfg.to_dict()
     config.update(architectures=["Qwen3MoeForCausalLM"], torch_dtype="bfloat16")
-    if quantization_config_for(quant_cfg) is not None:
-        config["quantization_config"] = quantization_config_for(quant_cfg)
+    qc = quantization_config_for(quant_cfg, naming=family_of(cfg))
+    if qc is not None:
+        config["quantization_config"] = qc
     path.mkdir()
     (path / "config.json").write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in named.items()}, str(path / "model.safetensors"))

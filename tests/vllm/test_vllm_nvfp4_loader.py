@@ -17,6 +17,7 @@ import subprocess
 import pytest
 import torch
 
+from megatron_qarl.models.registry import family_named
 from megatron_qarl.quant import QuantConfig
 from megatron_qarl.quant.engine_layout import engine_named_tensors, quantization_config_for
 from megatron_qarl.rollout.vllm_engine import vllm_python
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.vllm
 
 E, H, I = 4, 256, 128  # experts, hidden, moe_intermediate
 NVFP4 = QuantConfig(scheme="nvfp4", scope="experts", group_size=16)
+QWEN3 = family_named("qwen3_moe")
 
 LOAD = r"""
 import json, sys, types
@@ -104,7 +106,7 @@ def our_experts(seed: int = 0) -> dict:
     for e in range(E):
         for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
             hf[f"model.layers.0.mlp.experts.{e}.{proj}_proj.weight"] = torch.randn(*shape, generator=gen) * (e + 1)
-    return dict(engine_named_tensors(hf.items(), NVFP4))
+    return dict(engine_named_tensors(hf.items(), NVFP4, naming=QWEN3))
 
 
 def test_vllm_loads_our_nvfp4_experts_with_its_own_loader(tmp_path):
@@ -114,7 +116,7 @@ def test_vllm_loads_our_nvfp4_experts_with_its_own_loader(tmp_path):
 
     payload = our_experts()
     save_file({n: t.contiguous() for n, t in payload.items()}, str(tmp_path / "in.safetensors"))
-    run = subprocess.run([str(vllm_python()), "-c", LOAD, json.dumps(quantization_config_for(NVFP4)),
+    run = subprocess.run([str(vllm_python()), "-c", LOAD, json.dumps(quantization_config_for(NVFP4, naming=QWEN3)),
                           str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors"), str(E), str(H), str(I)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_qarl.errors import CheckpointError
-from megatron_qarl.quant.config import SCOPE_GROUPS
-from megatron_qarl.quant.schemes import NO_SCHEME
+from megatron_qarl.models.family import MoEGeometry, QuantizedDim
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Numbers of Qwen/Qwen3-30B-A3B config.json.
@@ -35,8 +34,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-class UnsupportedModelError(ValueError):
-    """The HF config uses a feature the mcore Qwen3-MoE mapping does not implement."""
+from megatron_qarl.models.family import UnsupportedModelError  # noqa: E402 - one error for every family
 
 
 def preset_hf_config(name: str, **overrides):
@@ -256,6 +254,32 @@ def parameter_counts(hf_config) -> dict[str, int]:
     return dict(total=groups.total, expert=groups.experts, non_expert=groups.total - groups.experts, active=active)
 
 
-def quantized_groups(quant) -> tuple[str, ...]:
-    """Which ParamGroups kinds the quantization scope covers (router/embeddings/lm_head never)."""
-    return SCOPE_GROUPS[quant.scope] if quant.scheme != NO_SCHEME else ()
+def moe_geometry(hf_config) -> MoEGeometry:
+    """Qwen3-MoE routes in every layer (the mcore build has no dense layers: `check_supported`)."""
+    return MoEGeometry(int(hf_config.num_hidden_layers), int(hf_config.num_experts_per_tok),
+                       int(hf_config.num_experts))
+
+
+def quantized_dims(shape: ModelShape, groups: tuple[str, ...], tp: int, etp: int) -> list[QuantizedDim]:
+    """Each dimension of a quantized linear in `groups`, and how it is split. Column-parallel layers split the
+    output dim, row-parallel ones (o_proj, down_proj) the input dim."""
+    hidden, ffn, dense_ffn = shape.hidden_size, shape.moe_intermediate_size, shape.intermediate_size
+    q_out = shape.num_attention_heads * shape.head_dim
+    kv_out = shape.num_key_value_heads * shape.head_dim
+    rows = []
+    if "experts" in groups:
+        rows += [("mlp.experts.*.gate_proj/up_proj", "input dim (hidden)", hidden, 1, "ETP", True),
+                 ("mlp.experts.*.down_proj", "input dim (moe_intermediate_size)", ffn, etp, "ETP", True),
+                 ("mlp.experts.*.gate_proj/up_proj", "output dim (moe_intermediate_size)", ffn, etp, "ETP", False),
+                 ("mlp.experts.*.down_proj", "output dim (hidden)", hidden, 1, "ETP", False)]
+    if "attention" in groups:
+        rows += [("self_attn.q_proj/k_proj/v_proj", "input dim (hidden)", hidden, 1, "TP", True),
+                 ("self_attn.o_proj", "input dim (heads*head_dim)", q_out, tp, "TP", True),
+                 ("self_attn.q_proj", "output dim (heads*head_dim)", q_out, tp, "TP", False),
+                 ("self_attn.k_proj/v_proj", "output dim (kv_heads*head_dim)", kv_out, tp, "TP", False),
+                 ("self_attn.o_proj", "output dim (hidden)", hidden, 1, "TP", False)]
+    if "dense_mlp" in groups and shape.dense_layers:
+        rows += [("mlp.gate_proj/up_proj", "input dim (hidden)", hidden, 1, "TP", True),
+                 ("mlp.down_proj", "input dim (intermediate_size)", dense_ffn, tp, "TP", True),
+                 ("mlp.gate_proj/up_proj", "output dim (intermediate_size)", dense_ffn, tp, "TP", False)]
+    return [QuantizedDim(*row) for row in rows]

@@ -5,13 +5,18 @@ The mcore model built here computes the same function as transformers' `Qwen3Moe
 """
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from megatron_qarl.models.qwen3_moe.args import check_divisibility, check_supported, hf_head_dim, hf_rope_theta
+from megatron_qarl.models.local_spec import (  # noqa: F401 - re-exported for the family's tests
+    CORE_ATTENTIONS, SequenceParallelTorchNorm, core_attention_class, define_router_gemm_without_te,
+    transformer_engine_problem,
+)
+from megatron_qarl.models.qwen3_moe.args import (
+    SUPPORTED_MODEL_TYPE, check_divisibility, check_supported, hf_head_dim, hf_rope_theta,
+)
 
 
 def _layout_sizes(layout) -> dict[str, Any]:
@@ -87,81 +92,6 @@ def transformer_config_from_hf(hf_config, layout=None, *, params_dtype=torch.flo
     return TransformerConfig(**kwargs)
 
 
-class SequenceParallelTorchNorm:
-    """megatron's local norm (torch RMSNorm / LayerNorm, megatron-core 0.16.1 ``transformer/torch_norm.py``
-    ``WrappedTorchNorm``) without its ``assert not config.sequence_parallel`` (torch_norm.py:32).
-
-    The local spec is what runs without TransformerEngine (every CPU, a GPU without TE), and sequence
-    parallelism is mandatory for MoE at TP > 1, so with the stock norm no TP > 1 layout builds. A norm works
-    per token, so it is exact on a sequence shard. Its weights are replicated over TP and each rank sees
-    only its shard of the tokens (or, for the q/k norms, of the heads), so they are marked
-    ``sequence_parallel`` as TE's norm marks them: ``finalize_model_grads`` sums their grads over TP
-    (``distributed/finalize_model_grads.py:354``)."""
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
-                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
-        from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-        local = copy.copy(config)
-        local.sequence_parallel = False
-        norm = WrappedTorchNorm(local, hidden_size, eps=eps, persist_layer_norm=persist_layer_norm,
-                                zero_centered_gamma=zero_centered_gamma, normalization=normalization)
-        if config.sequence_parallel:
-            for param in norm.parameters():
-                param.sequence_parallel = True
-        return norm
-
-
-def define_router_gemm_without_te() -> None:
-    """megatron-core 0.16.1 ``transformer/moe/moe_utils.py`` binds ``te_general_gemm`` only inside its
-    TransformerEngine import block (lines 30-39), yet ``RouterGatingLinearFunction`` (lines 1192, 1225)
-    tests ``te_general_gemm is not None`` whenever ``moe_router_dtype`` is set (ours: fp32, as HF's router):
-    a NameError in every router forward without TE, on any device (docs/gpu-runs.md F1). Binding the name
-    to None selects megatron's own torch.mm path; with TE installed the name exists and nothing changes."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
-# model.core_attention: the core attention of the local spec. sdpa: torch's fused SDPA kernel, no L x L
-# tensor (models/sdpa_attention.py); unfused: megatron's DotProductAttention (materialises the [b*np, sq, sk]
-# scores and keeps the probabilities for backward; for comparisons and memory measurements); te:
-# TransformerEngine's TEDotProductAttention (needs TE, i.e. a GPU install).
-CORE_ATTENTIONS = ("sdpa", "unfused", "te")
-
-
-def core_attention_class(name: str) -> type:
-    """The `SelfAttentionSubmodules.core_attention` class for a `CORE_ATTENTIONS` name."""
-    if name == "sdpa":
-        from megatron_qarl.models.sdpa_attention import SDPADotProductAttention
-
-        return SDPADotProductAttention
-    if name == "unfused":
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-        return DotProductAttention
-    if name == "te":
-        problem = transformer_engine_problem()
-        if problem:
-            raise ValueError(f"core_attention='te': {problem}, or use core_attention='sdpa'")
-        from megatron.core.extensions.transformer_engine import TEDotProductAttention
-
-        return TEDotProductAttention
-    raise ValueError(f"core_attention={name!r} is not one of {', '.join(map(repr, CORE_ATTENTIONS))}")
-
-
-def transformer_engine_problem() -> str | None:
-    """None where TransformerEngine imports (what megatron's TE extension needs, ``extensions/transformer_engine.py``
-    lines 61-77), else why not and how to install it."""
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except (ImportError, OSError) as err:
-        return (f"TransformerEngine does not import here ({type(err).__name__}: {err}); install it on a GPU "
-                "machine (pip install --no-build-isolation -r requirements/gpu-te.txt)")
-    return None
-
-
 def qwen3_moe_layer_spec(hf_config, *, use_te: bool = False, core_attention: str = "sdpa"):
     """Layer spec for Qwen3-MoE. The local spec runs anywhere (its norms: `SequenceParallelTorchNorm`; its core
     attention: `core_attention`, one of `CORE_ATTENTIONS`, in place of megatron's local choice, the unfused
@@ -212,7 +142,7 @@ def build_qwen3_moe_model(hf_config, layout=None, *, params_dtype=torch.float32,
 
     config = transformer_config_from_hf(hf_config, layout, params_dtype=params_dtype,
                                         **(config_overrides or {}))
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=qwen3_moe_block_spec(config, hf_config, use_te=use_te,
                                                     core_attention=core_attention),
@@ -226,3 +156,5 @@ def build_qwen3_moe_model(hf_config, layout=None, *, params_dtype=torch.float32,
         rotary_percent=1.0,
         rotary_base=hf_rope_theta(hf_config),
     )
+    model.model_family = SUPPORTED_MODEL_TYPE  # what models.registry.family_of_model reads
+    return model

@@ -19,11 +19,10 @@ from typing import Mapping
 
 import torch
 
+from megatron_qarl.models.family import ParamLayout, WeightMappingError
 from megatron_qarl.models.qwen3_moe.args import hf_head_dim
 
 
-class WeightMappingError(ValueError):
-    """A checkpoint does not match the model: missing, unexpected or wrongly shaped tensors."""
 
 
 # per-layer 1:1 renames (HF suffix after `model.layers.{i}.` -> mcore suffix after `decoder.layers.{i}.`)
@@ -211,6 +210,79 @@ def hf_linear_name(mcore_module: str) -> str | None:
         return hf_names(mcore_module + ".weight")[0]
     except WeightMappingError:
         return None
+
+
+# ---------------------------------------------------------------- quantization groups and parameter layout
+# The HF linear groups a quantization scope is made of (names with or without `.weight`). The router
+# (`mlp.gate`), norms, embeddings and lm_head belong to none of them.
+_LINEAR_GROUPS = {
+    "experts": re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj(\.weight)?$"),
+    "attention": re.compile(r"\.self_attn\.(q|k|v|o)_proj(\.weight)?$"),
+    "dense_mlp": re.compile(r"\.mlp\.(shared_expert\.)?(gate|up|down)_proj(\.weight)?$"),
+}
+# compressed-tensors ignore entries that keep a group bf16 (vLLM asks about a fused MoE layer by its experts'
+# unfused names, `...mlp.experts.0.gate_proj`, so the experts' pattern names them)
+_IGNORE_GROUP = {
+    "experts": [r"re:.*mlp\.experts\..*"],
+    "attention": ["re:.*self_attn.*"],
+    "dense_mlp": ["re:.*shared_expert.*", r"re:.*mlp\.(gate|up|down)_proj$"],
+}
+_NEVER_QUANTIZED = ["lm_head", "re:.*mlp.gate$"]  # the router and the output layer, whatever the scope
+
+
+def linear_group(hf_name: str) -> str | None:
+    """"experts" / "attention" / "dense_mlp" for an HF linear name, None for everything else."""
+    return next((group for group, pattern in _LINEAR_GROUPS.items() if pattern.search(hf_name)), None)
+
+
+# Linears an engine fuses into one (SGLang / vLLM: qkv_proj, gate_up_proj / w13): megatron holds them as one
+# weight too (linear_qkv, linear_fc1), so a scale over the whole tensor spans them all.
+_FUSED_LINEARS = re.compile(r"^(.*\.(?:self_attn|mlp(?:\.experts\.\d+|\.shared_expert)?))\.(q|k|v|gate|up)_proj(\.weight)?$")
+_FUSED_MEMBERS = {"q": ("q", "k", "v"), "k": ("q", "k", "v"), "v": ("q", "k", "v"), "gate": ("gate", "up"),
+                  "up": ("gate", "up")}
+
+
+def fused_linear_group(hf_name: str) -> tuple[str, tuple[str, ...]] | None:
+    """(group key, HF names of every linear in it) of a linear an engine fuses with others (q/k/v_proj of
+    one layer, gate/up_proj of one expert or MLP); None for the others (o_proj, down_proj, ...)."""
+    match = _FUSED_LINEARS.match(hf_name)
+    if match is None:
+        return None
+    base, proj, suffix = match.group(1), match.group(2), match.group(3) or ""
+    members = _FUSED_MEMBERS[proj]
+    return f"{base}.{''.join(members)}", tuple(f"{base}.{m}_proj{suffix}" for m in members)
+
+
+def compressed_tensors_ignore(quantized_groups: tuple[str, ...]) -> list[str]:
+    """The compressed-tensors ``ignore`` list that leaves exactly the linears of `quantized_groups` quantized."""
+    unknown = set(quantized_groups) - set(_LINEAR_GROUPS)
+    if unknown:
+        raise ValueError(f"unknown Qwen3-MoE linear group(s) {sorted(unknown)}; groups: {tuple(_LINEAR_GROUPS)}")
+    ignore = list(_NEVER_QUANTIZED)
+    for group in _LINEAR_GROUPS:
+        if group not in quantized_groups:
+            ignore += _IGNORE_GROUP[group]
+    return ignore
+
+
+_GROUPED_WEIGHT = re.compile(r"\.weight\d+$")
+
+
+def param_layout(mcore_name: str) -> ParamLayout:
+    """How full megatron parameter `mcore_name` splits over TP (expert-TP for routed experts): column-parallel
+    qkv / fc1 / embeddings / output layer along dim 0 (fc1 gated: halves apart), row-parallel proj / fc2 along
+    dim 1, the rest (norms, router) replicated."""
+    expert = is_expert_param(mcore_name)
+    mcore_name = _GROUPED_WEIGHT.sub(".weight", mcore_name)  # grouped-GEMM experts: linear_fc1.weight<e>
+    if mcore_name.endswith("linear_fc1.weight"):
+        return ParamLayout(0, glu=True, expert=expert)
+    if mcore_name.endswith("linear_qkv.weight"):
+        return ParamLayout(0, fused_qkv=True, expert=expert)
+    if mcore_name.endswith(("word_embeddings.weight", "output_layer.weight")):
+        return ParamLayout(0, expert=expert)
+    if mcore_name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return ParamLayout(1, expert=expert)
+    return ParamLayout(None, expert=expert)
 
 
 def _split_qkv_rows(hf_config, part: torch.Tensor, weight_rows: int) -> tuple[torch.Tensor, ...]:

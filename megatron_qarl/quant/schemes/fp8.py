@@ -6,6 +6,7 @@ The numbers are quant/fp8.py's. Engine tensors of one linear: ``weight`` float8_
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +31,20 @@ def fp8_block_size(hf_name: str, parts: Mapping[str, torch.Tensor]) -> int:
     raise EngineLayoutError(f"{hf_name}: weight_scale_inv grid {grid} fits no block size for weight {(n, k)}")
 
 
+def modules_to_not_convert(ignore: list[str]) -> list[str]:
+    """transformers' ``modules_to_not_convert`` (module names, or their last components) for a compressed-tensors
+    ``ignore`` list (the model family's, for scope all-linears: what it never quantizes): a plain entry as it is,
+    ``re:.*<name>$`` as ``<name>`` (its dots read literally). An entry of another form names no module."""
+    out = []
+    for entry in ignore:
+        name = entry[3:].removeprefix(".*").removesuffix("$") if entry.startswith("re:") else entry
+        if not re.fullmatch(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", name):
+            raise EngineLayoutError(f"FP8 checkpoints list module names in modules_to_not_convert; the ignore entry "
+                                    f"{entry!r} is no module name nor 're:.*<module name>$'")
+        out.append(name)
+    return out
+
+
 class FP8(QuantScheme):
     name = "fp8"
     kind = "fp8"
@@ -40,7 +55,7 @@ class FP8(QuantScheme):
     unit_field = "block_size"
     unit_name = "block"
     scopes = ("all-linears",)
-    why_scopes = "FP8 covers all linears except router/embeddings/lm_head; set scope='all-linears'"
+    why_scopes = "FP8 covers all linears except router/embeddings/output layer; set scope='all-linears'"
     default_scope = "all-linears"
     quantizes_activations = True
     engines = {"vllm": EngineSupport(refit=False, why_not="no FP8 refit verified against vLLM")}
@@ -99,15 +114,16 @@ class FP8(QuantScheme):
         return fp8_block_size(hf_name, parts)
 
     def quantization_config(self, cfg, ignore: list[str]) -> dict:
-        """Qwen3-FP8 / DeepSeek style. FP8 covers all linears (scope all-linears); the router and lm_head stay
-        bf16: ``modules_to_not_convert`` says so to transformers (SGLang's Qwen3-MoE builds its router gate
-        and lm_head unquantized by itself)."""
+        """Qwen3-FP8 / DeepSeek style. FP8 covers all linears (scope all-linears); what `ignore` (the model
+        family's list for all linears) keeps bf16, the router and the output layer, stays bf16:
+        ``modules_to_not_convert`` says so to transformers (SGLang's Qwen3-MoE builds its router gate and
+        lm_head unquantized by itself)."""
         return {
             "quant_method": "fp8",
             "fmt": "e4m3",
             "activation_scheme": "dynamic",
             "weight_block_size": [cfg.block_size, cfg.block_size],
-            "modules_to_not_convert": ["lm_head", "mlp.gate"],
+            "modules_to_not_convert": modules_to_not_convert(ignore),
         }
 
     def quantized_linears(self, qc: Mapping[str, Any], linear_names) -> set[str]:

@@ -1,0 +1,115 @@
+"""`ModelFamily`: everything the rest of the code asks a model architecture (as torchtitan's ``ModelSpec``).
+
+One object per family (``models/<family>/__init__.py`` ends in ``FAMILY = ModelFamily(...)``), found by the
+``model_type`` of the HF config a run trains (``models/registry.py``). Callers take the family as an argument
+(``family_of(hf_config)`` once per run) and never import a family's modules: the naming, the megatron build,
+the parameter layout, the quantization groups and the route geometry of a model live in its folder only.
+
+The quantization side asks a family three naming questions (``quant/`` holds no HF name pattern): which
+quantization group an HF linear belongs to (``linear_group``: "experts", "attention", "dense_mlp" or None for
+what is never quantized: router, norms, embeddings, lm_head), which linears an engine fuses into one
+(``fused_linear_group``), and the compressed-tensors ``ignore`` list that keeps a set of groups bf16
+(``compressed_tensors_ignore``). ``quant.config.LinearNaming`` is that protocol.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+
+class UnsupportedModelError(ValueError):
+    """An HF config of an architecture no registered family builds, or using a feature its family does not
+    implement."""
+
+
+class WeightMappingError(ValueError):
+    """A checkpoint does not match the model: missing, unexpected or wrongly shaped tensors."""
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How a full megatron parameter is split over its tensor-parallel group: the one owner of the layout that
+    sharding (gather / shard), the aligned forward (shard geometry), the optimizer (expert placement) and the
+    config checks read."""
+
+    partition_dim: int | None  # the dim split over TP (expert-TP for experts); None: replicated
+    glu: bool = False  # fc1 of a gated MLP: gate and up halves are split separately
+    fused_qkv: bool = False  # megatron's linear_qkv: q/k/v rows interleaved per query group
+    expert: bool = False  # a routed expert's: split over EP x expert-TP, not TP
+
+
+@dataclass(frozen=True)
+class MoEGeometry:
+    """What a route tensor of this model must fit: its MoE layers, top-k and routed experts."""
+
+    num_layers: int  # MoE layers (dense layers route nothing)
+    topk: int
+    num_experts: int
+
+
+@dataclass(frozen=True)
+class QuantizedDim:
+    """One dimension of a quantized linear's weight, as the shard checks ask it: is it split, over which axis,
+    and is it the input dim K (group-wise scales run along K)."""
+
+    linears: str  # HF names, for the message: "mlp.experts.*.down_proj"
+    dim: str  # "input dim (moe_intermediate_size)"
+    size: int
+    parts: int  # how many ranks split it
+    axis: str  # "TP" | "ETP"
+    along_k: bool
+
+
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: one object per family
+class ModelFamily:
+    """One model architecture. Every field is a plain value or function; see models/qwen3_moe for one."""
+
+    model_type: str  # config.json's model_type
+    architecture: str  # config.json's architectures[0] (the transformers class)
+    presets: Mapping[str, Mapping[str, Any]]  # named HF config arguments (no download)
+
+    # config: HF configs from presets, files and dicts; refusals of what the build does not implement
+    config_from_preset: Callable[..., Any]  # (name, **overrides) -> HF config
+    config_from_dict: Callable[[Mapping[str, Any]], Any]
+    read_hf_config: Callable[[Any], Any]  # an HF model directory -> its HF config (checked)
+    check_divisibility: Callable[[Any, int, int, int], None]  # (hf_config, tp, ep, etp); ValueError
+    shape: Callable[[Any], Any]  # hf_config (or dict) -> its ModelShape (memory model, dry run, checks)
+    param_groups: Callable[..., Any]  # (shape, experts_per_layer=None) -> ParamGroups
+    quantized_dims: Callable[[Any, tuple[str, ...], int, int], list[QuantizedDim]]  # (shape, groups, tp, etp)
+
+    # the megatron build: (hf_config, layout=None, *, params_dtype, use_te, core_attention, ...) -> GPTModel
+    build_model: Callable[..., Any]
+
+    # THE naming, HF <-> megatron, both ways from one table (hf_to_mcore, mcore_to_hf, to_hf, from_hf,
+    # hf_names, expected_hf_shapes, expected_mcore_shapes, validate_state, hf_linear_name, hf_state_from_model,
+    # transformers_tensor, load_hf_state_into_model, WeightMappingError)
+    adapter: ModuleType
+
+    param_layout: Callable[[str], ParamLayout]  # full megatron parameter name -> its split
+    linear_group: Callable[[str], str | None]  # HF linear name (with or without .weight) -> quant group
+    fused_linear_group: Callable[[str], tuple[str, tuple[str, ...]] | None]
+    compressed_tensors_ignore: Callable[[tuple[str, ...]], list[str]]  # groups quantized -> ignore list
+
+    moe_geometry: Callable[[Any], MoEGeometry]
+
+    # the embedded engine: the transformers model class, its router module class, and the selected expert ids
+    # out of that router's forward output
+    causal_lm_class: Callable[[], type]
+    router_class: Callable[[], type]
+    routed_experts_of: Callable[[Any], Any]
+
+    def is_expert_param(self, mcore_name: str) -> bool:
+        return self.param_layout(mcore_name).expert
+
+    def is_routed_expert(self, hf_name: str) -> bool:
+        return self.linear_group(hf_name) == "experts"
+
+    def parameter_counts(self, hf_config) -> dict[str, int]:
+        """Exact total / routed-expert / non-expert / active-per-token parameter counts."""
+        shape = self.shape(hf_config)
+        groups = self.param_groups(shape)
+        active = self.param_groups(shape, experts_per_layer=shape.num_experts_per_tok).total
+        return dict(total=groups.total, expert=groups.experts, non_expert=groups.total - groups.experts,
+                    active=active)

