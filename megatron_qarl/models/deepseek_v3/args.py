@@ -1,0 +1,406 @@
+"""DeepSeek-V3 architecture facts (Moonlight-16B-A3B is the flagship), no megatron: presets, the HF config a run
+trains, its shape, and the parameter counter (by sharding/quantization group) the memory estimate, the dry run
+and the converter use. docs/notes/deepseek-v3-family.md holds the measured facts cited here.
+
+DeepSeek-V3 = Multi-head Latent Attention (MLA) + a sigmoid-scored MoE with an expert-bias ("noaux_tc") router,
+group-limited top-k, a routed scaling factor, shared experts, and `first_k_dense_replace` dense layers first.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_qarl.errors import CheckpointError
+from megatron_qarl.models.family import MoEGeometry, QuantizedDim, UnsupportedModelError
+
+SUPPORTED_MODEL_TYPE = "deepseek_v3"
+SUPPORTED_ARCHITECTURE = "DeepseekV3ForCausalLM"
+
+# What every preset shares: the router DeepSeek-V3 checkpoints declare. transformers' DeepseekV3Config does not
+# declare scoring_func / topk_method (it always routes this way), but SGLang and vLLM build the fp32
+# e_score_correction_bias only when topk_method == "noaux_tc" (notes section 2), so a config this code writes
+# carries them.
+_ROUTER = dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Numbers of moonshotai/Moonlight-16B-A3B(-Instruct) config.json (notes section 3). eos: the tokenizer's [EOS]
+    # (163585); the Instruct checkpoint's config.json may name its end-of-message token (163586) instead, and a run
+    # reading model.hf_path takes the checkpoint's own.
+    "moonlight-16b-a3b": dict(
+        vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
+        n_routed_experts=64, routed_scaling_factor=2.446, kv_lora_rank=512, q_lora_rank=None,
+        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=1, topk_group=1,
+        num_experts_per_tok=6, first_k_dense_replace=1, hidden_act="silu", max_position_embeddings=8192,
+        rms_norm_eps=1e-5, rope_theta=50000.0, tie_word_embeddings=False, attention_bias=False,
+        num_nextn_predict_layers=0, bos_token_id=163584, eos_token_id=163585, **_ROUTER,
+    ),
+    # The family's test model: first layer dense, then MoE; group-limited routing ON (2 groups of 4 experts, one
+    # chosen; top-2 = 2 x topk_group, the only group size where megatron's group score equals HF's: see
+    # `check_supported`). rms_norm_eps=1e-6 is HF's hard-coded eps of the latent norms (q_a/kv_a_layernorm), so
+    # the build (latent norms at rms_norm_eps, as SGLang/vLLM run them) equals transformers exactly.
+    # q_lora_rank None as Moonlight; tests override it to cover the q_a/q_b (DeepSeek-V3 proper) path.
+    # kv_lora_rank + qk_rope_head_dim = 80 and q_lora_rank overrides of 96 divide by TP 2 (and 4, 8).
+    "tiny-deepseek-v3": dict(
+        vocab_size=128, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=8, routed_scaling_factor=2.446, kv_lora_rank=64, q_lora_rank=None,
+        qk_rope_head_dim=16, v_head_dim=32, qk_nope_head_dim=32, n_group=2, topk_group=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, hidden_act="silu", max_position_embeddings=512,
+        rms_norm_eps=1e-6, rope_theta=50000.0, tie_word_embeddings=False, attention_bias=False,
+        num_nextn_predict_layers=0, bos_token_id=None, eos_token_id=None, **_ROUTER,
+    ),
+}
+
+
+def config_from_preset(name: str, **overrides):
+    """A transformers `DeepseekV3Config` for a named preset, with keyword overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown DeepSeek-V3 preset {name!r}; choose one of {sorted(PRESETS)}")
+    kwargs = copy.deepcopy(PRESETS[name])
+    kwargs.update(overrides)
+    rope_theta = kwargs.pop("rope_theta", None)
+    if rope_theta is not None:  # transformers 5 keeps rope settings in `rope_parameters`
+        kwargs.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": float(rope_theta)})
+    return config_from_dict(kwargs)
+
+
+def tiny_hf_config(**overrides):
+    return config_from_preset("tiny-deepseek-v3", **overrides)
+
+
+def config_from_dict(hf_config: Mapping[str, Any]):
+    """A transformers `DeepseekV3Config` from a dict of its arguments (a config.json's contents)."""
+    from transformers import DeepseekV3Config
+
+    raw = dict(hf_config)
+    model_type = raw.pop("model_type", SUPPORTED_MODEL_TYPE)
+    if model_type != SUPPORTED_MODEL_TYPE:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not {SUPPORTED_MODEL_TYPE!r}")
+    return DeepseekV3Config.from_dict(raw)
+
+
+def _rope_parameters(hf_config) -> dict:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if "rope_theta" not in params and getattr(hf_config, "rope_theta", None) is not None:
+        params = {"rope_type": "default", **params, "rope_theta": hf_config.rope_theta}
+    return dict(params)
+
+
+def hf_rope_theta(hf_config) -> float:
+    params = _rope_parameters(hf_config)
+    if params.get("rope_type", "default") not in ("default", None):
+        raise UnsupportedModelError(
+            f"rope_type {params.get('rope_type')!r} is not supported; only default RoPE (Moonlight) maps to mcore "
+            "here (yarn, DeepSeek-V3 proper, is not mapped yet)")
+    if params.get("rope_theta") is None:
+        raise UnsupportedModelError("HF config has neither rope_parameters['rope_theta'] nor rope_theta")
+    return float(params["rope_theta"])
+
+
+def check_supported(hf_config) -> None:
+    """Raise UnsupportedModelError for HF features the megatron build would compute differently."""
+    problems = []
+
+    def get(key, default=None):
+        return getattr(hf_config, key, default)
+
+    try:
+        hf_rope_theta(hf_config)
+    except UnsupportedModelError as err:
+        problems.append(str(err))
+    if get("rope_interleave", True) is False:
+        problems.append("rope_interleave=False: megatron's MLA de-interleaves the rope dims as HF does with "
+                        "rope_interleave=True; a False checkpoint needs its rope rows permuted (not implemented)")
+    if get("scoring_func", "sigmoid") != "sigmoid":
+        problems.append(f"scoring_func={get('scoring_func')!r}; only sigmoid (DeepSeek-V3) is supported")
+    if get("topk_method", "noaux_tc") != "noaux_tc":
+        problems.append(f"topk_method={get('topk_method')!r}; only noaux_tc (expert-bias routing) is supported")
+    if not get("norm_topk_prob", True):
+        problems.append("norm_topk_prob=False: megatron's sigmoid router always renormalises the top-k scores "
+                        "(moe_utils.py:724)")
+    n_experts, n_group, topk_group = int(get("n_routed_experts")), int(get("n_group") or 1), int(get("topk_group") or 1)
+    topk = int(get("num_experts_per_tok"))
+    if n_group > 1:
+        if n_experts % n_group:
+            problems.append(f"n_routed_experts={n_experts} is not divisible by n_group={n_group}")
+        if not 1 <= topk_group <= n_group:
+            problems.append(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
+        elif topk // topk_group != 2:
+            # HF scores a group by the sum of its top-2 expert scores (modeling_deepseek_v3.py:137-141),
+            # megatron by the sum of its top-(topk // topk_group) (moe_utils.py:554)
+            problems.append(f"group-limited routing with num_experts_per_tok // topk_group = {topk // topk_group}: "
+                            "megatron scores a group by its top-(topk/topk_group) experts, HF by its top-2; they "
+                            "agree only when num_experts_per_tok == 2 * topk_group (DeepSeek-V3: 8 = 2 * 4)")
+    if get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={get('hidden_act')!r}; only silu (SwiGLU) is supported")
+    if get("attention_bias", False):
+        problems.append("attention_bias=True; DeepSeek-V3 linears have no bias")
+    if get("tie_word_embeddings", False):
+        problems.append("tie_word_embeddings=True; DeepSeek-V3 uses an untied lm_head")
+    dense = int(get("first_k_dense_replace") or 0)
+    if dense >= int(get("num_hidden_layers")):
+        problems.append(f"first_k_dense_replace={dense} leaves no MoE layer of {get('num_hidden_layers')}")
+    if n_experts < topk:
+        problems.append(f"num_experts_per_tok={topk} exceeds n_routed_experts={n_experts}")
+    if problems:
+        raise UnsupportedModelError("unsupported DeepSeek-V3 config: " + "; ".join(problems))
+
+
+def check_divisibility(hf_config, tp: int, ep: int, etp: int) -> None:
+    """ValueError listing every dimension the parallel layout does not divide. The down-projections are
+    replicated in the model, but megatron's MLA constructor builds them column-parallel first (then replaced:
+    mla_attention.ReplicatedDownProjMLASelfAttention), so their rows must divide by TP as well."""
+    errs = []
+    heads = hf_config.num_attention_heads
+    if heads % tp:
+        errs.append(f"num_attention_heads={heads} is not divisible by TP={tp}")
+    kv_down = hf_config.kv_lora_rank + hf_config.qk_rope_head_dim
+    if kv_down % tp:
+        errs.append(f"kv_lora_rank + qk_rope_head_dim = {kv_down} (kv_a_proj_with_mqa rows) is not divisible by "
+                    f"TP={tp}")
+    if hf_config.q_lora_rank is not None and hf_config.q_lora_rank % tp:
+        errs.append(f"q_lora_rank={hf_config.q_lora_rank} (q_a_proj rows) is not divisible by TP={tp}")
+    if hf_config.vocab_size % tp:
+        errs.append(f"vocab_size={hf_config.vocab_size} is not divisible by TP={tp} (pad the vocab in the "
+                    "checkpoint or pick a TP that divides it)")
+    if hf_config.intermediate_size % tp:
+        errs.append(f"intermediate_size={hf_config.intermediate_size} (dense layers) is not divisible by TP={tp}")
+    shared = hf_config.n_shared_experts * hf_config.moe_intermediate_size
+    if shared % tp:
+        errs.append(f"n_shared_experts * moe_intermediate_size = {shared} (shared experts) is not divisible by "
+                    f"TP={tp}")
+    if hf_config.n_routed_experts % ep:
+        errs.append(f"n_routed_experts={hf_config.n_routed_experts} is not divisible by EP={ep}")
+    if hf_config.moe_intermediate_size % etp:
+        errs.append(f"moe_intermediate_size={hf_config.moe_intermediate_size} is not divisible by ETP={etp}")
+    if errs:
+        raise ValueError("parallel layout does not fit the model: " + "; ".join(errs))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape the memory model, dry run and config checks read (Qwen3's ModelShape attribute names), plus
+    MLA's own dimensions.
+
+    MLA mapped onto the generic names (an approximation, documented for memory.py's estimates):
+    - ``num_key_value_heads`` = ``num_attention_heads``: MLA's up-projection gives every head its own k and v
+      (HF's num_key_value_heads says the same for Moonlight: 16).
+    - ``head_dim`` = ``qk_nope_head_dim + qk_rope_head_dim`` (192 for Moonlight), the q/k head dim the core
+      attention runs at. v is narrower (``v_head_dim``, 128), so activation estimates built on
+      ``(2*heads + 2*kv_heads) * head_dim`` overcount v by (192-128)/192 per head.
+    - The engine's KV cache is NOT ``2 * kv_heads * head_dim`` per layer and token: MLA engines cache the latent,
+      ``kv_lora_rank + qk_rope_head_dim`` = 576 values (``mla_kv_cache_dim``), replicated over the engine's TP.
+      memory.kv_bytes_per_token's formula overestimates it (2*16*192 = 6144 vs 576 for Moonlight).
+    HF's own ``head_dim`` attribute is qk_rope_head_dim (64; configuration_deepseek_v3.py __post_init__): not used.
+    """
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    vocab_size: int
+    intermediate_size: int = 0  # the dense layers' MLP
+    tie_word_embeddings: bool = False
+    dense_layers: tuple[int, ...] = field(default_factory=tuple)
+    # MLA and DeepSeek MoE specifics
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    n_shared_experts: int = 0
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> "ModelShape":
+        """From a transformers DeepseekV3Config, or a dict of its constructor arguments."""
+        if isinstance(hf, Mapping):
+            hf = config_from_dict(hf)
+        layers = int(hf.num_hidden_layers)
+        heads = int(hf.num_attention_heads)
+        n_dense = min(int(hf.first_k_dense_replace or 0), layers)
+        return cls(
+            hidden_size=int(hf.hidden_size), num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=heads, head_dim=int(hf.qk_nope_head_dim) + int(hf.qk_rope_head_dim),
+            num_experts=int(hf.n_routed_experts), num_experts_per_tok=int(hf.num_experts_per_tok),
+            moe_intermediate_size=int(hf.moe_intermediate_size), vocab_size=int(hf.vocab_size),
+            intermediate_size=int(hf.intermediate_size), tie_word_embeddings=bool(hf.tie_word_embeddings),
+            dense_layers=tuple(range(n_dense)),
+            q_lora_rank=None if hf.q_lora_rank is None else int(hf.q_lora_rank),
+            kv_lora_rank=int(hf.kv_lora_rank), qk_nope_head_dim=int(hf.qk_nope_head_dim),
+            qk_rope_head_dim=int(hf.qk_rope_head_dim), v_head_dim=int(hf.v_head_dim),
+            n_shared_experts=int(hf.n_shared_experts or 0))
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_hidden_layers - len(self.dense_layers)
+
+    @property
+    def q_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        return self.n_shared_experts * self.moe_intermediate_size
+
+    @property
+    def mla_kv_cache_dim(self) -> int:
+        """Values an MLA engine caches per layer and token (the compressed kv and the shared rope key)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def check_model_type(cfg_file) -> None:
+    """Refuse a config.json of another architecture up front: transformers would read it as a DeepSeek-V3
+    config with default settings and the weights would not map."""
+    try:
+        raw = json.loads(Path(cfg_file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot parse {cfg_file}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"cannot parse {cfg_file}: the top level is a {type(raw).__name__}, not an object")
+    model_type, archs = raw.get("model_type"), raw.get("architectures")
+    wrong_type = model_type is not None and model_type != SUPPORTED_MODEL_TYPE
+    wrong_arch = isinstance(archs, list) and archs and SUPPORTED_ARCHITECTURE not in archs
+    if wrong_type or wrong_arch:
+        v2 = " (DeepSeek-V2 routes with softmax and no expert bias: not this family)" \
+            if model_type == "deepseek_v2" else ""
+        raise UnsupportedModelError(
+            f"{cfg_file}: model_type {model_type!r}, architectures {archs}{v2}; the DeepSeek-V3 family reads "
+            f"model_type '{SUPPORTED_MODEL_TYPE}' ({SUPPORTED_ARCHITECTURE}), e.g. moonshotai/Moonlight-16B-A3B")
+
+
+def read_hf_config(path):
+    """The `DeepseekV3Config` of an HF model directory (`<path>/config.json`), read without remote code."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file} is missing; an HF checkpoint directory needs config.json")
+    check_model_type(cfg_file)
+    try:
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+        raw.pop("auto_map", None)  # the remote configuration_deepseek: the native class reads the same fields
+        return config_from_dict(raw)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
+        raise CheckpointError(f"cannot parse {cfg_file}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameter counts
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ParamGroups:
+    """Parameter counts by how they are sharded and whether they can be quantized (Qwen3's groups)."""
+
+    attention: int  # MLA projections (TP-sharded) and the latent norms q_a/kv_a_layernorm (replicated)
+    dense_mlp: int  # gate/up/down of the dense layers and of the shared experts (TP-sharded)
+    experts: int  # routed expert weights (EP x ETP-sharded)
+    router: int  # router weight and its e_score_correction_bias (replicated; the bias is a buffer in megatron)
+    norms: int  # input/post-attention layernorms and the final norm (replicated)
+    embedding: int  # vocab-parallel
+    lm_head: int  # vocab-parallel (0 when tied)
+
+    @property
+    def total(self) -> int:
+        return (self.attention + self.dense_mlp + self.experts + self.router + self.norms + self.embedding
+                + self.lm_head)
+
+
+def attention_params_per_layer(shape: ModelShape) -> int:
+    h, heads = shape.hidden_size, shape.num_attention_heads
+    q_out = heads * shape.q_head_dim
+    if shape.q_lora_rank is None:
+        q = h * q_out  # q_proj
+    else:
+        q = h * shape.q_lora_rank + shape.q_lora_rank + shape.q_lora_rank * q_out  # q_a_proj, q_a_layernorm, q_b_proj
+    kv = (h * (shape.kv_lora_rank + shape.qk_rope_head_dim) + shape.kv_lora_rank  # kv_a_proj_with_mqa, kv_a_layernorm
+          + shape.kv_lora_rank * heads * (shape.qk_nope_head_dim + shape.v_head_dim))  # kv_b_proj
+    return q + kv + heads * shape.v_head_dim * h  # o_proj
+
+
+def param_groups(shape: ModelShape, experts_per_layer: int | None = None) -> ParamGroups:
+    """Counts for the whole model; `experts_per_layer` = top-k gives the parameters active per token."""
+    h = shape.hidden_size
+    e = shape.num_experts if experts_per_layer is None else experts_per_layer
+    embedding = shape.vocab_size * h
+    dense_layers = len(shape.dense_layers)
+    return ParamGroups(
+        attention=attention_params_per_layer(shape) * shape.num_hidden_layers,
+        dense_mlp=3 * h * (shape.intermediate_size * dense_layers
+                           + shape.shared_expert_intermediate_size * shape.moe_layers),
+        experts=3 * h * shape.moe_intermediate_size * e * shape.moe_layers,
+        router=(shape.num_experts * h + shape.num_experts) * shape.moe_layers,
+        norms=2 * h * shape.num_hidden_layers + h,
+        embedding=embedding,
+        lm_head=0 if shape.tie_word_embeddings else embedding,
+    )
+
+
+def parameter_counts(hf_config) -> dict[str, int]:
+    """Exact total / routed-expert / non-expert / active-per-token parameter counts of `hf_config`."""
+    shape = ModelShape.from_hf(hf_config)
+    groups = param_groups(shape)
+    active = param_groups(shape, experts_per_layer=shape.num_experts_per_tok).total
+    return dict(total=groups.total, expert=groups.experts, non_expert=groups.total - groups.experts, active=active)
+
+
+def moe_geometry(hf_config) -> MoEGeometry:
+    """Only the layers after the first `first_k_dense_replace` route (and have a megatron router). Engines that
+    record one row per decoder layer (SGLang: num_hidden_layers rows, the dense ones never written) must have
+    their first `first_k_dense_replace` rows dropped to fit this geometry."""
+    layers = int(hf_config.num_hidden_layers) - int(hf_config.first_k_dense_replace or 0)
+    return MoEGeometry(layers, int(hf_config.num_experts_per_tok), int(hf_config.n_routed_experts))
+
+
+def quantized_dims(shape: ModelShape, groups: tuple[str, ...], tp: int, etp: int) -> list[QuantizedDim]:
+    """Each dimension of a quantized linear in `groups`, and how the learner (local spec) splits it.
+
+    MLA in this family's build: the projections into the heads (q_proj, q_b_proj) are column-parallel (output dim
+    split over TP), o_proj row-parallel (input dim split), the down-projections q_a_proj / kv_a_proj_with_mqa are
+    replicated (mla_attention.ReplicatedDownProjMLASelfAttention). kv_b_proj is never quantized
+    (state_dict_adapter.linear_group: SGLang needs it bf16).
+    """
+    hidden, ffn, dense_ffn = shape.hidden_size, shape.moe_intermediate_size, shape.intermediate_size
+    heads = shape.num_attention_heads
+    q_out, o_in = heads * shape.q_head_dim, heads * shape.v_head_dim
+    kv_down = shape.kv_lora_rank + shape.qk_rope_head_dim
+    shared = shape.shared_expert_intermediate_size
+    rows = []
+    if "experts" in groups:
+        rows += [("mlp.experts.*.gate_proj/up_proj", "input dim (hidden)", hidden, 1, "ETP", True),
+                 ("mlp.experts.*.down_proj", "input dim (moe_intermediate_size)", ffn, etp, "ETP", True),
+                 ("mlp.experts.*.gate_proj/up_proj", "output dim (moe_intermediate_size)", ffn, etp, "ETP", False),
+                 ("mlp.experts.*.down_proj", "output dim (hidden)", hidden, 1, "ETP", False)]
+    if "attention" in groups:
+        if shape.q_lora_rank is None:
+            rows += [("self_attn.q_proj", "input dim (hidden)", hidden, 1, "TP", True),
+                     ("self_attn.q_proj", "output dim (heads*q_head_dim)", q_out, tp, "TP", False)]
+        else:
+            rows += [("self_attn.q_a_proj", "input dim (hidden)", hidden, 1, "TP", True),
+                     ("self_attn.q_a_proj", "output dim (q_lora_rank)", shape.q_lora_rank, 1, "TP", False),
+                     ("self_attn.q_b_proj", "input dim (q_lora_rank)", shape.q_lora_rank, 1, "TP", True),
+                     ("self_attn.q_b_proj", "output dim (heads*q_head_dim)", q_out, tp, "TP", False)]
+        rows += [("self_attn.kv_a_proj_with_mqa", "input dim (hidden)", hidden, 1, "TP", True),
+                 ("self_attn.kv_a_proj_with_mqa", "output dim (kv_lora_rank+qk_rope_head_dim)", kv_down, 1, "TP",
+                  False),
+                 ("self_attn.o_proj", "input dim (heads*v_head_dim)", o_in, tp, "TP", True),
+                 ("self_attn.o_proj", "output dim (hidden)", hidden, 1, "TP", False)]
+    if "dense_mlp" in groups:
+        if shape.dense_layers:
+            rows += [("mlp.gate_proj/up_proj", "input dim (hidden)", hidden, 1, "TP", True),
+                     ("mlp.down_proj", "input dim (intermediate_size)", dense_ffn, tp, "TP", True),
+                     ("mlp.gate_proj/up_proj", "output dim (intermediate_size)", dense_ffn, tp, "TP", False)]
+        if shared:
+            rows += [("mlp.shared_experts.gate_proj/up_proj", "input dim (hidden)", hidden, 1, "TP", True),
+                     ("mlp.shared_experts.down_proj", "input dim (n_shared_experts*moe_intermediate_size)", shared,
+                      tp, "TP", True),
+                     ("mlp.shared_experts.gate_proj/up_proj", "output dim (n_shared_experts*moe_intermediate_size)",
+                      shared, tp, "TP", False)]
+    return [QuantizedDim(*row) for row in rows]
