@@ -41,6 +41,39 @@ def test_the_grep_bites(tmp_path):
     assert scheme_string_uses(src, {"w4a16"}, root=tmp_path) == ["engine.py:4: 'w4a16'"]
 
 
+SCHEME_MODULES = {type(s).__module__ for s in REGISTRY.values()}  # megatron_qarl.quant.schemes.<file>
+
+
+def scheme_module_imports(paths, modules=SCHEME_MODULES, root: Path = ROOT) -> list[str]:
+    """`file:line: module` of every import of a scheme's own module (not the registry package)."""
+    out = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            out += [f"{path.relative_to(root)}:{node.lineno}: {n}" for n in names if n in modules]
+    return out
+
+
+def test_schemes_are_reached_only_through_the_registry():
+    """Outside quant/schemes/ no code imports a scheme's module: it asks the registry (quant.schemes: scheme_of,
+    scheme_named, ...) for the scheme object."""
+    users = [p for pkg in ("megatron_qarl", "conversion", "benchmarks", "experiments")
+             for p in sorted((ROOT / pkg).rglob("*.py")) if (ROOT / "megatron_qarl/quant/schemes") not in p.parents]
+    assert scheme_module_imports(users) == []
+
+
+def test_the_scheme_import_grep_bites(tmp_path):
+    (tmp_path / "user.py").write_text("from megatron_qarl.quant.schemes.w4a16 import int4_codes\n"
+                                      "from megatron_qarl.quant.schemes import nvfp4\n")
+    assert scheme_module_imports([tmp_path / "user.py"], root=tmp_path) == [
+        "user.py:1: megatron_qarl.quant.schemes.w4a16", "user.py:2: megatron_qarl.quant.schemes.nvfp4"]
+
+
 def test_the_config_choices_are_the_registry():
     assert SCHEMES == (NO_SCHEME,) + tuple(REGISTRY)
     assert set(BACKEND_SCHEMES["reference"]) == set(REGISTRY)  # the reference GEMM runs every format

@@ -28,8 +28,6 @@ from megatron_qarl.quant.schemes import (
     NO_SCHEME, SCHEMES, engine_part_names, scheme_of, scheme_of_kind, scheme_of_part,
     scheme_of_quantization_config, scheme_of_weight,
 )
-from megatron_qarl.quant.schemes.fp8 import fp8_block_size  # noqa: F401 - the embedded engine reads FP8 tiles
-from megatron_qarl.quant.schemes.w4a16 import int4_codes  # noqa: F401 - the aten_int4 sampler reads int4 codes
 
 QuantizedWeight = Any  # a registered scheme's quantized weight (Int4Weight, Fp8Weight, ...)
 UNQUANTIZED = "bf16"  # the engine kind of a linear no scheme quantizes

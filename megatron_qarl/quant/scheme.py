@@ -87,6 +87,11 @@ class QuantScheme:
     engines: Mapping[str, EngineSupport] = {}  # rollout.engine name -> its support (names checked by rollout/engines)
     sampler_kernels: tuple[str, ...] = ("dequantized",)  # the embedded engine's GEMMs for this format
 
+    def int4_operands(self, hf_name: str, parts):
+        """(int codes [N, K], scales [N, K / group]) of one linear's engine parts, for an int4 sampler kernel
+        (a scheme whose `sampler_kernels` lists aten_int4 implements it)."""
+        raise NotImplementedError(f"{self.name} has no int4 sampler kernel operands")
+
     # ------------------------------------------------------------------ config
     def unit(self, cfg) -> int:
         """Elements per scale along K (group size / block side) under `cfg`."""

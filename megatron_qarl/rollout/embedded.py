@@ -37,7 +37,7 @@ from megatron_qarl.models.registry import config_from_dict, family_of, family_na
 from megatron_qarl.quant.aten_int4 import (
     SAMPLER_W4A16_KERNELS, AtenInt4Weight, aten_int4_linear, pack_aten_int4)
 from megatron_qarl.quant.engine_layout import (
-    PARTS, UNQUANTIZED, EngineLayoutError, dequantize_linear, engine_part, int4_codes, quantization_config_for)
+    PARTS, UNQUANTIZED, EngineLayoutError, dequantize_linear, engine_part, quantization_config_for)
 from megatron_qarl.quant.errors import QuantizationError
 from megatron_qarl.quant.schemes import scheme_of_kind
 from megatron_qarl.rollout.delta import DeltaBatch, apply_delta_batch
@@ -334,7 +334,7 @@ class EmbeddedEngine:
             self._quantize_inputs(prefix, scheme, tile)
         if self.w4a16_kernel == "aten_int4" and "aten_int4" in scheme.sampler_kernels:
             try:
-                self._int4[prefix] = pack_aten_int4(*int4_codes(f"{prefix}.weight", parts), self.dtype, prefix)
+                self._int4[prefix] = pack_aten_int4(*scheme.int4_operands(f"{prefix}.weight", parts), self.dtype, prefix)
             except QuantizationError as err:
                 raise EngineWeightError(str(err)) from None
             self._run_on_int4_kernel(prefix)

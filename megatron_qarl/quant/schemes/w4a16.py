@@ -45,6 +45,9 @@ class W4A16(QuantScheme):
     packed_nibbles = True
     default_scope = "experts"
     sampler_kernels = ("dequantized", "aten_int4")
+
+    def int4_operands(self, hf_name, parts):
+        return int4_codes(hf_name, parts)
     engines = {
         "sglang": EngineSupport(
             scopes=("experts",),
