@@ -176,6 +176,12 @@ def num_local_experts(model) -> int:
     return config.num_moe_experts // config.expert_model_parallel_size
 
 
+def _state_buffers(model) -> dict[str, torch.Tensor]:
+    """Persistent buffers that are model state (DeepSeek-V3's router expert_bias), replicated on every rank."""
+    keys = set(model.state_dict(keep_vars=True))
+    return {n: b for n, b in model.named_buffers() if n in keys}
+
+
 @torch.no_grad()
 def load_full_state_into_model(model, full_state: Mapping[str, torch.Tensor], *,
                                coords: RankCoords | None = None, strict: bool = True) -> None:
@@ -186,7 +192,9 @@ def load_full_state_into_model(model, full_state: Mapping[str, torch.Tensor], *,
     gated = bool(model.config.gated_linear_unit)
     n_local = num_local_experts(model)
     params = dict(model.named_parameters())
+    buffers = _state_buffers(model)
     wanted = {local_to_global_name(n, coords.ep_rank, n_local): n for n in params}
+    wanted.update({n: n for n in buffers})
     missing = sorted(set(wanted) - set(full_state))
     if missing:
         raise ValueError(f"full state lacks {len(missing)} tensor(s) the model needs: {missing[:8]}")
@@ -196,6 +204,9 @@ def load_full_state_into_model(model, full_state: Mapping[str, torch.Tensor], *,
         if unexpected:
             raise ValueError(f"full state has {len(unexpected)} tensor(s) the model does not: {unexpected[:8]}")
     for global_name, local_name in wanted.items():
+        if local_name in buffers:
+            buffers[local_name].copy_(full_state[global_name])
+            continue
         param = params[local_name]
         shard = shard_full_tensor(global_name, full_state[global_name], coords, param, family=family,
                                   gated_linear_unit=gated)
@@ -248,6 +259,9 @@ def gather_full_state(model, *, use_grad: bool = False) -> dict[str, torch.Tenso
                 full[name] = join_shards(_all_gather(tensor, ps.get_tensor_model_parallel_group(), coords.tp_size), rule)
             else:
                 full[name] = tensor.clone()
+    if not use_grad:
+        for name, buf in _state_buffers(model).items():
+            full[name] = buf.detach().clone()
     return dict(sorted(full.items(), key=lambda kv: _natural_key(kv[0])))
 
 
