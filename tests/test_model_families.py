@@ -86,7 +86,7 @@ def test_preset_names_are_unique_across_families():
 
 
 def test_an_unregistered_model_type_is_one_line_naming_the_families(tmp_path):
-    with pytest.raises(UnsupportedModelError, match="no supported model family; supported: qwen3_moe"):
+    with pytest.raises(UnsupportedModelError, match="no supported model family; supported: qwen3_moe, deepseek_v3"):
         family_named("llama")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
     with pytest.raises(UnsupportedModelError, match="a dense model.*supported model families: 'qwen3_moe'"):

@@ -17,6 +17,7 @@ from megatron_qarl.models.family import ModelFamily, UnsupportedModelError
 # model_type -> the package whose FAMILY it is
 FAMILY_MODULES = {
     "qwen3_moe": "megatron_qarl.models.qwen3_moe",
+    "deepseek_v3": "megatron_qarl.models.deepseek_v3",
 }
 
 

@@ -168,7 +168,9 @@ def engine_named_tensors(
     waiting: dict[str, dict[str, torch.Tensor]] = {}  # fused group -> its linears that have arrived
     for name, tensor in hf_named_tensors:
         if not (name.endswith(".weight") and cfg.quantizes(name, naming)):
-            yield name, tensor.detach().to(torch.bfloat16)
+            # weights go bf16; a tensor that is no weight (DeepSeek-V3's fp32 router score-correction bias, which
+            # the engines hold in fp32 and route on) keeps its dtype, so engine and learner route alike
+            yield name, tensor.detach().to(torch.bfloat16) if name.endswith(".weight") else tensor.detach()
             continue
         if tensor.dim() != 2:
             raise EngineLayoutError(f"{name}: a quantized linear needs a 2-D weight, got {tuple(tensor.shape)}")

@@ -39,6 +39,8 @@ HF_SIDECAR_KEY = "hf_files"
 # extra state: where the tokenizer the checkpoint's model was trained with comes from (an HF tokenizer dir or
 # hub name, or "char" for the demo char tokenizer); exports write it next to the weights
 TOKENIZER_SOURCE_KEY = "tokenizer_source"
+# extra state: HF names a bf16 source checkpoint held in fp32 (mcore-to-hf writes them back fp32)
+SOURCE_FP32_KEY = "source_fp32_tensors"
 CHAR_TOKENIZER = "char"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "generation_config.json", "added_tokens.json", "tokenizer.model",
@@ -437,10 +439,15 @@ def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *,
     except ConversionError as exc:  # a non-finite weight in this rank's part
         problem = exc
     _stop_all_ranks_if_any(problem)
-    first = next(iter(index.dtypes.values()), "BF16")
+    dtypes = list(index.dtypes.values())
+    most = max(set(dtypes), key=dtypes.count) if dtypes else "BF16"  # a few fp32 tensors do not make it fp32
+    source_dtype = "fp32" if most == "F32" else "bf16"
     extra = {HF_SIDECAR_KEY: hf_checkpoint_files(hf_config, hf_dir),
              TOKENIZER_SOURCE_KEY: str(Path(hf_dir).resolve()),
-             "source_dtype": "fp32" if first == "F32" else "bf16",
+             "source_dtype": source_dtype,
+             # bf16 checkpoints that keep a few tensors fp32 (DeepSeek-V3's e_score_correction_bias): written
+             # back fp32 so mcore-to-hf stays bit-exact
+             SOURCE_FP32_KEY: sorted(n for n, d in index.dtypes.items() if d == "F32") if source_dtype == "bf16" else [],
              "layout": {"tp": layout.tp, "ep": layout.ep}}
     return save_checkpoint(out, model, extra=extra, force=force)
 
@@ -485,6 +492,7 @@ class McoreSource:
     side_files: dict[str, bytes]
     source_dtype: str
     tokenizer_source: str | None = None  # TOKENIZER_SOURCE_KEY of its extra state (None: not recorded)
+    fp32_names: frozenset = frozenset()  # HF tensors a bf16 source held fp32 (SOURCE_FP32_KEY)
 
 
 def open_mcore_checkpoint(path: str | os.PathLike) -> McoreSource:
@@ -510,7 +518,8 @@ def open_mcore_checkpoint(path: str | os.PathLike) -> McoreSource:
                               "qarl-convert hf-to-mcore, sft or qarl-train; convert from the HF model instead")
     kind = "run" if read_marker(path).get("has_optimizer") else "dist"
     return McoreSource(path, kind, hf_config_from_json(files[CONFIG_NAME]), files,
-                       extra.get("source_dtype", "bf16"), extra.get(TOKENIZER_SOURCE_KEY))
+                       extra.get("source_dtype", "bf16"), extra.get(TOKENIZER_SOURCE_KEY),
+                       frozenset(extra.get(SOURCE_FP32_KEY) or ()))
 
 
 # fp32 bytes of model tensors one dist_checkpointing.load call reads: what a streamed conversion from a megatron
@@ -536,12 +545,13 @@ class McoreTensors:
     def open(cls, src: McoreSource, read_bytes: int | None = None) -> "McoreTensors":
         """Checks the checkpoint (complete, file sizes) and locates every parameter; reads no weight yet."""
         from megatron_qarl.checkpointing import ModelTensorReader
-        from megatron_qarl.weights.sharding import _natural_key
+        from megatron_qarl.weights.sharding import _natural_key, _state_buffers
 
         # TP1/EP1: the meta model's parameter names are the full (global expert id) names the adapter maps, and
-        # its sharded_state_dict asks for whole global tensors, whatever TP/EP saved them
+        # its sharded_state_dict asks for whole global tensors, whatever TP/EP saved them; persistent buffers
+        # (DeepSeek-V3's router expert_bias) are model state the adapter maps too
         model = _build_model(src.hf_config, _init_world(), meta=True)
-        params = dict(model.named_parameters())
+        params = dict(model.named_parameters()) | _state_buffers(model)
         adapter = family_of(src.hf_config).adapter
         adapter.validate_state(params, adapter.expected_mcore_shapes(src.hf_config), "mcore state")
         # sizes and sha256 of every file checked on the reading rank (under torchrun only rank 0 reads)
@@ -584,6 +594,7 @@ def mcore_to_hf_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, d
     (`tokenizer`: an HF tokenizer dir or "char"; default: the checkpoint's, see plan_tokenizer)."""
     out = check_output(out, force, [ckpt])
     src = open_mcore_checkpoint(ckpt)
+    fp32_names = src.fp32_names if dtype is None else frozenset()  # an explicit --dtype applies to every tensor
     dtype = dtype or src.source_dtype
     if dtype not in DTYPES:
         raise ConversionError(f"unknown --dtype {dtype!r}; choose one of {sorted(DTYPES)}")
@@ -598,7 +609,7 @@ def mcore_to_hf_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, d
         writer = ShardWriter(tmp, max_shard_bytes)
         with progress(stream.total_bytes, "mcore-to-hf") as bar:
             for name, tensor in checked(stream):
-                writer.add(name, tensor.to(torch_dtype))
+                writer.add(name, tensor.to(torch.float32 if name in fp32_names else torch_dtype))
                 bar.update(_nbytes(tensor))
         writer.finish()
         tok.write(tmp)
@@ -793,7 +804,8 @@ def _inspect_hf(path: Path) -> dict:
 
     expected = expected_engine_names(family.adapter.expected_hf_shapes(config), quant_cfg, naming=family)
     missing, unexpected = sorted(expected - names), sorted(names - expected)
-    return {"path": str(path), "format": f"hf-{fmt}", "layout": f"{len(files)} safetensors file(s)",
+    return {"path": str(path), "format": f"hf-{fmt}", **_model_info(family),
+            "layout": f"{len(files)} safetensors file(s)",
             "bytes": nbytes, "tensors": len(names), "parameters": family.parameter_counts(config),
             "quantization_config": raw.get("quantization_config"),
             "complete": not missing and not unexpected, "missing": missing[:16], "unexpected": unexpected[:16]}
@@ -829,20 +841,29 @@ def _inspect_mcore(path: Path) -> dict:
     missing = list(problems) + ([] if stored_params == expected_params else [
         f"stored tensors hold {stored_params:,} parameters, the config needs {expected_params:,}"])
     marker = read_marker(path)
-    return {"path": str(path), "format": f"megatron-{src.kind}", "layout": f"torch_dist, saved by "
+    return {"path": str(path), "format": f"megatron-{src.kind}", **_model_info(family_of(src.hf_config)),
+            "layout": f"torch_dist, saved by "
             f"{marker.get('world_size', '?')} rank(s); loads at any TP/EP",
             "bytes": nbytes, "tensors": len(weights), "parameters": family_of(src.hf_config).parameter_counts(src.hf_config),
             "quantization_config": None, "complete": not missing, "missing": missing[:16], "unexpected": [],
             **files_info}
 
 
+def _model_info(family) -> dict:
+    """The model family a checkpoint holds: config.json's model_type and the transformers architecture."""
+    return {"model_type": family.model_type, "architecture": family.architecture}
+
+
 def format_inspection(info: dict) -> str:
     p = info["parameters"]
-    lines = [f"path:        {info['path']}", f"format:      {info['format']}", f"layout:      {info['layout']}",
-             f"size:        {info['bytes'] / 1e6:.1f} MB in {info['tensors']} tensors",
-             f"parameters:  total {p['total']:,}  active {p['active']:,}  experts {p['expert']:,}" if p else
-             "parameters:  unknown (the checkpoint's side state could not be read)",
-             f"quantization: {json.dumps(info['quantization_config']) if info['quantization_config'] else 'none'}"]
+    lines = [f"path:        {info['path']}", f"format:      {info['format']}"]
+    if info.get("model_type"):
+        lines.append(f"model:       {info['model_type']} ({info['architecture']})")
+    lines += [f"layout:      {info['layout']}",
+              f"size:        {info['bytes'] / 1e6:.1f} MB in {info['tensors']} tensors",
+              f"parameters:  total {p['total']:,}  active {p['active']:,}  experts {p['expert']:,}" if p else
+              "parameters:  unknown (the checkpoint's side state could not be read)",
+              f"quantization: {json.dumps(info['quantization_config']) if info['quantization_config'] else 'none'}"]
     if "files" in info:
         lines.append(f"files:       {info['verified']} of {info['files']} match the size and sha256 recorded at save"
                      if info["files"] else "files:       no sizes/digests recorded (written before qarl recorded them)")

@@ -196,11 +196,13 @@ _LINEAR_GROUPS = {
     "dense_mlp": re.compile(r"\.mlp\.(shared_experts\.)?(gate|up|down)_proj(\.weight)?$"),
 }
 # compressed-tensors ignore entries that keep a group bf16 (engines ask about a fused MoE layer by its experts'
-# unfused names, `...mlp.experts.0.gate_proj`, and about fused dense linears by their shards' names)
+# unfused names, `...mlp.experts.0.gate_proj`; about a dense layer's fused gate/up by its own name
+# `...mlp.gate_up_proj` in SGLang, whose DeepseekV2ForCausalLM.packed_modules_mapping has no gate_up_proj entry
+# (deepseek_v2.py:3250), so the shards' names alone would leave it quantized)
 _IGNORE_GROUP = {
     "experts": [r"re:.*mlp\.experts\..*"],
     "attention": ["re:.*self_attn.*"],
-    "dense_mlp": ["re:.*shared_experts.*", r"re:.*mlp\.(gate|up|down)_proj$"],
+    "dense_mlp": ["re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj$"],
 }
 # whatever the scope: the output layer, the router, and kv_b_proj (see above)
 _NEVER_QUANTIZED = ["lm_head", r"re:.*mlp\.gate$", r"re:.*self_attn\.kv_b_proj$"]
