@@ -28,7 +28,7 @@ from megatron_qarl.errors import ConfigError
 from megatron_qarl.optim import OptimConfig
 from megatron_qarl.parallel import ParallelLayout, RolloutTopology
 from megatron_qarl.quant.aten_int4 import GROUP_SIZES as ATEN_INT4_GROUP_SIZES, SAMPLER_W4A16_KERNELS
-from megatron_qarl.quant.config import QuantConfig
+from megatron_qarl.quant.config import SCOPE_GROUPS, QuantConfig
 from megatron_qarl.quant.schemes import SCHEMES, scheme_of
 from megatron_qarl.rl.losses import LossConfig
 from megatron_qarl.rl.data import BAD_ROWS_MODES, PROBLEM
@@ -65,7 +65,7 @@ SFT_DTYPES = ("float32",)
 class ModelConfig:
     # Exactly one of preset / hf_path names the architecture (hf_path: a dir with config.json).
     preset: str | None = "tiny"
-    hf_path: str | None = None  # a Hugging Face Qwen3-MoE directory: config.json, safetensors, tokenizer
+    hf_path: str | None = None  # an HF model directory (Qwen3-MoE, DeepSeek-V3): config.json, safetensors, tokenizer
     # Megatron dist-checkpoint dir to initialise the master weights from (None: HF weights at hf_path,
     # or random init for presets).
     init_checkpoint: str | None = None
@@ -657,7 +657,7 @@ def _check_sub_configs(cfg: RunConfig) -> list[str]:
 
 def _check_model_source(model: ModelConfig) -> list[str]:
     if (model.preset is None) == (model.hf_path is None):
-        return ["model: set exactly one of model.preset (tiny | qwen3-30b-a3b) and model.hf_path "
+        return [f"model: set exactly one of model.preset ({' | '.join(preset_names())}) and model.hf_path "
                 f"(got preset={model.preset!r}, hf_path={model.hf_path!r}); use model.preset=null "
                 "to select hf_path"]
     if model.hf_path is not None and not (Path(model.hf_path) / "config.json").is_file():
@@ -831,8 +831,16 @@ def _check_shard_shapes(cfg: RunConfig) -> list[str]:
         out.append(f"expert-TP {etp} must divide moe_intermediate_size {shape.moe_intermediate_size}")
     if shape.vocab_size % tp:
         out.append(f"parallel.tp={tp} must divide vocab_size {shape.vocab_size}")
+    if not out:  # what else the family's build splits (MLA: the latent rows, the dense and shared MLPs)
+        try:
+            family.check_divisibility(hf_config, tp, ep, etp)
+        except ValueError as err:
+            out.append(f"parallel: {err}; choose parallel.tp / ep / etp dividing them")
     if out or not cfg.quant.enabled:
         return out
+    scope_problem = _check_family_scope(cfg, family)
+    if scope_problem:
+        return scope_problem
     scheme = scheme_of(cfg.quant)
     block_rows, unit = scheme.scale_block(cfg.quant)
     what = scheme.describe(cfg.quant)
@@ -847,13 +855,62 @@ def _check_shard_shapes(cfg: RunConfig) -> list[str]:
         elif scheme.tensor_wide_scale and parts > 1:
             out.append(f"{layer}: {dim_name} {size} split over {axis} {parts}: {scheme.name}'s global scale spans "
                        f"the whole weight, so every rank would compute its own; use {axis} 1 for quantized linears")
-    attention = cfg.quant.scope in ("experts+attention", "attention", "all-linears")
-    if block_rows > 1 and attention and shape.head_dim % block_rows:
+    head_dim = family.fused_qkv_head_dim(shape)  # None: the family's megatron build has no fused linear_qkv
+    attention = "attention" in cfg.quant.quantized_groups
+    if block_rows > 1 and attention and head_dim is not None and head_dim % block_rows:
         # megatron's fused linear_qkv interleaves q/k/v heads per query group while the engine
         # quantizes q_proj/k_proj/v_proj separately: blocks only line up when heads hold whole blocks.
-        out.append(f"self_attn.qkv: head_dim {shape.head_dim} is not a multiple of the {scheme.name} block "
+        out.append(f"self_attn.qkv: head_dim {head_dim} is not a multiple of the {scheme.name} block "
                    f"{block_rows}, so the fused QKV's {scheme.name} blocks would differ from the engine's "
-                   f"per-projection blocks; use quant.{scheme.unit_field} dividing {shape.head_dim} (e.g. 64)")
+                   f"per-projection blocks; use quant.{scheme.unit_field} dividing {head_dim} (e.g. 64)")
+    out += _check_engine_expert_split(cfg, family, shape, scheme, what)
+    return out
+
+
+def _check_family_scope(cfg: RunConfig, family) -> list[str]:
+    """A scope holding a linear group the model family cannot quantize (ModelFamily.why_unquantizable, e.g.
+    DeepSeek-V3's MLA attention) is refused, naming the scopes that remain for the scheme."""
+    q = cfg.quant
+    blocked = [g for g in q.quantized_groups if family.why_unquantizable(g)]
+    if not blocked:
+        return []
+    scheme = scheme_of(q)
+    served = [s for s, groups in SCOPE_GROUPS.items() if not any(family.why_unquantizable(g) for g in groups)]
+    usable = [s for s in served if scheme.scopes is None or s in scheme.scopes]
+    fix = (f"use quant.scope={' or '.join(usable)}" if usable else
+           f"quant.scheme={q.scheme} needs quant.scope={' or '.join(scheme.scopes)}; use a scheme defined on "
+           f"quant.scope={' or '.join(served)} (e.g. w4a16), or quant.scheme=none")
+    why = "; ".join(f"{g}: {family.why_unquantizable(g)}" for g in blocked)
+    return [f"quant.scope={q.scope!r} quantizes the {' and '.join(blocked)} linears, which the {family.model_type} "
+            f"family cannot ({why}); {fix}"]
+
+
+def _check_engine_expert_split(cfg: RunConfig, family, shape, scheme, what: str) -> list[str]:
+    """The rollout engine quantizes the whole expert but runs it split over its own MoE tensor parallelism
+    (rollout.engine_tp / the engine kind's expert_parallel, e.g. rollout.sglang.ep_size): every GPU's share
+    must hold whole groups/blocks too. vLLM refuses such a layer (compressed_tensors_moe_wna16.py:238-277), SGLang
+    floors its group count silently (compressed_tensors_wNa16_moe.py:156-159)."""
+    r, kind = cfg.rollout, _engine(cfg)
+    if kind is None:
+        return []
+    ep = kind.expert_parallel(cfg)
+    if ep < 1 or r.engine_tp < 1 or r.engine_tp % ep:  # _check_positive / _check_world name these
+        return []
+    moe_tp = r.engine_tp // ep
+    block_rows, unit = scheme.scale_block(cfg.quant)
+    out = []
+    for d in family.quantized_dims(shape, cfg.quant.quantized_groups, r.engine_tp, moe_tp):
+        need = unit if d.along_k else block_rows
+        per_gpu = d.size // d.parts
+        if d.axis != "ETP" or d.parts == 1 or need == 1 or d.size % need or per_gpu % need == 0:
+            continue  # not split by the engine's MoE-TP, or whole blocks per GPU, or refused unsplit above
+        fixes = [f"quant.{scheme.unit_field} dividing {per_gpu}" if d.along_k else None,
+                 f"{kind.expert_parallel_key}={r.engine_tp} (whole experts per GPU)" if kind.expert_parallel_key else None,
+                 "rollout.engine_tp=1"]
+        out.append(f"{d.linears}: the engine splits its {d.dim} {d.size} over MoE-TP {moe_tp} (rollout.engine_tp="
+                   f"{r.engine_tp}" + (f" / {kind.expert_parallel_key}={ep}" if kind.expert_parallel_key else "") +
+                   f"), {per_gpu} per GPU, not a multiple of the {what}; use "
+                   + " or ".join(f for f in fixes if f))
     return out
 
 

@@ -1,8 +1,10 @@
 """Parameter counts and a per-GPU memory estimate for a run config (what `qarl-train --dry-run` prints).
 
-Everything is computed from the Hugging Face Qwen3-MoE config shapes; nothing is allocated.
+Everything is computed from the Hugging Face config's shapes through its model family (models/family.py: the
+parameter groups, what the attention saves, what the engine's KV cache holds); nothing is allocated.
 
-Trainer memory per GPU (bytes), for the parameters a rank holds under TP / EP / expert-TP sharding:
+Trainer memory per GPU (bytes), for the parameters a rank holds under TP / EP / expert-TP sharding (the
+family's `tp_replicated_params`, e.g. MLA's down-projections, are whole on every TP rank):
   - fp32 master weights (4 B/param) and fp32 gradients (4 B/param; megatron accumulates `main_grad` in fp32);
   - optimizer state: AdamW 2 fp32 states (8 B/param); Muon 1 fp32 momentum (4 B) for the hidden 2-D
     matrices and AdamW's 8 B for embeddings, lm_head and norms (the split megatron_qarl.optim makes).
@@ -22,10 +24,14 @@ Trainer memory per GPU (bytes), for the parameters a rank holds under TP / EP / 
     1 B/elem), which it compares with to count code flips (delta mode counts against the engine copy);
   - activations of one micro-batch of T = micro_batch_size x (max_prompt_len + max_new_tokens) tokens (the
     widest micro-batch the trainer forms), bf16, TP/SP-sharded, balanced routing:
-      attention per layer and token: 2 B x (2H + (2 n_heads + 2 n_kv) x head_dim) / TP
-        (layernorm in/out, q/k/v and attention output saved for the flash-attention backward)
+      attention per layer and token: 2 B x the family's `attention_activation_values` / TP; Qwen3 (GQA):
+        2H + (2 n_heads + 2 n_kv) x head_dim (layernorm in/out, q/k/v and attention output saved for the
+        flash-attention backward); DeepSeek-V3 (MLA): 2H + the latent and its norm + q/k at the q/k head dim
+        and v/output at v_head_dim per head
       MoE per layer and token:       2 B x 2H / TP + 8 B x E (fp32 router logits + probs)
                                      + top_k x 2 B x (H + 3 F / ETP) / TP (permuted input, fc1 out, act out)
+                                     + shared experts (DeepSeek-V3): 2 B x 3 Is / TP (fc1 out, act out);
+                                     a dense layer (DeepSeek-V3's first) is counted as a MoE layer
       attention (model.core_attention): `sdpa` / `te` (fused, flash-style) save only the softmax's
         log-sum-exp, b x heads/TP x L x 4 B per saved layer; `unfused` (megatron's DotProductAttention,
         masked_softmax_fusion off, softmax in fp32) saves b x heads/TP x L^2 x 6 B per layer (the fp32 softmax
@@ -43,7 +49,9 @@ Trainer memory per GPU (bytes), for the parameters a rank holds under TP / EP / 
 
 Rollout engine weights: the published payload as the engine stores it (W4A16: int32-packed 0.5 B/elem +
 bf16 scales; FP8: 1 B/elem + fp32 block scales; everything else bf16), total and per engine GPU
-(divided by the SGLang TP size; the embedded CPU engine holds it all).
+(divided by the SGLang TP size but for the family's TP-replicated parameters; the embedded CPU engine holds it
+all). Engine KV cache per token: the family's `kv_cache_bytes_per_token` (GQA: K and V of the local KV heads;
+MLA: the kv_lora_rank + qk_rope_head_dim latent, replicated over the engine's TP).
 """
 from __future__ import annotations
 
@@ -68,10 +76,14 @@ def _backend_form_bytes(numel: float, quant) -> float:
     return 0.0
 
 
-def _local_params(groups, tp: int, ep: int, etp: int) -> dict[str, float]:
-    return {"attention": groups.attention / tp, "dense_mlp": groups.dense_mlp / tp,
-            "experts": groups.experts / (ep * etp), "router": groups.router, "norms": groups.norms,
-            "embedding": groups.embedding / tp, "lm_head": groups.lm_head / tp}
+def _local_params(groups, tp: int, ep: int, etp: int, replicated=None) -> dict[str, float]:
+    local = {"attention": groups.attention / tp, "dense_mlp": groups.dense_mlp / tp,
+             "experts": groups.experts / (ep * etp), "router": groups.router, "norms": groups.norms,
+             "embedding": groups.embedding / tp, "lm_head": groups.lm_head / tp}
+    for group, whole in (replicated or {}).items():  # held whole on every TP rank (the family says which)
+        if whole:
+            local[group] += whole - whole / tp
+    return local
 
 
 def _low_bit_bytes(numel: float, quant, *, cached: bool) -> float:
@@ -93,21 +105,24 @@ def _fused_attention(cfg) -> bool:
     return getattr(cfg.model, "core_attention", "sdpa") != "unfused"
 
 
-def _per_layer_token_bytes(shape, tp: int, etp: int, aligned_attention: bool) -> float:
-    h, hd, f = shape.hidden_size, shape.head_dim, shape.moe_intermediate_size
-    attn = 2.0 * (2 * h + (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads) * hd) / tp
+def _per_layer_token_bytes(family, shape, tp: int, etp: int, aligned_attention: bool) -> float:
+    h, f = shape.hidden_size, shape.moe_intermediate_size
+    attn = 2.0 * family.attention_activation_values(shape) / tp
     if aligned_attention:
         attn += 2.0 * h * (1 - 1 / tp)
     moe = 2.0 * 2 * h / tp + 8.0 * shape.num_experts + \
         shape.num_experts_per_tok * 2.0 * (h + 3 * f / etp) / tp
+    shared = getattr(shape, "shared_expert_intermediate_size", 0)  # DeepSeek's always-on experts, TP-split
+    if shared:
+        moe += 2.0 * 3 * shared / tp
     return attn + moe
 
 
-def _activation_bytes(cfg, shape, tp: int, etp: int, aligned_attention: bool) -> dict[str, float]:
+def _activation_bytes(cfg, family, shape, tp: int, etp: int, aligned_attention: bool) -> dict[str, float]:
     b, seq = cfg.train.micro_batch_size, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     t = b * seq
     h = shape.hidden_size
-    per_layer_token = _per_layer_token_bytes(shape, tp, etp, aligned_attention)
+    per_layer_token = _per_layer_token_bytes(family, shape, tp, etp, aligned_attention)
     saved_layers = 1 if cfg.train.recompute_activations else shape.num_hidden_layers
     if cfg.train.recompute_activations:
         layers = t * (2.0 * h / tp * shape.num_hidden_layers + per_layer_token)
@@ -134,7 +149,8 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     dp = max(world_size // (tp * layout.pp), 1)
     expert_dp = max(world_size // (etp * ep * layout.pp), 1)
     groups = family.param_groups(shape)
-    local = _local_params(groups, tp, ep, etp)
+    replicated = family.tp_replicated_params(shape)
+    local = _local_params(groups, tp, ep, etp, replicated)
     local_total = sum(local.values())
     quant = cfg.quant
     in_scope = quant.quantized_groups
@@ -152,7 +168,7 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     # a full-mode publisher that counts code flips keeps last step's codes of every quantized local weight
     counts_locally = cfg.publish.mode == "full" and cfg.publish.code_flips
     prev_codes = quantized_local * scheme_of(quant).code_bytes_per_weight() if counts_locally else 0.0
-    act = _activation_bytes(cfg, shape, tp, etp, aligned_attention=aligned and "attention" in in_scope)
+    act = _activation_bytes(cfg, family, shape, tp, etp, aligned_attention=aligned and "attention" in in_scope)
     trainer = {
         "params_bf16": params_bf16,
         "master_fp32": 4.0 * local_total,
@@ -166,7 +182,7 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
         "logits": act["logits"],
     }
     trainer["total"] = sum(trainer.values())
-    engine = engine_weight_bytes(cfg, groups)
+    engine = engine_weight_bytes(cfg, groups, replicated)
     return {
         "params": {**family.parameter_counts(hf_config), "local_per_gpu": local_total},
         "layout": {"world_size": world_size, "tp": tp, "ep": ep, "etp": etp, "pp": layout.pp, "dp": dp,
@@ -175,19 +191,13 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
         "tokens_per_micro_batch": act["tokens_per_micro_batch"],
         "activation_detail": act,
         "engine": engine,
-        "kv_bytes_per_token_per_gpu": kv_bytes_per_token(shape, cfg.rollout.engine_tp),
+        "kv_bytes_per_token_per_gpu": family.kv_cache_bytes_per_token(shape, cfg.rollout.engine_tp),
     }
 
 
-def kv_bytes_per_token(shape, engine_tp: int) -> float:
-    """bf16 K and V of every layer for one token on one engine GPU: the KV heads split over the engine's TP
-    ranks (replicated when there are fewer heads than ranks, as SGLang does)."""
-    heads = max(shape.num_key_value_heads / engine_tp, 1.0)
-    return shape.num_hidden_layers * 2 * heads * shape.head_dim * 2.0
-
-
-def engine_weight_bytes(cfg, groups) -> dict[str, float]:
-    """The rollout engine's weights: as published (quantized scope low-bit) and, for comparison, bf16."""
+def engine_weight_bytes(cfg, groups, replicated=None) -> dict[str, float]:
+    """The rollout engine's weights: as published (quantized scope low-bit) and, for comparison, bf16; per engine
+    GPU split over its TP but for `replicated` ({group: params}, bf16: held whole on every engine TP rank)."""
     quant = cfg.quant
     in_scope = quant.quantized_groups
     low_bit_numel = sum(getattr(groups, g) for g in in_scope)
@@ -196,8 +206,12 @@ def engine_weight_bytes(cfg, groups) -> dict[str, float]:
     if low_bit_numel:
         published += _low_bit_bytes(low_bit_numel, quant, cached=False)
     engine_gpus = cfg.rollout.engine_tp
+    per_gpu = published / engine_gpus
+    whole = 2.0 * sum(n for g, n in (replicated or {}).items() if g not in in_scope)
+    if whole:
+        per_gpu += whole - whole / engine_gpus
     return {"published_total": published, "bf16_total": bf16_all, "engine_gpus": engine_gpus,
-            "per_engine_gpu": published / engine_gpus}
+            "per_engine_gpu": per_gpu}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -402,3 +402,111 @@ def test_publish_mode_delta_is_refused_with_sglang_and_full_every_must_be_positi
     with pytest.raises(ConfigError, match="publish.full_every"):
         load_config(None, ["publish.mode=delta", "publish.full_every=0"])
     assert load_config(None, ["publish.mode=delta", "rollout.engine=embedded"]).publish.mode == "delta"
+
+
+# --------------------------------------------------------------------------------------------------
+# The DeepSeek-V3 family's honest config checks (issue 34)
+# --------------------------------------------------------------------------------------------------
+
+MOONLIGHT = str(ROOT / "configs" / "moonlight_16b_a3b_qarl_w4a16_tbpo.yaml")
+
+
+def _one_problem(overrides, path=None, world_size=None) -> str:
+    """The refusal's problem lines (each one line naming the key and the fix)."""
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides, world_size=world_size)
+    lines = str(err.value).splitlines()[1:]
+    assert lines and all(line.startswith("  - ") for line in lines), str(err.value)
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("scope", ["experts+attention", "attention", "all-linears"])
+def test_dsv3_refuses_quantizing_mla_attention(scope):
+    """The aligned learner wraps megatron Column/RowParallelLinear only and the family replicates MLA's
+    down-projections; SGLang needs kv_b_proj bf16: a scope with attention is refused at config time."""
+    text = _one_problem(["model.preset=tiny-deepseek-v3", "quant.scheme=w4a16", f"quant.scope={scope}"])
+    assert f"quant.scope='{scope}' quantizes the attention" in text
+    assert "which the deepseek_v3 family cannot" in text and "ReplicatedLinear" in text and "kv_b_proj" in text
+    assert text.rstrip().endswith("use quant.scope=experts")
+    assert load_config(None, ["model.preset=tiny-deepseek-v3", "quant.scheme=w4a16", "quant.scope=experts"])
+    assert load_config(None, ["model.preset=tiny", "quant.scheme=w4a16", f"quant.scope={scope}"])  # Qwen3: fine
+
+
+def test_dsv3_fp8_names_a_scheme_it_can_serve():
+    """FP8 is defined on all-linears only, which holds MLA: the fix names a scheme on the experts scope."""
+    text = _one_problem(["model.preset=tiny-deepseek-v3", "quant.scheme=fp8", "quant.scope=all-linears",
+                         "quant.block_size=64"])
+    assert "quant.scheme=fp8 needs quant.scope=all-linears; use a scheme defined on quant.scope=experts" in text
+    assert "head_dim" not in text  # no fused linear_qkv in MLA: Qwen3's head rule is not asked
+
+
+def test_the_router_is_in_no_quantization_group_of_any_family():
+    """Every family's router tensors (Qwen3's mlp.gate, DeepSeek-V3's mlp.gate and its e_score_correction_bias) are
+    in no linear group, so no quant.scope reaches them, and every scope's compressed-tensors ignore list keeps
+    the gate bf16 on the engine; no scope names the router."""
+    import re
+
+    from megatron_qarl.models.registry import family_named, family_names
+    from megatron_qarl.quant.config import SCOPE_GROUPS, SCOPES, QuantConfig, QuantConfigError
+
+    for model_type in family_names():
+        family = family_named(model_type)
+        tiny = family.config_from_preset(next(n for n in family.presets if n.startswith("tiny")))
+        router = [hf for mcore in family.adapter.expected_mcore_shapes(tiny) if ".mlp.router." in mcore
+                  for hf in family.adapter.hf_names(mcore)]
+        assert router and any(n.endswith("mlp.gate.weight") for n in router), (model_type, router)
+        for scope in SCOPES:
+            cfg = QuantConfig(scheme="w4a16" if scope != "all-linears" else "fp8", scope=scope)
+            assert not any(cfg.quantizes(name, family) for name in router), (model_type, scope)
+            ignore = family.compressed_tensors_ignore(SCOPE_GROUPS[scope])
+            gate = router[0].removesuffix(".weight")
+            assert any(p == gate or (p.startswith("re:") and re.fullmatch(p[3:], gate)) for p in ignore), \
+                (model_type, scope, ignore)
+    with pytest.raises(QuantConfigError, match="unknown quant scope 'router'"):
+        QuantConfig(scheme="w4a16", scope="router")
+    with pytest.raises(ConfigError, match="quant: unknown quant scope 'router'"):
+        load_config(None, ["quant.scheme=w4a16", "quant.scope=router"])
+
+
+def test_moonlight_expert_width_1408_against_the_w4a16_group_per_expert_tp_rank():
+    """1408 = 11 x 128: group 128 needs whole experts on the learner (expert-TP 1) and on the engine (MoE-TP 1);
+    at 2-way splits (704 per rank) group 64 fits, 128 is refused naming the key and the fix."""
+    text = _one_problem(["parallel.etp=2"], MOONLIGHT)
+    assert ("mlp.experts.*.down_proj: input dim (moe_intermediate_size) 1408 split over ETP 2 gives 704 per rank, "
+            "not a multiple of the w4a16 group 128; choose ETP so that 1408/ETP is a multiple of 128") in text
+    assert load_config(MOONLIGHT, ["parallel.etp=2", "quant.group_size=64"])
+    text = _one_problem(["rollout.engine_tp=2"], MOONLIGHT)
+    assert ("mlp.experts.*.down_proj: the engine splits its input dim (moe_intermediate_size) 1408 over MoE-TP 2 "
+            "(rollout.engine_tp=2 / rollout.sglang.ep_size=1), 704 per GPU, not a multiple of the w4a16 group 128; "
+            "use quant.group_size dividing 704 or rollout.sglang.ep_size=2 (whole experts per GPU) or "
+            "rollout.engine_tp=1") in text
+    assert load_config(MOONLIGHT, ["rollout.engine_tp=2", "rollout.sglang.ep_size=2"], world_size=8)
+    assert load_config(MOONLIGHT, ["rollout.engine_tp=2", "quant.group_size=64"], world_size=8)
+    assert load_config(MOONLIGHT, [], world_size=8).quant.group_size == 128
+
+
+def test_dsv3_layout_checks_ask_the_family(tmp_path):
+    """What only MLA's build splits (kv_a_proj_with_mqa's kv_lora_rank + qk_rope_head_dim rows) is checked too."""
+    from megatron_qarl.models.registry import family_named
+
+    family_named("deepseek_v3").config_from_preset("tiny-deepseek-v3", kv_lora_rank=63).save_pretrained(tmp_path)
+    text = _one_problem(["model.preset=null", f"model.hf_path={tmp_path}", "parallel.tp=2"])
+    assert "kv_lora_rank + qk_rope_head_dim = 79 (kv_a_proj_with_mqa rows) is not divisible by TP=2" in text
+    assert "choose parallel.tp / ep / etp dividing them" in text
+
+
+def test_probe_asks_the_family_for_scopes_and_fused_qkv():
+    """probe.check_learner_geometry: Qwen3's fused-QKV head rule where megatron fuses q/k/v only; DeepSeek-V3's
+    attention scopes refused before any engine starts."""
+    from megatron_qarl.models.registry import family_named
+    from megatron_qarl.probe import ProbeError, ProbeSettings, check_learner_geometry
+
+    dsv3 = family_named("deepseek_v3").config_from_preset("tiny-deepseek-v3")
+    qwen3 = family_named("qwen3_moe").config_from_preset("tiny")
+    check_learner_geometry(dsv3, ProbeSettings(scheme="w4a16", scope="experts"))
+    with pytest.raises(ProbeError, match="--scope attention quantizes the attention linears, which the deepseek_v3 "
+                                         "family cannot .*; use --scope experts"):
+        check_learner_geometry(dsv3, ProbeSettings(scheme="w4a16", scope="attention"))
+    with pytest.raises(ProbeError, match="head_dim=64 is not a multiple of the block"):
+        check_learner_geometry(qwen3, ProbeSettings(scheme="fp8", scope="all-linears", block_size=128))
+    check_learner_geometry(qwen3, ProbeSettings(scheme="fp8", scope="all-linears", block_size=64))

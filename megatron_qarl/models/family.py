@@ -42,11 +42,47 @@ class ParamLayout:
 
 @dataclass(frozen=True)
 class MoEGeometry:
-    """What a route tensor of this model must fit: its MoE layers, top-k and routed experts."""
+    """What a route tensor of this model must fit: its MoE layers, top-k and routed experts.
+
+    Route tensors through the stack (``RolloutBatch.routed_experts``, the embedded engine's router hooks,
+    megatron's routers) hold the MoE layers only, in order. An engine that records one row per decoder layer
+    (SGLang: ``num_hidden_layers`` rows, a dense layer's never written) has its rows cut to `moe_layers`
+    (`moe_rows`) before anything checks them."""
 
     num_layers: int  # MoE layers (dense layers route nothing)
     topk: int
     num_experts: int
+    # the decoder-layer index of each MoE layer, ascending (len == num_layers); () = every decoder layer routes
+    moe_layer_indices: tuple[int, ...] = ()
+    num_hidden_layers: int = 0  # decoder layers, dense ones included; 0 = num_layers (every layer routes)
+
+    def __post_init__(self):
+        layers = self.num_hidden_layers or self.num_layers
+        if self.moe_layer_indices:
+            idx = tuple(self.moe_layer_indices)
+            if len(idx) != self.num_layers or list(idx) != sorted(set(idx)) or idx[0] < 0 or idx[-1] >= layers:
+                raise ValueError(f"moe_layer_indices {idx} must be {self.num_layers} ascending distinct decoder-layer "
+                                 f"indices in [0, {layers})")
+        elif layers != self.num_layers:
+            raise ValueError(f"{layers} decoder layers but {self.num_layers} MoE layers: name the MoE layers "
+                             "(moe_layer_indices)")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The decoder-layer index of each MoE layer."""
+        return tuple(self.moe_layer_indices) or tuple(range(self.num_layers))
+
+    @property
+    def engine_layers(self) -> int:
+        """Rows per position of an engine that records every decoder layer (SGLang)."""
+        return self.num_hidden_layers or self.num_layers
+
+    def moe_rows(self, routes):
+        """[positions, engine_layers, topk] routes of every decoder layer -> [positions, num_layers, topk]: the MoE
+        layers' rows (the dense layers' dropped); `routes` itself when every layer routes."""
+        if self.engine_layers == self.num_layers:
+            return routes
+        return routes[:, list(self.moe_layers)]
 
 
 @dataclass(frozen=True)
@@ -99,6 +135,17 @@ class ModelFamily:
     causal_lm_class: Callable[[], type]
     router_class: Callable[[], type]
     routed_experts_of: Callable[[Any], Any]
+
+    # the memory model (memory.py) and the config checks (config.py, probe.py): where attentions differ
+    kv_cache_bytes_per_token: Callable[[Any, int], float]  # (shape, engine_tp) -> bf16 KV cache bytes of one token,
+    #   every layer, on one engine GPU (GQA: K and V of the local KV heads; MLA: the replicated latent)
+    attention_activation_values: Callable[[Any], int]  # shape -> values one layer's attention saves per token for
+    #   its backward, before the TP / sequence-parallel split (layernorm in/out, projections, core attention io)
+    tp_replicated_params: Callable[[Any], Mapping[str, int]]  # shape -> {group: params of it NOT split over TP}
+    fused_qkv_head_dim: Callable[[Any], int | None]  # shape -> the head width of megatron's fused linear_qkv (q/k/v
+    #   rows interleaved per query group, ParamLayout.fused_qkv): scale blocks must tile it; None: no fused qkv
+    why_unquantizable: Callable[[str], str | None]  # linear group -> why this family's learner / engines cannot
+    #   quantize it (config and probe refuse a quant.scope holding it); None: it can
 
     def is_expert_param(self, mcore_name: str) -> bool:
         return self.param_layout(mcore_name).expert

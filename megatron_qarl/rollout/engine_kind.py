@@ -80,6 +80,13 @@ class EngineKind:
         """Not colocated and rollout.engines=0: how many engines the run drives."""
         return 1
 
+    expert_parallel_key: str | None = None  # the config key of its expert parallelism, where it has one
+
+    def expert_parallel(self, cfg: Any) -> int:
+        """Over how many of its rollout.engine_tp GPUs it spreads whole experts (the rest split each expert:
+        its MoE tensor parallelism is engine_tp / this)."""
+        return 1
+
     # ------------------------------------------------------------------ checks
     def check_config(self, cfg: Any) -> list[str]:
         """The problems of a RunConfig that only this engine has, each one line naming the key and the fix."""

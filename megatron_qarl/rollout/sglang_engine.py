@@ -192,8 +192,12 @@ class SGLangEngineConfig:
     moe_runner_backend: str = "auto"  # W4A16: resolved to "marlin" (see resolve_moe_runner_backend)
     quant_scheme: str = NO_SCHEME  # what refits push: none or a registered scheme (quant/schemes/)
     return_routed_experts: bool = False
-    route_layers: int | None = None  # routed-experts geometry: MoE layers (num_hidden_layers)
+    route_layers: int | None = None  # routed-experts geometry: rows per position SGLang returns (num_hidden_layers)
     route_topk: int | None = None  # and experts per token (num_experts_per_tok)
+    # which of those rows are MoE layers (MoEGeometry.moe_layers), kept in this order; None: every row. SGLang
+    # records one row per decoder layer (state_capturer/routed_experts.py:73), a dense layer's never written
+    # (DeepSeek-V3's first_k_dense_replace): those are dropped before the routes are checked and packed.
+    route_moe_layers: tuple[int, ...] | None = None
     transport: str = "tensor"  # tensor (colocated, CUDA IPC) | distributed (NCCL broadcast)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     # the model family (models/registry.py) whose naming buckets a stream of named tensors (routed experts
@@ -244,6 +248,11 @@ class SGLangEngineConfig:
         if self.return_routed_experts and not (self.route_layers and self.route_topk):
             raise ValueError("return_routed_experts needs route_layers and route_topk (the model's "
                              "num_hidden_layers and num_experts_per_tok) to decode the routes")
+        if self.route_moe_layers is not None:
+            self.route_moe_layers = tuple(int(i) for i in self.route_moe_layers)
+            if self.route_layers and any(not 0 <= i < self.route_layers for i in self.route_moe_layers):
+                raise ValueError(f"route_moe_layers {self.route_moe_layers} name rows outside the "
+                                 f"{self.route_layers} layers SGLang returns")
         self.moe_runner_backend = resolve_moe_runner_backend(self.quant_scheme, self.moe_runner_backend)
 
     @property
@@ -255,6 +264,7 @@ class SGLangEngineConfig:
     @classmethod
     def from_run(cls, cfg: Any, *, group: int = 0, base_gpu_id: int = 0, model_path: str | None = None,
                  run_dir: str | None = None, route_layers: int | None = None, route_topk: int | None = None,
+                 route_moe_layers: tuple[int, ...] | None = None,
                  environ: Mapping[str, str] | None = None) -> SGLangEngineConfig:
         """The engine config of rollout group ``group`` of ``cfg``, a RunConfig (``rollout.sglang``,
         ``rollout.engine_tp``, ``rollout.request_timeout_s``, ``quant``, ``train`` routing, ``publish``).
@@ -284,7 +294,10 @@ class SGLangEngineConfig:
 
             hf = resolve_hf_config(cfg.model)
             geometry = family_of(hf).moe_geometry(hf)
-            route_layers = geometry.num_layers if route_layers is None else route_layers
+            if route_layers is None:  # SGLang's rows: every decoder layer; the family's MoE layers kept
+                route_layers = geometry.engine_layers
+                if route_moe_layers is None and geometry.engine_layers != geometry.num_layers:
+                    route_moe_layers = geometry.moe_layers
             route_topk = geometry.topk if route_topk is None else route_topk
         master_port = s.weight_sync_master_port
         return cls(
@@ -303,6 +316,7 @@ class SGLangEngineConfig:
             return_routed_experts=routes,
             route_layers=route_layers if routes else None,
             route_topk=route_topk if routes else None,
+            route_moe_layers=route_moe_layers if routes else None,
             transport="tensor" if s.mode == "colocated" else "distributed",
             bucket_bytes=cfg.publish.bucket_mb * 1024 * 1024,
             health_timeout_s=s.health_timeout_s,
@@ -503,13 +517,15 @@ def decode_routed_experts(encoded: str, layers: int, topk: int) -> torch.Tensor:
     return torch.from_numpy(raw.reshape(-1, layers, topk).astype(np.uint8))
 
 
-def parse_generate_output(out: dict, prompt_index: int, prompt_len: int, layers: int | None, topk: int | None) -> GenerationResult:
+def parse_generate_output(out: dict, prompt_index: int, prompt_len: int, layers: int | None, topk: int | None,
+                          moe_layers: tuple[int, ...] | None = None) -> GenerationResult:
     """One SGLang /generate answer -> GenerationResult.
 
     ``meta_info.output_token_logprobs``: [[logprob, token_id, text|None], ...]; ``finish_reason.type``:
     stop | length | abort; ``routed_experts``: base64 int32 [prompt+response-1, layers, topk] (rows
     ``[routed_experts_start_len=0, seqlen - 1)``, managers/scheduler_components/batch_result_processor.py:
-    140-178).
+    140-178). ``layers``: the rows per position SGLang returns (every decoder layer); ``moe_layers``: the rows
+    kept (the MoE layers', in order: a dense layer's row is never written), None for all.
     """
     meta = out["meta_info"]
     pairs = meta.get("output_token_logprobs")
@@ -529,6 +545,8 @@ def parse_generate_output(out: dict, prompt_index: int, prompt_len: int, layers:
             raise RolloutEngineError(
                 f"routed_experts has {routed.shape[0]} rows, expected prompt+response-1 = {prompt_len + len(token_ids) - 1}"
             )
+        if moe_layers is not None:
+            routed = routed[:, list(moe_layers)].contiguous()
     return GenerationResult(prompt_index, token_ids, logprobs, "stop" if reason == "stop" else "length", routed)
 
 
@@ -899,7 +917,7 @@ class SGLangEngine:
             got = len(outs) if isinstance(outs, list) else type(outs).__name__
             raise RolloutEngineError(f"SGLang returned {got} results for {len(rows)} requests")
         return [
-            parse_generate_output(o, idx, len(p), self.cfg.route_layers, self.cfg.route_topk)
+            parse_generate_output(o, idx, len(p), self.cfg.route_layers, self.cfg.route_topk, self.cfg.route_moe_layers)
             for o, (idx, p) in zip(outs, rows)
         ]
 
@@ -955,6 +973,10 @@ class SGLangKind(EngineKind):
     why_no_deltas = NO_DELTAS
     verifies_checksums = False  # SGLangEngine has no checksum(names): publish.verify fails at the first publish
     needs_real_weights = True
+    expert_parallel_key = "rollout.sglang.ep_size"
+
+    def expert_parallel(self, cfg: Any) -> int:
+        return cfg.rollout.sglang.ep_size
 
     def needs_start_checkpoint(self, cfg: Any) -> bool:
         return not _attaches(cfg.rollout.sglang)  # an attached server loaded its own

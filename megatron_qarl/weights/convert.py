@@ -545,13 +545,13 @@ class McoreTensors:
     def open(cls, src: McoreSource, read_bytes: int | None = None) -> "McoreTensors":
         """Checks the checkpoint (complete, file sizes) and locates every parameter; reads no weight yet."""
         from megatron_qarl.checkpointing import ModelTensorReader
-        from megatron_qarl.weights.sharding import _natural_key, _state_buffers
+        from megatron_qarl.weights.sharding import _natural_key, state_buffers
 
         # TP1/EP1: the meta model's parameter names are the full (global expert id) names the adapter maps, and
         # its sharded_state_dict asks for whole global tensors, whatever TP/EP saved them; persistent buffers
         # (DeepSeek-V3's router expert_bias) are model state the adapter maps too
         model = _build_model(src.hf_config, _init_world(), meta=True)
-        params = dict(model.named_parameters()) | _state_buffers(model)
+        params = dict(model.named_parameters()) | state_buffers(model)
         adapter = family_of(src.hf_config).adapter
         adapter.validate_state(params, adapter.expected_mcore_shapes(src.hf_config), "mcore state")
         # sizes and sha256 of every file checked on the reading rank (under torchrun only rank 0 reads)

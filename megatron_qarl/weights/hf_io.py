@@ -281,7 +281,7 @@ def load_hf_checkpoint_into_model(model, hf_config, path: str | os.PathLike, *, 
     check_finite: every read is then checked (check_finite_weight), after on_read.
     """
     from megatron_qarl.parallel import unwrap_model
-    from megatron_qarl.weights.sharding import RankCoords, _state_buffers, num_local_experts
+    from megatron_qarl.weights.sharding import RankCoords, state_buffers, num_local_experts
 
     start = time.perf_counter()
     index = index or scan_hf_checkpoint(path)
@@ -289,7 +289,7 @@ def load_hf_checkpoint_into_model(model, hf_config, path: str | os.PathLike, *, 
     module = unwrap_model(model)
     coords = coords or RankCoords.from_parallel_state()
     # parameters and the persistent buffers that are model state (DeepSeek-V3's router expert_bias, replicated)
-    params = dict(module.named_parameters()) | _state_buffers(module)
+    params = dict(module.named_parameters()) | state_buffers(module)
 
     def copy(local_name: str, global_name: str, shard: torch.Tensor) -> None:
         param = params[local_name]

@@ -176,7 +176,7 @@ def num_local_experts(model) -> int:
     return config.num_moe_experts // config.expert_model_parallel_size
 
 
-def _state_buffers(model) -> dict[str, torch.Tensor]:
+def state_buffers(model) -> dict[str, torch.Tensor]:
     """Persistent buffers that are model state (DeepSeek-V3's router expert_bias), replicated on every rank."""
     keys = set(model.state_dict(keep_vars=True))
     return {n: b for n, b in model.named_buffers() if n in keys}
@@ -192,7 +192,7 @@ def load_full_state_into_model(model, full_state: Mapping[str, torch.Tensor], *,
     gated = bool(model.config.gated_linear_unit)
     n_local = num_local_experts(model)
     params = dict(model.named_parameters())
-    buffers = _state_buffers(model)
+    buffers = state_buffers(model)
     wanted = {local_to_global_name(n, coords.ep_rank, n_local): n for n in params}
     wanted.update({n: n for n in buffers})
     missing = sorted(set(wanted) - set(full_state))
@@ -260,7 +260,7 @@ def gather_full_state(model, *, use_grad: bool = False) -> dict[str, torch.Tenso
             else:
                 full[name] = tensor.clone()
     if not use_grad:
-        for name, buf in _state_buffers(model).items():
+        for name, buf in state_buffers(model).items():
             full[name] = buf.detach().clone()
     return dict(sorted(full.items(), key=lambda kv: _natural_key(kv[0])))
 

@@ -5,17 +5,22 @@ from megatron_qarl.models.deepseek_v3.args import (
     PRESETS,
     ModelShape,
     UnsupportedModelError,
+    attention_activation_values,
     check_divisibility,
     check_supported,
     config_from_dict,
     config_from_preset,
+    fused_qkv_head_dim,
     hf_rope_theta,
+    kv_cache_bytes_per_token,
     moe_geometry,
     param_groups,
     parameter_counts,
     quantized_dims,
     read_hf_config,
     tiny_hf_config,
+    tp_replicated_params,
+    why_unquantizable,
 )
 from megatron_qarl.models.deepseek_v3.model import build_deepseek_v3_model, transformer_config_from_hf
 from megatron_qarl.models.family import ModelFamily
@@ -56,6 +61,11 @@ FAMILY = ModelFamily(
     # DeepseekV3TopkRouter.forward -> (router_logits, topk_weights, topk_indices) (modeling_deepseek_v3.py:157);
     # only the MoE layers (after first_k_dense_replace) have one
     routed_experts_of=lambda router_output: router_output[2],
+    kv_cache_bytes_per_token=kv_cache_bytes_per_token,  # MLA: the latent, replicated over the engine's TP
+    attention_activation_values=attention_activation_values,
+    tp_replicated_params=tp_replicated_params,
+    fused_qkv_head_dim=fused_qkv_head_dim,  # None: MLA has no fused linear_qkv
+    why_unquantizable=why_unquantizable,  # attention (MLA) and dense_mlp: experts only
 )
 
 __all__ = [

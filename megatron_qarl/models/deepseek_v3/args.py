@@ -24,7 +24,9 @@ SUPPORTED_ARCHITECTURE = "DeepseekV3ForCausalLM"
 # declare scoring_func / topk_method (it always routes this way), but SGLang and vLLM build the fp32
 # e_score_correction_bias only when topk_method == "noaux_tc" (notes section 2), so a config this code writes
 # carries them.
-_ROUTER = dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True)
+# what SGLang / vLLM read besides transformers' fields: the score function and top-k method create the correction
+# bias, and moe_layer_freq places the MoE layers (SGLang deepseek_v2.py:2791; Moonlight's config.json has it)
+_ROUTER = dict(scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True, moe_layer_freq=1)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Numbers of moonshotai/Moonlight-16B-A3B(-Instruct) config.json (notes section 3). eos: the tokenizer's [EOS]
@@ -191,11 +193,11 @@ class ModelShape:
     - ``num_key_value_heads`` = ``num_attention_heads``: MLA's up-projection gives every head its own k and v
       (HF's num_key_value_heads says the same for Moonlight: 16).
     - ``head_dim`` = ``qk_nope_head_dim + qk_rope_head_dim`` (192 for Moonlight), the q/k head dim the core
-      attention runs at. v is narrower (``v_head_dim``, 128), so activation estimates built on
-      ``(2*heads + 2*kv_heads) * head_dim`` overcount v by (192-128)/192 per head.
-    - The engine's KV cache is NOT ``2 * kv_heads * head_dim`` per layer and token: MLA engines cache the latent,
-      ``kv_lora_rank + qk_rope_head_dim`` = 576 values (``mla_kv_cache_dim``), replicated over the engine's TP.
-      memory.kv_bytes_per_token's formula overestimates it (2*16*192 = 6144 vs 576 for Moonlight).
+      attention runs at. v is narrower (``v_head_dim``, 128): the memory model does not use
+      ``(2*heads + 2*kv_heads) * head_dim`` for MLA but this family's ``attention_activation_values``.
+    - The engine's KV cache is NOT ``2 * kv_heads * head_dim`` per layer and token (2*16*192 = 6144 for
+      Moonlight): MLA engines cache the latent, ``kv_lora_rank + qk_rope_head_dim`` = 576 values
+      (``mla_kv_cache_dim``), replicated over the engine's TP: this family's ``kv_cache_bytes_per_token``.
     HF's own ``head_dim`` attribute is qk_rope_head_dim (64; configuration_deepseek_v3.py __post_init__): not used.
     """
 
@@ -355,8 +357,10 @@ def moe_geometry(hf_config) -> MoEGeometry:
     """Only the layers after the first `first_k_dense_replace` route (and have a megatron router). Engines that
     record one row per decoder layer (SGLang: num_hidden_layers rows, the dense ones never written) must have
     their first `first_k_dense_replace` rows dropped to fit this geometry."""
-    layers = int(hf_config.num_hidden_layers) - int(hf_config.first_k_dense_replace or 0)
-    return MoEGeometry(layers, int(hf_config.num_experts_per_tok), int(hf_config.n_routed_experts))
+    total = int(hf_config.num_hidden_layers)
+    dense = min(int(hf_config.first_k_dense_replace or 0), total)
+    return MoEGeometry(total - dense, int(hf_config.num_experts_per_tok), int(hf_config.n_routed_experts),
+                       moe_layer_indices=tuple(range(dense, total)), num_hidden_layers=total)
 
 
 def quantized_dims(shape: ModelShape, groups: tuple[str, ...], tp: int, etp: int) -> list[QuantizedDim]:
@@ -404,3 +408,66 @@ def quantized_dims(shape: ModelShape, groups: tuple[str, ...], tp: int, etp: int
                      ("mlp.shared_experts.gate_proj/up_proj", "output dim (n_shared_experts*moe_intermediate_size)",
                       shared, tp, "TP", False)]
     return [QuantizedDim(*row) for row in rows]
+
+
+# --------------------------------------------------------------------------------------------------
+# The memory model's and the config checks' family terms (ModelFamily; memory.py, config.py)
+# --------------------------------------------------------------------------------------------------
+
+def kv_cache_bytes_per_token(shape: ModelShape, engine_tp: int) -> float:
+    """bf16 bytes an MLA engine caches per token, every layer, on one engine GPU: the compressed latent
+    (kv_lora_rank) and the shared rope key (qk_rope_head_dim), ONE copy per layer, replicated on every engine TP
+    rank (not split over heads), so `engine_tp` does not divide it. Moonlight: 27 x 576 x 2 = 31,104 B.
+
+    SGLang 0.5.23: `MLATokenToKVPool.kv_cache_dim = kv_lora_rank + qk_rope_head_dim`
+    (srt/mem_cache/memory_pool.py:4793-4797), its buffers `[size + page_size, 1, kv_cache_dim]` per layer
+    (:4864-4871); the per-token cell size it budgets is `calculate_mla_kv_cache_dim x layers x element size`, no TP
+    divisor (srt/model_executor/pool_configurator.py:359-386, srt/mem_cache/kv_cache_configurator.py:3412-3423).
+    vLLM 0.32: `head_size = kv_lora_rank + qk_rope_head_dim` (model_executor/layers/attention/mla_attention.py:479),
+    an `MLAAttentionSpec` with num_kv_heads=1 and max_tp_shards=1 (:1350-1378)."""
+    return shape.num_hidden_layers * shape.mla_kv_cache_dim * 2.0
+
+
+def attention_activation_values(shape: ModelShape) -> int:
+    """Values one MLA layer saves per token for its backward, before the TP / sequence-parallel split (the latent
+    is computed on each rank's own tokens: mla_attention.ReplicatedDownProjMLASelfAttention): layernorm in/out
+    (2H); the latent kv_a_proj_with_mqa output (kv_lora_rank + qk_rope_head_dim) and its kv_a_layernorm output
+    (kv_lora_rank), and with a low-rank q the q_a_proj and q_a_layernorm outputs (2 x q_lora_rank); the core
+    attention's q and k (heads x (qk_nope + qk_rope) each), v and its output (heads x v_head_dim each).
+    Moonlight: 4,096 + 576 + 512 + 16 x (2 x 192 + 2 x 128) = 15,424."""
+    latent = shape.mla_kv_cache_dim + shape.kv_lora_rank + (2 * shape.q_lora_rank if shape.q_lora_rank else 0)
+    heads = shape.num_attention_heads * (2 * shape.q_head_dim + 2 * shape.v_head_dim)
+    return 2 * shape.hidden_size + latent + heads
+
+
+def tp_replicated_params(shape: ModelShape) -> dict[str, int]:
+    """The attention group's parameters every TP rank holds whole: the down-projections kv_a_proj_with_mqa (and
+    q_a_proj) and the latent norms (mla_attention.ReplicatedDownProjMLASelfAttention, as SGLang / vLLM hold them)."""
+    h = shape.hidden_size
+    per_layer = h * shape.mla_kv_cache_dim + shape.kv_lora_rank
+    if shape.q_lora_rank:
+        per_layer += h * shape.q_lora_rank + shape.q_lora_rank
+    return {"attention": per_layer * shape.num_hidden_layers}
+
+
+def fused_qkv_head_dim(shape: ModelShape) -> None:
+    """MLA has no fused linear_qkv (its projections are separate linears: q_proj / q_a_proj + q_b_proj,
+    kv_a_proj_with_mqa, kv_b_proj): no head-interleaved rows for a scale block to straddle."""
+    return None
+
+
+# Linear groups this family cannot quantize, and why (config._check_shard_shapes and the probe refuse a quant.scope
+# holding one). The router (mlp.gate and its e_score_correction_bias) is in no group at all (state_dict_adapter).
+_UNQUANTIZABLE_GROUPS = {
+    "attention": "the aligned learner wraps only megatron Column/RowParallelLinear and this family replicates MLA's "
+                 "down-projections (q_a_proj, kv_a_proj_with_mqa: mla_attention.ReplicatedLinear), and SGLang needs "
+                 "kv_b_proj bf16 (post_load_weights re-derives w_kc/w_vc from kv_b_proj.weight), so a quantized MLA "
+                 "is not built",
+    "dense_mlp": "quantized shared experts and dense MLPs are not verified against SGLang's / vLLM's DeepSeek-V3 "
+                 "loaders (Kimi's compressed-tensors releases keep them bf16)",
+}
+
+
+def why_unquantizable(group: str) -> str | None:
+    """Why this family cannot quantize linear group `group` (None: it can: the routed experts)."""
+    return _UNQUANTIZABLE_GROUPS.get(group)

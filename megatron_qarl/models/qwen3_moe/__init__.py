@@ -6,9 +6,12 @@ from megatron_qarl.models.qwen3_moe.args import (
     PRESETS,
     ModelShape,
     UnsupportedModelError,
+    attention_activation_values,
     check_divisibility,
+    fused_qkv_head_dim,
     hf_head_dim,
     hf_rope_theta,
+    kv_cache_bytes_per_token,
     moe_geometry,
     param_groups,
     parameter_counts,
@@ -17,6 +20,7 @@ from megatron_qarl.models.qwen3_moe.args import (
     read_hf_config,
     resolve_hf_config,
     tiny_hf_config,
+    tp_replicated_params,
 )
 from megatron_qarl.models.qwen3_moe.model import build_qwen3_moe_model, transformer_config_from_hf
 
@@ -60,6 +64,11 @@ FAMILY = ModelFamily(
     causal_lm_class=_causal_lm_class,
     router_class=_router_class,
     routed_experts_of=lambda router_output: router_output[2],  # (logits, weights, selected expert ids)
+    kv_cache_bytes_per_token=kv_cache_bytes_per_token,
+    attention_activation_values=attention_activation_values,
+    tp_replicated_params=tp_replicated_params,
+    fused_qkv_head_dim=fused_qkv_head_dim,
+    why_unquantizable=lambda group: None,  # every group: experts, attention (fused qkv), dense_mlp
 )
 
 __all__ = [

@@ -283,3 +283,31 @@ def quantized_dims(shape: ModelShape, groups: tuple[str, ...], tp: int, etp: int
                  ("mlp.down_proj", "input dim (intermediate_size)", dense_ffn, tp, "TP", True),
                  ("mlp.gate_proj/up_proj", "output dim (intermediate_size)", dense_ffn, tp, "TP", False)]
     return [QuantizedDim(*row) for row in rows]
+
+
+# --------------------------------------------------------------------------------------------------
+# The memory model's and the config checks' family terms (ModelFamily; memory.py, config.py)
+# --------------------------------------------------------------------------------------------------
+
+def kv_cache_bytes_per_token(shape: ModelShape, engine_tp: int) -> float:
+    """bf16 K and V of every layer for one token on one engine GPU: the KV heads split over the engine's TP
+    ranks (replicated when there are fewer heads than ranks, as SGLang does)."""
+    heads = max(shape.num_key_value_heads / engine_tp, 1.0)
+    return shape.num_hidden_layers * 2 * heads * shape.head_dim * 2.0
+
+
+def attention_activation_values(shape: ModelShape) -> int:
+    """Values one layer's attention saves per token for its backward, before the TP split: layernorm in/out (2H),
+    q and the attention output (heads x head_dim each), k and v (KV heads x head_dim each), the latter four what
+    the flash-attention backward re-reads."""
+    return 2 * shape.hidden_size + (2 * shape.num_attention_heads + 2 * shape.num_key_value_heads) * shape.head_dim
+
+
+def tp_replicated_params(shape: ModelShape) -> dict[str, int]:
+    """Parameters of a TP-split group that every TP rank holds whole: none (the q/k norms are in `norms`)."""
+    return {}
+
+
+def fused_qkv_head_dim(shape: ModelShape) -> int:
+    """megatron's linear_qkv interleaves q/k/v heads per query group: a scale block must not straddle heads."""
+    return shape.head_dim
