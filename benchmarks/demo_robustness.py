@@ -8,6 +8,7 @@ and the wall time; then the CPU it ran on, as a markdown table for the README.
     . .venv/bin/activate
     python benchmarks/demo_robustness.py                 # seeds 0 1 2, the full demo (~5-8 min a seed)
     python benchmarks/demo_robustness.py --seeds 3 --quick   # one seed, 20 RL steps
+    python benchmarks/demo_robustness.py --family deepseek_v3   # the tiny DeepSeek-V3 twin's demo config
 """
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ from machine import cpu_description  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 WINDOW = 5  # steps averaged at each end of the run, as the demo's summary line does
 TARGET_GAIN = 0.15  # what "visibly learns" means (issue: last-5 mean >= first-5 mean + 0.15)
+# each model family's demo config (the same pipeline and objective; the tiny twin of that family)
+FAMILY_CONFIGS = {
+    "qwen3_moe": "configs/tiny_qarl_w4a16_tbpo.yaml",
+    "deepseek_v3": "configs/tiny_deepseek_v3_qarl_w4a16_tbpo.yaml",
+}
 
 
 def _run(cmd: list[str], log: Path, env: dict) -> float:
@@ -62,9 +68,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--quick", action="store_true", help="20 RL steps instead of the config's (a smoke run)")
-    p.add_argument("--config", default="configs/tiny_qarl_w4a16_tbpo.yaml")
+    p.add_argument("--family", choices=sorted(FAMILY_CONFIGS), default="qwen3_moe",
+                   help="whose tiny twin runs the demo: its config in FAMILY_CONFIGS (--config overrides)")
+    p.add_argument("--config", default=None, help="the demo config (default: the --family's)")
     p.add_argument("--out", default=None, help="keep the runs here (default: a temp dir, removed after)")
     args = p.parse_args(argv)
+    args.config = args.config or FAMILY_CONFIGS[args.family]
 
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")

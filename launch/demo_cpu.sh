@@ -8,7 +8,9 @@
 #   4. print where the metrics and plots are, and the reward at the start vs the end of the run.
 # Extra arguments are config overrides for the RL run, e.g. `bash launch/demo_cpu.sh train.steps=10`.
 # QARL_DEMO_OUT=DIR writes into DIR instead of runs/demo-<timestamp>/; a DIR an earlier demo wrote is first
-# renamed to DIR.old-<timestamp> (nothing is deleted). QARL_DEMO_CONFIG picks another tiny config.
+# renamed to DIR.old-<timestamp> (nothing is deleted). QARL_DEMO_CONFIG picks another tiny config, e.g.
+# configs/tiny_deepseek_v3_qarl_w4a16_tbpo.yaml: the same pipeline on the tiny DeepSeek-V3 twin (MLA, dense
+# first layer, group-limited sigmoid router with expert bias, shared expert).
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$QARL_ROOT"

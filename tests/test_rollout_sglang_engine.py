@@ -554,3 +554,41 @@ def test_non_loopback_host_needs_the_opt_in_and_warns(fake, caplog):
     with caplog.at_level("WARNING", logger="megatron_qarl.rollout.sglang_engine"):
         make(host="0.0.0.0", allow_remote_host=True)
     assert any("0.0.0.0" in r.getMessage() and "network" in r.getMessage() for r in caplog.records)
+
+
+def test_dense_layer_rows_are_dropped_before_the_routes_are_checked(monkeypatch):
+    """DeepSeek-V3 (first_k_dense_replace=1): SGLang returns one row per decoder layer, the dense layer's never
+    written (zeros); the engine keeps the MoE layers' rows only, which fit the family's geometry and check_routes."""
+    from megatron_qarl.config import load_config
+    from megatron_qarl.models.registry import family_of, preset_hf_config
+    from megatron_qarl.moe.replay import RouteLayoutError, check_routes
+
+    hf = preset_hf_config("tiny-deepseek-v3")  # 3 decoder layers, the first dense; top-2 of 8 experts
+    geometry = family_of(hf).moe_geometry(hf)
+    assert (geometry.num_layers, geometry.engine_layers, geometry.moe_layers) == (2, 3, (1, 2))
+    cfg = load_config(None, ["model.preset=tiny-deepseek-v3", "rollout.engine=sglang", "rollout.sglang.model_path=/m",
+                             "train.routing_replay=replay"])
+    e = SGLangEngineConfig.from_run(cfg, environ={})
+    assert (e.route_layers, e.route_topk, e.route_moe_layers) == (3, 2, (1, 2))
+
+    prompt_len, response = 3, 2
+    moe = np.stack([np.arange(4) % 8, (np.arange(4) + 3) % 8], axis=-1).astype(np.int32)  # [positions, topk]
+    wire = np.zeros((prompt_len + response - 1, 3, 2), dtype=np.int32)  # the dense layer 0: never written
+    wire[:, 1], wire[:, 2] = moe, (moe + 1) % 8
+    out = {"meta_info": {"output_token_logprobs": [[-1.0, 5, None], [-2.0, 6, None]],
+                         "finish_reason": {"type": "length"},
+                         "routed_experts": base64.b64encode(wire.tobytes()).decode()}}
+    r = parse_generate_output(out, 0, prompt_len, e.route_layers, e.route_topk, e.route_moe_layers)
+    assert r.routed_experts.shape == (4, 2, 2)
+    assert torch.equal(r.routed_experts.long(), torch.from_numpy(wire[:, 1:]).long())
+    assert torch.equal(geometry.moe_rows(torch.from_numpy(wire)), torch.from_numpy(wire[:, 1:]))
+    check_routes(r.routed_experts, rows=4, **{k: getattr(geometry, k) for k in ("num_layers", "topk", "num_experts")})
+    with pytest.raises(RouteLayoutError, match="same expert twice"):  # what keeping the dense row would do
+        check_routes(torch.from_numpy(wire[:, :2]), rows=4, num_layers=2, topk=2, num_experts=8)
+    with pytest.raises(ValueError, match="route_moe_layers"):
+        SGLangEngineConfig(model_path="/m", return_routed_experts=True, route_layers=3, route_topk=2,
+                           route_moe_layers=(1, 3))
+    # Qwen3-MoE (every layer routes): nothing dropped
+    q = SGLangEngineConfig.from_run(load_config(None, ["rollout.engine=sglang", "rollout.sglang.model_path=/m",
+                                                       "train.routing_replay=replay"]), environ={})
+    assert (q.route_layers, q.route_moe_layers) == (2, None)

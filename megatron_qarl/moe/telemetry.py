@@ -5,6 +5,9 @@
 learner's own router, in a forward with replay off, differs from the sampler's; `routing/k3_{replay,free}`
 and `routing/abs_logp_gap_{replay,free}`: sampler<->learner k3 and mean |dlogp| on response tokens with and
 without replay. Cost: one extra no-grad forward per micro-batch (two when replay is off).
+Layer i is the i-th MoE layer (decoder layer `MoEGeometry.moe_layers[i]`: DeepSeek-V3's dense first layers
+route nothing and are not counted). The learner's own choice is its router's full rule (`own_routing_map`:
+score function, expert bias, group-limited top-k), not a plain top-k of the logits.
 """
 from __future__ import annotations
 
@@ -44,8 +47,7 @@ def observe_routers(model: torch.nn.Module) -> Iterator[RouterObservation]:
 
         def routing(logits, *args, **kwargs):
             probs, routing_map = original(logits, *args, **kwargs)
-            flat = logits.detach().reshape(-1, logits.shape[-1])
-            own = torch.zeros_like(routing_map).scatter(1, torch.topk(flat, router.topk, dim=1).indices, True)
+            own = own_routing_map(router, logits.detach().reshape(-1, logits.shape[-1])).to(routing_map.dtype)
             seen.dispatched[layer].append(routing_map.detach().clone())
             seen.own[layer].append(own)
             return probs, routing_map
@@ -59,6 +61,22 @@ def observe_routers(model: torch.nn.Module) -> Iterator[RouterObservation]:
     finally:
         for router in routers:
             del router.routing
+
+
+def own_routing_map(router, logits: torch.Tensor) -> torch.Tensor:
+    """bool [T, E]: the experts `router` picks for `logits` [T, E] without replay, by its own top-k rule
+    (megatron's `topk_routing_with_score_function` with the router's settings): softmax or sigmoid scores, the
+    expert bias (DeepSeek-V3's e_score_correction_bias) and group-limited top-k included. A plain top-k of the
+    logits is that rule only for an ungrouped, unbiased router (Qwen3-MoE)."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    cfg = router.config
+    with torch.no_grad():
+        _, routing_map = topk_routing_with_score_function(
+            logits, router.topk, use_pre_softmax=cfg.moe_router_pre_softmax, num_groups=cfg.moe_router_num_groups,
+            group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
+            score_function=router.score_function, expert_bias=router.expert_bias, fused=False, router_replay=None)
+    return routing_map.bool()
 
 
 def routes_as_map(routes: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -106,6 +106,26 @@ def _module_of(prefix: str) -> tuple[str, bool]:
     return prefix, False
 
 
+def _in_engine_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` in `dtype`, except the tensors its class keeps fp32 whatever the model dtype
+    (``_keep_in_fp32_modules_strict``, as transformers' from_pretrained keeps them): DeepSeek-V3's router
+    ``e_score_correction_bias``, an fp32 buffer in megatron (expert_bias), SGLang and vLLM alike."""
+    model = model.to(dtype)
+    keep = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if keep and dtype != torch.float32:
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.is_floating_point() and any(k in name for k in keep):
+                t.data = t.data.float()
+    return model
+
+
+def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a weight update may write, by transformers name: the parameters and the persistent buffers that are
+    model state (DeepSeek-V3's router ``e_score_correction_bias``); not the derived ones (rotary inv_freq)."""
+    persistent = set(model.state_dict(keep_vars=True))
+    return dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if n in persistent}
+
+
 def served_quantization_config(hf_config, given: dict | None) -> dict | None:
     """`given`, else the quantization_config a transformers config carries (a dict, or transformers' object)."""
     if given is not None:
@@ -157,14 +177,14 @@ class EmbeddedEngine:
             raise ValueError(f"unknown W4A16 kernel {w4a16_kernel!r}; expected one of {SAMPLER_W4A16_KERNELS}")
         self.hf_config = model.config  # what restart() rebuilds from
         self.family = family_of(model.config)  # its naming (HF <-> transformers tensors), router class
-        self.model = model.to(dtype).eval()
+        self.model = _in_engine_dtype(model, dtype).eval()
         self.dtype = dtype
         self.collect_routed_experts = collect_routed_experts
         self.pad_token_id = pad_token_id
         # hashing every received byte costs ~1 s/GB: switch off for large models outside verification runs
         self.record_checksums = record_checksums
         self.tokenizer = tokenizer  # only to match stop strings (SamplingParams.stop)
-        self._params = dict(self.model.named_parameters())
+        self._params = _model_tensors(self.model)
         self._in_update = False
         self._held: dict[str, torch.Tensor] = {}  # engine-layout tensors as received (what deltas apply to)
         self._held_crc: dict[str, int] = {}
@@ -418,8 +438,8 @@ class EmbeddedEngine:
     def restart(self) -> None:
         """A fresh model of the same architecture (random weights, as a restarted server holds its start-up
         checkpoint, not the trained weights): the trainer re-publishes everything next."""
-        self.model = self.family.causal_lm_class()(self.hf_config).to(self.dtype).eval()
-        self._params = dict(self.model.named_parameters())
+        self.model = _in_engine_dtype(self.family.causal_lm_class()(self.hf_config), self.dtype).eval()
+        self._params = _model_tensors(self.model)
         self._in_update = False
         self._held.clear()
         self._held_crc.clear()

@@ -150,6 +150,28 @@ def disable_mla_te_checks_without_te() -> None:
         mla.HAVE_TE = False
 
 
+def _apply_expert_bias_token_mask(self, routing_map, padding_mask=None):
+    """megatron-core 0.16.1 ``TopKRouter._apply_expert_bias`` (router.py:531-543) with the padding mask broadcast
+    over the experts: megatron masks the [tokens, experts] routing map with the flattened [tokens] padding mask
+    (``routing_map & ~padding_mask``), which raises a shape error whenever expert bias is on and a padding mask is
+    given (every SFT / RL micro-batch here). Only the token counts of the bias update change (rate 0 here)."""
+    import torch
+
+    if self.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & (~padding_mask.reshape(-1, 1))
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+def fix_expert_bias_padding_mask() -> None:
+    """Install `_apply_expert_bias_token_mask` on megatron's TopKRouter (idempotent; routers without expert bias,
+    Qwen3-MoE's, return before the mask is read)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    TopKRouter._apply_expert_bias = _apply_expert_bias_token_mask
+
+
 def deepseek_v3_block_spec(config, hf_config, *, use_te: bool = False, core_attention: str = "sdpa",
                            vp_stage: int | None = None, pp_rank: int | None = None):
     """The decoder block of this pipeline stage: a dense MLA layer for the first `first_k_dense_replace` layers,
@@ -164,6 +186,7 @@ def deepseek_v3_block_spec(config, hf_config, *, use_te: bool = False, core_atte
 
     define_router_gemm_without_te()
     disable_mla_te_checks_without_te()
+    fix_expert_bias_padding_mask()
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
                                        vp_stage=vp_stage, pp_rank=pp_rank)
     if use_te:
