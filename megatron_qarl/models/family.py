@@ -13,10 +13,25 @@ what is never quantized: router, norms, embeddings, lm_head), which linears an e
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from megatron_qarl.errors import CheckpointError
+
+
+def config_json_model_type(cfg_file: Path) -> tuple[Any, Any]:
+    """config.json's (model_type, architectures), None where absent; CheckpointError when it does not parse."""
+    try:
+        raw = json.loads(Path(cfg_file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot parse {cfg_file}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"cannot parse {cfg_file}: the top level is a {type(raw).__name__}, not an object")
+    return raw.get("model_type"), raw.get("architectures")
 
 
 class UnsupportedModelError(ValueError):

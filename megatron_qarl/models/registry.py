@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import functools
 import importlib
-import json
 from pathlib import Path
 from typing import Any
 
 from megatron_qarl.errors import CheckpointError
-from megatron_qarl.models.family import ModelFamily, UnsupportedModelError
+from megatron_qarl.models.family import ModelFamily, UnsupportedModelError, config_json_model_type
 
 # model_type -> the package whose FAMILY it is
 FAMILY_MODULES = {
@@ -74,17 +73,6 @@ def preset_hf_config(name: str, **overrides):
     if name not in presets:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(presets)}")
     return family_named(presets[name]).config_from_preset(name, **overrides)
-
-
-def config_json_model_type(cfg_file: Path) -> tuple[Any, Any]:
-    """config.json's (model_type, architectures), None where absent; CheckpointError when it does not parse."""
-    try:
-        raw = json.loads(Path(cfg_file).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot parse {cfg_file}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"cannot parse {cfg_file}: the top level is a {type(raw).__name__}, not an object")
-    return raw.get("model_type"), raw.get("architectures")
 
 
 def read_hf_config(path):

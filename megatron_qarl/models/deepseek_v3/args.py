@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_qarl.errors import CheckpointError
-from megatron_qarl.models.family import MoEGeometry, QuantizedDim, UnsupportedModelError
+from megatron_qarl.models.family import MoEGeometry, QuantizedDim, UnsupportedModelError, config_json_model_type
 
 SUPPORTED_MODEL_TYPE = "deepseek_v3"
 SUPPORTED_ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -262,13 +262,7 @@ class ModelShape:
 def check_model_type(cfg_file) -> None:
     """Refuse a config.json of another architecture up front: transformers would read it as a DeepSeek-V3
     config with default settings and the weights would not map."""
-    try:
-        raw = json.loads(Path(cfg_file).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot parse {cfg_file}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"cannot parse {cfg_file}: the top level is a {type(raw).__name__}, not an object")
-    model_type, archs = raw.get("model_type"), raw.get("architectures")
+    model_type, archs = config_json_model_type(cfg_file)
     wrong_type = model_type is not None and model_type != SUPPORTED_MODEL_TYPE
     wrong_arch = isinstance(archs, list) and archs and SUPPORTED_ARCHITECTURE not in archs
     if wrong_type or wrong_arch:

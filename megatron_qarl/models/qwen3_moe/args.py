@@ -4,13 +4,12 @@ parameter counter (by sharding/quantization group) that the memory estimate, the
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from megatron_qarl.errors import CheckpointError
-from megatron_qarl.models.family import MoEGeometry, QuantizedDim
+from megatron_qarl.models.family import MoEGeometry, QuantizedDim, config_json_model_type
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Numbers of Qwen/Qwen3-30B-A3B config.json.
@@ -163,13 +162,7 @@ SUPPORTED_ARCHITECTURE = "Qwen3MoeForCausalLM"
 def check_model_type(cfg_file) -> None:
     """Refuse a config.json of another architecture (a dense Qwen3, Llama, ...) up front: transformers would
     read it as a Qwen3-MoE config with default expert settings and the weights would not map."""
-    try:
-        raw = json.loads(Path(cfg_file).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot parse {cfg_file}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"cannot parse {cfg_file}: the top level is a {type(raw).__name__}, not an object")
-    model_type, archs = raw.get("model_type"), raw.get("architectures")
+    model_type, archs = config_json_model_type(cfg_file)
     wrong_type = model_type is not None and model_type != SUPPORTED_MODEL_TYPE
     wrong_arch = isinstance(archs, list) and archs and SUPPORTED_ARCHITECTURE not in archs
     if wrong_type or wrong_arch:
