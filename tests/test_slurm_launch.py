@@ -32,6 +32,10 @@ CONFIG = "configs/qwen3_30b_a3b_qarl_w4a16_tbpo_multinode.yaml"
 # The batch script's dry-run checks the run's dataset and tokenizer, which the 30B config takes from the cluster:
 # the repo's arithmetic set and the char tokenizer stand in (no server flag depends on them). They also show that
 # OVERRIDES reach the servers' arguments.
+# Separate-mode tests run 4-GPU servers: Qwen3-30B-A3B's experts (moe_intermediate_size 768) split 4 ways hold 192
+# columns per GPU, no whole W4A16 group of 128 (the config refuses it: SGLang would floor its group count), so those
+# servers spread whole experts over their GPUs (SGLang expert parallelism).
+SEPARATE_TP4 = ["rollout.engine_tp=4", "rollout.sglang.ep_size=4"]
 OVERRIDES = ["model.tokenizer=char", "data.path=data/arith_2digit_lsd.jsonl", "data.prompt_key=prompt",
              "data.answer_key=answer", "rollout.stop=[]"]
 NODES = ("gpu-a1", "gpu-a2")
@@ -268,7 +272,7 @@ def _expected_server_argv(cluster, group: int, base_gpu_id: int, port: int, key_
     urls = ",".join(f"http://{NODES[1]}:{30000 + i}" for i in range(2))
     cfg = load_config(ROOT / CONFIG, OVERRIDES + [
         "rollout.sglang.mode=separate", "rollout.sglang.launch=attach", f"rollout.sglang.urls=[{urls}]",
-        "rollout.engines=2", "rollout.engine_tp=4"])
+        "rollout.engines=2", *SEPARATE_TP4])
     engine = SGLangEngineConfig.from_run(cfg, group=group, base_gpu_id=base_gpu_id, model_path=str(cluster["model"]))
     engine.host = ADDRS[NODES[1]]
     cmd = sglang_server_command(engine, port, key_file)
@@ -279,6 +283,7 @@ def _expected_server_argv(cluster, group: int, base_gpu_id: int, port: int, key_
 def test_separate_two_nodes(cluster, monkeypatch):
     monkeypatch.setenv("QARL_SGLANG_API_KEY", "k")  # load_config of an attach-mode run checks it is set
     p = _render(cluster, SGLANG_MODE="separate", SGLANG_NODES="1", ENGINE_TP="4",
+                OVERRIDES=" ".join(OVERRIDES + SEPARATE_TP4[1:]),
                 SGLANG_MODEL_PATH=str(cluster["model"]), QARL_SGLANG_API_KEY="s3cret-key", ENGINE_STOP_TIMEOUT="20",
                 STUB_SERVERS=str(GPUS_PER_NODE // 4))
     assert p.returncode == 0, p.stdout + p.stderr
@@ -378,12 +383,12 @@ def test_server_args_helper(monkeypatch, capsys):
     args = ["--config", str(ROOT / CONFIG), "--group", "1", "--host", "10.0.0.2", "--port", "30001",
             "--base-gpu-id", "4", "--model-path", "/m", "--key-file", "/k",
             "rollout.sglang.mode=separate", "rollout.sglang.launch=attach",
-            "rollout.sglang.urls=[http://a:1,http://a:2]", "rollout.engines=2", "rollout.engine_tp=4"]
+            "rollout.sglang.urls=[http://a:1,http://a:2]", "rollout.engines=2", *SEPARATE_TP4]
     assert helper["main"](args) == 0
     printed = capsys.readouterr().out.splitlines()
     assert printed[1:3] == ["-m", "sglang.launch_server"]
     for flag, value in {"--host": "10.0.0.2", "--port": "30001", "--base-gpu-id": "4", "--tp-size": "4",
-                        "--config": "/k", "--model-path": "/m", "--moe-runner-backend": "marlin"}.items():
+                        "--ep-size": "4", "--config": "/k", "--model-path": "/m", "--moe-runner-backend": "marlin"}.items():
         assert printed[printed.index(flag) + 1] == value, flag
     assert helper["main"](args[:2] + ["--group", "2"] + args[4:]) == 2  # group 2 has no URL
     assert "no engine URL" in capsys.readouterr().err
