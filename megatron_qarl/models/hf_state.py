@@ -88,3 +88,17 @@ def load_hf_state(model, hf_state: Mapping[str, torch.Tensor], expected: Mapping
     state = model.state_dict()
     for name, tensor in hf_state.items():
         transformers_tensor(state, name).copy_(tensor)
+
+
+def compressed_tensors_ignore_list(quantized_groups: tuple[str, ...], *, family: str, groups, ignore_group,
+                                   never_quantized) -> list[str]:
+    """A family's compressed-tensors ``ignore`` list that leaves exactly the linears of `quantized_groups` quantized:
+    what it never quantizes, plus the patterns (`ignore_group`) of every one of its `groups` not asked for."""
+    unknown = set(quantized_groups) - set(groups)
+    if unknown:
+        raise ValueError(f"unknown {family} linear group(s) {sorted(unknown)}; groups: {tuple(groups)}")
+    ignore = list(never_quantized)
+    for group in groups:
+        if group not in quantized_groups:
+            ignore += ignore_group[group]
+    return ignore

@@ -25,7 +25,7 @@ import torch
 
 from megatron_qarl.models.family import ParamLayout, WeightMappingError
 from megatron_qarl.models.hf_state import (  # noqa: F401 - the family's adapter answers them too
-    hf_state_from_model, load_hf_state, transformers_tensor, validate_state,
+    compressed_tensors_ignore_list, hf_state_from_model, load_hf_state, transformers_tensor, validate_state,
 )
 
 # per-layer 1:1 renames (HF suffix after `model.layers.{i}.` -> mcore suffix after `decoder.layers.{i}.`)
@@ -233,14 +233,8 @@ def fused_linear_group(hf_name: str) -> tuple[str, tuple[str, ...]] | None:
 
 def compressed_tensors_ignore(quantized_groups: tuple[str, ...]) -> list[str]:
     """The compressed-tensors ``ignore`` list that leaves exactly the linears of `quantized_groups` quantized."""
-    unknown = set(quantized_groups) - set(_LINEAR_GROUPS)
-    if unknown:
-        raise ValueError(f"unknown DeepSeek-V3 linear group(s) {sorted(unknown)}; groups: {tuple(_LINEAR_GROUPS)}")
-    ignore = list(_NEVER_QUANTIZED)
-    for group in _LINEAR_GROUPS:
-        if group not in quantized_groups:
-            ignore += _IGNORE_GROUP[group]
-    return ignore
+    return compressed_tensors_ignore_list(quantized_groups, family="DeepSeek-V3", groups=_LINEAR_GROUPS,
+                                          ignore_group=_IGNORE_GROUP, never_quantized=_NEVER_QUANTIZED)
 
 
 _GROUPED_WEIGHT = re.compile(r"\.weight\d+$")

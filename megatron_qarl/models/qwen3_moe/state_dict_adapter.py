@@ -21,7 +21,7 @@ import torch
 
 from megatron_qarl.models.family import ParamLayout, WeightMappingError
 from megatron_qarl.models.hf_state import (  # noqa: F401 - the family's adapter answers them too
-    hf_state_from_model, load_hf_state, transformers_tensor, validate_state,
+    compressed_tensors_ignore_list, hf_state_from_model, load_hf_state, transformers_tensor, validate_state,
 )
 from megatron_qarl.models.qwen3_moe.args import hf_head_dim
 
@@ -231,14 +231,8 @@ def fused_linear_group(hf_name: str) -> tuple[str, tuple[str, ...]] | None:
 
 def compressed_tensors_ignore(quantized_groups: tuple[str, ...]) -> list[str]:
     """The compressed-tensors ``ignore`` list that leaves exactly the linears of `quantized_groups` quantized."""
-    unknown = set(quantized_groups) - set(_LINEAR_GROUPS)
-    if unknown:
-        raise ValueError(f"unknown Qwen3-MoE linear group(s) {sorted(unknown)}; groups: {tuple(_LINEAR_GROUPS)}")
-    ignore = list(_NEVER_QUANTIZED)
-    for group in _LINEAR_GROUPS:
-        if group not in quantized_groups:
-            ignore += _IGNORE_GROUP[group]
-    return ignore
+    return compressed_tensors_ignore_list(quantized_groups, family="Qwen3-MoE", groups=_LINEAR_GROUPS,
+                                          ignore_group=_IGNORE_GROUP, never_quantized=_NEVER_QUANTIZED)
 
 
 _GROUPED_WEIGHT = re.compile(r"\.weight\d+$")
