@@ -19,7 +19,6 @@ On CPU, MLA's rotary embedding calls ``torch.cuda.current_device()``: compat_cpu
 """
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,14 +29,9 @@ from megatron_qarl.models.deepseek_v3.args import (
 from megatron_qarl.models.deepseek_v3.mla_attention import (
     ReplicatedDownProjMLASelfAttention, mla_core_attention_class,
 )
-from megatron_qarl.models.local_spec import SequenceParallelTorchNorm, define_router_gemm_without_te
-
-
-def _layout_sizes(layout) -> dict[str, Any]:
-    from megatron_qarl.parallel import ParallelLayout
-
-    layout = layout or ParallelLayout()
-    return dict(tp=layout.tp, ep=layout.ep, etp=layout.expert_tp, pp=layout.pp, sp=layout.sequence_parallel)
+from megatron_qarl.models.local_spec import (
+    SequenceParallelTorchNorm, define_router_gemm_without_te, gpt_model, layout_sizes,
+)
 
 
 def moe_layer_pattern(hf_config) -> list[int]:
@@ -59,7 +53,7 @@ def transformer_config_from_hf(hf_config, layout=None, *, params_dtype=torch.flo
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     check_supported(hf_config)
-    sizes = _layout_sizes(layout)
+    sizes = layout_sizes(layout)
     check_divisibility(hf_config, sizes["tp"], sizes["ep"], sizes["etp"])
     n_group = int(hf_config.n_group or 1)
     shared = int(hf_config.n_shared_experts or 0) * int(hf_config.moe_intermediate_size)
@@ -212,22 +206,7 @@ def build_deepseek_v3_model(hf_config, layout=None, *, params_dtype=torch.float3
     The vocab must divide by TP (no implicit padding). MLA builds its own rotary embedding (GPTModel makes none
     for MLA, gpt_model.py:159, 334) and ignores position_ids: positions are 0..s-1 (notes 1d).
     """
-    from megatron.core.models.gpt import GPTModel
-
     config = transformer_config_from_hf(hf_config, layout, params_dtype=params_dtype, **(config_overrides or {}))
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=deepseek_v3_block_spec(config, hf_config, use_te=use_te,
-                                                      core_attention=core_attention),
-        vocab_size=hf_config.vocab_size,
-        max_sequence_length=hf_config.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=hf_rope_theta(hf_config),
-    )
-    model.model_family = SUPPORTED_MODEL_TYPE  # what models.registry.family_of_model reads
-    return model
+    block_spec = deepseek_v3_block_spec(config, hf_config, use_te=use_te, core_attention=core_attention)
+    return gpt_model(config, block_spec, hf_config, rotary_base=hf_rope_theta(hf_config),
+                     model_family=SUPPORTED_MODEL_TYPE, pre_process=pre_process, post_process=post_process)

@@ -5,26 +5,17 @@ The mcore model built here computes the same function as transformers' `Qwen3Moe
 """
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from megatron_qarl.models.local_spec import (  # noqa: F401 - re-exported for the family's tests
-    CORE_ATTENTIONS, SequenceParallelTorchNorm, core_attention_class, define_router_gemm_without_te,
-    transformer_engine_problem,
+    CORE_ATTENTIONS, SequenceParallelTorchNorm, core_attention_class, define_router_gemm_without_te, gpt_model,
+    layout_sizes, transformer_engine_problem,
 )
 from megatron_qarl.models.qwen3_moe.args import (
     SUPPORTED_MODEL_TYPE, check_divisibility, check_supported, hf_head_dim, hf_rope_theta,
 )
-
-
-def _layout_sizes(layout) -> dict[str, Any]:
-    """(tp, ep, etp, pp, sp) of a ParallelLayout (None = a single process)."""
-    from megatron_qarl.parallel import ParallelLayout
-
-    layout = layout or ParallelLayout()
-    return dict(tp=layout.tp, ep=layout.ep, etp=layout.expert_tp, pp=layout.pp, sp=layout.sequence_parallel)
 
 
 def transformer_config_from_hf(hf_config, layout=None, *, params_dtype=torch.float32, **overrides):
@@ -37,7 +28,7 @@ def transformer_config_from_hf(hf_config, layout=None, *, params_dtype=torch.flo
     from megatron.core.transformer import TransformerConfig
 
     check_supported(hf_config)
-    sizes = _layout_sizes(layout)
+    sizes = layout_sizes(layout)
     check_divisibility(hf_config, sizes["tp"], sizes["ep"], sizes["etp"])
     kwargs = dict(
         num_layers=hf_config.num_hidden_layers,
@@ -138,23 +129,8 @@ def build_qwen3_moe_model(hf_config, layout=None, *, params_dtype=torch.float32,
     The vocab must divide by TP (no implicit padding: padded rows would change the softmax
     normaliser unless masked, so the caller pads the checkpoint explicitly if needed).
     """
-    from megatron.core.models.gpt import GPTModel
-
     config = transformer_config_from_hf(hf_config, layout, params_dtype=params_dtype,
                                         **(config_overrides or {}))
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=qwen3_moe_block_spec(config, hf_config, use_te=use_te,
-                                                    core_attention=core_attention),
-        vocab_size=hf_config.vocab_size,
-        max_sequence_length=hf_config.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=hf_rope_theta(hf_config),
-    )
-    model.model_family = SUPPORTED_MODEL_TYPE  # what models.registry.family_of_model reads
-    return model
+    block_spec = qwen3_moe_block_spec(config, hf_config, use_te=use_te, core_attention=core_attention)
+    return gpt_model(config, block_spec, hf_config, rotary_base=hf_rope_theta(hf_config),
+                     model_family=SUPPORTED_MODEL_TYPE, pre_process=pre_process, post_process=post_process)
