@@ -838,9 +838,6 @@ def _check_shard_shapes(cfg: RunConfig) -> list[str]:
             out.append(f"parallel: {err}; choose parallel.tp / ep / etp dividing them")
     if out or not cfg.quant.enabled:
         return out
-    scope_problem = _check_family_scope(cfg, family)
-    if scope_problem:
-        return scope_problem
     scheme = scheme_of(cfg.quant)
     block_rows, unit = scheme.scale_block(cfg.quant)
     what = scheme.describe(cfg.quant)
@@ -865,24 +862,6 @@ def _check_shard_shapes(cfg: RunConfig) -> list[str]:
                    f"per-projection blocks; use quant.{scheme.unit_field} dividing {head_dim} (e.g. 64)")
     out += _check_engine_expert_split(cfg, family, shape, scheme, what)
     return out
-
-
-def _check_family_scope(cfg: RunConfig, family) -> list[str]:
-    """A scope holding a linear group the model family cannot quantize (ModelFamily.why_unquantizable, e.g.
-    DeepSeek-V3's MLA attention) is refused, naming the scopes that remain for the scheme."""
-    q = cfg.quant
-    blocked = [g for g in q.quantized_groups if family.why_unquantizable(g)]
-    if not blocked:
-        return []
-    scheme = scheme_of(q)
-    served = [s for s, groups in SCOPE_GROUPS.items() if not any(family.why_unquantizable(g) for g in groups)]
-    usable = [s for s in served if scheme.scopes is None or s in scheme.scopes]
-    fix = (f"use quant.scope={' or '.join(usable)}" if usable else
-           f"quant.scheme={q.scheme} needs quant.scope={' or '.join(scheme.scopes)}; use a scheme defined on "
-           f"quant.scope={' or '.join(served)} (e.g. w4a16), or quant.scheme=none")
-    why = "; ".join(f"{g}: {family.why_unquantizable(g)}" for g in blocked)
-    return [f"quant.scope={q.scope!r} quantizes the {' and '.join(blocked)} linears, which the {family.model_type} "
-            f"family cannot ({why}); {fix}"]
 
 
 def _check_engine_expert_split(cfg: RunConfig, family, shape, scheme, what: str) -> list[str]:

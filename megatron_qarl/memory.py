@@ -150,6 +150,7 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     expert_dp = max(world_size // (etp * ep * layout.pp), 1)
     groups = family.param_groups(shape)
     replicated = family.tp_replicated_params(shape)
+    never = family.never_quantized_params(shape)
     local = _local_params(groups, tp, ep, etp, replicated)
     local_total = sum(local.values())
     quant = cfg.quant
@@ -158,7 +159,8 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
 
     optimizer = _optimizer_bytes(local, cfg.train.optim)
 
-    quantized_local = sum(local[g] for g in in_scope)  # 0 without a scheme: nothing is in scope
+    # 0 without a scheme: nothing is in scope. A group's replicated and never-quantized params stay bf16.
+    quantized_local = sum(local[g] - replicated.get(g, 0) - never.get(g, 0) / tp for g in in_scope)
     cached = quantized_local if aligned else 0.0
     params_bf16 = 2.0 * local_total if cfg.model.dtype == "bfloat16" else 0.0
     quant_cache = 0.0
@@ -182,7 +184,7 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
         "logits": act["logits"],
     }
     trainer["total"] = sum(trainer.values())
-    engine = engine_weight_bytes(cfg, groups, replicated)
+    engine = engine_weight_bytes(cfg, groups, replicated, never)
     return {
         "params": {**family.parameter_counts(hf_config), "local_per_gpu": local_total},
         "layout": {"world_size": world_size, "tp": tp, "ep": ep, "etp": etp, "pp": layout.pp, "dp": dp,
@@ -195,19 +197,21 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     }
 
 
-def engine_weight_bytes(cfg, groups, replicated=None) -> dict[str, float]:
+def engine_weight_bytes(cfg, groups, replicated=None, never=None) -> dict[str, float]:
     """The rollout engine's weights: as published (quantized scope low-bit) and, for comparison, bf16; per engine
-    GPU split over its TP but for `replicated` ({group: params}, bf16: held whole on every engine TP rank)."""
+    GPU split over its TP but for `replicated` ({group: params}, bf16: held whole on every engine TP rank);
+    `never` ({group: params}): TP-split params of a group no scope quantizes (bf16 whatever the scope)."""
     quant = cfg.quant
     in_scope = quant.quantized_groups
-    low_bit_numel = sum(getattr(groups, g) for g in in_scope)
+    replicated, never = replicated or {}, never or {}
+    low_bit_numel = sum(getattr(groups, g) - replicated.get(g, 0) - never.get(g, 0) for g in in_scope)
     bf16_all = 2.0 * groups.total
     published = 2.0 * (groups.total - low_bit_numel)
     if low_bit_numel:
         published += _low_bit_bytes(low_bit_numel, quant, cached=False)
     engine_gpus = cfg.rollout.engine_tp
     per_gpu = published / engine_gpus
-    whole = 2.0 * sum(n for g, n in (replicated or {}).items() if g not in in_scope)
+    whole = 2.0 * sum(replicated.values())  # bf16 whatever the scope
     if whole:
         per_gpu += whole - whole / engine_gpus
     return {"published_total": published, "bf16_total": bf16_all, "engine_gpus": engine_gpus,

@@ -124,8 +124,7 @@ def mismatch_stats(learner_logp: torch.Tensor, sampler_logp: torch.Tensor) -> Mi
 
 
 def check_learner_geometry(hf_config, settings: ProbeSettings) -> None:
-    """Refuse, before any engine starts, what the aligned learner would refuse only after sampling: a scope holding
-    linears the model family cannot quantize (ModelFamily.why_unquantizable: DeepSeek-V3's MLA attention), FP8
+    """Refuse, before any engine starts, what the aligned learner would refuse only after sampling: FP8
     blocks wider than a head where megatron fuses q/k/v (its linear_qkv interleaves heads per query group,
     models.aligned.check_site_geometry; ModelFamily.fused_qkv_head_dim, None for MLA)."""
     from megatron_qarl.models.registry import family_of
@@ -134,12 +133,6 @@ def check_learner_geometry(hf_config, settings: ProbeSettings) -> None:
     if settings.scheme == NO_SCHEME:
         return
     family = family_of(hf_config)
-    blocked = [g for g in SCOPE_GROUPS[settings.scope] if family.why_unquantizable(g)]
-    if blocked:
-        served = [s for s, groups in SCOPE_GROUPS.items() if not any(family.why_unquantizable(g) for g in groups)]
-        why = "; ".join(f"{g}: {family.why_unquantizable(g)}" for g in blocked)
-        raise ProbeError(f"--scope {settings.scope} quantizes the {' and '.join(blocked)} linears, which the "
-                         f"{family.model_type} family cannot ({why}); use --scope {' or '.join(served)}")
     head_dim = family.fused_qkv_head_dim(family.shape(hf_config))
     if head_dim is None or "attention" not in SCOPE_GROUPS[settings.scope]:
         return

@@ -421,23 +421,22 @@ def _one_problem(overrides, path=None, world_size=None) -> str:
 
 
 @pytest.mark.parametrize("scope", ["experts+attention", "attention", "all-linears"])
-def test_dsv3_refuses_quantizing_mla_attention(scope):
-    """The aligned learner wraps megatron Column/RowParallelLinear only and the family replicates MLA's
-    down-projections; SGLang needs kv_b_proj bf16: a scope with attention is refused at config time."""
-    text = _one_problem(["model.preset=tiny-deepseek-v3", "quant.scheme=w4a16", f"quant.scope={scope}"])
-    assert f"quant.scope='{scope}' quantizes the attention" in text
-    assert "which the deepseek_v3 family cannot" in text and "ReplicatedLinear" in text and "kv_b_proj" in text
-    assert text.rstrip().endswith("use quant.scope=experts")
-    assert load_config(None, ["model.preset=tiny-deepseek-v3", "quant.scheme=w4a16", "quant.scope=experts"])
-    assert load_config(None, ["model.preset=tiny", "quant.scheme=w4a16", f"quant.scope={scope}"])  # Qwen3: fine
+def test_dsv3_quantizes_mla_heads_and_checks_their_shards(scope):
+    """MLA's q_proj / o_proj (and with all-linears the shared experts and dense MLP) are a scope option; their
+    shards must hold whole groups like any quantized linear's: at TP 2 o_proj's input (4 heads x v_head_dim 32 =
+    128) splits into 64 columns, which a group of 128 does not tile, and the error names the linear."""
+    base = ["model.preset=tiny-deepseek-v3", "quant.scheme=w4a16", f"quant.scope={scope}"]
+    assert load_config(None, base).quant.scope == scope
+    text = _one_problem([*base, "parallel.tp=2", "parallel.etp=1"], world_size=2)
+    assert "self_attn.o_proj" in text and "128" in text and "64" in text
+    assert load_config(None, [*base, "parallel.tp=2", "parallel.etp=1", "quant.group_size=64"], world_size=2)
 
 
-def test_dsv3_fp8_names_a_scheme_it_can_serve():
-    """FP8 is defined on all-linears only, which holds MLA: the fix names a scheme on the experts scope."""
-    text = _one_problem(["model.preset=tiny-deepseek-v3", "quant.scheme=fp8", "quant.scope=all-linears",
-                         "quant.block_size=64"])
-    assert "quant.scheme=fp8 needs quant.scope=all-linears; use a scheme defined on quant.scope=experts" in text
-    assert "head_dim" not in text  # no fused linear_qkv in MLA: Qwen3's head rule is not asked
+def test_dsv3_fp8_on_all_linears_leaves_no_fused_qkv_head_rule():
+    """FP8 is defined on all-linears: MLA has no fused linear_qkv, so Qwen3's head rule is not asked."""
+    cfg = load_config(None, ["model.preset=tiny-deepseek-v3", "quant.scheme=fp8", "quant.scope=all-linears",
+                             "quant.block_size=64"])
+    assert cfg.quant.scheme == "fp8"
 
 
 def test_the_router_is_in_no_quantization_group_of_any_family():
@@ -496,17 +495,15 @@ def test_dsv3_layout_checks_ask_the_family(tmp_path):
 
 
 def test_probe_asks_the_family_for_scopes_and_fused_qkv():
-    """probe.check_learner_geometry: Qwen3's fused-QKV head rule where megatron fuses q/k/v only; DeepSeek-V3's
-    attention scopes refused before any engine starts."""
+    """probe.check_learner_geometry: Qwen3's fused-QKV head rule where megatron fuses q/k/v only (not MLA)."""
     from megatron_qarl.models.registry import family_named
     from megatron_qarl.probe import ProbeError, ProbeSettings, check_learner_geometry
 
     dsv3 = family_named("deepseek_v3").config_from_preset("tiny-deepseek-v3")
     qwen3 = family_named("qwen3_moe").config_from_preset("tiny")
     check_learner_geometry(dsv3, ProbeSettings(scheme="w4a16", scope="experts"))
-    with pytest.raises(ProbeError, match="--scope attention quantizes the attention linears, which the deepseek_v3 "
-                                         "family cannot .*; use --scope experts"):
-        check_learner_geometry(dsv3, ProbeSettings(scheme="w4a16", scope="attention"))
+    check_learner_geometry(dsv3, ProbeSettings(scheme="w4a16", scope="attention"))
+    check_learner_geometry(dsv3, ProbeSettings(scheme="fp8", scope="all-linears", block_size=128))  # no fused qkv
     with pytest.raises(ProbeError, match="head_dim=64 is not a multiple of the block"):
         check_learner_geometry(qwen3, ProbeSettings(scheme="fp8", scope="all-linears", block_size=128))
     check_learner_geometry(qwen3, ProbeSettings(scheme="fp8", scope="all-linears", block_size=64))

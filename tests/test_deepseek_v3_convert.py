@@ -188,3 +188,107 @@ def test_export_from_the_mcore_checkpoint_equals_export_from_hf(mcore_dir, w4a16
     assert run_cli("export", "--ckpt", mcore_dir, "--format", "w4a16", "--out", tmp_path / "a",
                    "--max-shard-bytes", 1_000_000) == 0
     assert_bitwise_equal(read_dir(w4a16_dir), read_dir(tmp_path / "a"))
+
+
+# ------------------------------------------------------------------- the other scopes: MLA and shared experts too
+
+@pytest.fixture(scope="module")
+def all_linears_dir(hf_dir):
+    out = hf_dir.parent / "w4_all"
+    assert run("export", "--hf", hf_dir, "--format", "w4a16", "--scope", "all-linears", "--out", out,
+               "--max-shard-bytes", 1_000_000) == 0
+    return out
+
+
+ALL_LINEARS = re.compile(r"model\.layers\.(0\.mlp\.(gate|up|down)_proj|[12]\.mlp\.experts\.\d\.(gate|up|down)_proj"
+                         r"|[12]\.mlp\.shared_experts\.(gate|up|down)_proj|[012]\.self_attn\.(q_proj|o_proj))")
+
+
+def test_all_linears_export_quantizes_mla_heads_shared_experts_and_dense_mlp_not_the_latent_or_router(
+        all_linears_dir, source_state):
+    """scope all-linears: q_proj, o_proj, the shared experts and the dense layer's MLP join the routed experts in
+    W4A16 (compressed-tensors decompresses each to the spec bitwise); kv_b_proj (SGLang re-derives w_kc / w_vc from
+    its bf16 weight), the replicated down-projection kv_a_proj_with_mqa, the router and lm_head stay bf16."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    ignore = json.loads((all_linears_dir / "config.json").read_text())["quantization_config"]["ignore"]
+    modules = sorted({n.rsplit(".", 1)[0] for n in source_state if n.endswith(".weight")})
+    quantized = [m for m in modules if not _ignored(m, ignore) and m.split(".")[-1].endswith("proj")]
+    assert quantized == [m for m in modules if ALL_LINEARS.fullmatch(m)]
+    assert len(quantized) == 3 + 2 * (8 * 3 + 3) + 3 * 2
+    for kept in ("lm_head", "model.layers.1.mlp.gate", "model.layers.1.self_attn.kv_b_proj",
+                 "model.layers.1.self_attn.kv_a_proj_with_mqa", "model.layers.1.self_attn.q_a_proj",
+                 "model.layers.1.self_attn.fused_qkv_a_proj_with_mqa"):
+        assert _ignored(kept, ignore), kept
+    for fused in ("model.layers.0.mlp.gate_up_proj", "model.layers.1.mlp.shared_experts.gate_up_proj"):
+        assert not _ignored(fused, ignore), fused  # SGLang asks by the fused name
+    out = read_dir(all_linears_dir)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    for base in quantized:
+        packed = {k: out[f"{base}.{k}"] for k in ("weight_packed", "weight_scale", "weight_shape")}
+        library = PackedQuantizationCompressor.decompress(packed, scheme)["weight"]
+        q = quantize_int4_groupwise(source_state[base + ".weight"].float(), GROUP)
+        assert torch.equal(library, dequantize_int4_groupwise(q.codes, q.scales, GROUP, dtype=torch.bfloat16)), base
+    for name in (n for n in source_state if n.rsplit(".", 1)[0] not in quantized):
+        assert out[name].dtype == source_state[name].dtype and torch.equal(out[name], source_state[name]), name
+
+
+@pytest.mark.parametrize("scope", ["experts", "attention", "experts+attention", "all-linears"])
+def test_aligned_learner_computes_what_the_exported_checkpoint_computes(world_of_one, hf_dir, source_state, scope,
+                                                                         tmp_path):
+    """The megatron learner with the aligned forward on MLA's q_proj / o_proj (and the shared experts and dense
+    MLP) gives the log-probs of transformers' DeepseekV3ForCausalLM holding the exported W4A16 checkpoint as the
+    compressed-tensors library decompresses it; the unaligned learner is visibly farther.
+
+    The decompression is the library's own call (transformers' from_pretrained of a DeepSeek-V3 compressed-tensors
+    checkpoint leaves quantized MLA linears compressed and, with unquantized routed experts, does not fuse them)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    from megatron_qarl.models.aligned import apply_aligned_quantization
+    from megatron_qarl.parallel import ParallelLayout
+    from megatron_qarl.quant import QuantConfig
+    from megatron_qarl.quant.config import SCOPE_GROUPS
+    from megatron_qarl.weights.sharding import load_full_state_into_model
+
+    out = tmp_path / "w4"
+    assert run("export", "--hf", hf_dir, "--format", "w4a16", "--scope", scope, "--out", out) == 0
+    cfg = FAMILY.config_from_preset("tiny-deepseek-v3")
+    exported = read_dir(out)
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP))
+    state = {}
+    for name, t in exported.items():
+        if name.endswith("weight_packed"):
+            base = name[: -len(".weight_packed")]
+            parts = {k: exported[f"{base}.{k}"] for k in ("weight_packed", "weight_scale", "weight_shape")}
+            state[base + ".weight"] = PackedQuantizationCompressor.decompress(parts, scheme)["weight"].float()
+        elif not name.endswith(("weight_scale", "weight_shape")):
+            state[name] = t.float()
+    loaded = FAMILY.causal_lm_class()(cfg).float().eval()
+    FAMILY.adapter.load_hf_state_into_model(loaded, state)
+    ids = torch.randint(1, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = torch.log_softmax(loaded(input_ids=ids).logits.float(), -1)
+
+    def learner_logp(aligned: bool):
+        model = FAMILY.build_model(cfg, ParallelLayout(), params_dtype=torch.float32)
+        load_full_state_into_model(model, FAMILY.adapter.hf_to_mcore(cfg, {n: t.float() for n, t in source_state.items()}))
+        if aligned:
+            quant = apply_aligned_quantization(model, QuantConfig(scheme="w4a16", scope=scope))
+            attention = "attention" in SCOPE_GROUPS[scope]
+            assert attention == any(".self_attention.linear_q_proj." in n for n in quant.sites)
+            assert not any("down_proj" in n or "kv_up_proj" in n for n in quant.sites)
+        with torch.no_grad():
+            logits = model.eval()(input_ids=ids, position_ids=None, attention_mask=None)
+        return torch.log_softmax(logits.float(), -1)
+
+    aligned_diff = float((learner_logp(True) - ref).abs().max())
+    unaligned_diff = float((learner_logp(False) - ref).abs().max())
+    print(f"{scope}: aligned max |dlogp| {aligned_diff:.2e}, unaligned {unaligned_diff:.2e}")
+    # fp32 on both sides, the same weights: summation order only, eps x the longest reduction (the dense MLP's
+    # 512) per layer
+    assert aligned_diff <= torch.finfo(torch.float32).eps * cfg.intermediate_size * cfg.num_hidden_layers
+    assert unaligned_diff >= 20 * max(aligned_diff, 1e-6)

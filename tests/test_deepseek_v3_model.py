@@ -296,7 +296,11 @@ def test_ignore_list_leaves_exactly_the_scope_quantized(q_lora):
     groups = {n: FAMILY.linear_group(n) for n in linears}
     assert groups["model.layers.1.self_attn.kv_b_proj"] is None, "kv_b_proj must stay bf16 (SGLang)"
     assert groups["model.layers.1.mlp.gate"] is None and groups["lm_head"] is None
-    assert groups["model.layers.1.self_attn.kv_a_proj_with_mqa"] == "attention"
+    # the latent down-projections too (replicated over TP; the engines fuse them when q_lora_rank is set)
+    assert groups["model.layers.1.self_attn.kv_a_proj_with_mqa"] is None
+    assert groups.get("model.layers.1.self_attn.q_a_proj") is None
+    assert groups["model.layers.1.self_attn.o_proj"] == "attention"
+    assert groups["model.layers.1.self_attn." + ("q_proj" if q_lora is None else "q_b_proj")] == "attention"
     assert groups["model.layers.1.mlp.shared_experts.down_proj"] == "dense_mlp"
     assert groups["model.layers.0.mlp.gate_proj"] == "dense_mlp"
     assert groups["model.layers.2.mlp.experts.3.up_proj"] == "experts"
@@ -323,11 +327,11 @@ def test_fused_linear_groups_are_the_gated_fc1_pairs():
 def test_quantized_dims_follow_the_local_spec_split():
     shape = FAMILY.shape(config_from_preset("moonlight-16b-a3b"))
     dims = {(d.linears, d.dim): d for d in FAMILY.quantized_dims(shape, ("experts", "attention", "dense_mlp"), 2, 1)}
-    assert dims[("self_attn.kv_a_proj_with_mqa", "output dim (kv_lora_rank+qk_rope_head_dim)")].parts == 1
     assert dims[("self_attn.q_proj", "output dim (heads*q_head_dim)")].parts == 2
     assert dims[("self_attn.o_proj", "input dim (heads*v_head_dim)")].size == 2048
     assert dims[("mlp.experts.*.down_proj", "input dim (moe_intermediate_size)")].parts == 1
-    assert not any("kv_b_proj" in d.linears for d in dims.values())
+    assert not any(p in d.linears for d in dims.values() for p in ("kv_b_proj", "kv_a_proj", "q_a_proj"))
+    assert dims[("mlp.shared_experts.down_proj", "input dim (n_shared_experts*moe_intermediate_size)")].parts == 2
 
 
 # ------------------------------------------------------------------------------------------- megatron model

@@ -254,3 +254,76 @@ def test_embedded_engine_takes_the_expert_bias_and_keeps_it_fp32(hf_state):
     assert torch.equal(engine.hf_state()[name], hf_state[name])
     engine.restart()
     assert engine.model.get_buffer(name).dtype == torch.float32
+
+
+def test_publisher_sends_the_expert_bias_fp32_with_the_weights(world_of_one, hf_state):
+    """The router's expert_bias is a megatron buffer, not a parameter: the publisher sends it with the weights
+    (fp32, as megatron, SGLang and vLLM keep it) to an engine that started with another one, and the engine
+    then holds exactly what an engine loaded from the HF state through the engine-layout encoder holds."""
+    from megatron_qarl.quant import QuantConfig
+    from megatron_qarl.quant.engine_layout import engine_named_tensors
+    from megatron_qarl.weights.publish import WeightPublisher, engine_tensor_metas
+
+    quant_cfg = QuantConfig(scheme="w4a16", scope="experts")
+    published = EmbeddedEngine.from_hf_config(CFG, dtype="bfloat16", seed=2)
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert not torch.equal(published.model.get_buffer(name), hf_state[name])
+    WeightPublisher(learner(hf_state), CFG, quant_cfg, engine=published).publish()
+    reference = EmbeddedEngine.from_hf_config(CFG, dtype="bfloat16", seed=7)
+    reference.begin_weight_update()
+    reference.update_weights(engine_named_tensors(hf_state.items(), quant_cfg, naming=FAMILY))
+    reference.end_weight_update()
+    got, want = published.hf_state(), reference.hf_state()
+    assert sorted(got) == sorted(want)
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+    for layer in (1, 2):
+        bias = published.model.get_buffer(f"model.layers.{layer}.mlp.gate.e_score_correction_bias")
+        assert bias.dtype == torch.float32
+        assert torch.equal(bias, hf_state[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"])
+    # the publish plan (memory model, bucket plan) names it as the engines do, in fp32
+    metas = {m.name: m for m in engine_tensor_metas(CFG, quant_cfg)}
+    assert metas[name].dtype == torch.float32 and metas[name].shape == (8,)
+
+
+@pytest.mark.parametrize("scheme,scope", [("w4a16", "experts"), ("w4a16", "all-linears"), ("fp8", "all-linears")])
+def test_aligned_learner_recomputes_the_embedded_engines_logprobs_through_the_publisher(world_of_one, hf_state,
+                                                                                        scheme, scope):
+    """QaRL's promise on this family: an fp32 embedded engine given the aligned learner's publish (W4A16 on the
+    routed experts, or on MLA's q_proj / o_proj, the shared experts and the dense MLP too; FP8 W8A8 on those) samples
+    log-probs that
+    the learner recomputes with replayed routes up to fp32 summation order; the unaligned learner is far off."""
+    from megatron_qarl.models.aligned import apply_aligned_quantization
+    from megatron_qarl.quant import QuantConfig
+    from megatron_qarl.weights.publish import WeightPublisher
+
+    # group / block 32: every tiny dim divides (q_proj's 192 output rows for FP8's square blocks)
+    quant_cfg = QuantConfig(scheme=scheme, scope=scope, group_size=32, block_size=32)
+    # bf16 values in the fp32 masters, as the engine holds what it gets unquantized (the expert bias: fp32)
+    model = learner({n: t if n.endswith("e_score_correction_bias") else t.bfloat16().float()
+                     for n, t in hf_state.items()})
+    aligned = apply_aligned_quantization(model, quant_cfg)
+    engine = EmbeddedEngine.from_hf_config(CFG, dtype="float32", seed=2, collect_routed_experts=True)
+    WeightPublisher(model, CFG, quant_cfg, quant=aligned, engine=engine).publish()
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 128, (int(n),), generator=gen).tolist() for n in (3, 5, 8, 4)]
+    results = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=10, seed=4))
+    batch = build_rollout_batch(
+        prompts, [r.token_ids for r in results], [r.logprobs for r in results], torch.zeros(4), torch.zeros(4),
+        list(range(4)), pad_token_id=0, routed_experts=[r.routed_experts for r in results], route_geometry=GEOM)
+    resp = batch.response_mask.bool()
+    with replay_routing(model, batch.routed_experts):
+        aligned_gap = (logp_of(model, batch) - batch.sampler_logp)[resp].abs()
+    aligned.remove()
+    with replay_routing(model, batch.routed_experts):
+        unaligned_gap = (logp_of(model, batch) - batch.sampler_logp)[resp].abs()
+    print(f"\n{scheme} {scope}: |learner - engine| log-prob aligned max {aligned_gap.max():.2e} mean "
+          f"{aligned_gap.mean():.2e}, unaligned max {unaligned_gap.max():.2e} mean {unaligned_gap.mean():.2e}")
+    # fp32 both sides, the same weights and experts: eps x the longest reduction (dense MLP 512) x layers
+    bound = torch.finfo(torch.float32).eps * CFG.intermediate_size * CFG.num_hidden_layers
+    if scheme == "w4a16":
+        assert float(aligned_gap.max()) <= bound
+        assert float(unaligned_gap.max()) >= 20 * max(float(aligned_gap.max()), 1e-6)
+    else:  # FP8 also quantizes activations: the two sum in different orders, so an e4m3 code flips now and then
+        assert float((aligned_gap > bound).float().mean()) <= 0.25
+        assert float(unaligned_gap.mean()) >= 20 * float(aligned_gap.mean())

@@ -92,6 +92,30 @@ def test_tiny_dsv3_estimate_by_hand():
     assert tp2["params"]["local_per_gpu"] == pytest.approx(local, rel=1e-15)
 
 
+# scope all-linears quantizes MLA's q_proj (256 x 192 = 49,152) and o_proj (128 x 256 = 32,768) in each of the 3
+# layers = 245,760, i.e. ATTENTION less the replicated down-projection and its norm (REPLICATED) and kv_b_proj
+# (64 x 256 = 16,384 x 3 = 49,152, bf16 for SGLang); plus the dense MLP and the shared experts, plus the experts
+KV_B = 3 * 64 * 4 * (32 + 32)
+# SGLang cannot refit dense W4A16 linears in place (its Marlin repack replaces them): vLLM serves this scope
+ENGINE_REFITTING_DENSE_W4A16 = ("rollout.engine=vllm", "train.routing_replay=off", "train.routing_telemetry=false")
+QUANT_ALL = (ATTENTION - REPLICATED - KV_B) + DENSE_MLP + EXPERTS
+
+
+def test_tiny_dsv3_all_linears_quantizes_mla_heads_not_its_latent_by_hand():
+    assert ATTENTION - REPLICATED - KV_B == 3 * (49_152 + 32_768) == 245_760
+    est = estimate_memory(_tiny_dsv3("quant.scope=all-linears", *ENGINE_REFITTING_DENSE_W4A16))
+    assert est["trainer_per_gpu"]["quant_cache"] == QUANT_ALL * (1 + 4 + 0.5) + 2 * QUANT_ALL / 128
+    assert est["engine"]["published_total"] == 2 * (TOTAL - QUANT_ALL) + QUANT_ALL / 2 + 2 * QUANT_ALL / 128
+    # TP 2 (etp 1, group 64: o_proj's 128 inputs split in two): MLA heads, dense MLP and shared experts halve,
+    # the routed experts do not
+    tp2 = estimate_memory(_tiny_dsv3("quant.scope=all-linears", *ENGINE_REFITTING_DENSE_W4A16, "quant.group_size=64", "parallel.tp=2",
+                                     "parallel.etp=1", world_size=2), world_size=2)
+    local = (ATTENTION - REPLICATED - KV_B + DENSE_MLP) / 2 + EXPERTS
+    assert tp2["trainer_per_gpu"]["quant_cache"] == pytest.approx(local * (1 + 4 + 0.5) + 2 * local / 64, rel=1e-15)
+    published = 2 * (TOTAL - QUANT_ALL) + QUANT_ALL / 2 + 2 * QUANT_ALL / 64
+    assert tp2["engine"]["published_total"] == pytest.approx(published, rel=1e-15)
+
+
 # The timeline (fp32 params, AdamW, reference backend, world 1, engine_tp 1):
 MASTER, GRADS, ADAM = 4 * TOTAL, 4 * TOTAL, 8 * TOTAL
 CACHE = EXPERTS * (1 + 4 + 0.5) + 2 * EXPERTS / 128  # int8 codes, fp32 dequantized, packed words; bf16 scales

@@ -53,6 +53,9 @@ class ParamLayout:
     glu: bool = False  # fc1 of a gated MLP: gate and up halves are split separately
     fused_qkv: bool = False  # megatron's linear_qkv: q/k/v rows interleaved per query group
     expert: bool = False  # a routed expert's: split over EP x expert-TP, not TP
+    keep_fp32: bool = False  # fp32 on every side whatever the model dtype (DeepSeek-V3's router expert_bias:
+    #   megatron's _maintain_float32_expert_bias, transformers' _keep_in_fp32_modules_strict, SGLang, vLLM), so the
+    #   publisher sends it fp32 instead of the engines' bf16
 
 
 @dataclass(frozen=True)
@@ -157,10 +160,12 @@ class ModelFamily:
     attention_activation_values: Callable[[Any], int]  # shape -> values one layer's attention saves per token for
     #   its backward, before the TP / sequence-parallel split (layernorm in/out, projections, core attention io)
     tp_replicated_params: Callable[[Any], Mapping[str, int]]  # shape -> {group: params of it NOT split over TP}
+    #   (never quantized: the aligned forward wraps only megatron's TP-split linears)
+    never_quantized_params: Callable[[Any], Mapping[str, int]]  # shape -> {group: TP-split params of it that no
+    #   scope quantizes (MLA's kv_b_proj, which SGLang needs bf16)}: the memory model's quantized count is a
+    #   group's params less these and the replicated ones
     fused_qkv_head_dim: Callable[[Any], int | None]  # shape -> the head width of megatron's fused linear_qkv (q/k/v
     #   rows interleaved per query group, ParamLayout.fused_qkv): scale blocks must tile it; None: no fused qkv
-    why_unquantizable: Callable[[str], str | None]  # linear group -> why this family's learner / engines cannot
-    #   quantize it (config and probe refuse a quant.scope holding it); None: it can
 
     def is_expert_param(self, mcore_name: str) -> bool:
         return self.param_layout(mcore_name).expert

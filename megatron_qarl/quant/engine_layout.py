@@ -74,20 +74,23 @@ def quantize_dequantize_weight(master_weight: torch.Tensor, quant_cfg: QuantConf
 # ---------------------------------------------------------------- encode
 
 
-def linear_parts(qweight: QuantizedWeight | None, weight: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def linear_parts(qweight: QuantizedWeight | None, weight: torch.Tensor | None = None, *,
+                 dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """The parts of one (local or full) linear whose rows follow the weight's rows and whose columns hold
-    whole groups / blocks, so shards concatenate (the scheme's `linear_parts`), or the bf16 `weight` when
-    `qweight` is None. Parts made from the shape alone (``weight_shape``) are added by `engine_tensors`."""
+    whole groups / blocks, so shards concatenate (the scheme's `linear_parts`), or `weight` in `dtype` (the
+    engines' bf16; fp32 for what every side keeps fp32) when `qweight` is None. Parts made from the shape alone
+    (``weight_shape``) are added by `engine_tensors`."""
     if qweight is None:
-        return {"weight": weight.detach().to(torch.bfloat16)}
+        return {"weight": weight.detach().to(dtype)}
     return scheme_of_weight(qweight).linear_parts(qweight)
 
 
-def meta_linear_parts(kind: str, shape, quant_cfg: QuantConfig) -> dict[str, torch.Tensor]:
+def meta_linear_parts(kind: str, shape, quant_cfg: QuantConfig, *, dtype: torch.dtype = torch.bfloat16
+                      ) -> dict[str, torch.Tensor]:
     """`linear_parts` as meta tensors (no data): for planning what a publish sends."""
     scheme = scheme_of_kind(kind)
     if scheme is None:
-        return {"weight": torch.empty(*shape, dtype=torch.bfloat16, device="meta")}
+        return {"weight": torch.empty(*shape, dtype=dtype, device="meta")}
     return scheme.meta_linear_parts(shape, quant_cfg)
 
 
@@ -97,10 +100,11 @@ def _prefix(hf_name: str) -> str:
 
 def engine_tensors(hf_name: str, kind: str, parts: Mapping[str, torch.Tensor], shape
                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Engine named tensors of the HF tensor `hf_name` (``<p>.weight``) from its full `linear_parts`."""
+    """Engine named tensors of the HF tensor `hf_name` (``<p>.weight``, or a buffer such as DeepSeek-V3's
+    ``mlp.gate.e_score_correction_bias``) from its full `linear_parts`: an unquantized tensor keeps its name."""
     scheme = scheme_of_kind(kind)
     if scheme is None:
-        yield f"{_prefix(hf_name)}.weight", parts["weight"]
+        yield hf_name, parts["weight"]
         return
     yield from scheme.engine_tensors(_prefix(hf_name), parts, shape)
 

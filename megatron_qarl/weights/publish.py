@@ -559,7 +559,11 @@ class WeightPublisher:
             raise ValueError(f"quant_cfg {self.quant_cfg} differs from the aligned model's {quant.quant_cfg}; "
                              "publish with the config the model was quantized with")
         self.sites = self._find_sites()
-        self.params = dict(self.model.named_parameters())
+        from megatron_qarl.weights.sharding import state_buffers
+
+        # the persistent buffers too: model state an engine holds (DeepSeek-V3's router expert_bias, which the
+        # engines route with; named_parameters() alone would leave them at what the engine started with)
+        self.params = dict(self.model.named_parameters()) | state_buffers(self.model)
         self._previous_codes: dict[str, torch.Tensor] = {}
         self.publishes = 0
 
@@ -588,7 +592,8 @@ class WeightPublisher:
     def _local(self, name: str, param: torch.Tensor) -> tuple[str, dict[str, torch.Tensor]]:
         if name in self.sites:
             return kind_of(self.quant_cfg), linear_parts(self._qweight(name))
-        return UNQUANTIZED, linear_parts(None, param)
+        keep_fp32 = self.family.param_layout(name).keep_fp32
+        return UNQUANTIZED, linear_parts(None, param, dtype=torch.float32 if keep_fp32 else torch.bfloat16)
 
     # -- gathering one parameter to the engine rank -------------------------------------------------
     def _collect(self, topo: _Topology, name: str, param: torch.Tensor, flips: list) -> list[FullParam]:
@@ -797,7 +802,8 @@ def engine_tensor_metas(hf_config, quant_cfg) -> list[TensorMeta]:
     for name, shape in family.adapter.expected_mcore_shapes(hf_config).items():
         quantized = len(shape) == 2 and site_in_scope(name[: -len(".weight")], cfg, family)
         kind = kind_of(cfg) if quantized else UNQUANTIZED
-        param = FullParam(name, kind, meta_linear_parts(kind, shape, cfg), shape)
+        dtype = torch.float32 if family.param_layout(name).keep_fp32 else torch.bfloat16
+        param = FullParam(name, kind, meta_linear_parts(kind, shape, cfg, dtype=dtype), shape)
         metas.extend(TensorMeta.of(n, t) for n, t in full_param_engine_tensors(hf_config, param))
     return metas
 

@@ -14,13 +14,13 @@ from megatron_qarl.models.deepseek_v3.args import (
     hf_rope_theta,
     kv_cache_bytes_per_token,
     moe_geometry,
+    never_quantized_params,
     param_groups,
     parameter_counts,
     quantized_dims,
     read_hf_config,
     tiny_hf_config,
     tp_replicated_params,
-    why_unquantizable,
 )
 from megatron_qarl.models.deepseek_v3.model import build_deepseek_v3_model, transformer_config_from_hf
 from megatron_qarl.models.family import ModelFamily
@@ -64,8 +64,8 @@ FAMILY = ModelFamily(
     kv_cache_bytes_per_token=kv_cache_bytes_per_token,  # MLA: the latent, replicated over the engine's TP
     attention_activation_values=attention_activation_values,
     tp_replicated_params=tp_replicated_params,
+    never_quantized_params=never_quantized_params,  # kv_b_proj (SGLang needs it bf16)
     fused_qkv_head_dim=fused_qkv_head_dim,  # None: MLA has no fused linear_qkv
-    why_unquantizable=why_unquantizable,  # attention (MLA) and dense_mlp: experts only
 )
 
 __all__ = [

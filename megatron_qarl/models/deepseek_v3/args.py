@@ -360,15 +360,14 @@ def moe_geometry(hf_config) -> MoEGeometry:
 def quantized_dims(shape: ModelShape, groups: tuple[str, ...], tp: int, etp: int) -> list[QuantizedDim]:
     """Each dimension of a quantized linear in `groups`, and how the learner (local spec) splits it.
 
-    MLA in this family's build: the projections into the heads (q_proj, q_b_proj) are column-parallel (output dim
-    split over TP), o_proj row-parallel (input dim split), the down-projections q_a_proj / kv_a_proj_with_mqa are
-    replicated (mla_attention.ReplicatedDownProjMLASelfAttention). kv_b_proj is never quantized
-    (state_dict_adapter.linear_group: SGLang needs it bf16).
+    MLA's quantized linears: the projections into the heads (q_proj, q_b_proj), column-parallel (output dim split
+    over TP), and o_proj, row-parallel (input dim split). The down-projections q_a_proj / kv_a_proj_with_mqa
+    (replicated: mla_attention.ReplicatedDownProjMLASelfAttention) and kv_b_proj (SGLang needs it bf16) are never
+    quantized (state_dict_adapter.linear_group).
     """
     hidden, ffn, dense_ffn = shape.hidden_size, shape.moe_intermediate_size, shape.intermediate_size
     heads = shape.num_attention_heads
     q_out, o_in = heads * shape.q_head_dim, heads * shape.v_head_dim
-    kv_down = shape.kv_lora_rank + shape.qk_rope_head_dim
     shared = shape.shared_expert_intermediate_size
     rows = []
     if "experts" in groups:
@@ -381,14 +380,9 @@ def quantized_dims(shape: ModelShape, groups: tuple[str, ...], tp: int, etp: int
             rows += [("self_attn.q_proj", "input dim (hidden)", hidden, 1, "TP", True),
                      ("self_attn.q_proj", "output dim (heads*q_head_dim)", q_out, tp, "TP", False)]
         else:
-            rows += [("self_attn.q_a_proj", "input dim (hidden)", hidden, 1, "TP", True),
-                     ("self_attn.q_a_proj", "output dim (q_lora_rank)", shape.q_lora_rank, 1, "TP", False),
-                     ("self_attn.q_b_proj", "input dim (q_lora_rank)", shape.q_lora_rank, 1, "TP", True),
+            rows += [("self_attn.q_b_proj", "input dim (q_lora_rank)", shape.q_lora_rank, 1, "TP", True),
                      ("self_attn.q_b_proj", "output dim (heads*q_head_dim)", q_out, tp, "TP", False)]
-        rows += [("self_attn.kv_a_proj_with_mqa", "input dim (hidden)", hidden, 1, "TP", True),
-                 ("self_attn.kv_a_proj_with_mqa", "output dim (kv_lora_rank+qk_rope_head_dim)", kv_down, 1, "TP",
-                  False),
-                 ("self_attn.o_proj", "input dim (heads*v_head_dim)", o_in, tp, "TP", True),
+        rows += [("self_attn.o_proj", "input dim (heads*v_head_dim)", o_in, tp, "TP", True),
                  ("self_attn.o_proj", "output dim (hidden)", hidden, 1, "TP", False)]
     if "dense_mlp" in groups:
         if shape.dense_layers:
@@ -450,18 +444,10 @@ def fused_qkv_head_dim(shape: ModelShape) -> None:
     return None
 
 
-# Linear groups this family cannot quantize, and why (config._check_shard_shapes and the probe refuse a quant.scope
-# holding one). The router (mlp.gate and its e_score_correction_bias) is in no group at all (state_dict_adapter).
-_UNQUANTIZABLE_GROUPS = {
-    "attention": "the aligned learner wraps only megatron Column/RowParallelLinear and this family replicates MLA's "
-                 "down-projections (q_a_proj, kv_a_proj_with_mqa: mla_attention.ReplicatedLinear), and SGLang needs "
-                 "kv_b_proj bf16 (post_load_weights re-derives w_kc/w_vc from kv_b_proj.weight), so a quantized MLA "
-                 "is not built",
-    "dense_mlp": "quantized shared experts and dense MLPs are not verified against SGLang's / vLLM's DeepSeek-V3 "
-                 "loaders (Kimi's compressed-tensors releases keep them bf16)",
-}
-
-
-def why_unquantizable(group: str) -> str | None:
-    """Why this family cannot quantize linear group `group` (None: it can: the routed experts)."""
-    return _UNQUANTIZABLE_GROUPS.get(group)
+def never_quantized_params(shape: ModelShape) -> dict[str, int]:
+    """TP-split parameters of a group that no scope quantizes: MLA's kv_b_proj (SGLang's post_load_weights re-derives
+    w_kc / w_vc from ``kv_b_proj.weight``, which a WNA16 linear does not have: state_dict_adapter). The down-
+    projections q_a_proj / kv_a_proj_with_mqa are never quantized either, and are TP-replicated
+    (`tp_replicated_params`)."""
+    kv_b = shape.kv_lora_rank * shape.num_attention_heads * (shape.qk_nope_head_dim + shape.v_head_dim)
+    return {"attention": kv_b * shape.num_hidden_layers}

@@ -186,10 +186,16 @@ def hf_linear_name(mcore_module: str) -> str | None:
 
 # ---------------------------------------------------------------- quantization groups and parameter layout
 # The HF linear groups a quantization scope is made of (names with or without `.weight`). The router (`mlp.gate`,
-# its e_score_correction_bias), norms, embeddings and lm_head belong to none. Neither does kv_b_proj: SGLang
-# re-derives w_kc / w_vc from `kv_b_proj.weight` after every load (deepseek_v2.py post_load_weights), which a
-# WNA16 linear does not have (weight_packed only): it must be published bf16 (notes section 4).
-_ATTENTION_LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+# its e_score_correction_bias), norms, embeddings and lm_head belong to none. Neither do three MLA linears:
+# - kv_b_proj: SGLang re-derives w_kc / w_vc from `kv_b_proj.weight` after every load (deepseek_v2.py
+#   post_load_weights), which a WNA16 linear does not have (weight_packed only): it must be published bf16 (notes
+#   section 4);
+# - the down-projections q_a_proj and kv_a_proj_with_mqa: replicated over TP in this build
+#   (mla_attention.ReplicatedLinear, which the aligned forward does not wrap), and fused into one linear by the
+#   engines when q_lora_rank is set (SGLang fused_qkv_a_proj_with_mqa, vLLM fused_qkv_a_proj), which the
+#   compressed-tensors fused-shard check then needs alike. Kimi's compressed-tensors releases keep all of
+#   self_attn bf16; here the projections into and out of the heads (q_proj / q_b_proj, o_proj) are an option.
+_ATTENTION_LINEARS = ("q_proj", "q_b_proj", "o_proj")
 _LINEAR_GROUPS = {
     "experts": re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj(\.weight)?$"),
     "attention": re.compile(r"\.self_attn\.(" + "|".join(_ATTENTION_LINEARS) + r")(\.weight)?$"),
@@ -204,8 +210,12 @@ _IGNORE_GROUP = {
     "attention": ["re:.*self_attn.*"],
     "dense_mlp": ["re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj$"],
 }
-# whatever the scope: the output layer, the router, and kv_b_proj (see above)
-_NEVER_QUANTIZED = ["lm_head", r"re:.*mlp\.gate$", r"re:.*self_attn\.kv_b_proj$"]
+# whatever the scope: the output layer, the router, kv_b_proj and the down-projections (see above), also by the
+# engines' fused name of the two (SGLang fused_qkv_a_proj_with_mqa, vLLM fused_qkv_a_proj)
+# (one module per `re:.*<module name>$` entry, the form FP8's modules_to_not_convert is derived from)
+_NEVER_QUANTIZED = ["lm_head", "re:.*mlp.gate$"] + [
+    f"re:.*self_attn.{m}$" for m in ("kv_b_proj", "q_a_proj", "kv_a_proj_with_mqa", "fused_qkv_a_proj",
+                                     "fused_qkv_a_proj_with_mqa")]
 
 
 def linear_group(hf_name: str) -> str | None:
@@ -246,8 +256,8 @@ def param_layout(mcore_name: str) -> ParamLayout:
     """How full megatron tensor `mcore_name` splits over TP (expert-TP for routed experts) in this family's build:
     column-parallel along dim 0 (the MLA projections into the heads: linear_q_proj, linear_q_up_proj,
     linear_kv_up_proj; fc1, gated: halves apart; embeddings, output layer), row-parallel linear_proj / fc2 along
-    dim 1, the rest replicated: norms, latent norms, router weight and expert_bias, and the down-projections
-    linear_q_down_proj / linear_kv_down_proj (mla_attention.ReplicatedDownProjMLASelfAttention)."""
+    dim 1, the rest replicated: norms, latent norms, router weight and expert_bias (kept fp32), and the
+    down-projections linear_q_down_proj / linear_kv_down_proj (mla_attention.ReplicatedDownProjMLASelfAttention)."""
     expert = is_expert_param(mcore_name)
     mcore_name = _GROUPED_WEIGHT.sub(".weight", mcore_name)  # grouped-GEMM experts (TE spec): linear_fc1.weight<e>
     if mcore_name.endswith("linear_fc1.weight"):
@@ -256,7 +266,7 @@ def param_layout(mcore_name: str) -> ParamLayout:
         return ParamLayout(0, expert=expert)
     if mcore_name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return ParamLayout(1, expert=expert)
-    return ParamLayout(None, expert=expert)
+    return ParamLayout(None, expert=expert, keep_fp32=mcore_name.endswith(".mlp.router.expert_bias"))
 
 
 def to_hf(hf_config, mcore_name: str, parts: Mapping[str, torch.Tensor], shape

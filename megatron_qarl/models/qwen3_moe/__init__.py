@@ -20,6 +20,7 @@ from megatron_qarl.models.qwen3_moe.args import (
     read_hf_config,
     resolve_hf_config,
     tiny_hf_config,
+    never_quantized_params,
     tp_replicated_params,
 )
 from megatron_qarl.models.qwen3_moe.model import build_qwen3_moe_model, transformer_config_from_hf
@@ -67,8 +68,8 @@ FAMILY = ModelFamily(
     kv_cache_bytes_per_token=kv_cache_bytes_per_token,
     attention_activation_values=attention_activation_values,
     tp_replicated_params=tp_replicated_params,
+    never_quantized_params=never_quantized_params,
     fused_qkv_head_dim=fused_qkv_head_dim,
-    why_unquantizable=lambda group: None,  # every group: experts, attention (fused qkv), dense_mlp
 )
 
 __all__ = [

@@ -301,6 +301,11 @@ def tp_replicated_params(shape: ModelShape) -> dict[str, int]:
     return {}
 
 
+def never_quantized_params(shape: ModelShape) -> dict[str, int]:
+    """Parameters of a group that no scope quantizes: none (every q/k/v/o, MLP and expert linear can be)."""
+    return {}
+
+
 def fused_qkv_head_dim(shape: ModelShape) -> int:
     """megatron's linear_qkv interleaves q/k/v heads per query group: a scale block must not straddle heads."""
     return shape.head_dim
