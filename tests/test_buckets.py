@@ -138,3 +138,36 @@ def test_the_caller_says_which_names_are_experts():
     streamed = iter_buckets([(m.name, torch.zeros(10, dtype=torch.bfloat16)) for m in metas], 1 << 20,
                             is_expert=lambda name: "7" in name)
     assert sorted(b.names for b in streamed) == [["a7.weight", "c7.weight"], ["b.weight"]]
+
+
+def test_a_load_together_group_shares_one_bucket_and_the_plan_agrees():
+    """DeepSeek-V3's q_a_proj and kv_a_proj_with_mqa must reach SGLang in one update call (its loader fuses them
+    within one load_weights call): held until both came, they go into one bucket even where the stream order and
+    the bucket size would part them; the plan buckets the same way; a member without a partner goes last."""
+    dsv3 = family_named("deepseek_v3")
+    is_expert = functools.partial(is_expert_engine_name, naming=dsv3)
+    a = "model.layers.1.self_attn."
+    stream = [(a + "q_a_proj.weight", torch.zeros(40, dtype=torch.bfloat16)),
+              (a + "q_b_proj.weight", torch.zeros(40, dtype=torch.bfloat16)),
+              (a + "o_proj.weight", torch.zeros(40, dtype=torch.bfloat16)),
+              (a + "kv_a_proj_with_mqa.weight", torch.zeros(40, dtype=torch.bfloat16)),
+              ("model.layers.2.self_attn.kv_a_proj_with_mqa.weight", torch.zeros(8, dtype=torch.bfloat16))]
+    assert dsv3.engine_load_group(a + "kv_a_proj_with_mqa.weight") == (a + "q_a_proj.weight",
+                                                                       a + "kv_a_proj_with_mqa.weight")
+    assert dsv3.engine_load_group(a + "q_b_proj.weight") is None
+    apart = [b.names for b in iter_buckets(stream, 160, is_expert=is_expert)]
+    assert apart == [[a + "q_a_proj.weight", a + "q_b_proj.weight"],
+                     [a + "o_proj.weight", a + "kv_a_proj_with_mqa.weight"],
+                     ["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"]]  # the failure mode without the rule
+    together = [b.names for b in iter_buckets(stream, 160, is_expert=is_expert,
+                                                load_together=dsv3.engine_load_group)]
+    assert together == [[a + "q_b_proj.weight", a + "o_proj.weight"],
+                        [a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight"],
+                        ["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"]]
+    planned = plan_buckets([TensorMeta.of(n, t) for n, t in stream], 160, is_expert=is_expert,
+                           load_together=dsv3.engine_load_group)
+    assert [[m.name for m in b] for b in planned] == together
+    with pytest.raises(ValueError, match="must arrive in one update call but differ in kind or dtype"):
+        list(iter_buckets([(a + "q_a_proj.weight", torch.zeros(4, dtype=torch.bfloat16)),
+                           (a + "kv_a_proj_with_mqa.weight", torch.zeros(4))], 1 << 20, is_expert=is_expert,
+                          load_together=dsv3.engine_load_group))

@@ -145,6 +145,9 @@ class ModelFamily:
     linear_group: Callable[[str], str | None]  # HF linear name (with or without .weight) -> quant group
     fused_linear_group: Callable[[str], tuple[str, tuple[str, ...]] | None]
     compressed_tensors_ignore: Callable[[tuple[str, ...]], list[str]]  # groups quantized -> ignore list
+    # engine tensor name -> every engine name that must arrive in the same update call (an engine's load_weights
+    # fuses them within one call: DeepSeek-V3's q_a_proj + kv_a_proj_with_mqa in SGLang), None for the others
+    engine_load_group: Callable[[str], tuple[str, ...] | None]
 
     moe_geometry: Callable[[Any], MoEGeometry]
 

@@ -11,6 +11,13 @@ Routed experts and the rest never share a bucket (experts are refit on a differe
 and are the bulk of the bytes): the caller says which names are experts (``is_expert``, e.g.
 ``functools.partial(quant.engine_layout.is_expert_engine_name, naming=family)``), so this module needs no
 model naming. A tensor larger than the bucket size gets a bucket of its own.
+
+Some engine tensors must arrive in the same update call: SGLang's DeepSeek-V3 loader fuses q_a_proj and
+kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa and keeps the first it sees in a dict local to one
+``load_weights`` call (deepseek_common/deepseek_weight_loader.py:283, 438-513), so a pair split over two buckets
+is silently never written. The caller says which names travel together (``load_together``: an engine name -> every
+name of its group, e.g. the model family's ``engine_load_group``); a group is held until all of it has come and
+then goes into one bucket (a member whose partners never come, e.g. a model without q_a_proj, goes at the end).
 """
 
 from __future__ import annotations
@@ -65,34 +72,66 @@ def _check_bucket_bytes(bucket_bytes: int) -> None:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
 
 
+LoadTogether = Callable[[str], "tuple[str, ...] | None"]
+
+
+def _units(items: Iterable, name_of: Callable, load_together: LoadTogether | None) -> Iterator[list]:
+    """`items` as the units a bucket takes whole: one item, or every item of a `load_together` group (held until
+    the whole group has come; the members of a group that never completes at the end, in arrival order)."""
+    held: dict[tuple[str, ...], dict[str, object]] = {}
+    for item in items:
+        group = load_together(name_of(item)) if load_together is not None else None
+        if not group:
+            yield [item]
+            continue
+        got = held.setdefault(tuple(group), {})
+        got[name_of(item)] = item
+        if set(got) >= set(group):
+            del held[tuple(group)]
+            yield [got[n] for n in group if n in got]
+    for got in held.values():
+        yield list(got.values())
+
+
+def _unit_key(unit: list[tuple[str, object]], is_expert: Callable[[str], bool], dtype_of: Callable) -> tuple:
+    keys = {(bool(is_expert(name)), dtype_of(x)) for name, x in unit}
+    if len(keys) != 1:
+        raise ValueError(f"engine tensors {[n for n, _ in unit]} must arrive in one update call but differ in "
+                         f"kind or dtype {sorted(map(str, keys))}, which buckets keep apart")
+    return keys.pop()
+
+
 def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
-                 is_expert: Callable[[str], bool]) -> list[list[TensorMeta]]:
-    """Group tensor metas into buckets of at most ``bucket_bytes`` (an oversized tensor: its own bucket).
+                 is_expert: Callable[[str], bool], load_together: LoadTogether | None = None
+                 ) -> list[list[TensorMeta]]:
+    """Group tensor metas into buckets of at most ``bucket_bytes`` (an oversized tensor or group: its own bucket).
 
     Each bucket holds one kind (routed experts or not, as ``is_expert`` of the engine name says) and one
     dtype; groups are listed experts first, then in order of first occurrence; tensor order within a group
-    is preserved.
+    is preserved, and a `load_together` group shares one bucket (module docstring).
     """
     _check_bucket_bytes(bucket_bytes)
-    groups: dict[tuple[bool, torch.dtype], list[TensorMeta]] = {}
-    for m in metas:
-        groups.setdefault((bool(is_expert(m.name)), m.dtype), []).append(m)
+    groups: dict[tuple[bool, torch.dtype], list[list[TensorMeta]]] = {}
+    for unit in _units(metas, lambda m: m.name, load_together):
+        key = _unit_key([(m.name, m) for m in unit], is_expert, lambda m: m.dtype)
+        groups.setdefault(key, []).append(unit)
     out: list[list[TensorMeta]] = []
     for key in sorted(groups, key=lambda k: not k[0]):  # sorted() is stable: experts first
         out += _greedy(groups[key], bucket_bytes)
     return out
 
 
-def _greedy(metas: list[TensorMeta], bucket_bytes: int) -> list[list[TensorMeta]]:
+def _greedy(units: list[list[TensorMeta]], bucket_bytes: int) -> list[list[TensorMeta]]:
     buckets: list[list[TensorMeta]] = []
     current: list[TensorMeta] = []
     used = 0
-    for m in metas:
-        if current and used + m.nbytes > bucket_bytes:
+    for unit in units:
+        size = sum(m.nbytes for m in unit)
+        if current and used + size > bucket_bytes:
             buckets.append(current)
             current, used = [], 0
-        current.append(m)
-        used += m.nbytes
+        current += unit
+        used += size
     if current:
         buckets.append(current)
     return buckets
@@ -148,25 +187,25 @@ def unflatten_bucket(bucket: FlattenedBucket) -> list[tuple[str, torch.Tensor]]:
 
 def iter_buckets(
     named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
-    is_expert: Callable[[str], bool],
+    is_expert: Callable[[str], bool], load_together: LoadTogether | None = None,
 ) -> Iterator[FlattenedBucket]:
     """Stream buckets from a stream of named tensors.
 
     At most one open bucket per (expert?, dtype) group (``is_expert``: whether an engine name is a routed
     expert's) — a handful (bf16, int32, fp8, fp32), never the whole model; a bucket is emitted as soon as
-    the next tensor would overflow it. A tensor larger than ``bucket_bytes`` is emitted alone. An empty
-    input yields nothing.
+    the next tensor would overflow it. A tensor larger than ``bucket_bytes`` is emitted alone. A
+    `load_together` group goes into one bucket (module docstring). An empty input yields nothing.
     """
     _check_bucket_bytes(bucket_bytes)
     pending: dict[tuple[bool, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     used: dict[tuple[bool, torch.dtype], int] = {}
-    for name, tensor in named_tensors:
-        key = (bool(is_expert(name)), tensor.dtype)
-        size = tensor.numel() * tensor.element_size()
+    for unit in _units(named_tensors, lambda item: item[0], load_together):
+        key = _unit_key(unit, is_expert, lambda t: t.dtype)
+        size = sum(t.numel() * t.element_size() for _, t in unit)
         if pending.get(key) and used[key] + size > bucket_bytes:
             yield FlattenedBucket.from_named_tensors(pending[key])
             pending[key], used[key] = [], 0
-        pending.setdefault(key, []).append((name, tensor))
+        pending.setdefault(key, []).extend(unit)
         used[key] = used.get(key, 0) + size
     for items in pending.values():
         if items:

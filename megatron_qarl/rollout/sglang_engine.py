@@ -609,6 +609,7 @@ class SGLangEngine:
         self.restarts = 0
         self.pushes = 0  # buckets sent, for monitoring and tests
         self._is_expert: Callable[[str], bool] | None = None  # engine name -> a routed expert's (expert_names)
+        self._load_together = None  # engine name -> its group that must share an update call (expert_names)
         support = _sglang_support(cfg.quant_scheme)
         if not support.cuda_graphs and cfg.cuda_graphs_enabled:
             log.warning(f"SGLang {cfg.quant_scheme} refit with CUDA graphs on (cuda_graph=on): "
@@ -789,7 +790,7 @@ class SGLangEngine:
         if not self._in_update:
             raise RolloutEngineError("update_weights outside begin_weight_update()/end_weight_update()")
         buckets = [named_tensors] if isinstance(named_tensors, FlattenedBucket) else iter_buckets(
-            named_tensors, self.cfg.bucket_bytes, is_expert=self.expert_names())
+            named_tensors, self.cfg.bucket_bytes, is_expert=self.expert_names(), load_together=self._load_together)
         for bucket in buckets:
             if self.cfg.transport == "distributed":
                 self._push_distributed(bucket)
@@ -812,7 +813,9 @@ class SGLangEngine:
                 raise RolloutEngineError("the SGLang engine buckets named tensors by the model's naming (routed "
                                          "experts apart) and does not know the model: set SGLangEngineConfig."
                                          "model_type (e.g. 'qwen3_moe'), or push FlattenedBuckets")
-            self._is_expert = functools.partial(is_expert_engine_name, naming=family_named(model_type))
+            family = family_named(model_type)
+            self._is_expert = functools.partial(is_expert_engine_name, naming=family)
+            self._load_together = family.engine_load_group
         return self._is_expert
 
     def end_weight_update(self) -> None:

@@ -205,6 +205,7 @@ class VLLMEngine:
         self._own_log = cfg.log_path is None  # a temp log of our own: removed after a clean shutdown
         self._warned_no_sleep = False
         self._is_expert = None  # engine name -> a routed expert's (expert_names)
+        self._load_together = None  # engine name -> its group that must share an update call (expert_names)
         self.start()
 
     # ------------------------------------------------------------------ process
@@ -369,12 +370,14 @@ class VLLMEngine:
             from megatron_qarl.quant.engine_layout import is_expert_engine_name
 
             model_type = config_json_model_type(Path(self.cfg.model_path) / "config.json")[0]
-            self._is_expert = functools.partial(is_expert_engine_name, naming=family_named(model_type))
+            family = family_named(model_type)
+            self._is_expert = functools.partial(is_expert_engine_name, naming=family)
+            self._load_together = family.engine_load_group
         return self._is_expert
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | FlattenedBucket) -> None:
         buckets = [named_tensors] if isinstance(named_tensors, FlattenedBucket) else iter_buckets(
-            named_tensors, is_expert=self.expert_names())
+            named_tensors, is_expert=self.expert_names(), load_together=self._load_together)
         for bucket in buckets:
             flat = bucket.flattened_tensor.detach().contiguous().cpu()
             raw = flat.view(torch.uint8).numpy().tobytes()

@@ -186,9 +186,11 @@ def expert_names_of(family) -> Callable[[str], bool]:
 
 def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        is_expert: Callable[[str], bool], bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify=False,
-                       live: LiveBytes | None = None, sent: dict[str, str] | None = None) -> PushStats:
+                       live: LiveBytes | None = None, sent: dict[str, str] | None = None,
+                       load_together=None) -> PushStats:
     """Stream engine-layout tensors into flattened buckets and send each to `engine` (None: count only).
-    `is_expert`: which names are routed experts' (`expert_names_of(family)`), bucketed apart.
+    `is_expert`: which names are routed experts' (`expert_names_of(family)`), bucketed apart; `load_together`
+    (`family.engine_load_group`): which names share one bucket, i.e. one engine update call.
 
     One begin/end update around all buckets; with `verify` the engine's per-tensor checksums are compared
     with what was sent afterwards (PublishVerificationError names the first bad tensor); `verify` may select
@@ -199,7 +201,7 @@ def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]
     if engine is not None:
         engine.begin_weight_update()
     try:
-        for bucket in iter_buckets(named_tensors, bucket_bytes, is_expert=is_expert):
+        for bucket in iter_buckets(named_tensors, bucket_bytes, is_expert=is_expert, load_together=load_together):
             if live is not None:
                 live.hold(bucket, bucket.nbytes)
             stats.bytes += bucket.nbytes
@@ -304,7 +306,7 @@ class EngineCopy:
 
 def push_changes(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], copy: EngineCopy, *, full: bool,
                  is_expert: Callable[[str], bool], bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify=False,
-                 live: LiveBytes | None = None) -> PushStats:
+                 live: LiveBytes | None = None, load_together=None) -> PushStats:
     """One begin/end update (`push_named_tensors`) that sends each tensor whole, as a delta against `copy`
     (a quantized part whose delta is worth it), or not at all (unchanged); `copy` is updated to the new
     tensors as they stream. `full`: send everything whole (and refill `copy`). A WeightDeltaMismatch from
@@ -351,7 +353,7 @@ def push_changes(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], copy
             send_deltas()
 
     whole = push_named_tensors(engine, whole_tensors(), is_expert=is_expert, bucket_bytes=bucket_bytes, verify=verify,
-                               live=live, sent=delta_sent)
+                               live=live, sent=delta_sent, load_together=load_together)
     stats.bytes = whole.bytes + stats.delta_bytes
     stats.num_tensors, stats.num_buckets, stats.verified = whole.num_tensors, whole.num_buckets, whole.verified
     return stats
@@ -385,10 +387,10 @@ def _delta_against(copy: EngineCopy, name: str, new: torch.Tensor) -> TensorDelt
 
 
 def publish_from_copy(engine, copy: EngineCopy, *, is_expert: Callable[[str], bool], bucket_bytes: int, verify,
-                      live: LiveBytes | None = None) -> PushStats:
+                      live: LiveBytes | None = None, load_together=None) -> PushStats:
     """A full publish of what `copy` holds (the fallback after a mismatch: nothing is re-gathered)."""
     stats = push_named_tensors(engine, list(copy.held.items()), is_expert=is_expert, bucket_bytes=bucket_bytes,
-                               verify=verify, live=live)
+                               verify=verify, live=live, load_together=load_together)
     quantized = sum(t.nbytes for n, t in copy.held.items() if is_quantized_part(n, t))
     stats.quantized_bytes = stats.quantized_full_bytes = quantized
     return stats
@@ -531,6 +533,7 @@ class WeightPublisher:
         self.hf_config = hf_config
         self.family = family_of(hf_config)
         self.is_expert = expert_names_of(self.family)  # engine name -> a routed expert's? (bucketed apart)
+        self.load_together = self.family.engine_load_group  # engine names that share one update call
         self.quant_cfg = as_quant_config(quant_cfg)
         self.quant = quant
         self.engine = engine
@@ -682,7 +685,8 @@ class WeightPublisher:
                         flips[:] = [stats.codes_changed, stats.codes_compared]
                 else:
                     stats = push_named_tensors(self.engine, stream, is_expert=self.is_expert,
-                                               bucket_bytes=self.bucket_bytes, verify=verify, live=live)
+                                               bucket_bytes=self.bucket_bytes, verify=verify, live=live,
+                                               load_together=self.load_together)
             except Exception as exc:  # other ranks must learn about it instead of hanging
                 error = exc
                 self.copy.version = None  # the engine holds who knows what: the next publish is full
@@ -741,14 +745,15 @@ class WeightPublisher:
         reason = self._full_reason()
         try:
             stats = push_changes(self.engine, stream, self.copy, full=reason is not None, is_expert=self.is_expert,
-                                 bucket_bytes=self.bucket_bytes, verify=verify, live=live)
+                                 bucket_bytes=self.bucket_bytes, verify=verify, live=live,
+                                 load_together=self.load_together)
             fallbacks = 0
         except WeightDeltaMismatch as mismatch:
             for name, tensor in stream:  # this step's remaining tensors, into the copy (the gathers run anyway)
                 self.copy.keep(name, tensor.detach().contiguous().clone())
             reason, fallbacks = f"the engine refused a delta: {mismatch}", 1
             stats = publish_from_copy(self.engine, self.copy, is_expert=self.is_expert, bucket_bytes=self.bucket_bytes,
-                                      verify=verify, live=live)
+                                      verify=verify, live=live, load_together=self.load_together)
         self.copy.version = self.engine.weight_version()
         self.copy.deltas_since_full = 0 if reason is not None else self.copy.deltas_since_full + 1
         return stats, reason, fallbacks
@@ -810,7 +815,8 @@ def engine_tensor_metas(hf_config, quant_cfg) -> list[TensorMeta]:
 
 def plan_publish(hf_config, quant_cfg, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
     """Bytes / tensors / buckets one publish sends for this config (the publisher's own bucket plan)."""
-    buckets = plan_buckets(engine_tensor_metas(hf_config, quant_cfg), bucket_bytes,
-                           is_expert=expert_names_of(family_of(hf_config)))
+    family = family_of(hf_config)
+    buckets = plan_buckets(engine_tensor_metas(hf_config, quant_cfg), bucket_bytes, is_expert=expert_names_of(family),
+                           load_together=family.engine_load_group)
     return {"bytes": sum(m.nbytes for b in buckets for m in b), "num_tensors": sum(len(b) for b in buckets),
             "num_buckets": len(buckets)}

@@ -214,3 +214,38 @@ def test_fp8_all_linears_export_loads_in_sglang_deepseek_v3(sglang_runtime, tmp_
 
 def test_w4a16_export_of_the_preset_config_builds_in_sglang(sglang_runtime, tmp_path):
     _sglang_model(_source(tmp_path, None))
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["load-together", "apart"])
+def test_refit_bucket_by_bucket_writes_the_fused_latent_down_projection(sglang_runtime, tmp_path, grouped):
+    """A refit sends one bucket per update call, and SGLang runs one ``load_weights`` per bucket
+    (model_runner_components/weight_updater.py:383-412). Its DeepSeek-V3 loader fuses q_a_proj and
+    kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa within one call (deepseek_weight_loader.py:283, 438-513):
+    with buckets too small for both, the family's load group keeps the pair in one bucket and the fused weight is
+    written; without it the pair is split and the fused weight is silently never written."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    from megatron_qarl.rollout.payload import iter_buckets
+    from megatron_qarl.rollout.sglang_compat import sglang_bucket_dict
+    from megatron_qarl.weights.publish import expert_names_of
+
+    export = _source(tmp_path, 96, moe_layer_freq=1)
+    payload = read_safetensors_dir(export)
+    a = "model.layers.1.self_attn."
+    bucket_bytes = max(payload[a + "q_a_proj.weight"].nbytes, payload[a + "kv_a_proj_with_mqa.weight"].nbytes)
+    model, _ = _sglang_model(export)
+    _fill_sentinels(model)
+    calls = 0
+    for bucket in iter_buckets(payload.items(), bucket_bytes, is_expert=expert_names_of(FAMILY),
+                               load_together=FAMILY.engine_load_group if grouped else None):
+        d = sglang_bucket_dict(bucket)
+        model.load_weights(FlattenedTensorBucket(flattened_tensor=d["flattened_tensor"],
+                                                 metadata=d["metadata"]).reconstruct_tensors())
+        calls += 1
+    assert calls > 10
+    fused = dict(model.named_parameters())[a + "fused_qkv_a_proj_with_mqa.weight"]
+    want = torch.cat([payload[a + "q_a_proj.weight"], payload[a + "kv_a_proj_with_mqa.weight"]])
+    if grouped:
+        assert torch.equal(fused, want)
+    else:
+        assert torch.isnan(fused).all()  # what the load group prevents

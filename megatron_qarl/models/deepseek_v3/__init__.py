@@ -55,6 +55,7 @@ FAMILY = ModelFamily(
     linear_group=state_dict_adapter.linear_group,
     fused_linear_group=state_dict_adapter.fused_linear_group,
     compressed_tensors_ignore=state_dict_adapter.compressed_tensors_ignore,
+    engine_load_group=state_dict_adapter.engine_load_group,  # q_a_proj + kv_a_proj_with_mqa: one call
     moe_geometry=moe_geometry,
     causal_lm_class=_causal_lm_class,
     router_class=_router_class,

@@ -241,6 +241,20 @@ def fused_linear_group(hf_name: str) -> tuple[str, tuple[str, ...]] | None:
     return f"{base}.gateup", (f"{base}.gate_proj{suffix}", f"{base}.up_proj{suffix}")
 
 
+_LATENT_DOWN_PROJ = re.compile(r"^(.*\.self_attn)\.(q_a_proj|kv_a_proj_with_mqa)\.weight$")
+
+
+def engine_load_group(engine_name: str) -> tuple[str, ...] | None:
+    """q_a_proj and kv_a_proj_with_mqa of one layer must reach an engine in the same update call: SGLang's loader
+    fuses them into fused_qkv_a_proj_with_mqa and keeps the first it sees only until that call returns
+    (deepseek_common/deepseek_weight_loader.py:283, 438-513), so a pair split over two calls is never written.
+    (Moonlight has no q_a_proj: its kv_a_proj_with_mqa waits for a partner that never comes, and goes last.)"""
+    match = _LATENT_DOWN_PROJ.match(engine_name)
+    if match is None:
+        return None
+    return f"{match.group(1)}.q_a_proj.weight", f"{match.group(1)}.kv_a_proj_with_mqa.weight"
+
+
 def compressed_tensors_ignore(quantized_groups: tuple[str, ...]) -> list[str]:
     """The compressed-tensors ``ignore`` list that leaves exactly the linears of `quantized_groups` quantized."""
     return compressed_tensors_ignore_list(quantized_groups, family="DeepSeek-V3", groups=_LINEAR_GROUPS,

@@ -61,6 +61,7 @@ FAMILY = ModelFamily(
     linear_group=state_dict_adapter.linear_group,
     fused_linear_group=state_dict_adapter.fused_linear_group,
     compressed_tensors_ignore=state_dict_adapter.compressed_tensors_ignore,
+    engine_load_group=lambda engine_name: None,  # SGLang / vLLM load q/k/v and gate/up shard by shard
     moe_geometry=moe_geometry,
     causal_lm_class=_causal_lm_class,
     router_class=_router_class,
