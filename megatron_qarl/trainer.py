@@ -34,7 +34,7 @@ from megatron_qarl.parallel import (
 from megatron_qarl.rl.advantages import group_normalized_advantages
 from megatron_qarl.rl.batch import RolloutBatch, build_rollout_batch
 from megatron_qarl.rl.losses import compute_loss, compute_loss_normalizer
-from megatron_qarl.rl.metrics import reduce_metrics
+from megatron_qarl.rl.metrics import drift_metrics, reduce_metrics, seq_abs_log_ratio
 from megatron_qarl.rl.repetition import is_repetitive
 from megatron_qarl.rollout.protocol import RolloutEngineError
 
@@ -374,8 +374,9 @@ def policy_update(ctx, batch: RolloutBatch) -> dict:
     cfg = ctx.cfg
     dp = dp_size()
     per_rank_mini = cfg.train.mini_batch_prompts * cfg.rollout.n // dp
-    call_metrics, step_metrics = [], []
+    call_metrics, step_metrics, drift = [], [], []
     for mini in batch.chunks(per_rank_mini):
+        drift.append([])
         mini_loss = 0.0
         micros = list(mini.chunks(cfg.train.micro_batch_size))
         norm = compute_loss_normalizer([m.response_mask for m in micros], all_reduce=dp > 1,
@@ -391,6 +392,7 @@ def policy_update(ctx, batch: RolloutBatch) -> dict:
                     cfg.train.loss, norm=norm,
                 )
                 loss.backward()
+            drift[-1] += seq_abs_log_ratio(logp, micro.old_logp, micro.response_mask).tolist()
             metrics["loss/value"] = loss.item()
             mini_loss += metrics["loss/value"]
             call_metrics.append(metrics)
@@ -402,6 +404,8 @@ def policy_update(ctx, batch: RolloutBatch) -> dict:
     if "tbpo/kept_frac" in out:
         out["tbpo/masked_frac"] = 1.0 - out["tbpo/kept_frac"]
     out.update(reduce_metrics(step_metrics))
+    ranks = gather_dp([drift])  # every rank's per-sequence drift, per mini-batch index
+    out.update(drift_metrics([[x for rank in ranks for x in rank[i]] for i in range(len(drift))]))
     return out
 
 

@@ -199,6 +199,12 @@ def test_qarl_train_world1_deepseek_v3_replay_and_telemetry(tmp_path):
     assert proc.returncode == 0, proc.stderr[-6000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
+    for row in rows:  # drift telemetry: 2 mini-batches; the first trains on the policy that computed old_logp
+        assert sorted(k for k in row if k.startswith("drift/") and k.endswith("/mean")) == [
+            "drift/mb0/mean", "drift/mb1/mean"]
+        # fp32 recompute of the same weights: summation order only (eps x a reduction of <= 1024)
+        assert row["drift/mb0/max"] <= torch.finfo(torch.float32).eps * 1024
+        assert row["drift/mb1/mean"] > row["drift/mb0/max"]  # one optimizer step later
     for row in rows:
         assert row["count/seqs"] == 8 and 0.0 <= row["reward/mean"] <= 1.0 and math.isfinite(row["loss/value"])
         assert row["publish/num_tensors"] > 0

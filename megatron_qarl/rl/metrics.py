@@ -80,6 +80,32 @@ def mismatch_metrics(logp: torch.Tensor, old_logp: torch.Tensor, sampler_logp: t
     return out
 
 
+def seq_abs_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """|log r_seq| of each non-empty sequence: r_seq = exp(mean over its response tokens of logp - old_logp), the
+    sequence ratio TBPO's band and GSPO's clip judge ([B, T] inputs; a 1-D tensor of the valid sequences)."""
+    mask = response_mask.to(torch.float64)
+    lengths = mask.sum(-1)
+    log_r = ((logp.detach().to(torch.float64) - old_logp.detach().to(torch.float64)) * mask).sum(-1)
+    valid = lengths > 0
+    return (log_r[valid] / lengths[valid]).abs()
+
+
+def drift_metrics(per_mini_batch: List[List[float]]) -> Dict[str, float]:
+    """How far the policy has moved from the behaviour policy when each mini-batch of a step is trained on: the
+    distribution of |log r_seq| (`seq_abs_log_ratio`) over the sequences of mini-batch i (every rank's), as
+    ``drift/mb{i}/mean``, ``/p50``, ``/p90``, ``/max``. Mini-batch 0 sees the policy that computed old_logp, so its
+    drift is ~0; later ones see the steps before them: what calibrates lr and the number of mini-batches against
+    the clip / band widths."""
+    out: Dict[str, float] = {}
+    for i, values in enumerate(per_mini_batch):
+        v = torch.tensor(values, dtype=torch.float64)
+        out[f"drift/mb{i}/mean"] = float(v.mean()) if v.numel() else 0.0
+        out[f"drift/mb{i}/p50"] = quantile(v, 0.5)
+        out[f"drift/mb{i}/p90"] = quantile(v, 0.9)
+        out[f"drift/mb{i}/max"] = float(v.max()) if v.numel() else 0.0
+    return out
+
+
 def _weight_key(name: str) -> str:
     return "count/tokens" if name.startswith(TOKEN_FAMILIES) else "count/seqs"
 
