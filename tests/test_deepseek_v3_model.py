@@ -80,8 +80,11 @@ def test_transformer_config_fields():
     (dict(n_group=2, topk_group=1, num_experts_per_tok=4), "top-2"),
     (dict(norm_topk_prob=False), "norm_topk_prob"),
     (dict(scoring_func="softmax"), "scoring_func"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0,
-                           "original_max_position_embeddings": 64}), "yarn"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "attention_factor": 2.0,
+                           "original_max_position_embeddings": 64}), "attention_factor"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "truncate": False,
+                           "original_max_position_embeddings": 64}), "truncate"),
+    (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}), "linear"),
     (dict(rope_interleave=False), "rope_interleave"),
     (dict(tie_word_embeddings=True), "tie_word_embeddings"),
     (dict(first_k_dense_replace=3), "no MoE layer"),
@@ -415,10 +418,18 @@ def _grads_by_hf_name(model):
     return adapter.hf_state_from_model(_GradView(model))
 
 
-@pytest.mark.parametrize("q_lora, core_attention", [(None, "sdpa"), (Q_LORA, "sdpa"), (None, "unfused")],
-                         ids=["moonlight-like-sdpa", "q-lora-sdpa", "moonlight-like-unfused"])
-def test_mcore_matches_transformers_tp1(world_of_one, q_lora, core_attention):
-    cfg = tiny_hf_config(q_lora_rank=q_lora)
+# DeepSeek-V3's own yarn (factor 40, mscale = mscale_all_dim = 1; its window 4096 shrunk to 8 so that the 16
+# positions run past it), and one with mscale_all_dim 0 (the softmax keeps 1/sqrt(d), cos/sin get the mscale)
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "original_max_position_embeddings": 8,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+@pytest.mark.parametrize("q_lora, core_attention, rope", [
+    (None, "sdpa", None), (Q_LORA, "sdpa", None), (None, "unfused", None), (Q_LORA, "sdpa", YARN),
+    (None, "sdpa", {**YARN, "mscale_all_dim": 0.0})],
+    ids=["moonlight-like-sdpa", "q-lora-sdpa", "moonlight-like-unfused", "dsv3-yarn", "yarn-mscale-only"])
+def test_mcore_matches_transformers_tp1(world_of_one, q_lora, core_attention, rope):
+    cfg = tiny_hf_config(q_lora_rank=q_lora, **({"rope_parameters": rope} if rope else {}))
     hf, state = _random_hf_state(cfg)
     gen = torch.Generator().manual_seed(99)
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)
@@ -445,7 +456,13 @@ def test_mcore_matches_transformers_tp1(world_of_one, q_lora, core_attention):
         gdiff = float((param.grad - want).abs().max())
         assert gdiff <= gbound, f"{name}: grad differs by {gdiff} (bound {gbound})"
 
-    if q_lora is None and core_attention == "sdpa":  # the bound bites: drop the group limit and logits move
+    if rope is not None:  # the bound bites: the same weights with default RoPE move the logits
+        plain = _build(tiny_hf_config(q_lora_rank=q_lora))
+        _load(plain, adapter.hf_to_mcore(cfg, state))
+        with torch.no_grad():
+            moved = plain(input_ids=tokens, position_ids=torch.arange(SEQ).expand(BATCH, SEQ), attention_mask=None)
+        assert float((moved - ref).abs().max()) > 100 * bound
+    if q_lora is None and core_attention == "sdpa" and rope is None:  # drop the group limit and logits move
         ungrouped = _build(cfg, config_overrides=dict(moe_router_num_groups=None, moe_router_group_topk=None))
         _load(ungrouped, adapter.hf_to_mcore(cfg, state))
         with torch.no_grad():

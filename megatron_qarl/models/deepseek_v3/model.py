@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_qarl.models.deepseek_v3.args import (
-    SUPPORTED_MODEL_TYPE, check_divisibility, check_supported, hf_rope_theta,
+    SUPPORTED_MODEL_TYPE, check_divisibility, check_supported, hf_rope_theta, rope_yarn,
 )
 from megatron_qarl.models.deepseek_v3.mla_attention import (
     ReplicatedDownProjMLASelfAttention, mla_core_attention_class,
@@ -69,14 +69,13 @@ def transformer_config_from_hf(hf_config, layout=None, *, params_dtype=torch.flo
         qk_head_dim=hf_config.qk_nope_head_dim,
         qk_pos_emb_head_dim=hf_config.qk_rope_head_dim,
         v_head_dim=hf_config.v_head_dim,
-        # default RoPE; megatron's MLA defaults are yarn with factor 40, and its softmax scale applies the yarn
-        # mscale even for "rope" (multi_latent_attention.py:125-126): factor 1 keeps 1/sqrt(q/k head dim)
-        rope_type="rope",
         rotary_base=hf_rope_theta(hf_config),
         rotary_percent=1.0,
-        rotary_scaling_factor=1.0,
-        mscale=1.0,
-        mscale_all_dim=0.0,
+        # default RoPE (Moonlight): megatron's MLA defaults are yarn with factor 40, and its softmax scale applies
+        # the yarn mscale even for "rope" (multi_latent_attention.py:125-126): factor 1 keeps 1/sqrt(q/k head dim).
+        # yarn (DeepSeek-V3): the checkpoint's factor, window and mscales (args.rope_yarn)
+        **(dict(rope_type="yarn", **yarn) if (yarn := rope_yarn(hf_config)) else
+           dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)),
         rotary_interleaved=False,
         layernorm_epsilon=hf_config.rms_norm_eps,
         normalization="RMSNorm",
