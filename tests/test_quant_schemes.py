@@ -99,8 +99,11 @@ def test_every_scheme_answers_the_whole_protocol(name):
         {k: (tuple(v.shape), v.dtype) for k, v in meta.items()}
     named = dict(scheme.engine_tensors("m.layers.0.mlp.experts.0.down_proj", parts, tuple(w.shape)))
     assert set(named) == {f"m.layers.0.mlp.experts.0.down_proj.{p}" for p in scheme.parts}
-    for full, tensor in named.items():  # a received name and dtype decode back to this scheme
-        assert scheme_of_part(full.rsplit(".", 1)[1], tensor) is scheme, full
+    for full, tensor in named.items():  # a received name and dtype (and the served format) decode back to it
+        part = full.rsplit(".", 1)[1]
+        assert scheme_of_part(part, tensor, served=scheme) is scheme, full
+        alone = scheme_of_part(part, tensor)  # without the served format: a scheme of the same layout
+        assert alone is scheme or dict(alone.parts) == dict(scheme.parts), full
     engine_view = {k.rsplit(".", 1)[1]: v for k, v in named.items()}
     assert torch.equal(scheme.dequantize_parts("x.weight", engine_view, dequantized.dtype), dequantized)
     qc = scheme.quantization_config(cfg, ["lm_head"])

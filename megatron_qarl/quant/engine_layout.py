@@ -211,14 +211,16 @@ def expected_engine_names(hf_names: Iterable[str], quant_cfg: Any = None, *, nam
 # ---------------------------------------------------------------- decode
 
 
-def engine_part(name: str, tensor: torch.Tensor | None = None) -> tuple[str, str, str]:
+def engine_part(name: str, tensor: torch.Tensor | None = None, served=None) -> tuple[str, str, str]:
     """(HF weight name, kind, part) of a received engine tensor name. The part's scheme is told by the name
     and, where two schemes name a part alike, by the tensor's dtype (pass the tensor; without it the first
-    registered scheme naming the part; a bare ``<p>.weight`` is a scheme's codes only in its dtype, else bf16)."""
+    registered scheme naming the part; a bare ``<p>.weight`` is a scheme's codes only in its dtype, else bf16)
+    and, where they share the dtype too (pack-quantized 4 / 3 / 2 bits), by `served`: the scheme of the format
+    the receiver serves (`scheme_of_part`)."""
     for suffix in _SUFFIXES:
         if name.endswith(suffix):
             part = suffix[1:]
-            scheme = scheme_of_part(part, tensor)
+            scheme = scheme_of_part(part, tensor, served)
             return name[: -len(suffix)] + ".weight", scheme.kind if scheme else UNQUANTIZED, part
     return name, UNQUANTIZED, "weight"
 

@@ -114,8 +114,22 @@ def changed_bytes(new: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_xor(new.view(as_int), previous.view(as_int)).view(torch.uint8)
 
 
-def _scales_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    scales = amax / _INT4_HALF_RANGE
+def int_code_range(bits: int) -> tuple[int, int]:
+    """(qmin, qmax) of signed `bits`-bit codes, compressed-tensors' `calculate_range` for type int:
+    [-2^(bits-1), 2^(bits-1) - 1] ([-8, 7] for 4 bits, [-4, 3] for 3, [-2, 1] for 2)."""
+    if not 2 <= bits <= 8:
+        raise QuantizationError(f"signed int codes of {bits} bits: expected 2..8 bits")
+    return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+
+
+def int_half_range(bits: int) -> float:
+    """compressed-tensors' symmetric divisor ``float(bit_max - bit_min) / 2`` (7.5 for 4 bits, 3.5, 1.5)."""
+    qmin, qmax = int_code_range(bits)
+    return float(qmax - qmin) / 2
+
+
+def _scales_from_amax(amax: torch.Tensor, half_range: float = _INT4_HALF_RANGE) -> torch.Tensor:
+    scales = amax / half_range
     eps = torch.finfo(scales.dtype).eps
     return torch.where(scales == 0, torch.tensor(eps, dtype=scales.dtype, device=scales.device), scales)
 
@@ -127,7 +141,7 @@ def int4_group_scales(weight: torch.Tensor, group_size: int = 128) -> torch.Tens
     return _scales_from_amax(abs_amax(groups, -1))
 
 
-def _int8_holds_rounded_quotients(dtype: torch.dtype) -> bool:
+def _int8_holds_rounded_quotients(dtype: torch.dtype, half_range: float = _INT4_HALF_RANGE) -> bool:
     """Whether every ``round(w / scale)`` of finite weights fits int8, so the spec's clamp can run there.
 
     A normal scale is amax / 7.5 rounded (relative error <= eps), so |w / scale| <= 7.5 (1 + eps) / (1 - eps).
@@ -135,7 +149,7 @@ def _int8_holds_rounded_quotients(dtype: torch.dtype) -> bool:
     scale and |w / scale| <= 11.25. A zero scale becomes eps, and then amax / 7.5 underflowed: |w / eps| ~ 0.
     """
     eps = torch.finfo(dtype).eps
-    bound = max(_INT4_HALF_RANGE * (1 + eps) / (1 - eps), _INT4_HALF_RANGE * 1.5)
+    bound = max(half_range * (1 + eps) / (1 - eps), half_range * 1.5)
     return bound * (1 + eps) + 0.5 < torch.iinfo(torch.int8).max
 
 
@@ -150,12 +164,22 @@ def quantize_int4_groups(groups: torch.Tensor, dequantize: bool = True
     codes are copied back into the buffer (code 0 -> +0, as the library's int8 -> bf16 cast gives, where
     round() would keep -0.3 -> -0) and multiplied by the scales there: ``code.to(bf16) * scale``.
     """
+    return quantize_int_groups(groups, 4, dequantize)
+
+
+def quantize_int_groups(groups: torch.Tensor, bits: int, dequantize: bool = True
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`quantize_int4_groups` for signed `bits`-bit codes (2..8): the same ops with compressed-tensors'
+    range and divisor for `bits` (`int_code_range`, `int_half_range`): ``scale = amax / half_range``,
+    ``code = clamp(round_half_even(w / scale), qmin, qmax)``, ``code.to(bf16) * scale``. bits=4 is int4."""
+    qmin, qmax = int_code_range(bits)
+    half_range = int_half_range(bits)
     magnitudes = _magnitude_bits(groups)
-    if magnitudes is None or not _int8_holds_rounded_quotients(groups.dtype):
-        raise QuantizationError(f"int4 quantization: unsupported weight dtype {groups.dtype}")
-    scales = _scales_from_amax(magnitudes.amax(-1).view(groups.dtype))
+    if magnitudes is None or not _int8_holds_rounded_quotients(groups.dtype, half_range):
+        raise QuantizationError(f"int{bits} quantization: unsupported weight dtype {groups.dtype}")
+    scales = _scales_from_amax(magnitudes.amax(-1).view(groups.dtype), half_range)
     values = torch.div(groups, scales.unsqueeze(-1), out=magnitudes.view(groups.dtype))  # as the library divides
-    codes = values.round_().to(torch.int8).clamp_(INT4_MIN, INT4_MAX)  # round: half to even; +amax -> 8 -> 7
+    codes = values.round_().to(torch.int8).clamp_(qmin, qmax)  # round: half to even; +amax -> qmax + 1 -> qmax
     if not dequantize:
         return codes, scales, None
     return codes, scales, values.copy_(codes).mul_(scales.unsqueeze(-1))
@@ -279,3 +303,59 @@ def unpack_int4_groupwise(packed: torch.Tensor, shape) -> torch.Tensor:
     shifts = torch.arange(0, 32, 4, device=packed.device, dtype=torch.int64)
     nibbles = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF
     return (nibbles - 8).flatten(-2).to(torch.int8)
+
+
+# ---------------------------------------------------------------------- dense packing of any width (2..8 bits)
+# compressed-tensors' `pack_to_int32` (compressors/pack_quantized/helpers.py): code i of a row, offset to
+# unsigned (code + 2^(bits-1)), occupies the row's bits [i * bits, (i + 1) * bits), bit b of the row being bit
+# b % 32 of int32 word b // 32; a code may straddle two words. 4 bits is `pack_int4_groupwise` (8 per word).
+
+
+def _check_dense_shape(k: int, bits: int, what: str) -> None:
+    if (k * bits) % 32:
+        raise QuantizationError(f"{what}: {k} codes of {bits} bits per row are not whole int32 words "
+                                f"(K * bits must be a multiple of 32)")
+
+
+def pack_int_groupwise(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int8 codes [N, K] in `int_code_range(bits)` -> int32 [N, K * bits / 32], compressed-tensors
+    `pack-quantized` dense layout (bits=4: `pack_int4_groupwise`)."""
+    if bits == 4:
+        return pack_int4_groupwise(codes)
+    qmin, _ = int_code_range(bits)
+    if codes.dim() != 2 or codes.dtype != torch.int8:
+        raise QuantizationError(f"pack_int_groupwise: expected int8 codes [N, K], got {codes.dtype} "
+                                f"{tuple(codes.shape)}")
+    n, k = codes.shape
+    _check_dense_shape(k, bits, "pack_int_groupwise")
+    unsigned = (codes - qmin).view(torch.uint8)  # code + 2^(bits-1), in [0, 2^bits)
+    planes = (unsigned.unsqueeze(-1) >> torch.arange(bits, dtype=torch.uint8, device=codes.device)) & 1
+    stream = planes.reshape(n, k * bits // 8, 8)  # the row's bit stream, 8 bits per byte, lowest first
+    byte_bits = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=codes.device)
+    packed_bytes = (stream * byte_bits).sum(-1, dtype=torch.uint8)  # distinct bits: the sum is their OR
+    if sys.byteorder == "little":
+        return packed_bytes.view(torch.int32)
+    words = packed_bytes.to(torch.int64).view(n, -1, 4)
+    words = (words << torch.arange(0, 32, 8, device=codes.device)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_int_groupwise(packed: torch.Tensor, shape, bits: int) -> torch.Tensor:
+    """int32 [N, K * bits / 32] -> int8 codes [N, K] (inverse of `pack_int_groupwise`)."""
+    if bits == 4:
+        return unpack_int4_groupwise(packed, shape)
+    qmin, _ = int_code_range(bits)
+    n, k = (int(s) for s in shape)
+    _check_dense_shape(k, bits, "unpack_int_groupwise")
+    if packed.dtype != torch.int32 or tuple(packed.shape) != (n, k * bits // 32):
+        raise QuantizationError(f"unpack_int_groupwise: packed {packed.dtype} {tuple(packed.shape)} does not fit "
+                                f"{bits}-bit codes of weight shape {(n, k)} (expected int32 {(n, k * bits // 32)})")
+    if sys.byteorder == "little":  # the words' bytes, lowest first
+        packed_bytes = packed.contiguous().view(torch.uint8)
+    else:
+        words = packed.to(torch.int64) & 0xFFFFFFFF
+        packed_bytes = ((words.unsqueeze(-1) >> torch.arange(0, 32, 8, device=packed.device)) & 0xFF
+                        ).to(torch.uint8).flatten(-2)
+    stream = (packed_bytes.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8, device=packed.device)) & 1
+    planes = stream.reshape(n, k, bits) << torch.arange(bits, dtype=torch.uint8, device=packed.device)
+    return (planes.sum(-1, dtype=torch.uint8).view(torch.int8) + qmin).to(torch.int8)

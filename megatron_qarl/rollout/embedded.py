@@ -39,7 +39,7 @@ from megatron_qarl.quant.aten_int4 import (
 from megatron_qarl.quant.engine_layout import (
     PARTS, UNQUANTIZED, EngineLayoutError, dequantize_linear, engine_part, quantization_config_for)
 from megatron_qarl.quant.errors import QuantizationError
-from megatron_qarl.quant.schemes import scheme_of_kind
+from megatron_qarl.quant.schemes import scheme_of_kind, scheme_of_quantization_config
 from megatron_qarl.rollout.delta import DeltaBatch, apply_delta_batch
 from megatron_qarl.rollout.engine_kind import EngineKind
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
@@ -197,6 +197,8 @@ class EmbeddedEngine:
         self._int4: dict[str, AtenInt4Weight] = {}  # W4A16 linear -> its kernel operands (aten_int4)
         self._int4_modules: set[str] = set()  # modules whose forward runs on them
         self._served = served_quantization_config(model.config, quantization_config)
+        found = scheme_of_quantization_config(self._served) if self._served else None
+        self._served_scheme = found[0] if found else None  # tells formats that share part names and dtypes apart
         self._served_linears: dict[str, str] | None = None  # linear -> the kind the served format holds it in
 
     # ------------------------------------------------------------------ construction
@@ -328,7 +330,7 @@ class EmbeddedEngine:
     def _receive(self, name: str, tensor: torch.Tensor, crc: int | None = None) -> None:
         if self.record_checksums:
             self._received_digests[name] = tensor_sha256(tensor)
-        hf_name, kind, part = engine_part(name, tensor)
+        hf_name, kind, part = engine_part(name, tensor, self._served_scheme)
         self._check_served(hf_name, kind)
         if kind == UNQUANTIZED:
             self._write(name, tensor)

@@ -7,12 +7,14 @@ import torch
 
 from megatron_qarl.quant.errors import QuantConfigError
 from megatron_qarl.quant.scheme import QuantScheme
-from megatron_qarl.quant.schemes import fp8, nvfp4, w4a16
+from megatron_qarl.quant.schemes import fp8, int_wna16, nvfp4, w4a16
 
 SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (
     w4a16.SCHEME,
     fp8.SCHEME,
     nvfp4.SCHEME,
+    int_wna16.W3A16,
+    int_wna16.W2A16,
 )}
 SCHEME_NAMES: tuple[str, ...] = tuple(SCHEMES)  # the low-bit choices of quant.scheme (besides "none")
 NO_SCHEME = "none"
@@ -43,11 +45,18 @@ def scheme_of_weight(qweight) -> QuantScheme:
     raise QuantConfigError(f"no registered scheme quantizes to a {type(qweight).__name__}")
 
 
-def scheme_of_part(part: str, tensor: torch.Tensor | None = None) -> QuantScheme | None:
+def scheme_of_part(part: str, tensor: torch.Tensor | None = None, served: QuantScheme | None = None
+                   ) -> QuantScheme | None:
     """The scheme an engine tensor `<linear>.<part>` belongs to: one whose parts name `part` with exactly
     `tensor`'s dtype, else one that takes any dtype for it (without a tensor: the first that names it).
-    None for a plain `weight` that is no scheme's codes (bf16)."""
+    None for a plain `weight` that is no scheme's codes (bf16).
+
+    Formats may share a part's name and dtype (compressed-tensors pack-quantized ``weight_packed`` int32 for
+    4, 3 and 2 bits; the library itself reads num_bits from the config): a receiver that knows the format it
+    serves passes it as `served`, which wins among the candidates; otherwise the first registered one."""
     named = [s for s in SCHEMES.values() if part in s.parts]
+    if served is not None and served in named:
+        named = [served] + [s for s in named if s is not served]
     if part == "weight":  # a bare weight is a scheme's codes only in that scheme's dtype
         return next((s for s in named if tensor is not None and tensor.dtype == s.parts[part]), None)
     if tensor is None:
