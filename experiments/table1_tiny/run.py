@@ -1,22 +1,46 @@
-"""The paper's Table 1 arms at CPU scale: one shared warm start, the real trainer, several seeds per arm.
+"""The paper's Table 1 arms at CPU scale, and the phases that calibrate and stress it: one shared warm start
+per task, the real trainer, several seeds per arm.
 
     . .venv/bin/activate
-    python experiments/table1_tiny/run.py                 # every arm, every regime, x seeds 0 1 2 (docs/results.md)
+    python experiments/table1_tiny/run.py                 # table1: every arm, every regime, x seeds 0 1 2
     python experiments/table1_tiny/run.py --regimes experts attention   # the paper's arms and the harsher regime
-    python experiments/table1_tiny/run.py --quick         # main arms, one seed, few steps (a smoke run)
+    python experiments/table1_tiny/run.py --phase calibrate             # lr x mini-batches, then TBPO's band
+    python experiments/table1_tiny/run.py --phase ladder --lr 5e-5 --mini-batches 2   # calibrated settings
+    python experiments/table1_tiny/run.py --phase long --lr 5e-5 --mini-batches 2     # 68-78-token responses
+    python experiments/table1_tiny/run.py --phase calibrate ladder --plan   # print the runs, run nothing
+    python experiments/table1_tiny/run.py --quick         # smoke: one calibration point and one rung, seed 0
     python experiments/table1_tiny/run.py --report-only   # rebuild the report from finished runs
 
-Task (a regime meant to show the effect, `../shared/notes/science-probe.md`): chains of `TERMS` one-digit
-operands; the response writes each operand after the first and the running sum, least-significant digit
-first (`6+4+6+7+9=` -> `4:01,6:61,7:32,9:23`), exact match on the whole chain: responses of 16-20 tokens
-with EOS, so sequence-level importance ratios compound over many tokens. (Two-digit operands made the
-tiny model's warm start plateau at ~4% sampled accuracy after 1,500 SFT steps: its carries were wrong.)
-Held-out prompts never seen in training; pass@1 of `eval.n` samples at T=1.
+Phases (expected wall time on 2 cores at the defaults; the step time was measured only for table1's task):
+  table1     today's Table 1 (arms x regimes x seeds). Measured at --steps 30, 3 seeds: experts ~65 min,
+             attention ~25, int4_kernel ~60, vllm ~25 (only its BF16 arm runs without AMX); at the default
+             100 steps: not yet measured (the RL part scales ~linearly with the steps).
+  calibrate  lr x mini-batches grid for QaRL+TBPO and QaRL+GSPO, then QaRL+TBPO at band x1/x3/x10 at
+             --lr/--mini-batches (one seed, 30 steps): not yet measured (20 runs at the defaults).
+  ladder     rungs W4 g128, W4 g32, W3 g128, W2 g128 (one master), 4 arms per rung + a BF16 control, at the
+             calibrated --lr/--mini-batches/--tbpo-band, 100 steps x 3 seeds: not yet measured (51 runs).
+  long       table1's main arms on the long task (16 terms), 100 steps x 3 seeds: not yet measured
+             (12 runs + its own SFT warm start, not yet measured either). Measured in a 2-step smoke
+             (QaRL W4A16, 2 mini-batches, ~76-token responses): ~11-12 s per RL step (table1's task: ~5 s).
+  --quick    calibrate and ladder smoke: seed 0, 6 steps, one calibration point (TBPO and GSPO), one rung
+             (W4 g128, 4 arms): 6 runs, designed to stay under 10 minutes with the warm start already
+             trained; not yet measured as a whole (a 2-step long-task run took ~30 s end to end).
 
-Every arm runs `qarl-train` (the real trainer, embedded engine) from the same SFT checkpoint with the same
-data, steps, batch, learning rate and per-seed RNG seeds; only what defines the arm differs (ARMS). Each
-finished run is kept (`<out>/runs/<arm>/seed<s>`, its metrics.jsonl and log) and skipped when the script
-runs again; the report is built from those metrics only (`report.py`).
+Tasks (`--task`, default: the phase's own; megatron_qarl/rl/synthetic.py "chain", one-digit operands, the
+response writes each operand after the first and the running sum least-significant digit first,
+`6+4+6+7+9=` -> `4:01,6:61,7:32,9:23`, exact match on the whole chain; held-out prompts never seen in
+training; pass@1 of `eval.n` samples at T=1):
+  chain  5 terms: responses of 16-20 tokens with EOS; data and warm start in <out>/data and <out>/sft.
+  long   16 terms: responses of 68-78 tokens with EOS; data and warm start in <out>/task_long/.
+(Two-digit operands made the tiny model's warm start plateau at ~4% sampled accuracy after 1,500 SFT steps.)
+
+Every arm runs `qarl-train` (the real trainer, embedded engine) from its task's SFT checkpoint with the same
+data, steps, batch and per-seed RNG seeds; only what defines the arm differs. Where runs go: table1 on the
+chain task at <out>/runs/<arm>/seed<s> (as before); any other phase at <out>/<phase>/runs/...
+(<out>/<phase>_<task>/ when run on another task than its own). Each run dir keeps overrides.txt (the
+qarl-train arguments), config.yaml, train.log and metrics.jsonl; a finished run is skipped when the script
+runs again with the same arguments (and refused with other ones). The reports are built from the metrics
+only (`report.py`): <out>/results.md for table1, <out>/<phase>/results.md for the others.
 """
 from __future__ import annotations
 
@@ -32,27 +56,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from report import DEQUANTIZED_SAMPLER, Section, run_dir, write_report  # noqa: E402
+import phases  # noqa: E402
+from phases import GRPO_TIS, RUNGS, TASKS, Arm, Task  # noqa: E402
+from report import (DEQUANTIZED_SAMPLER, Section, run_dir, write_calibration_report, write_ladder_report,  # noqa: E402
+                    write_report)
 
 from megatron_qarl.lifecycle import die_with_parent  # noqa: E402
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig, generate_arithmetic_rows, write_rows  # noqa: E402
 
-TERMS = 5  # 4 steps like "4:01": 15-19 characters + EOS, every response >= 16 tokens
-DIGITS = 1
-TRAIN_ROWS, EVAL_ROWS = 4000, 64
-MAX_PROMPT_LEN = 16  # "6+4+6+7+9=" is 10 characters + BOS
-MAX_NEW_TOKENS = 28  # the longest chain answer is 19 characters + EOS; the rest is room to loop
-LR = 1e-4  # one learning rate for every arm (science-probe: >= 2e-4 collapses every arm at this scale)
-
-
-@dataclass(frozen=True)
-class Arm:
-    name: str
-    label: str
-    config: str  # the run config it starts from (configs/)
-    overrides: tuple[str, ...] = ()
-    main: bool = True  # in --quick runs; False: an ablation or the second regime
-    regime: str = "experts"  # a key of REGIMES: which report section the arm belongs to
+CHAIN = TASKS["chain"]
+TERMS = CHAIN.terms  # 4 steps like "4:01": 15-19 characters + EOS, every response >= 16 tokens
+DIGITS = CHAIN.digits
+TRAIN_ROWS, EVAL_ROWS = CHAIN.train_rows, CHAIN.eval_rows
+MAX_PROMPT_LEN = CHAIN.max_prompt_len  # "6+4+6+7+9=" is 10 characters + BOS
+MAX_NEW_TOKENS = CHAIN.max_new_tokens  # the longest chain answer is 19 characters + EOS; the rest is room to loop
+LR = 1e-4  # table1's one learning rate for every arm (science-probe: >= 2e-4 collapses every arm at this scale)
+MINI_BATCHES = 4  # table1's: prompts_per_step 32 / mini_batch_prompts 8 (configs/_base_tiny.yaml)
+PHASES = ("table1", "calibrate", "ladder", "long")
+PHASE_TASK = {"table1": "chain", "calibrate": "chain", "ladder": "chain", "long": "long"}
 
 
 # The paper's setting quantizes the routed experts. The issue asks for one more regime when the reward
@@ -88,7 +109,6 @@ REGIME_SAMPLERS = {
 }
 
 
-GRPO_TIS = ("train.loss.name=grpo", "train.loss.token_tis_cap=2.0")
 ARMS = (
     Arm("bf16_grpo_tis", "BF16 GRPO+TIS", "configs/tiny_bf16_gspo.yaml", GRPO_TIS),
     Arm("w4a16_rollout_grpo_tis", "W4A16 rollout, BF16 learner, GRPO+TIS", "configs/tiny_w4a16_rollout_gspo.yaml",
@@ -105,7 +125,7 @@ ARMS = (
         ("train.loss.name=gspo",), main=False),
 )
 ARMS += tuple(
-    Arm(prefix + a.name, a.label, a.config, (*a.overrides, *overrides), main=False, regime=regime)
+    Arm(prefix + a.name, a.label, a.config, (*a.overrides, *overrides), main=False, regime=regime, role=a.name)
     for regime, (prefix, overrides, names) in REGIME_ARMS.items()
     for a in ARMS if a.name in names)
 
@@ -129,35 +149,56 @@ def report_sections(arms: list[Arm]) -> list[Section]:
 
 @dataclass
 class Sweep:
-    out: Path
+    out: Path  # where this phase's runs go (<out>/runs/<arm>/seed<s>) and its report
     steps: int
     seeds: list[int]
     arms: list[Arm]
     eval_every: int
     eval_prompts: int
     init: Path | None = None
+    task: Task = CHAIN
+    home: Path | None = None  # the task's data and warm start (default: `out`)
+    lr: float = LR  # the learning rate every arm starts from (an arm's own overrides come after it)
     env: dict = field(default_factory=lambda: {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                                                "TORCHDYNAMO_DISABLE": "1"})
 
     @property
+    def task_dir(self) -> Path:
+        return self.home if self.home is not None else self.out
+
+    @property
     def data(self) -> Path:
-        return self.out / "data"
+        return self.task_dir / "data"
 
     def task_overrides(self) -> list[str]:
         """The task, identical for the warm start and every arm."""
-        return [f"data.path={self.data / 'train.jsonl'}", f"data.max_prompt_len={MAX_PROMPT_LEN}",
-                "data.reward=exact_match", f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
-                "sft.style=chain", f"sft.terms={TERMS}", f"sft.min_digits={DIGITS}", f"sft.max_digits={DIGITS}",
-                "sft.operators=+", "sft.digit_order=lsd_first", f"sft.eval_max_new_tokens={MAX_NEW_TOKENS}"]
+        t = self.task
+        return [f"data.path={self.data / 'train.jsonl'}", f"data.max_prompt_len={t.max_prompt_len}",
+                "data.reward=exact_match", f"rollout.max_new_tokens={t.max_new_tokens}",
+                "sft.style=chain", f"sft.terms={t.terms}", f"sft.min_digits={t.digits}", f"sft.max_digits={t.digits}",
+                "sft.operators=+", "sft.digit_order=lsd_first", f"sft.eval_max_new_tokens={t.max_new_tokens}"]
+
+    def run_args(self, arm: Arm, seed: int, init: Path | str, out: Path) -> list[str]:
+        """qarl-train's arguments for one run: the task, the sweep's settings, then what defines the arm
+        (last, so an arm's lr or mini-batches win over the sweep's)."""
+        return ["--config", arm.config, *self.task_overrides(),
+                f"model.init_checkpoint={init}", f"train.steps={self.steps}", f"train.optim.lr={self.lr}",
+                f"train.seed={seed}", f"data.shuffle_seed={seed}",
+                f"eval.path={self.data / 'eval.jsonl'}", f"eval.every={self.eval_every}",
+                f"eval.max_prompts={self.eval_prompts}", "eval.n=4", "eval.k=4",
+                f"logging.out_dir={out}", "logging.wandb.mode=disabled", "logging.plots=false",
+                "logging.log_every=5", "checkpoint.resume=none", "checkpoint.every=0", "checkpoint.keep_last=1",
+                f"checkpoint.dir={out / 'checkpoints'}", *arm.overrides]
 
 
-def write_task_data(data: Path) -> None:
+def write_task_data(data: Path, task: Task = CHAIN) -> None:
     """Training prompts and held-out prompts that never occur in them."""
-    task = dict(min_digits=DIGITS, max_digits=DIGITS, style="chain", terms=TERMS, digit_order="lsd_first")
-    train = generate_arithmetic_rows(ArithmeticTaskConfig(num_rows=TRAIN_ROWS, seed=0, **task))
+    spec = dict(min_digits=task.digits, max_digits=task.digits, style="chain", terms=task.terms,
+                digit_order="lsd_first")
+    train = generate_arithmetic_rows(ArithmeticTaskConfig(num_rows=task.train_rows, seed=0, **spec))
     seen = {r["prompt"] for r in train}
-    held_out = [r for r in generate_arithmetic_rows(ArithmeticTaskConfig(num_rows=4 * EVAL_ROWS, seed=1, **task))
-                if r["prompt"] not in seen][:EVAL_ROWS]
+    held_out = [r for r in generate_arithmetic_rows(ArithmeticTaskConfig(num_rows=4 * task.eval_rows, seed=1, **spec))
+                if r["prompt"] not in seen][:task.eval_rows]
     data.mkdir(parents=True, exist_ok=True)
     write_rows(data / "train.jsonl", train)
     write_rows(data / "eval.jsonl", held_out)
@@ -176,29 +217,40 @@ def _qarl_train(sweep: Sweep, args: list[str], log: Path) -> float:
     return time.perf_counter() - start
 
 
+def warm_start_dir(sweep: Sweep) -> Path:
+    return sweep.init if sweep.init is not None else sweep.task_dir / "sft"
+
+
+def warm_start_args(sweep: Sweep) -> list[str]:
+    home = sweep.task_dir
+    return ["sft", "--config", ARMS[0].config, *sweep.task_overrides(), "sft.eval_every=50", "sft.steps=3000",
+            f"sft.out_checkpoint={home / 'sft'}", f"logging.out_dir={home / 'sft_log'}", "logging.wandb.mode=disabled"]
+
+
 def warm_start(sweep: Sweep) -> Path:
-    """The shared SFT checkpoint (trained once; --init reuses one)."""
+    """The task's shared SFT checkpoint (trained once per task; --init reuses one)."""
     if sweep.init is not None:
         return sweep.init
-    checkpoint = sweep.out / "sft"
-    if checkpoint.exists() and (sweep.out / "sft_log" / "sft_metrics.json").exists():  # written after the save
-        print(f"[table1] warm start: reusing {checkpoint}", flush=True)
+    checkpoint, home = sweep.task_dir / "sft", sweep.task_dir
+    if checkpoint.exists() and (home / "sft_log" / "sft_metrics.json").exists():  # written after the save
+        print(f"[table1] warm start ({sweep.task.name}): reusing {checkpoint}", flush=True)
         return checkpoint
-    print(f"[table1] warm start: SFT to sampled accuracy 0.3 -> {checkpoint}", flush=True)
-    seconds = _qarl_train(sweep, ["sft", "--config", ARMS[0].config, *sweep.task_overrides(),
-                                  "sft.eval_every=50", "sft.steps=3000", f"sft.out_checkpoint={checkpoint}",
-                                  f"logging.out_dir={sweep.out / 'sft_log'}", "logging.wandb.mode=disabled"],
-                          sweep.out / "sft.log")
+    print(f"[table1] warm start ({sweep.task.name}): SFT to sampled accuracy 0.3 -> {checkpoint}", flush=True)
+    home.mkdir(parents=True, exist_ok=True)
+    seconds = _qarl_train(sweep, warm_start_args(sweep), home / "sft.log")
     print(f"[table1] warm start done in {seconds:.0f} s", flush=True)
     return checkpoint
 
 
 def machine_blocker(sweep: Sweep, arm: Arm) -> str | None:
     """Why this machine cannot run the arm (the check qarl-train makes first), or None."""
-    from megatron_qarl.config import load_config
+    from megatron_qarl.config import ConfigError, load_config
     from megatron_qarl.rollout.vllm_engine import VLLMSetupError, check_vllm_machine
 
-    cfg = load_config(str(REPO / arm.config), [*sweep.task_overrides(), *arm.overrides])
+    try:
+        cfg = load_config(str(REPO / arm.config), [*sweep.task_overrides(), *arm.overrides])
+    except ConfigError as err:  # e.g. a quant scheme this checkout does not have yet
+        return f"its config does not load here: {err}"
     if cfg.rollout.engine != "vllm":
         return None
     try:
@@ -208,22 +260,33 @@ def machine_blocker(sweep: Sweep, arm: Arm) -> str | None:
     return None
 
 
+def _recorded_steps(run: Path) -> int | None:
+    """train.steps of a finished run's config.yaml (written by qarl-train), None without one."""
+    path = run / "config.yaml"
+    if not path.exists():
+        return None
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(OmegaConf.load(path), "train.steps")
+
+
 def run_arm(sweep: Sweep, arm: Arm, seed: int, init: Path) -> None:
     out = run_dir(sweep.out, arm.name, seed)
+    args = sweep.run_args(arm, seed, init, out)
+    recorded = out / "overrides.txt"
     if (out / "DONE").exists():
+        if recorded.exists() and recorded.read_text().splitlines() != args:
+            raise SystemExit(f"table1: {out} finished with other arguments than this sweep's (see its "
+                             f"overrides.txt); use another --out or the same settings")
+        if not recorded.exists() and _recorded_steps(out) not in (None, sweep.steps):  # a run from before overrides.txt
+            raise SystemExit(f"table1: {out} finished with train.steps={_recorded_steps(out)} (its config.yaml), this "
+                             f"sweep asks for {sweep.steps}; pass --steps {_recorded_steps(out)} or use another --out")
         print(f"[table1] {arm.name} seed {seed}: done before, kept", flush=True)
         return
     if out.exists():  # an interrupted run: start it again from scratch
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    args = ["--config", arm.config, *sweep.task_overrides(), *arm.overrides,
-            f"model.init_checkpoint={init}", f"train.steps={sweep.steps}", f"train.optim.lr={LR}",
-            f"train.seed={seed}", f"data.shuffle_seed={seed}",
-            f"eval.path={sweep.data / 'eval.jsonl'}", f"eval.every={sweep.eval_every}",
-            f"eval.max_prompts={sweep.eval_prompts}", "eval.n=4", "eval.k=4",
-            f"logging.out_dir={out}", "logging.wandb.mode=disabled", "logging.plots=false",
-            "logging.log_every=5", "checkpoint.resume=none", "checkpoint.every=0", "checkpoint.keep_last=1",
-            f"checkpoint.dir={out / 'checkpoints'}"]
+    recorded.write_text("\n".join(args) + "\n")
     seconds = _qarl_train(sweep, args, out / "train.log")
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the report needs the metrics, not the weights
     (out / "DONE").write_text(f"{seconds:.1f}\n")
@@ -235,49 +298,149 @@ def select_arms(regimes: list[str], quick: bool) -> list[Arm]:
     return [a for a in ARMS if (a.main or not quick) and (a.regime in regimes or a.name == "bf16_grpo_tis")]
 
 
+def phase_dirs(out: Path, phase: str, task: str) -> tuple[Path, Path]:
+    """(where the phase's runs and report go, where the task's data and warm start are)."""
+    home = out / TASKS[task].dir if TASKS[task].dir else out
+    if phase == "table1" and task == "chain":
+        return out, home  # today's layout: finished runs stay where they are
+    return out / (phase if task == PHASE_TASK[phase] else f"{phase}_{task}"), home
+
+
+def phase_arms(phase: str, args) -> list[Arm]:
+    """The arms one phase launches, from the command line's settings."""
+    if phase == "table1":
+        by_name = {a.name: a for a in ARMS}
+        return [by_name[n] for n in args.arms] if args.arms else select_arms(args.regimes, args.quick)
+    if phase == "calibrate":
+        if args.quick:  # one calibration point: the chosen one, both objectives, no band sweep
+            return phases.calibration_arms([args.lr], [args.mini_batches], [], args.lr, args.mini_batches)
+        return phases.calibration_arms(args.calib_lrs, args.calib_mini_batches, args.calib_bands, args.lr,
+                                       args.mini_batches)
+    if phase == "ladder":
+        rungs = [r for r in RUNGS if r.name in (args.rungs[:1] if args.quick else args.rungs)]
+        return phases.ladder_arms(rungs, args.lr, args.mini_batches, args.tbpo_band, control=not args.quick)
+    return phases.long_arms(args.lr, args.mini_batches, args.tbpo_band)
+
+
+def phase_sweep(phase: str, args, out: Path) -> Sweep:
+    task = args.task or PHASE_TASK[phase]
+    runs, home = phase_dirs(out, phase, task)
+    if args.quick:
+        steps, seeds, eval_every = (8 if phase == "table1" else 6), [args.seeds[0] if args.seeds else 0], 4 if phase == "table1" else 3
+    else:
+        steps = args.steps or (30 if phase == "calibrate" else 100)
+        seeds = args.seeds or ([0] if phase == "calibrate" else [0, 1, 2])
+        eval_every = 10
+    return Sweep(out=runs, steps=steps, seeds=seeds, arms=phase_arms(phase, args), eval_every=eval_every,
+                 eval_prompts=32 if args.quick else TASKS[task].eval_rows,
+                 init=Path(args.init).resolve() if args.init else None, task=TASKS[task], home=home)
+
+
+def print_plan(phase: str, sweep: Sweep) -> None:
+    """What the phase would launch, without launching it."""
+    init = warm_start_dir(sweep)
+    print(f"== phase {phase}: task {sweep.task.name} ({sweep.task.about}); runs under {sweep.out}/runs; "
+          f"{sweep.steps} RL steps x seeds {sweep.seeds}; {len(sweep.arms)} arms, {len(sweep.arms) * len(sweep.seeds)} runs")
+    if sweep.init is None and not (sweep.task_dir / "sft_log" / "sft_metrics.json").exists():
+        print(f"   warm start (to train first): qarl-train {' '.join(warm_start_args(sweep))}")
+    else:
+        print(f"   warm start: {init}")
+    print(f"   every run: {' '.join(sweep.run_args(Arm('<arm>', '', '<config>'), 0, init, sweep.out / 'runs/<arm>/seed<s>')[2:])}")
+    for arm in sweep.arms:
+        print(f"   {arm.name} [{arm.label}]: --config {arm.config} {' '.join(arm.overrides)}")
+
+
+def report_phase(phase: str, sweep: Sweep, docs: Path | None) -> str:
+    # docs/results.md for today's table1, docs/results_<phase>[_<task>].md for the others
+    name = "results" if sweep.out == sweep.task_dir else f"results_{sweep.out.name}"
+    if phase == "table1":
+        return write_report(sweep.out, report_sections(sweep.arms), sweep.seeds, docs=docs, home=sweep.task_dir,
+                            name=name)
+    if phase == "calibrate":
+        return write_calibration_report(sweep.out, sweep.arms, sweep.seeds, home=sweep.task_dir, docs=docs, name=name)
+    if phase == "ladder":
+        return write_ladder_report(sweep.out, sweep.arms, sweep.seeds, home=sweep.task_dir, docs=docs, name=name)
+    section = Section(f"Table 1's main arms on the {sweep.task.name} task ({sweep.task.about})",
+                      [(a.role, a.name, a.label) for a in sweep.arms])
+    return write_report(sweep.out, [section], sweep.seeds, docs=docs, home=sweep.task_dir, name=name)
+
+
+def run_phase(phase: str, sweep: Sweep) -> None:
+    start = time.perf_counter()
+    write_task_data(sweep.data, sweep.task)
+    init = warm_start(sweep)
+    runnable = []
+    for arm in sweep.arms:
+        blocker = machine_blocker(sweep, arm)
+        if blocker:  # reported as not run; the rest of the sweep goes on
+            print(f"[table1] {arm.name}: not run on this machine: {blocker}", flush=True)
+        else:
+            runnable.append(arm)
+    for seed in sweep.seeds:  # seed-major: a cut-short sweep still has every arm at its first seeds
+        for arm in runnable:
+            run_arm(sweep, arm, seed, init)
+    print(f"[table1] phase {phase}: {(time.perf_counter() - start) / 60:.1f} min", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="runs/table1_tiny", help="where runs, data and the report go")
-    parser.add_argument("--quick", action="store_true", help="main arms, seed 0, 8 steps (a smoke run)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--arms", nargs="+", default=None, help=f"a subset of {[a.name for a in ARMS]}")
+    parser.add_argument("--out", default="runs/table1_tiny", help="where tasks, runs and reports go")
+    parser.add_argument("--phase", nargs="+", choices=PHASES, default=None,
+                        help="the phases to run, in order (default: table1; with --quick: calibrate ladder)")
+    parser.add_argument("--task", choices=list(TASKS), default=None,
+                        help="run the phases on this task (default: each phase's own: long for `long`, else chain)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke run: seed 0, 6 steps (table1: its main arms, 8 steps), one calibration point, "
+                             "one rung; under 10 minutes by design (not yet measured)")
+    parser.add_argument("--plan", "--dry-run", action="store_true", dest="plan",
+                        help="print the runs the phases would launch (arm, overrides, seeds, steps); run nothing")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="default: 0 1 2 (calibrate: 0, a calibration makes no claim)")
+    parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default 100; calibrate 30)")
+    parser.add_argument("--arms", nargs="+", default=None, help=f"table1 only: a subset of {[a.name for a in ARMS]}")
     parser.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES),
-                        help="the regimes whose arms run (default: all; wall time on 2 cores, 3 seeds: experts ~65 "
-                             "min, attention ~25, int4_kernel ~60, vllm ~25 where only its BF16 arm can run)")
-    parser.add_argument("--init", default=None, help="an SFT checkpoint of this task (default: train one)")
-    parser.add_argument("--report-only", action="store_true", help="rebuild the report from finished runs")
+                        help="table1 only: the regimes whose arms run (default: all)")
+    calib = parser.add_argument_group("calibrated settings (ladder, long, and calibrate's band sweep)")
+    calib.add_argument("--lr", type=float, default=LR, help=f"learning rate (default {LR:g}, table1's)")
+    calib.add_argument("--mini-batches", type=int, default=MINI_BATCHES,
+                       help=f"optimizer steps per RL step: mini_batch_prompts = {phases.PROMPTS_PER_STEP} / this "
+                            f"(default {MINI_BATCHES}, table1's)")
+    calib.add_argument("--tbpo-band", type=float, default=1.0,
+                       help="TBPO's band width as a multiple of LossConfig's defaults (default 1)")
+    calib.add_argument("--calib-lrs", type=float, nargs="+", default=[2.5e-5, 5e-5, 1e-4], help="calibrate: the lr grid")
+    calib.add_argument("--calib-mini-batches", type=int, nargs="+", default=[1, 2, 4],
+                       help="calibrate: the mini-batches grid")
+    calib.add_argument("--calib-bands", type=float, nargs="+", default=[1, 3, 10],
+                       help="calibrate: TBPO band multipliers at --lr/--mini-batches")
+    parser.add_argument("--rungs", nargs="+", choices=[r.name for r in RUNGS], default=[r.name for r in RUNGS],
+                        help="ladder: the rungs (default: all; --quick: the first)")
+    parser.add_argument("--init", default=None,
+                        help="an SFT checkpoint of the task (default: train one per task); only with one task")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the reports from finished runs")
     parser.add_argument("--docs", action="store_true",
-                        help="also write the report to docs/results.md and its plots to docs/results/")
+                        help="also write the reports to docs/ (table1: docs/results.md; others docs/results_<phase>.md) "
+                             "and their plots to docs/results/")
     args = parser.parse_args()
 
-    by_name = {a.name: a for a in ARMS}
-    unknown = sorted(set(args.arms or []) - set(by_name))
+    unknown = sorted(set(args.arms or []) - {a.name for a in ARMS})
     if unknown:
-        parser.error(f"unknown arms {unknown}; choose from {sorted(by_name)}")
-    arms = [by_name[n] for n in args.arms] if args.arms else select_arms(args.regimes, args.quick)
-    sweep = Sweep(out=Path(args.out).resolve(), steps=8 if args.quick else args.steps,
-                  seeds=[args.seeds[0]] if args.quick else args.seeds, arms=arms,
-                  eval_every=4 if args.quick else 10, eval_prompts=32 if args.quick else EVAL_ROWS,
-                  init=Path(args.init).resolve() if args.init else None)
-    if not args.report_only:
-        start = time.perf_counter()
-        write_task_data(sweep.data)
-        init = warm_start(sweep)
-        runnable = []
-        for arm in sweep.arms:
-            blocker = machine_blocker(sweep, arm)
-            if blocker:  # reported as not run; the rest of the sweep goes on
-                print(f"[table1] {arm.name}: not run on this machine: {blocker}", flush=True)
-            else:
-                runnable.append(arm)
-        for seed in sweep.seeds:  # seed-major: a cut-short sweep still has every arm at its first seeds
-            for arm in runnable:
-                run_arm(sweep, arm, seed, init)
-        print(f"[table1] sweep: {(time.perf_counter() - start) / 60:.1f} min", flush=True)
-    report = write_report(sweep.out, report_sections(sweep.arms), sweep.seeds,
-                          docs=REPO / "docs" if args.docs else None)
-    print(report, flush=True)
+        parser.error(f"unknown arms {unknown}; choose from {sorted(a.name for a in ARMS)}")
+    for mb in [args.mini_batches, *args.calib_mini_batches]:
+        if mb < 1 or phases.PROMPTS_PER_STEP % mb:
+            parser.error(f"mini-batches must divide {phases.PROMPTS_PER_STEP}, got {mb}")
+    selected = args.phase or (["calibrate", "ladder"] if args.quick else ["table1"])
+    if args.init and len({args.task or PHASE_TASK[p] for p in selected}) > 1:
+        parser.error("--init is one task's warm start; these phases run on two tasks")
+    out = Path(args.out).resolve()
+    sweeps = [(phase, phase_sweep(phase, args, out)) for phase in selected]
+    if args.plan:
+        for phase, sweep in sweeps:
+            print_plan(phase, sweep)
+        return
+    for phase, sweep in sweeps:
+        if not args.report_only:
+            run_phase(phase, sweep)
+        print(report_phase(phase, sweep, REPO / "docs" if args.docs else None), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,232 @@
+"""experiments/table1_tiny phases beyond Table 1 (calibrate, ladder, long): every phase's arms load with its
+task, the long task's lengths are what its limits assume, phases never share a run directory, --plan
+launches nothing, and the calibration / ladder / long reports give the hand-computed numbers of made-up
+metrics."""
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_qarl.config import load_config
+from megatron_qarl.quant.schemes import SCHEMES
+
+EXPERIMENT = Path(__file__).resolve().parents[1] / "experiments" / "table1_tiny"
+sys.path.insert(0, str(EXPERIMENT))
+import phases  # noqa: E402
+import report  # noqa: E402
+import run  # noqa: E402
+
+CALIBRATION = phases.calibration_arms([2.5e-5, 1e-4], [1, 4], [1, 3, 10], 1e-4, 4)
+LADDER = phases.ladder_arms(list(phases.RUNGS), 5e-5, 2, 3.0)
+LONG = phases.long_arms(5e-5, 2, 1.0)
+
+
+def _load(arm, task, tmp_path):
+    sweep = run.Sweep(out=tmp_path, steps=3, seeds=[0], arms=[arm], eval_every=1, eval_prompts=4, task=task)
+    cfg = load_config(str(run.REPO / arm.config), [*sweep.task_overrides(), f"train.optim.lr={run.LR}",
+                                                    *arm.overrides])
+    assert cfg.sft.style == "chain" and cfg.sft.terms == task.terms
+    assert cfg.rollout.max_new_tokens == task.max_new_tokens and cfg.data.max_prompt_len == task.max_prompt_len
+    return cfg
+
+
+@pytest.mark.parametrize("arm", CALIBRATION, ids=lambda a: a.name)
+def test_every_calibration_arm_loads_with_its_lr_mini_batches_and_band(arm, tmp_path):
+    cfg = _load(arm, run.CHAIN, tmp_path)
+    p = arm.param
+    assert cfg.train.optim.lr == p["lr"] and cfg.train.prompts_per_step == phases.PROMPTS_PER_STEP
+    assert cfg.train.prompts_per_step // cfg.train.mini_batch_prompts == p["mini_batches"]
+    assert cfg.train.loss.name == p["objective"] and cfg.quant.learner_aligned
+    default = phases.LossConfig()
+    for key in phases.BAND_KEYS:
+        assert math.isclose(getattr(cfg.train.loss, key), getattr(default, key) * p["band"])
+
+
+def test_the_calibration_grid_and_band_sweep_share_the_x1_run():
+    names = [a.name for a in CALIBRATION]
+    assert len(names) == len(set(names)) == 2 * 2 * 2 + 2  # the grid x {tbpo, gspo}, then bands x3 and x10
+    assert [a.param["band"] for a in CALIBRATION if a.regime == "band"] == [3, 10]
+    off_grid = phases.calibration_arms([1e-4], [4], [1, 3], 5e-5, 2)  # a chosen point off the grid runs x1 too
+    assert [a.param["band"] for a in off_grid if a.regime == "band"] == [1, 3]
+    with pytest.raises(ValueError, match="divide"):
+        phases.trust(1e-4, 3)
+
+
+@pytest.mark.parametrize("arm", LADDER, ids=lambda a: a.name)
+def test_every_ladder_arm_loads_with_its_rung_and_the_calibrated_settings(arm, tmp_path):
+    rung = next((r for r in phases.RUNGS if r.name == arm.param.get("rung")), None)
+    if rung is not None and rung.scheme not in SCHEMES:
+        pytest.skip(f"quant scheme {rung.scheme} is not in this checkout yet")
+    cfg = _load(arm, run.CHAIN, tmp_path)
+    assert cfg.train.optim.lr == 5e-5 and cfg.train.mini_batch_prompts == phases.PROMPTS_PER_STEP // 2
+    if rung is None:  # the shared BF16 control
+        assert cfg.quant.scheme == "none" and cfg.train.loss.token_tis_cap == 2.0
+        return
+    assert cfg.quant.scheme == rung.scheme and cfg.quant.group_size == rung.group_size
+    assert cfg.quant.learner_aligned == arm.param["aligned"] == arm.role.startswith("qarl")
+    expected = {"rollout_grpo_tis": ("grpo", 2.0), "rollout_grpo": ("grpo", None), "qarl_grpo": ("grpo", None),
+                "qarl_tbpo": ("tbpo", None)}[arm.role]
+    assert (cfg.train.loss.name, cfg.train.loss.token_tis_cap) == expected
+    band = 3.0 if arm.role == "qarl_tbpo" else 1.0  # the calibrated band goes to TBPO only
+    assert math.isclose(cfg.train.loss.seq_clip_ratio_high, phases.LossConfig().seq_clip_ratio_high * band)
+
+
+@pytest.mark.parametrize("arm", LONG, ids=lambda a: a.name)
+def test_every_long_arm_loads_with_the_long_task(arm, tmp_path):
+    cfg = _load(arm, phases.TASKS["long"], tmp_path)
+    assert cfg.sft.terms == 16 and cfg.train.optim.lr == 5e-5 and cfg.train.mini_batch_prompts == 16
+
+
+def test_the_long_task_has_64_to_128_token_responses_within_its_limits(tmp_path):
+    task = phases.TASKS["long"]
+    run.write_task_data(tmp_path, task)
+    rows = [json.loads(line) for f in ("train.jsonl", "eval.jsonl") for line in (tmp_path / f).read_text().splitlines()]
+    answers = [len(r["answer"]) + 1 for r in rows]  # one token per character, + EOS
+    assert 64 <= min(answers) and max(answers) <= 128 and min(answers) - 1 >= task.min_answer_chars
+    assert max(answers) <= task.max_new_tokens and max(len(r["prompt"]) + 1 for r in rows) <= task.max_prompt_len
+    held = [json.loads(line)["prompt"] for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    train = {json.loads(line)["prompt"] for line in (tmp_path / "train.jsonl").read_text().splitlines()}
+    assert len(held) == task.eval_rows and not train & set(held)
+
+
+def test_phases_never_share_a_run_directory_and_tasks_keep_one_warm_start(tmp_path):
+    dirs = {(p, t): run.phase_dirs(tmp_path, p, t) for p in run.PHASES for t in phases.TASKS}
+    assert dirs["table1", "chain"] == (tmp_path, tmp_path)  # today's layout
+    assert dirs["long", "long"] == (tmp_path / "long", tmp_path / "task_long")
+    assert dirs["calibrate", "long"] == (tmp_path / "calibrate_long", tmp_path / "task_long")
+    assert dirs["ladder", "chain"] == (tmp_path / "ladder", tmp_path)
+    runs = [d[0] / "runs" for d in dirs.values()]
+    assert len(set(runs)) == len(runs)
+    assert {d[1] for d in dirs.values()} == {tmp_path, tmp_path / "task_long"}
+
+
+def _main(monkeypatch, capsys, *argv):
+    monkeypatch.setattr(sys, "argv", ["run.py", *argv])
+    monkeypatch.setattr(run, "_qarl_train", lambda *a, **k: pytest.fail("--plan must launch nothing"))
+    run.main()
+    return capsys.readouterr().out
+
+
+def test_plan_prints_the_runs_and_launches_nothing(tmp_path, monkeypatch, capsys):
+    out = _main(monkeypatch, capsys, "--out", str(tmp_path / "o"), "--phase", "calibrate", "ladder", "long", "--plan",
+                "--lr", "5e-5", "--mini-batches", "2")
+    assert not (tmp_path / "o").exists()
+    assert "== phase calibrate: task chain" in out and "30 RL steps x seeds [0]; 20 arms, 20 runs" in out  # 18 grid + band x3, x10
+    assert "100 RL steps x seeds [0, 1, 2]; 17 arms, 51 runs" in out and "4 arms, 12 runs" in out
+    assert "w2g128_qarl_tbpo [W2 g128: QaRL + TBPO]: --config configs/tiny_qarl_w4a16_tbpo.yaml quant.scheme=w2a16" in out
+    assert "train.optim.lr=5e-05 train.prompts_per_step=32 train.mini_batch_prompts=16" in out
+    assert "sft.terms=16" in out and str(tmp_path / "o" / "task_long" / "sft") in out
+    quick = _main(monkeypatch, capsys, "--out", str(tmp_path / "o"), "--quick", "--plan")
+    assert quick.count("6 RL steps x seeds [0]") == 2 and "2 arms, 2 runs" in quick and "4 arms, 4 runs" in quick
+    table1 = _main(monkeypatch, capsys, "--out", str(tmp_path / "o"), "--plan", "--regimes", "experts")
+    assert f"runs under {tmp_path / 'o'}/runs; 100 RL steps x seeds [0, 1, 2]; 7 arms" in table1
+
+
+def test_a_finished_run_keeps_its_arguments_and_is_refused_with_other_ones(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(run, "_qarl_train", lambda sweep, args, log: calls.append(args) or 1.0)
+    arm = LADDER[1]
+    sweep = run.Sweep(out=tmp_path, steps=3, seeds=[0], arms=[arm], eval_every=1, eval_prompts=4)
+    run.run_arm(sweep, arm, 0, tmp_path / "sft")
+    recorded = (tmp_path / "runs" / arm.name / "seed0" / "overrides.txt").read_text().splitlines()
+    assert recorded == calls[0] and recorded[-len(arm.overrides):] == list(arm.overrides)  # the arm's come last
+    run.run_arm(sweep, arm, 0, tmp_path / "sft")  # same arguments: kept, not run again
+    assert len(calls) == 1
+    sweep.steps = 4
+    with pytest.raises(SystemExit, match="other arguments"):
+        run.run_arm(sweep, arm, 0, tmp_path / "sft")
+    legacy = tmp_path / "runs" / arm.name / "seed1"  # finished before overrides.txt existed: its config.yaml decides
+    legacy.mkdir(parents=True)
+    (legacy / "DONE").write_text("1\n")
+    (legacy / "config.yaml").write_text("train:\n  steps: 30\n")
+    with pytest.raises(SystemExit, match="train.steps=30"):
+        run.run_arm(sweep, arm, 1, tmp_path / "sft")
+    sweep.steps = 30
+    run.run_arm(sweep, arm, 1, tmp_path / "sft")  # kept
+    assert len(calls) == 1 and (legacy / "DONE").exists()
+
+
+def _write(out: Path, arm: str, seed: int, steps: list[dict], evals: list[float]):
+    d = out / "runs" / arm / f"seed{seed}"
+    d.mkdir(parents=True)
+    rows = [{"step": i + 1, "reward/mean": 0.5, "time/step_s": 1.0, **s} for i, s in enumerate(steps)]
+    rows += [{"step": i, "eval/pass@1": p} for i, p in enumerate(evals)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "DONE").write_text("1\n")
+
+
+def _row(text: str, start: str) -> list[str]:
+    return [c.strip() for c in next(li for li in text.splitlines() if li.startswith(start)).strip("|").split("|")]
+
+
+def test_calibration_report_numbers_are_the_hand_computed_ones(tmp_path):
+    arms = phases.calibration_arms([1e-4, 5e-5], [2], [1, 3], 1e-4, 2)
+    assert [a.name for a in arms] == ["tbpo_lr0.0001_mb2", "gspo_lr0.0001_mb2", "tbpo_lr5e-05_mb2", "gspo_lr5e-05_mb2",
+                                      "tbpo_band_x3_lr0.0001_mb2"]
+    drift = [{"drift/mb0/p50": 0.0, "drift/mb0/p90": 0.0, "drift/mb1/p50": 1e-3, "drift/mb1/p90": 3e-3},
+             {"drift/mb0/p50": 0.0, "drift/mb0/p90": 0.0, "drift/mb1/p50": 3e-3, "drift/mb1/p90": 5e-3}]
+    # TBPO masked 0.1, 0.2 -> 0.150; last mini-batch (mb1) drift p50 (1e-3 + 3e-3)/2, p90 (3e-3 + 5e-3)/2
+    _write(tmp_path, "tbpo_lr0.0001_mb2", 0, [{"tbpo/masked_frac": 0.1, **drift[0]},
+                                               {"tbpo/masked_frac": 0.2, **drift[1]}], [0.3, 0.5])
+    # GSPO clipped: high + low per step, 0.1 and 0.2 -> 0.150
+    _write(tmp_path, "gspo_lr0.0001_mb2", 0, [{"gspo/clip_frac_high": 0.05, "gspo/clip_frac_low": 0.05},
+                                               {"gspo/clip_frac_high": 0.15, "gspo/clip_frac_low": 0.05}], [0.3, 0.6])
+    _write(tmp_path, "tbpo_lr5e-05_mb2", 0, [{"tbpo/masked_frac": 0.4}], [0.3, 0.4])
+    _write(tmp_path, "tbpo_band_x3_lr0.0001_mb2", 0, [{"tbpo/masked_frac": 0.05}], [0.3, 0.55])
+    text = report.write_calibration_report(tmp_path, arms, [0])
+    assert _row(text, "| tbpo | 0.0001 | 2 | x1") == ["tbpo", "0.0001", "2", "x1", "1", "0.150", "-", "2.00e-03",
+                                                     "4.00e-03", "0.500", "yes"]
+    assert _row(text, "| gspo | 0.0001 | 2 | x1") == ["gspo", "0.0001", "2", "x1", "1", "-", "0.150", "-", "-",
+                                                     "0.600", "yes"]
+    assert _row(text, "| tbpo | 5e-05 | 2 | x1")[-1] == "no"
+    assert _row(text, "| tbpo | 0.0001 | 2 | x3")[5] == "0.050"
+    assert "both TBPO's masked and GSPO's clipped fraction are in 10%-20%: lr 0.0001 x 2 mini-batches." in text
+    assert ("TBPO against its band width (lr 0.0001, 2 mini-batches): x1: masked 0.150, final pass@1 0.500; "
+            "x3: masked 0.050, final pass@1 0.550.") in text
+    assert "Not run (yet): gspo_lr5e-05_mb2/seed0." in text
+    assert (tmp_path / "results.md").read_text() == text
+
+
+def test_ladder_report_numbers_are_the_hand_computed_ones(tmp_path):
+    arms = phases.ladder_arms([phases.RUNGS[0], phases.RUNGS[3]], 1e-4, 4, 1.0)
+    values = {  # arm -> (k3, final pass@1 per seed)
+        "bf16_grpo_tis": (1e-6, [0.8, 0.8]),
+        "w4g128_rollout_grpo_tis": (1e-4, [0.7, 0.7]), "w4g128_rollout_grpo": (3e-4, [0.6, 0.6]),
+        "w4g128_qarl_grpo": (1e-5, [0.75, 0.75]), "w4g128_qarl_tbpo": (3e-5, [0.7, 0.8]),
+        "w2g128_rollout_grpo_tis": (1e-2, [0.5, 0.5]), "w2g128_rollout_grpo": (3e-2, [0.2, 0.2]),
+        "w2g128_qarl_grpo": (2e-5, [0.7, 0.7]), "w2g128_qarl_tbpo": (4e-5, [0.6, 0.8]),
+    }
+    for arm, (k3, finals) in values.items():
+        for seed, final in enumerate(finals):
+            _write(tmp_path, arm, seed, [{"mismatch/k3": k3}], [0.3, final])
+    text = report.write_ladder_report(tmp_path, arms, [0, 1])
+    # unaligned k3: mean of 1e-4 and 3e-4; aligned: of 1e-5 and 3e-5; ratio 2e-5 / 2e-4
+    assert _row(text, "| W4 g128") == ["W4 g128", "2.00e-04", "2.00e-05", "0.100", "0.700 ± 0.000", "0.600 ± 0.000",
+                                       "0.750 ± 0.000", "0.750 ± 0.071"]
+    assert _row(text, "| W2 g128")[:4] == ["W2 g128", "2.00e-02", "3.00e-05", "0.002"]
+    assert "BF16 GRPO+TIS control (no quantization): final pass@1 0.800 ± 0.000." in text
+    assert "- quantized rollout, BF16 learner, GRPO (no TIS): final pass@1 0.600 at W4 g128 -> 0.200 at W2 g128 (-0.400)." in text
+    assert "- QaRL + TBPO: final pass@1 0.750 at W4 g128 -> 0.700 at W2 g128 (-0.050)." in text
+    assert (tmp_path / "report" / "ladder_pass1_vs_k3.png").stat().st_size > 0
+    rows = report.ladder_rows(report._arm_summaries(tmp_path, arms, [0, 1])[0], arms)
+    assert [r["rung"] for r in rows] == ["w4g128", "w2g128"] and math.isclose(rows[1]["k3_aligned"][0], 3e-5)
+
+
+def test_long_report_states_the_task_lengths_and_the_response_lengths(tmp_path):
+    home = tmp_path / "task_long"
+    (home / "data").mkdir(parents=True)
+    (home / "data" / "train.jsonl").write_text("".join(json.dumps({"prompt": "", "answer": a}) + "\n"
+                                                       for a in ("1:1", "1:1,2:3")))
+    out = tmp_path / "long"
+    arms = phases.long_arms(1e-4, 4, 1.0)
+    _write(out, "bf16_grpo_tis", 0, [{"mismatch/k3": 1e-5, "response/length_mean": 70.0},
+                                     {"mismatch/k3": 1e-5, "response/length_mean": 74.0}], [0.2, 0.5])
+    _write(out, "qarl_w4a16_tbpo", 0, [{"mismatch/k3": 1e-5, "response/length_mean": 80.0}], [0.2, 0.4])
+    section = report.Section("long task", [(a.role, a.name, a.label) for a in arms])
+    text = report.write_report(out, [section], [0], home=home, name="results_long")
+    assert "Task answers: 3-7 characters (mean 5.0) + EOS" in text
+    assert "Mean training response length (tokens, mean over steps and seeds): BF16 GRPO+TIS 72.0; QaRL W4A16 + TBPO 80.0." in text
+    assert _row(text, "| BF16 GRPO+TIS")[3] == "0.500" and "Not run (yet): w4a16_rollout_grpo_tis/seed0" in text
+    assert (out / "report" / "results_long_1_reward.png").exists()
