@@ -42,6 +42,7 @@ from megatron_qarl.quant.int4 import (
     unpack_int_groupwise,
 )
 from megatron_qarl.quant.scheme import EngineSupport, QuantScheme
+from megatron_qarl.quant.schemes.pack_quantized import int_group_config_fields, int_group_quantization_config
 
 WEIGHT_DTYPE = torch.bfloat16
 
@@ -216,32 +217,10 @@ class IntWNA16(QuantScheme):
         return dequantize_int4_groupwise(codes, scales, group_size=codes.shape[1] // scales.shape[1], dtype=dtype)
 
     def quantization_config(self, cfg, ignore: list[str]) -> dict:
-        return {
-            "quant_method": "compressed-tensors",
-            "format": "pack-quantized",
-            "quantization_status": "compressed",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": {"num_bits": self.bits, "type": "int", "symmetric": True, "strategy": "group",
-                                "group_size": cfg.group_size, "dynamic": False, "actorder": None,
-                                "observer": "minmax"},
-                    "input_activations": None,
-                    "output_activations": None,
-                    "format": "pack-quantized",
-                }
-            },
-            "ignore": ignore,
-            "kv_cache_scheme": None,
-        }
+        return int_group_quantization_config(self.bits, cfg.group_size, ignore)
 
     def config_fields(self, qc: Mapping[str, Any]) -> dict | None:
-        if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != "pack-quantized":
-            return None
-        weights = next(iter(qc["config_groups"].values()))["weights"]
-        if weights.get("type") != "int" or weights.get("num_bits") != self.bits:
-            return None
-        return {"scheme": self.name, "group_size": weights["group_size"], "ignore": list(qc.get("ignore") or [])}
+        return int_group_config_fields(qc, self.bits, self.name)
 
     # ------------------------------------------------------------------ memory
     def bytes_per_weight(self, cfg, *, cached: bool = False) -> float:
