@@ -230,3 +230,15 @@ def test_long_report_states_the_task_lengths_and_the_response_lengths(tmp_path):
     assert "Mean training response length (tokens, mean over steps and seeds): BF16 GRPO+TIS 72.0; QaRL W4A16 + TBPO 80.0." in text
     assert _row(text, "| BF16 GRPO+TIS")[3] == "0.500" and "Not run (yet): w4a16_rollout_grpo_tis/seed0" in text
     assert (out / "report" / "results_long_1_reward.png").exists()
+
+
+def test_the_table1_page_links_the_other_phases_pages_that_exist(tmp_path):
+    import report
+
+    assert report.other_phase_links(tmp_path) == []
+    (tmp_path / "results_calibrate.md").write_text("# calibration\n")
+    (tmp_path / "results_long.md").write_text("# long\n")
+    links = report.other_phase_links(tmp_path)
+    assert links[1] == "## The other phases (issue 33)"
+    assert links[3:] == ["- Drift calibration (lr x mini-batches, TBPO's band): [results_calibrate.md](results_calibrate.md)",
+                         "- Long responses (16-term chains): [results_long.md](results_long.md)"]

@@ -363,7 +363,23 @@ def write_report(out: Path, sections: list[Section], seeds: list[int], docs: Pat
                     f"{labels[role]} {v:.1f}" for role, v in length.items() if not math.isnan(v)) + "."]
     if len(per_section) > 1:
         lines += ["", "## Across the regimes", "", *regime_comparison(per_section)]
+    if name == "results" and docs is not None:
+        lines += other_phase_links(docs)
     return _write(out, docs, name, lines)
+
+
+OTHER_PHASES = {"results_calibrate": "Drift calibration (lr x mini-batches, TBPO's band)",
+                "results_ladder": "Harsher-sampler ladder (W4 g128 .. W2 g128)",
+                "results_long": "Long responses (16-term chains)"}
+
+
+def other_phase_links(docs: Path) -> list[str]:
+    """The section of docs/results.md that points at the other phases' pages `run.py --phase ... --docs` wrote."""
+    pages = [(page, title) for page, title in OTHER_PHASES.items() if (docs / f"{page}.md").exists()]
+    if not pages:
+        return []
+    return ["", "## The other phases (issue 33)", "",
+            *[f"- {title}: [{page}.md]({page}.md)" for page, title in pages]]
 
 
 def _arm_summaries(out: Path, arms, seeds: list[int]) -> tuple[dict, list[str]]:
