@@ -440,10 +440,20 @@ def write_calibration_report(out: Path, arms, seeds: list[int], home: Path | Non
     bands = sorted((arm.param["band"], _fraction(arm, summaries[arm.name]),
                     mean_std([r["pass1_final"] for r in summaries[arm.name]])[0])
                    for arm in band_arms if arm.name in summaries)
+    if len(chosen) == 1:  # the point the ladder and long phases train at (run.py --lr / --mini-batches)
+        lr, mb = next(iter(chosen))
+        fr = points.get((lr, mb), {})
+        why = (f"both objectives' fractions are in {low:.0%}-{high:.0%} there" if len(fr) == 2 and
+               all(low <= v <= high for v in fr.values()) else f"NOT a grid point with both in {low:.0%}-{high:.0%}")
+        lines.append(f"- Chosen (run.py --lr / --mini-batches, what the ladder and long phases train at): lr {lr:g} x "
+                     f"{mb} mini-batches: {why}.")
     if bands:
         lr, mb = next(iter(chosen)) if len(chosen) == 1 else (math.nan, 0)
         lines.append(f"- TBPO against its band width (lr {lr:g}, {mb} mini-batches): " + "; ".join(
             f"x{k:g}: masked {m:.3f}, final pass@1 {p:.3f}" for k, m, p in bands) + ".")
+    steps = sorted({r["steps"] for runs in summaries.values() for r in runs if "steps" in r})
+    if steps:
+        lines.append(f"- RL steps per run: {'/'.join(map(str, steps))}.")
     if missing:
         lines += ["", f"Not run (yet): {', '.join(missing)}."]
     return _write(out, docs, name, lines)
