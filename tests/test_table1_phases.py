@@ -203,9 +203,9 @@ def test_ladder_report_numbers_are_the_hand_computed_ones(tmp_path):
             _write(tmp_path, arm, seed, [{"mismatch/k3": k3}], [0.3, final])
     text = report.write_ladder_report(tmp_path, arms, [0, 1])
     # unaligned k3: mean of 1e-4 and 3e-4; aligned: of 1e-5 and 3e-5; ratio 2e-5 / 2e-4
-    assert _row(text, "| W4 g128") == ["W4 g128", "2.00e-04", "2.00e-05", "0.100", "0.700 ± 0.000", "0.600 ± 0.000",
+    assert _row(text, "| W4 g128") == ["W4 g128", "2.00e-04", "2.00e-05", "1.00e-01", "0.700 ± 0.000", "0.600 ± 0.000",
                                        "0.750 ± 0.000", "0.750 ± 0.071"]
-    assert _row(text, "| W2 g128")[:4] == ["W2 g128", "2.00e-02", "3.00e-05", "0.002"]
+    assert _row(text, "| W2 g128")[:4] == ["W2 g128", "2.00e-02", "3.00e-05", "1.50e-03"]
     assert "BF16 GRPO+TIS control (no quantization): final pass@1 0.800 ± 0.000." in text
     assert "- quantized rollout, BF16 learner, GRPO (no TIS): final pass@1 0.600 at W4 g128 -> 0.200 at W2 g128 (-0.400)." in text
     assert "- QaRL + TBPO: final pass@1 0.750 at W4 g128 -> 0.700 at W2 g128 (-0.050)." in text
@@ -242,3 +242,9 @@ def test_the_table1_page_links_the_other_phases_pages_that_exist(tmp_path):
     assert links[1] == "## The other phases (issue 33)"
     assert links[3:] == ["- Drift calibration (lr x mini-batches, TBPO's band): [results_calibrate.md](results_calibrate.md)",
                          "- Long responses (16-term chains): [results_long.md](results_long.md)"]
+
+
+def test_the_ladder_page_states_the_lr_mini_batches_and_steps_it_trained_at():
+    arms = phases.ladder_arms(phases.RUNGS[:1], 2.5e-5, 2, 1.0)
+    summaries = {arms[0].name: [{"steps": 100}], arms[1].name: [{"steps": 100}]}
+    assert report.training_settings(arms, summaries) == "lr 2.5e-05, 2 mini-batches per step, 100 RL steps"

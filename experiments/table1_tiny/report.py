@@ -502,6 +502,19 @@ def _ladder_plot(rows: list[dict], roles: dict, control, path: Path) -> None:
     plt.close(fig)
 
 
+def training_settings(arms, summaries: dict) -> str:
+    """lr, mini-batches per step and RL steps the finished runs of `arms` share (from their overrides / metrics)."""
+    def values(key: str) -> set:
+        return {o.split("=", 1)[1] for a in arms for o in a.overrides if o.startswith(key + "=")}
+    lr, mini, prompts = values("train.optim.lr"), values("train.mini_batch_prompts"), values("train.prompts_per_step")
+    steps = sorted({r["steps"] for runs in summaries.values() for r in runs if "steps" in r})
+    parts = [f"lr {'/'.join(sorted(lr))}" if lr else "lr as configured"]
+    if len(mini) == 1 and len(prompts) == 1:
+        parts.append(f"{int(next(iter(prompts))) // int(next(iter(mini)))} mini-batches per step")
+    parts.append(f"{'/'.join(map(str, steps)) or '-'} RL steps")
+    return ", ".join(parts)
+
+
 def write_ladder_report(out: Path, arms, seeds: list[int], home: Path | None = None, docs: Path | None = None,
                         name: str = "results_ladder") -> str:
     """Per rung: unaligned and aligned k3 and each arm's final pass@1; a figure of pass@1 against the
@@ -513,6 +526,7 @@ def write_ladder_report(out: Path, arms, seeds: list[int], home: Path | None = N
     control_arm = next((a for a in arms if "rung" not in a.param and a.name in summaries), None)
     control = mean_std([r["pass1_final"] for r in summaries[control_arm.name]]) if control_arm else None
     lines = _header("Harsher-sampler ladder at CPU scale", home, seeds)
+    lines += ["", f"Trained at: {training_settings(arms, summaries)}."]
     lines += ["", "Every rung quantizes the same master (the shared warm start). k3: each run's median over steps "
                   "of mismatch/k3 (sampler vs the learner's old log-probs), averaged over the rung's unaligned "
                   "(BF16 learner) or aligned (QaRL) runs. Final pass@1: mean ± sample std over seeds.", "",
@@ -520,7 +534,7 @@ def write_ladder_report(out: Path, arms, seeds: list[int], home: Path | None = N
               "|---|---|---|---|" + "---|" * len(roles)]
     for r in rows:
         (ku, _), (ka, _) = r["k3_unaligned"], r["k3_aligned"]
-        ratio = "-" if math.isnan(ku) or math.isnan(ka) or ku <= 0 else f"{ka / ku:.3f}"
+        ratio = "-" if math.isnan(ku) or math.isnan(ka) or ku <= 0 else f"{ka / ku:.2e}"
         cells = [("-" if math.isnan(r["pass1"][role][0]) else f"{r['pass1'][role][0]:.3f}"
                   + ("" if math.isnan(r["pass1"][role][1]) else f" ± {r['pass1'][role][1]:.3f}"))
                  if role in r["pass1"] else "-" for role in roles]
