@@ -8,12 +8,18 @@ run them) computes exactly transformers' function.
 """
 import json
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import unit_roundoff
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
+from deepseek_v3_layout import random_hf_state  # noqa: E402 - the seeded random checkpoint the layouts use
+
 from megatron_qarl.models.deepseek_v3 import (
     FAMILY, PRESETS, UnsupportedModelError, config_from_preset, tiny_hf_config, transformer_config_from_hf,
 )
@@ -222,32 +228,12 @@ def test_router_matches_hf_router_with_groups_and_expert_bias():
 
 # ------------------------------------------------------------------------------------------- naming
 
-def _random_hf_state(cfg, seed=1234):
-    from transformers import DeepseekV3ForCausalLM
-
-    model = DeepseekV3ForCausalLM(cfg).float().eval()
-    gen = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, t in adapter.hf_state_from_model(model).items():
-        noise = torch.randn(t.shape, generator=gen)
-        if "norm" in name:
-            state[name] = 1.0 + 0.1 * noise
-        elif name.endswith("e_score_correction_bias"):
-            state[name] = 0.1 * noise  # spread enough to change the choice of experts
-        elif name.endswith("mlp.gate.weight"):
-            state[name] = 0.2 * noise
-        else:
-            state[name] = 0.05 * noise
-    adapter.load_hf_state_into_model(model, state)
-    return model, state
-
-
 @pytest.mark.parametrize("q_lora", [None, Q_LORA], ids=["q-proj", "q-lora"])
 def test_hf_to_mcore_round_trip_is_bitwise_and_names_match_save_pretrained(tmp_path, q_lora):
     from safetensors import safe_open
 
     cfg = tiny_hf_config(q_lora_rank=q_lora)
-    model, state = _random_hf_state(cfg)
+    model, state = random_hf_state(cfg)
     assert set(state) == set(adapter.expected_hf_shapes(cfg))
     model.save_pretrained(tmp_path)
     saved = set()
@@ -270,7 +256,7 @@ def test_hf_to_mcore_round_trip_is_bitwise_and_names_match_save_pretrained(tmp_p
 
 def test_mapping_errors_name_the_tensor():
     cfg = tiny_hf_config()
-    _, state = _random_hf_state(cfg)
+    _, state = random_hf_state(cfg)
     broken = dict(state)
     del broken["model.layers.2.mlp.experts.7.up_proj.weight"]
     broken["model.layers.1.self_attn.kv_b_proj.weight"] = broken["model.layers.1.self_attn.kv_b_proj.weight"].T
@@ -430,7 +416,7 @@ YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "original_max_po
     ids=["moonlight-like-sdpa", "q-lora-sdpa", "moonlight-like-unfused", "dsv3-yarn", "yarn-mscale-only"])
 def test_mcore_matches_transformers_tp1(world_of_one, q_lora, core_attention, rope):
     cfg = tiny_hf_config(q_lora_rank=q_lora, **({"rope_parameters": rope} if rope else {}))
-    hf, state = _random_hf_state(cfg)
+    hf, state = random_hf_state(cfg)
     gen = torch.Generator().manual_seed(99)
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)
     labels = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=gen)

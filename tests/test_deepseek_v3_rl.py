@@ -10,11 +10,16 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import REPO
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
+from deepseek_v3_layout import random_hf_state  # noqa: E402 - the seeded random checkpoint the layouts use
+
 from megatron_qarl.models.deepseek_v3 import FAMILY, tiny_hf_config
 from megatron_qarl.models.logprobs import token_logprobs
 from megatron_qarl.moe.replay import RouteGeometry, replay_routing, router_token_order, sampler_routed_mask
@@ -33,23 +38,8 @@ EXPERTS, GROUP = 8, 4
 @pytest.fixture(scope="module")
 def hf_state():
     """A seeded transformers model's weights, the expert bias spread enough to change which experts win."""
-    from transformers import DeepseekV3ForCausalLM
-
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(CFG).float()
-    gen = torch.Generator().manual_seed(1234)
-    state = {}
-    for name, t in FAMILY.adapter.hf_state_from_model(model).items():
-        noise = torch.randn(t.shape, generator=gen)
-        if "norm" in name:
-            state[name] = 1.0 + 0.1 * noise
-        elif name.endswith("e_score_correction_bias"):
-            state[name] = 0.1 * noise
-        elif name.endswith("mlp.gate.weight"):
-            state[name] = 0.2 * noise
-        else:
-            state[name] = 0.05 * noise
-    return state
+    torch.manual_seed(0)  # the global RNG as the module's later tests find it
+    return random_hf_state(CFG, seed=1234)[1]
 
 
 def hf_model(state, dtype=torch.float32):
