@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from conftest import unit_roundoff
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
-from deepseek_v3_layout import random_hf_state  # noqa: E402 - the seeded random checkpoint the layouts use
+from deepseek_v3_layout import hf_grads, random_hf_state  # noqa: E402 - the seeded random checkpoint the layouts use
 
 from megatron_qarl.models.deepseek_v3 import (
     FAMILY, PRESETS, UnsupportedModelError, config_from_preset, tiny_hf_config, transformer_config_from_hf,
@@ -391,19 +391,6 @@ def _logit_bound(cfg, ref_logits):
     return (7 * cfg.num_hidden_layers + 1) * K * U32 * float(ref_logits.abs().max())
 
 
-def _grads_by_hf_name(model):
-    class _GradView(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def state_dict(self, *a, **k):  # the expert bias is a buffer: no grad (zeros stand in for it)
-            grads = {n: p.grad for n, p in self.m.named_parameters()}
-            return grads | {n: torch.zeros_like(b) for n, b in self.m.named_buffers() if "e_score" in n}
-
-    return adapter.hf_state_from_model(_GradView(model))
-
-
 # DeepSeek-V3's own yarn (factor 40, mscale = mscale_all_dim = 1; its window 4096 shrunk to 8 so that the 16
 # positions run past it), and one with mscale_all_dim 0 (the softmax keeps 1/sqrt(d), cos/sin get the mscale)
 YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "original_max_position_embeddings": 8,
@@ -435,9 +422,9 @@ def test_mcore_matches_transformers_tp1(world_of_one, q_lora, core_attention, ro
     assert diff <= bound, f"logits differ by {diff} (bound {bound})"
     assert abs(float(loss) - float(ref_loss)) <= bound
     # gradients: the same derivation on each tensor's own scale (backward doubles the GEMMs along the path)
-    hf_grads = adapter.hf_to_mcore(cfg, _grads_by_hf_name(hf), validate=False)
+    grads = adapter.hf_to_mcore(cfg, hf_grads(hf), validate=False)
     for name, param in model.named_parameters():
-        want = hf_grads[name]
+        want = grads[name]
         gbound = 2 * bound / float(ref.abs().max()) * float(want.abs().max()) + 1e-12
         gdiff = float((param.grad - want).abs().max())
         assert gdiff <= gbound, f"{name}: grad differs by {gdiff} (bound {gbound})"
