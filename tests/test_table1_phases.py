@@ -248,3 +248,46 @@ def test_the_ladder_page_states_the_lr_mini_batches_and_steps_it_trained_at():
     arms = phases.ladder_arms(phases.RUNGS[:1], 2.5e-5, 2, 1.0)
     summaries = {arms[0].name: [{"steps": 100}], arms[1].name: [{"steps": 100}]}
     assert report.training_settings(arms, summaries) == "lr 2.5e-05, 2 mini-batches per step, 100 RL steps"
+
+
+def _fake_runs(monkeypatch, script_of):
+    """run._start_qarl_train replaced by a Python child running `script_of(run dir)`; returns started dirs."""
+    import subprocess
+
+    started = []
+
+    def start(sweep, args, log):
+        out = log.parent
+        started.append(out)
+        return subprocess.Popen([sys.executable, "-c", script_of(out)], stdout=open(log, "w"),
+                                stderr=subprocess.STDOUT)
+    monkeypatch.setattr(run, "_start_qarl_train", start)
+    return started
+
+
+def test_jobs_run_that_many_runs_at_once_and_finish_each(tmp_path, monkeypatch):
+    # each fake run records when it started and ended; with 2 jobs the first two overlap, the third waits
+    _fake_runs(monkeypatch, lambda out: f"import time, pathlib; p = pathlib.Path({str(out)!r}); "
+                                        "(p / 'start').write_text(repr(time.time())); time.sleep(0.6); "
+                                        "(p / 'end').write_text(repr(time.time()))")
+    arms = LADDER[:3]
+    sweep = run.Sweep(out=tmp_path, steps=3, seeds=[0], arms=arms, eval_every=1, eval_prompts=4)
+    run.run_arms_parallel(sweep, [(a, 0) for a in arms], tmp_path / "sft", jobs=2, poll_s=0.05)
+    span = {a.name: [float((tmp_path / "runs" / a.name / "seed0" / f).read_text()) for f in ("start", "end")]
+            for a in arms}
+    first, second, third = (span[a.name] for a in arms)
+    assert second[0] < first[1] and first[0] < second[1]  # the first two ran at the same time
+    assert third[0] >= min(first[1], second[1])  # the third started only when one of them had ended
+    assert all((tmp_path / "runs" / a.name / "seed0" / "DONE").exists() for a in arms)
+
+
+def test_jobs_a_failed_run_stops_the_others_and_leaves_no_done(tmp_path, monkeypatch):
+    started = _fake_runs(monkeypatch, lambda out: "import sys; print('boom'); sys.exit(3)" if out.parts[-2] == LADDER[1].name
+                         else "import time; time.sleep(60)")
+    arms = LADDER[:3]
+    sweep = run.Sweep(out=tmp_path, steps=3, seeds=[0], arms=arms, eval_every=1, eval_prompts=4)
+    t0 = __import__("time").perf_counter()
+    with pytest.raises(SystemExit, match=r"failed \(exit 3\)[\s\S]*boom"):
+        run.run_arms_parallel(sweep, [(a, 0) for a in arms], tmp_path / "sft", jobs=2, poll_s=0.05)
+    assert __import__("time").perf_counter() - t0 < 30  # the 60-s sibling was killed, not waited for
+    assert len(started) == 2 and not any((d / "DONE").exists() for d in started)

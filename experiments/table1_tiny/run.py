@@ -204,16 +204,30 @@ def write_task_data(data: Path, task: Task = CHAIN) -> None:
     write_rows(data / "eval.jsonl", held_out)
 
 
-def _qarl_train(sweep: Sweep, args: list[str], log: Path) -> float:
-    cmd = [sys.executable, "-m", "megatron_qarl.cli", *args]
-    start = time.perf_counter()
+def _start_qarl_train(sweep: Sweep, args: list[str], log: Path) -> subprocess.Popen:
+    """qarl-train in a child process writing to `log`; it dies with this script, however the script ends
+    (Ctrl-C, kill -9, a sibling run's failure)."""
     parent = os.getpid()
-    with open(log, "w") as out:  # the run ends with this script, however it ends (Ctrl-C, kill -9)
-        code = subprocess.run(cmd, cwd=REPO, env=sweep.env, stdout=out, stderr=subprocess.STDOUT,
-                              preexec_fn=lambda: die_with_parent(parent)).returncode
-    if code:
-        raise SystemExit(f"table1: `{' '.join(cmd)}` failed (exit {code}); its log: {log}\n"
-                         + log.read_text()[-2000:])
+    with open(log, "w") as out:  # the child holds its own descriptor
+        return subprocess.Popen([sys.executable, "-m", "megatron_qarl.cli", *args], cwd=REPO, env=sweep.env,
+                                stdout=out, stderr=subprocess.STDOUT, preexec_fn=lambda: die_with_parent(parent))
+
+
+def _failed(proc: subprocess.Popen, log: Path) -> SystemExit:
+    return SystemExit(f"table1: `{' '.join(map(str, proc.args))}` failed (exit {proc.returncode}); its log: {log}\n"
+                      + log.read_text()[-2000:])
+
+
+def _qarl_train(sweep: Sweep, args: list[str], log: Path) -> float:
+    start = time.perf_counter()
+    proc = _start_qarl_train(sweep, args, log)
+    try:
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if proc.returncode:
+        raise _failed(proc, log)
     return time.perf_counter() - start
 
 
@@ -270,7 +284,9 @@ def _recorded_steps(run: Path) -> int | None:
     return OmegaConf.select(OmegaConf.load(path), "train.steps")
 
 
-def run_arm(sweep: Sweep, arm: Arm, seed: int, init: Path) -> None:
+def claim_run(sweep: Sweep, arm: Arm, seed: int, init: Path) -> tuple[Path, list[str]] | None:
+    """The run dir and qarl-train arguments of a run still to make (an interrupted one is cleared to start
+    again), or None when it finished before with the same arguments (refused with other ones)."""
     out = run_dir(sweep.out, arm.name, seed)
     args = sweep.run_args(arm, seed, init, out)
     recorded = out / "overrides.txt"
@@ -282,15 +298,55 @@ def run_arm(sweep: Sweep, arm: Arm, seed: int, init: Path) -> None:
             raise SystemExit(f"table1: {out} finished with train.steps={_recorded_steps(out)} (its config.yaml), this "
                              f"sweep asks for {sweep.steps}; pass --steps {_recorded_steps(out)} or use another --out")
         print(f"[table1] {arm.name} seed {seed}: done before, kept", flush=True)
-        return
+        return None
     if out.exists():  # an interrupted run: start it again from scratch
         shutil.rmtree(out)
     out.mkdir(parents=True)
     recorded.write_text("\n".join(args) + "\n")
-    seconds = _qarl_train(sweep, args, out / "train.log")
+    return out, args
+
+
+def finish_run(out: Path, seconds: float) -> None:
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the report needs the metrics, not the weights
     (out / "DONE").write_text(f"{seconds:.1f}\n")
+
+
+def run_arm(sweep: Sweep, arm: Arm, seed: int, init: Path) -> None:
+    claimed = claim_run(sweep, arm, seed, init)
+    if claimed is None:
+        return
+    out, args = claimed
+    seconds = _qarl_train(sweep, args, out / "train.log")
+    finish_run(out, seconds)
     print(f"[table1] {arm.name} seed {seed}: {seconds:.0f} s", flush=True)
+
+
+def run_arms_parallel(sweep: Sweep, runs: list[tuple[Arm, int]], init: Path, jobs: int, poll_s: float = 1.0) -> None:
+    """`runs` (arm, seed) in their order, `jobs` qarl-train processes at a time (each single-threaded:
+    OMP_NUM_THREADS=1, so jobs = cores fills the machine). The first failure stops the others and ends the
+    sweep; a stopped run is cleared and made again next time."""
+    queue, running = list(runs), []  # running: (process, arm, seed, out, start)
+    try:
+        while queue or running:
+            while queue and len(running) < jobs:
+                arm, seed = queue.pop(0)
+                claimed = claim_run(sweep, arm, seed, init)
+                if claimed is not None:
+                    out, args = claimed
+                    running.append((_start_qarl_train(sweep, args, out / "train.log"), arm, seed, out,
+                                    time.perf_counter()))
+            time.sleep(poll_s if running else 0)
+            for item in [r for r in running if r[0].poll() is not None]:
+                proc, arm, seed, out, start = item
+                running.remove(item)
+                if proc.returncode:
+                    raise _failed(proc, out / "train.log")
+                finish_run(out, time.perf_counter() - start)
+                print(f"[table1] {arm.name} seed {seed}: {time.perf_counter() - start:.0f} s", flush=True)
+    finally:
+        for proc, *_ in running:
+            proc.kill()
+            proc.wait()
 
 
 def select_arms(regimes: list[str], quick: bool) -> list[Arm]:
@@ -365,7 +421,7 @@ def report_phase(phase: str, sweep: Sweep, docs: Path | None) -> str:
     return write_report(sweep.out, [section], sweep.seeds, docs=docs, home=sweep.task_dir, name=name)
 
 
-def run_phase(phase: str, sweep: Sweep) -> None:
+def run_phase(phase: str, sweep: Sweep, jobs: int = 1) -> None:
     start = time.perf_counter()
     write_task_data(sweep.data, sweep.task)
     init = warm_start(sweep)
@@ -376,9 +432,13 @@ def run_phase(phase: str, sweep: Sweep) -> None:
             print(f"[table1] {arm.name}: not run on this machine: {blocker}", flush=True)
         else:
             runnable.append(arm)
-    for seed in sweep.seeds:  # seed-major: a cut-short sweep still has every arm at its first seeds
-        for arm in runnable:
+    # seed-major: a cut-short sweep still has every arm at its first seeds
+    runs = [(arm, seed) for seed in sweep.seeds for arm in runnable]
+    if jobs == 1:
+        for arm, seed in runs:
             run_arm(sweep, arm, seed, init)
+    else:
+        run_arms_parallel(sweep, runs, init, jobs)
     print(f"[table1] phase {phase}: {(time.perf_counter() - start) / 60:.1f} min", flush=True)
 
 
@@ -416,6 +476,10 @@ def main() -> None:
                         help="ladder: the rungs (default: all; --quick: the first)")
     parser.add_argument("--init", default=None,
                         help="an SFT checkpoint of the task (default: train one per task); only with one task")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="qarl-train runs at a time (each single-threaded; default 1). 2 on a 2-core machine "
+                             "about halves a phase's wall time; the step times the reports print then include "
+                             "the sharing")
     parser.add_argument("--report-only", action="store_true", help="rebuild the reports from finished runs")
     parser.add_argument("--docs", action="store_true",
                         help="also write the reports to docs/ (table1: docs/results.md; others docs/results_<phase>.md) "
@@ -428,6 +492,8 @@ def main() -> None:
     for mb in [args.mini_batches, *args.calib_mini_batches]:
         if mb < 1 or phases.PROMPTS_PER_STEP % mb:
             parser.error(f"mini-batches must divide {phases.PROMPTS_PER_STEP}, got {mb}")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     selected = args.phase or (["calibrate", "ladder"] if args.quick else ["table1"])
     if args.init and len({args.task or PHASE_TASK[p] for p in selected}) > 1:
         parser.error("--init is one task's warm start; these phases run on two tasks")
@@ -439,7 +505,7 @@ def main() -> None:
         return
     for phase, sweep in sweeps:
         if not args.report_only:
-            run_phase(phase, sweep)
+            run_phase(phase, sweep, args.jobs)
         print(report_phase(phase, sweep, REPO / "docs" if args.docs else None), flush=True)
 
 
