@@ -203,15 +203,62 @@ def test_ladder_report_numbers_are_the_hand_computed_ones(tmp_path):
             _write(tmp_path, arm, seed, [{"mismatch/k3": k3}], [0.3, final])
     text = report.write_ladder_report(tmp_path, arms, [0, 1])
     # unaligned k3: mean of 1e-4 and 3e-4; aligned: of 1e-5 and 3e-5; ratio 2e-5 / 2e-4
-    assert _row(text, "| W4 g128") == ["W4 g128", "2.00e-04", "2.00e-05", "1.00e-01", "0.700 ± 0.000", "0.600 ± 0.000",
-                                       "0.750 ± 0.000", "0.750 ± 0.071"]
+    assert _row(text, "| W4 g128") == ["W4 g128", "2.00e-04", "2.00e-05", "1.00e-01", "0.700 ± 0.000 (n=2)",
+                                       "0.600 ± 0.000 (n=2)", "0.750 ± 0.000 (n=2)", "0.750 ± 0.071 (n=2)", "-"]
     assert _row(text, "| W2 g128")[:4] == ["W2 g128", "2.00e-02", "3.00e-05", "1.50e-03"]
-    assert "BF16 GRPO+TIS control (no quantization): final pass@1 0.800 ± 0.000." in text
+    assert "BF16 GRPO+TIS control (no quantization): final pass@1 0.800 ± 0.000 (n=2)." in text
+    assert "not a claim (fewer than 3 seeds)" in text and "**Outcome (b), a null**" in text  # 2 seeds claim nothing
     assert "- quantized rollout, BF16 learner, GRPO (no TIS): final pass@1 0.600 at W4 g128 -> 0.200 at W2 g128 (-0.400)." in text
     assert "- QaRL + TBPO: final pass@1 0.750 at W4 g128 -> 0.700 at W2 g128 (-0.050)." in text
     assert (tmp_path / "report" / "ladder_pass1_vs_k3.png").stat().st_size > 0
     rows = report.ladder_rows(report._arm_summaries(tmp_path, arms, [0, 1])[0], arms)
     assert [r["rung"] for r in rows] == ["w4g128", "w2g128"] and math.isclose(rows[1]["k3_aligned"][0], 3e-5)
+
+
+def _ladder_runs(tmp_path, finals: dict, masked: float = 0.2):
+    arms = phases.ladder_arms([phases.RUNGS[3]], 1e-4, 4, 1.0)
+    for arm in arms:
+        for seed, final in enumerate(finals[arm.role]):
+            step = {"mismatch/k3": 1e-3, **({"tbpo/masked_frac": masked} if arm.role == "qarl_tbpo" else {})}
+            _write(tmp_path, arm.name, seed, [step], [0.3, final])
+    return report.write_ladder_report(tmp_path, arms, [0, 1, 2])
+
+
+def test_ladder_outcome_a_is_a_rung_where_the_rollout_hurts_by_2_std_and_alignment_closes_half(tmp_path):
+    text = _ladder_runs(tmp_path, {
+        "bf16_grpo_tis": [0.80, 0.82, 0.78],  # mean 0.80, std 0.02
+        "rollout_grpo_tis": [0.60, 0.62, 0.58],  # gap 0.20 > 2 x 0.02: hurts
+        "rollout_grpo": [0.79, 0.81, 0.77],  # gap 0.01 < 0.04: does not hurt
+        "qarl_grpo": [0.75, 0.77, 0.73],  # closes (0.75 - 0.60) / 0.20 = 75%
+        "qarl_tbpo": [0.65, 0.67, 0.63],  # closes 25%
+    })
+    assert _row(text, "| W2 g128")[-1] == "0.200"
+    assert ("- W2 g128, quantized rollout, BF16 learner, GRPO+TIS: BF16 minus it +0.200 (2 seed std = 0.040): "
+            "**hurts**") in text
+    assert "  - QaRL + GRPO closes 75% of that gap (at least 50%)" in text
+    assert "  - QaRL + TBPO closes 25% of that gap (less than 50%)" in text
+    assert "GRPO (no TIS): BF16 minus it +0.010 (2 seed std = 0.040): does not hurt" in text
+    assert ("- **Outcome (a)**: W2 g128: quantized rollout, BF16 learner, GRPO+TIS 0.200 below BF16 (> 0.040), "
+            "QaRL + GRPO closes 75%.") in text
+    # aligned arms still below BF16 by more than 2 std are named beside the outcome: GRPO 0.05, TBPO 0.15 > 0.04
+    assert ("- Aligned arms below BF16 by more than 2 seed std: W2 g128: QaRL + GRPO 0.050 below BF16 (> 2 seed std "
+            "0.040); W2 g128: QaRL + TBPO 0.150 below BF16 (> 2 seed std 0.040).") in text
+    # the robustness line: each run's evaluations are [0.3, final], so its last-three mean is (0.3 + final) / 2:
+    # every gap halves (TIS: 0.100 > 2 x 0.010) and QaRL + GRPO still closes 75%
+    assert ("on the mean of each run's last three evaluations (less evaluation noise): **Outcome (a)**: W2 g128: "
+            "quantized rollout, BF16 learner, GRPO+TIS 0.100 below BF16 (> 0.020), QaRL + GRPO closes 75%.") in text
+
+
+def test_ladder_outcome_b_is_a_null_that_names_where_aligned_training_fails(tmp_path):
+    text = _ladder_runs(tmp_path, {
+        "bf16_grpo_tis": [0.80, 0.82, 0.78], "rollout_grpo_tis": [0.78, 0.80, 0.76],  # gap 0.02 < 0.04
+        "rollout_grpo": [0.79, 0.81, 0.77], "qarl_grpo": [0.79, 0.81, 0.77],
+        "qarl_tbpo": [0.70, 0.72, 0.68],  # 0.10 below BF16 > 0.04: aligned training fails here
+    })
+    assert "Outcome (a)" not in text
+    assert ("- **Outcome (b), a null**: no rung has a quantized-rollout arm below BF16 by more than 2 seed std with "
+            "an aligned arm closing half of it. Aligned training below BF16 by more than 2 seed std: W2 g128: "
+            "QaRL + TBPO 0.100 below BF16 (> 2 seed std 0.040).") in text
 
 
 def test_long_report_states_the_task_lengths_and_the_response_lengths(tmp_path):

@@ -106,6 +106,8 @@ def summarize_run(rows: list[dict]) -> dict:
         "pass1_start": evals[0]["eval/pass@1"] if evals else math.nan,
         "pass1_final": evals[-1]["eval/pass@1"] if evals else math.nan,
         "pass1_best": max((r["eval/pass@1"] for r in evals), default=math.nan),
+        # the end of training with less evaluation noise: the mean of the last three evaluations
+        "pass1_last3": statistics.fmean(r["eval/pass@1"] for r in evals[-3:]) if evals else math.nan,
         "reward_area": _mean(train, "reward/mean"),
         "k3": _median(train, "mismatch/k3"),  # a few steps' routing flips would dominate a mean
         "masked": _mean(train, "tbpo/masked_frac"),
@@ -459,22 +461,98 @@ def write_calibration_report(out: Path, arms, seeds: list[int], home: Path | Non
     return _write(out, docs, name, lines)
 
 
-def ladder_rows(summaries: dict, arms) -> list[dict]:
+def ladder_rows(summaries: dict, arms, key: str = "pass1_final") -> list[dict]:
     """Per rung (in the arms' order): its label, the unaligned and aligned k3 (the mean over the rung's
-    unaligned / aligned runs of each run's median-step k3) and {role: (mean, std) final pass@1}."""
+    unaligned / aligned runs of each run's median-step k3), {role: (mean, std)} and {role: per-seed values}
+    of `key` (final pass@1), its aligned / unaligned roles and TBPO's masked fraction."""
     rungs: dict = {}
     for arm in arms:
         if "rung" not in arm.param or arm.name not in summaries:
             continue
         rung = rungs.setdefault(arm.param["rung"], {"rung": arm.param["rung"], "label": arm.param["rung_label"],
-                                                    "unaligned": [], "aligned": [], "pass1": {}})
+                                                    "unaligned": [], "aligned": [], "pass1": {},
+                                                    "finals": {}, "aligned_roles": [], "unaligned_roles": []})
         runs = summaries[arm.name]
         rung["aligned" if arm.param["aligned"] else "unaligned"] += [r["k3"] for r in runs]
-        rung["pass1"][arm.role] = mean_std([r["pass1_final"] for r in runs])
+        rung["pass1"][arm.role] = mean_std([r[key] for r in runs])
+        rung["finals"][arm.role] = [r[key] for r in runs]
+        rung["aligned_roles" if arm.param["aligned"] else "unaligned_roles"].append(arm.role)
+        if arm.role.endswith("_tbpo"):
+            rung["masked"] = mean_std([r["masked"] for r in runs])
     for rung in rungs.values():
         rung["k3_unaligned"] = mean_std(rung.pop("unaligned"))
         rung["k3_aligned"] = mean_std(rung.pop("aligned"))
     return list(rungs.values())
+
+
+SEEDS_FOR_A_CLAIM = 3  # the issue's bar: a claim needs >= 3 seeds per arm
+HURT_STDS = 2.0  # "quantized rollouts hurt": below BF16 by more than this many seed stds
+CLOSED_FRACTION = 0.5  # "alignment recovers": the aligned arm closes at least this fraction of that gap
+
+
+def _spread(*values: list[float]) -> float:
+    """The larger sample std of the arms compared (conservative: the noisier arm sets the bar)."""
+    return max(mean_std(v)[1] for v in values)
+
+
+def rung_outcome(label: str, control: list[float], finals: dict, labels: dict, unaligned: list[str],
+                 aligned: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """One rung's test of the issue's two outcomes on final pass@1 (`finals`: role -> per-seed values):
+    (lines, the claims of outcome (a) it supports, the aligned arms that fail against BF16 there).
+    An unaligned arm hurts when BF16 minus it exceeds HURT_STDS x the larger seed std of the two; an aligned
+    arm then recovers when it closes >= CLOSED_FRACTION of that gap. Arms with fewer than SEEDS_FOR_A_CLAIM
+    seeds are described but claim nothing."""
+    lines, supports, fails = [], [], []
+    enough = lambda v: len([x for x in v if not math.isnan(x)]) >= SEEDS_FOR_A_CLAIM  # noqa: E731
+    c = mean_std(control)[0]
+    for role in unaligned:
+        u = finals.get(role)
+        if u is None:
+            continue
+        gap, sd = c - mean_std(u)[0], _spread(control, u)
+        claim = enough(control) and enough(u)
+        hurts = claim and gap > HURT_STDS * sd
+        bar = f"{HURT_STDS:g} seed std = {HURT_STDS * sd:.3f}" if not math.isnan(sd) else "one seed: no spread"
+        lines.append(f"- {label}, {labels[role]}: BF16 minus it {gap:+.3f} ({bar}): "
+                     + ("**hurts**" if hurts else "not a claim (fewer than 3 seeds)" if not claim else "does not hurt"))
+        for a in aligned:
+            if hurts and a in finals:
+                closed = (mean_std(finals[a])[0] - mean_std(u)[0]) / gap
+                ok = enough(finals[a]) and closed >= CLOSED_FRACTION
+                lines.append(f"  - {labels[a]} closes {closed:.0%} of that gap "
+                             f"({'at least' if ok else 'less than'} {CLOSED_FRACTION:.0%})")
+                if ok:
+                    supports.append(f"{label}: {labels[role]} {gap:.3f} below BF16 (> {HURT_STDS * sd:.3f}), "
+                                    f"{labels[a]} closes {closed:.0%}")
+    for a in aligned:
+        if a in finals and enough(finals[a]) and enough(control):
+            gap, sd = c - mean_std(finals[a])[0], _spread(control, finals[a])
+            if gap > HURT_STDS * sd:
+                fails.append(f"{label}: {labels[a]} {gap:.3f} below BF16 (> {HURT_STDS:g} seed std {HURT_STDS * sd:.3f})")
+    return lines, supports, fails
+
+
+def ladder_outcome(rows: list[dict], control: list[float] | None, labels: dict) -> list[str]:
+    """The issue's decision over the rungs: (a) a rung where a quantized-rollout arm is below BF16 by more than
+    2 seed std and an aligned arm closes at least half of that gap, else (b) a null, naming the rungs where
+    even aligned training is below BF16 by more than 2 seed std."""
+    if not control:
+        return ["- No BF16 control finished: no outcome."]
+    lines, supports, fails = [], [], []
+    for r in rows:
+        more, s, f = rung_outcome(r["label"], control, r["finals"], labels, r["unaligned_roles"], r["aligned_roles"])
+        lines += more
+        supports += s
+        fails += f
+    if supports:
+        lines.append("- **Outcome (a)**: " + "; ".join(supports) + ".")
+    else:
+        lines.append("- **Outcome (b), a null**: no rung has a quantized-rollout arm below BF16 by more than "
+                     f"{HURT_STDS:g} seed std with an aligned arm closing half of it. Aligned training below BF16 by "
+                     f"more than {HURT_STDS:g} seed std: " + ("; ".join(fails) if fails else "at no rung") + ".")
+    if supports and fails:
+        lines.append("- Aligned arms below BF16 by more than 2 seed std: " + "; ".join(fails) + ".")
+    return lines
 
 
 def _ladder_plot(rows: list[dict], roles: dict, control, path: Path) -> None:
@@ -525,25 +603,31 @@ def write_ladder_report(out: Path, arms, seeds: list[int], home: Path | None = N
     roles = {a.role: a.param["arm_label"] for a in arms if "rung" in a.param}
     control_arm = next((a for a in arms if "rung" not in a.param and a.name in summaries), None)
     control = mean_std([r["pass1_final"] for r in summaries[control_arm.name]]) if control_arm else None
+    control_values = [r["pass1_final"] for r in summaries[control_arm.name]] if control_arm else None
+    labels = {role: label for role, label in roles.items()}
     lines = _header("Harsher-sampler ladder at CPU scale", home, seeds)
     lines += ["", f"Trained at: {training_settings(arms, summaries)}."]
     lines += ["", "Every rung quantizes the same master (the shared warm start). k3: each run's median over steps "
                   "of mismatch/k3 (sampler vs the learner's old log-probs), averaged over the rung's unaligned "
-                  "(BF16 learner) or aligned (QaRL) runs. Final pass@1: mean ± sample std over seeds.", "",
-              "| rung | unaligned k3 | aligned k3 | aligned / unaligned | " + " | ".join(roles.values()) + " |",
-              "|---|---|---|---|" + "---|" * len(roles)]
+                  "(BF16 learner) or aligned (QaRL) runs. Final pass@1: mean ± sample std over seeds (n = seeds "
+                  "finished). TBPO masked: tbpo/masked_frac, mean over steps and seeds.", "",
+              "| rung | unaligned k3 | aligned k3 | aligned / unaligned | " + " | ".join(roles.values())
+              + " | TBPO masked |", "|---|---|---|---|" + "---|" * len(roles) + "---|"]
     for r in rows:
         (ku, _), (ka, _) = r["k3_unaligned"], r["k3_aligned"]
         ratio = "-" if math.isnan(ku) or math.isnan(ka) or ku <= 0 else f"{ka / ku:.2e}"
         cells = [("-" if math.isnan(r["pass1"][role][0]) else f"{r['pass1'][role][0]:.3f}"
-                  + ("" if math.isnan(r["pass1"][role][1]) else f" ± {r['pass1'][role][1]:.3f}"))
+                  + ("" if math.isnan(r["pass1"][role][1]) else f" ± {r['pass1'][role][1]:.3f}")
+                  + f" (n={len(r['finals'][role])})")
                  if role in r["pass1"] else "-" for role in roles]
+        masked = r.get("masked", (math.nan, math.nan))[0]
         lines.append(f"| {r['label']} | {'-' if math.isnan(ku) else f'{ku:.2e}'} | "
-                     f"{'-' if math.isnan(ka) else f'{ka:.2e}'} | {ratio} | " + " | ".join(cells) + " |")
+                     f"{'-' if math.isnan(ka) else f'{ka:.2e}'} | {ratio} | " + " | ".join(cells)
+                     + f" | {'-' if math.isnan(masked) else f'{masked:.3f}'} |")
     lines += ["", "Computed:", ""]
     if control is not None:
         lines.append(f"- BF16 GRPO+TIS control (no quantization): final pass@1 {control[0]:.3f}"
-                     + ("" if math.isnan(control[1]) else f" ± {control[1]:.3f}") + ".")
+                     + ("" if math.isnan(control[1]) else f" ± {control[1]:.3f}") + f" (n={len(control_values)}).")
     if len(rows) > 1:
         first, last = rows[0], rows[-1]
         for role, label in roles.items():
@@ -551,6 +635,13 @@ def write_ladder_report(out: Path, arms, seeds: list[int], home: Path | None = N
                 lines.append(f"- {label}: final pass@1 {first['pass1'][role][0]:.3f} at {first['label']} -> "
                              f"{last['pass1'][role][0]:.3f} at {last['label']} "
                              f"({last['pass1'][role][0] - first['pass1'][role][0]:+.3f}).")
+    lines += ["", f"The decision (issue 33), on final pass@1; a claim needs >= {SEEDS_FOR_A_CLAIM} seeds per arm:", ""]
+    lines += ladder_outcome(rows, control_values, labels)
+    late = ladder_rows(summaries, arms, key="pass1_last3")
+    late_control = [r["pass1_last3"] for r in summaries[control_arm.name]] if control_arm else None
+    verdict = next(li for li in ladder_outcome(late, late_control, labels) if "Outcome" in li or "no outcome" in li)
+    lines += ["", "The same decision on the mean of each run's last three evaluations (less evaluation noise): "
+              + verdict.removeprefix("- ")]
     if missing:
         lines += ["", f"Not run (yet): {', '.join(missing)}."]
     if rows:
