@@ -74,6 +74,20 @@ def test_what_peers_hit_is_each_named_in_one_line(cfg):
     assert "no registered scheme reads" in quantization_mismatch(W4A16, {"quant_method": "awq"}, names, naming=QWEN3)
 
 
+def test_a_nested_learner_is_served_by_its_plain_widths_checkpoint(cfg):
+    """w2a16_nested writes the plain 2-bit pack-quantized format: an engine serving w2a16 serves it; one serving
+    w3a16 or w4a16 does not."""
+    names = engine_linear_names(cfg)
+    nested = QuantConfig(scheme="w2a16_nested", group_size=128)
+    plain = {bits: quantization_config_for(QuantConfig(scheme=f"w{bits}a16", group_size=128), naming=QWEN3)
+             for bits in (2, 3)}
+    assert quantization_config_for(nested, naming=QWEN3) == plain[2]
+    assert quantization_mismatch(nested, plain[2], names, naming=QWEN3) is None
+    assert "serves quant.scheme=w3a16, the learner quantizes quant.scheme=w2a16_nested" in \
+        quantization_mismatch(nested, plain[3], names, naming=QWEN3)
+    assert "serves quant.scheme=w4a16" in quantization_mismatch(nested, served(), names, naming=QWEN3)
+
+
 # ------------------------------------------------------------------------------------------ engines, at start
 
 def export(cfg, tmp_path, quant_cfg, name="engine"):

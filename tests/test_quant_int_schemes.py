@@ -156,7 +156,52 @@ def test_the_parametric_quantizer_at_4_bits_is_int4(group):
     assert torch.equal(pack_int_groupwise(q4.codes, 4), pack_int4_groupwise(q4.codes))
 
 
-@pytest.mark.parametrize("name", ["w3a16", "w2a16"])
+# ------------------------------------------------------------------------------------------ nested grids
+
+@pytest.mark.parametrize("bits,group", [(3, 32), (3, 128), (2, 32), (2, 128)])
+def test_nested_codes_are_the_librarys_int4_codes_on_a_sub_grid(bits, group):
+    """w{3,2}a16_nested: the library's int4 quantization of the master (codes and bf16 scales), each code
+    divided by 2^(4 - bits) and rounded half to even in float64 (Python's round is half-to-even), clamped to
+    the width's range, the scale times 2^(4 - bits); so every dequantized weight is what the library's W4A16
+    decompression makes of the int4 code (code x 2^(4 - bits)) with the int4 scale (a point of the int4 grid, as
+    bf16 rounds it), and the export is a plain pack-quantized checkpoint the library decompresses."""
+    w = random_weight((16, 256), seed=bits * 100 + group)
+    w[0, :group] = 0.0  # a zero group (scale eps)
+    w[1, :3] = torch.tensor([1.0, -1.0, 0.5])  # the extremes of the first group
+    ref4 = library_int(w, 4, group)
+    step = 2 ** (4 - bits)
+    qmin, qmax = int_code_range(bits)
+    want_codes = torch.tensor([[min(max(round(c / step), qmin), qmax) for c in row] for row in ref4["codes"].tolist()],
+                              dtype=torch.int8)
+    want_scales = ref4["weight_scale"].to(torch.float64) * step
+    scheme = scheme_named(f"w{bits}a16_nested")
+    q, dequantized = scheme.quantize_dequantize(w, QuantConfig(scheme=scheme.name, group_size=group))
+    assert torch.equal(q.codes, want_codes) and torch.equal(q.scales.to(torch.float64), want_scales)
+    assert ((q.codes.to(torch.int16) * step >= -8) & (q.codes.to(torch.int16) * step <= 7)).all()
+    as_int4 = {"weight_packed": pack_to_int32(q.codes * step, 4), "weight_scale": ref4["weight_scale"],
+               "weight_shape": torch.tensor(list(w.shape))}
+    assert torch.equal(bits_of(library_decompress(as_int4, 4, group)), bits_of(dequantized))
+    parts = scheme.linear_parts(q)  # the engine format: the library's own pack-quantized of this width
+    assert torch.equal(parts["weight_packed"], pack_to_int32(q.codes, bits))
+    library = library_decompress({**parts, "weight_shape": torch.tensor(list(w.shape))}, bits, group)
+    assert torch.equal(bits_of(library), bits_of(dequantized))
+    direct = scheme_named(f"w{bits}a16").quantize(w, QuantConfig(scheme=f"w{bits}a16", group_size=group))
+    assert not torch.equal(direct.scales, q.scales)  # a different quantizer than the direct one
+
+
+def test_one_int4_cache_entry_serves_every_nested_width():
+    """The W4A16 scheme's cached codes of a master give the nested W3 and W2 weights without quantizing again."""
+    from megatron_qarl.quant.schemes.int_wna16 import nest_int_codes
+
+    w = random_weight((8, 256), seed=3)
+    q4 = scheme_named("w4a16").quantize(w, QuantConfig(scheme="w4a16", group_size=128))
+    for bits in (3, 2):
+        nested = scheme_named(f"w{bits}a16_nested").quantize(w, QuantConfig(scheme=f"w{bits}a16_nested", group_size=128))
+        codes, scales = nest_int_codes(q4.codes, q4.scales, bits)
+        assert torch.equal(codes, nested.codes) and torch.equal(bits_of(scales), bits_of(nested.scales))
+
+
+@pytest.mark.parametrize("name", ["w3a16", "w2a16", "w3a16_nested", "w2a16_nested"])
 def test_incremental_requantization_is_a_fresh_quantization(name):
     scheme = scheme_named(name)
     cfg = QuantConfig(scheme=name, group_size=32)
@@ -282,35 +327,40 @@ def mcore_hf_state(model, cfg) -> dict:
     return mcore_to_hf(cfg, gather_full_state(model))
 
 
-@pytest.mark.parametrize("mode", ["full", "delta"])
-def test_publish_to_the_embedded_engine_holds_the_librarys_weights(cfg, mode):
+W2_NESTED = QuantConfig(scheme="w2a16_nested", scope="experts+attention", group_size=128)
+
+
+@pytest.mark.parametrize("quant,bits,mode", [(W3, 3, "full"), (W3, 3, "delta"), (W2_NESTED, 2, "delta")],
+                         ids=["w3a16-full", "w3a16-delta", "w2a16_nested-delta"])
+def test_publish_to_the_embedded_engine_holds_the_librarys_weights(cfg, quant, bits, mode):
     """The publisher (the aligned cache's codes) to an embedded engine serving W3A16 (as the trainer builds
     it: rollout.engine's config_from_run passes the run's quantization_config): it holds the offline
     conversion's tensors and samples with exactly the library-decompressed weights, after optimizer steps too
-    (delta mode: code deltas on the packed words)."""
+    (delta mode: code deltas on the packed words). The nested W2 learner's engine serves the plain 2-bit format
+    (the one its checkpoint is) and holds what the library decompresses of the nested codes."""
     from megatron_qarl.quant.engine_layout import quantization_config_for
     from megatron_qarl.rollout.embedded import EmbeddedEngine
     from megatron_qarl.weights.publish import WeightPublisher, plan_publish
 
     model = build_model(ParallelLayout(), cfg)
-    aligned = apply_aligned_quantization(model, W3)
+    aligned = apply_aligned_quantization(model, quant)
     engine = EmbeddedEngine.from_hf_config(cfg, dtype="float32",
-                                           quantization_config=quantization_config_for(W3, naming=QWEN3))
-    publisher = WeightPublisher(model, cfg, W3, quant=aligned, engine=engine, mode=mode, verify=True)
+                                           quantization_config=quantization_config_for(quant, naming=QWEN3))
+    publisher = WeightPublisher(model, cfg, quant, quant=aligned, engine=engine, mode=mode, verify=True)
     metrics = publisher.publish()
-    want = offline_engine_tensors(model, cfg, W3)
-    assert metrics["publish/bytes"] == plan_publish(cfg, W3)["bytes"] == sum(t.nbytes for t in want.values())
+    want = offline_engine_tensors(model, cfg, quant)
+    assert metrics["publish/bytes"] == plan_publish(cfg, quant)["bytes"] == sum(t.nbytes for t in want.values())
     for _ in range(2 if mode == "delta" else 0):
         train_steps(model, aligned, steps=1, lr=0.05)
         metrics = publisher.publish()
         assert metrics["publish/full"] == 0.0 and metrics["publish/delta_tensors"] > 0
         assert 0 < metrics["publish/code_flip_frac"] < 1
-    want = offline_engine_tensors(model, cfg, W3)
+    want = offline_engine_tensors(model, cfg, quant)
     assert mismatches({n: engine._held[n] for n in want}, want) == []
     held = engine.hf_state()
     n_quantized = 0
-    for name, w in library_engine_state(mcore_hf_state(model, cfg), W3, 3).items():
-        if W3.quantizes(name, QWEN3):
+    for name, w in library_engine_state(mcore_hf_state(model, cfg), quant, bits).items():
+        if quant.quantizes(name, QWEN3):
             assert torch.equal(held[name], w), name
             n_quantized += 1
     assert n_quantized == 2 * (8 * 3 + 4)

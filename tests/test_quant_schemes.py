@@ -107,6 +107,10 @@ def test_every_scheme_answers_the_whole_protocol(name):
     engine_view = {k.rsplit(".", 1)[1]: v for k, v in named.items()}
     assert torch.equal(scheme.dequantize_parts("x.weight", engine_view, dequantized.dtype), dequantized)
     qc = scheme.quantization_config(cfg, ["lm_head"])
+    if scheme.checkpoint_scheme is not None:  # a variant: its checkpoint is the other scheme's, unmarked
+        assert scheme.config_fields(qc) is None and qc == REGISTRY[scheme.checkpoint_scheme].quantization_config(cfg, ["lm_head"])
+        name = scheme.checkpoint_scheme
+        scheme = REGISTRY[name]
     fields = scheme.config_fields(qc)
     assert fields["scheme"] == name and fields[scheme.unit_field] == scheme.unit(cfg)
     assert all(other.config_fields(qc) is None for other in REGISTRY.values() if other is not scheme)

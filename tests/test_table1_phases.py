@@ -338,3 +338,19 @@ def test_jobs_a_failed_run_stops_the_others_and_leaves_no_done(tmp_path, monkeyp
         run.run_arms_parallel(sweep, [(a, 0) for a in arms], tmp_path / "sft", jobs=2, poll_s=0.05)
     assert __import__("time").perf_counter() - t0 < 30  # the 60-s sibling was killed, not waited for
     assert len(started) == 2 and not any((d / "DONE").exists() for d in started)
+
+
+def test_nested_rungs_are_compared_with_their_plain_twin(tmp_path):
+    plain, nested = phases.RUNGS[3], next(r for r in phases.RUNGS if r.twin == "w2g128")
+    arms = phases.ladder_arms([plain, nested], 1e-4, 4, 1.0, control=False)
+    values = {"w2g128_rollout_grpo_tis": (2e-2, [0.50, 0.54]), "w2g128n_rollout_grpo_tis": (1e-2, [0.60, 0.62]),
+              "w2g128_qarl_grpo": (1e-5, [0.70, 0.70]), "w2g128n_qarl_grpo": (1e-5, [0.69, 0.71])}
+    for arm, (k3, finals) in values.items():
+        for seed, final in enumerate(finals):
+            _write(tmp_path, arm, seed, [{"mismatch/k3": k3}], [0.3, final])
+    text = report.write_ladder_report(tmp_path, arms, [0, 1])
+    # nested 0.61 - plain 0.52 = +0.09; stds 0.0141 (nested) and 0.0283 (plain)
+    assert "- W2 g128 nested against W2 g128: unaligned k3 1.00e-02 against 2.00e-02 (x0.50)." in text
+    assert ("  - quantized rollout, BF16 learner, GRPO+TIS: final pass@1 nested minus plain +0.090 (larger seed std "
+            "0.028, n=2)") in text
+    assert "  - QaRL + GRPO: final pass@1 nested minus plain +0.000 (larger seed std 0.014, n=2)" in text

@@ -6,7 +6,7 @@
   QaRL+GSPO (the target: GSPO's clipped-sequence fraction and TBPO's masked fraction in ~10-20%), then
   QaRL+TBPO against its band width (x1, x3, x10 of LossConfig's default band) at the chosen lr/mini-batches.
 - `ladder`: a harsher-sampler ladder, every rung quantizing the same master (the shared warm start): W4 g128,
-  W4 g32, W3 g128, W2 g128; per rung the quantized rollout with a BF16 learner (GRPO+TIS and GRPO without
+  W4 g32, W3 g128, W2 g128 (and, on request, W3 / W2 g128 nested in the W4 g128 grid); per rung the quantized rollout with a BF16 learner (GRPO+TIS and GRPO without
   TIS), QaRL+GRPO and QaRL+TBPO, all at the calibrated lr/mini-batches (+ the TBPO band), and one BF16
   GRPO+TIS control shared by the rungs.
 - `long`: the main Table 1 arms on the long-response task (TASKS["long"]), at the calibrated settings.
@@ -125,6 +125,7 @@ class Rung:
     label: str
     scheme: str  # quant.scheme
     group_size: int
+    twin: str = ""  # a nested rung: the plain rung of the same width and group (the report compares the two)
 
     @property
     def overrides(self) -> tuple[str, ...]:
@@ -132,7 +133,11 @@ class Rung:
 
 
 RUNGS = (Rung("w4g128", "W4 g128", "w4a16", 128), Rung("w4g32", "W4 g32", "w4a16", 32),
-         Rung("w3g128", "W3 g128", "w3a16", 128), Rung("w2g128", "W2 g128", "w2a16", 128))
+         Rung("w3g128", "W3 g128", "w3a16", 128), Rung("w2g128", "W2 g128", "w2a16", 128),
+         # the stretch: the lower widths nested in the W4 g128 grid (Bit-by-Bit), one int4 quantization for all
+         Rung("w3g128n", "W3 g128 nested", "w3a16_nested", 128, twin="w3g128"),
+         Rung("w2g128n", "W2 g128 nested", "w2a16_nested", 128, twin="w2g128"))
+DEFAULT_RUNGS = tuple(r.name for r in RUNGS if not r.twin)  # the ladder; nested rungs on request
 # role -> (label, config, objective overrides, aligned learner)
 LADDER_ARMS = {
     "rollout_grpo_tis": ("quantized rollout, BF16 learner, GRPO+TIS", W4A16_ROLLOUT, GRPO_TIS, False),
@@ -157,6 +162,7 @@ def ladder_arms(rungs: list[Rung], lr: float, mini_batches: int, tbpo_band: floa
             arms.append(Arm(f"{rung.name}_{role}", f"{rung.label}: {label}", config,
                             (*rung.overrides, *objective, *common, *extra), regime=rung.name, role=role,
                             params=(("rung", rung.name), ("rung_label", rung.label), ("arm_label", label),
+                                    ("twin", rung.twin),
                                     ("aligned", aligned), ("lr", lr),
                                     ("mini_batches", mini_batches))))
     return arms

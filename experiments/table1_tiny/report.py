@@ -470,6 +470,7 @@ def ladder_rows(summaries: dict, arms, key: str = "pass1_final") -> list[dict]:
         if "rung" not in arm.param or arm.name not in summaries:
             continue
         rung = rungs.setdefault(arm.param["rung"], {"rung": arm.param["rung"], "label": arm.param["rung_label"],
+                                                    "twin": arm.param.get("twin", ""),
                                                     "unaligned": [], "aligned": [], "pass1": {},
                                                     "finals": {}, "aligned_roles": [], "unaligned_roles": []})
         runs = summaries[arm.name]
@@ -532,6 +533,28 @@ def rung_outcome(label: str, control: list[float], finals: dict, labels: dict, u
     return lines, supports, fails
 
 
+def nesting_comparison(rows: list[dict], labels: dict) -> list[str]:
+    """Each nested rung against its plain twin (same width and group): the unaligned k3 and, per arm, final
+    pass@1 nested minus plain with the larger seed std of the two."""
+    by_name = {r["rung"]: r for r in rows}
+    out = []
+    for r in rows:
+        plain = by_name.get(r.get("twin", ""))
+        if plain is None:
+            continue
+        ku, kp = r["k3_unaligned"][0], plain["k3_unaligned"][0]
+        out.append(f"- {r['label']} against {plain['label']}: unaligned k3 {ku:.2e} against {kp:.2e} (x{ku / kp:.2f}).")
+        for role, values in r["finals"].items():
+            if role in plain["finals"]:
+                diff = mean_std(values)[0] - mean_std(plain["finals"][role])[0]
+                sd = _spread(values, plain["finals"][role])
+                n = min(len(values), len(plain["finals"][role]))
+                out.append(f"  - {labels[role]}: final pass@1 nested minus plain {diff:+.3f} ("
+                           + (f"larger seed std {sd:.3f}, n={n}" if not math.isnan(sd) else "one seed: no spread")
+                           + ")")
+    return out
+
+
 def ladder_outcome(rows: list[dict], control: list[float] | None, labels: dict) -> list[str]:
     """The issue's decision over the rungs: (a) a rung where a quantized-rollout arm is below BF16 by more than
     2 seed std and an aligned arm closes at least half of that gap, else (b) a null, naming the rungs where
@@ -562,12 +585,23 @@ def _ladder_plot(rows: list[dict], roles: dict, control, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=80)
+
+    def points(role, nested):
+        return sorted((r["k3_unaligned"][0], *r["pass1"][role]) for r in rows if bool(r.get("twin")) == nested
+                      and role in r["pass1"] and not math.isnan(r["k3_unaligned"][0])
+                      and not math.isnan(r["pass1"][role][0]))
     for role, label in roles.items():
-        pts = sorted((r["k3_unaligned"][0], *r["pass1"][role]) for r in rows
-                     if role in r["pass1"] and not math.isnan(r["k3_unaligned"][0]) and not math.isnan(r["pass1"][role][0]))
+        pts = points(role, nested=False)
+        line = None
         if pts:
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[0 if math.isnan(p[2]) else p[2] for p in pts],
-                        marker="o", capsize=3, label=label)
+            line = ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[0 if math.isnan(p[2]) else p[2] for p in pts],
+                               marker="o", capsize=3, label=label)
+        nested = points(role, nested=True)  # the nested rungs: hollow markers in the arm's colour, no line
+        if nested:
+            ax.errorbar([p[0] for p in nested], [p[1] for p in nested],
+                        yerr=[0 if math.isnan(p[2]) else p[2] for p in nested], marker="o", mfc="none", linestyle="none",
+                        capsize=3, color=line.lines[0].get_color() if line else None,
+                        label=f"{label} (nested rungs)")
     if control is not None and not math.isnan(control[0]):
         ax.axhline(control[0], color="grey", linestyle="--", label="BF16 GRPO+TIS (control)")
     ax.set_xscale("log")
@@ -642,6 +676,10 @@ def write_ladder_report(out: Path, arms, seeds: list[int], home: Path | None = N
     verdict = next(li for li in ladder_outcome(late, late_control, labels) if "Outcome" in li or "no outcome" in li)
     lines += ["", "The same decision on the mean of each run's last three evaluations (less evaluation noise): "
               + verdict.removeprefix("- ")]
+    nesting = nesting_comparison(rows, labels)
+    if nesting:
+        lines += ["", "Nested grids (the lower width's codes made from the W4 g128 codes: code4 / 2^(4-b) rounded, "
+                      "scale4 x 2^(4-b)) against the direct quantizer of the same width:", "", *nesting]
     if missing:
         lines += ["", f"Not run (yet): {', '.join(missing)}."]
     if rows:

@@ -472,8 +472,9 @@ def main() -> None:
                        help="calibrate: the mini-batches grid")
     calib.add_argument("--calib-bands", type=float, nargs="+", default=[1, 3, 10],
                        help="calibrate: TBPO band multipliers at --lr/--mini-batches")
-    parser.add_argument("--rungs", nargs="+", choices=[r.name for r in RUNGS], default=[r.name for r in RUNGS],
-                        help="ladder: the rungs (default: all; --quick: the first)")
+    parser.add_argument("--rungs", nargs="+", choices=[r.name for r in RUNGS], default=list(phases.DEFAULT_RUNGS),
+                        help="ladder: the rungs (default: the four plain ones; --quick: the first). w3g128n / w2g128n: "
+                             "W3 / W2 g128 nested in the W4 g128 grid (quant.scheme w3a16_nested / w2a16_nested)")
     parser.add_argument("--init", default=None,
                         help="an SFT checkpoint of the task (default: train one per task); only with one task")
     parser.add_argument("--jobs", type=int, default=1,

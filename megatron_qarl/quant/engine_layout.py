@@ -314,7 +314,9 @@ def quantization_mismatch(learner: QuantConfig, served: Mapping[str, Any] | None
         return (f"it serves a quantization_config no registered scheme reads (quant_method "
                 f"{served.get('quant_method')!r}, format {served.get('format')!r})")
     engine_scheme = found[0].name if found else NO_SCHEME
-    if engine_scheme != learner.scheme:
+    # a variant's engine serves its checkpoint scheme's format (nested int grids: the plain width's)
+    learner_format = (scheme_of(learner).checkpoint_scheme or learner.scheme) if learner.enabled else NO_SCHEME
+    if engine_scheme != learner_format:
         return f"it serves quant.scheme={engine_scheme}, the learner quantizes quant.scheme={learner.scheme}"
     if not learner.enabled:
         return None

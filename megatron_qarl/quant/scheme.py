@@ -86,6 +86,9 @@ class QuantScheme:
     quantizes_activations: bool = False  # W8A8-like: the GEMM's input is quantized too
     engines: Mapping[str, EngineSupport] = {}  # rollout.engine name -> its support (names checked by rollout/engines)
     sampler_kernels: tuple[str, ...] = ("dequantized",)  # the embedded engine's GEMMs for this format
+    # a variant whose codes another scheme's format carries unmarked (nested int grids): the registered scheme
+    # its checkpoints load as; its own `config_fields` then claims no quantization_config
+    checkpoint_scheme: str | None = None
 
     def int4_operands(self, hf_name: str, parts):
         """(int codes [N, K], scales [N, K / group]) of one linear's engine parts, for an int4 sampler kernel

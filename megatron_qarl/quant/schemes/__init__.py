@@ -15,6 +15,8 @@ SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (
     nvfp4.SCHEME,
     int_wna16.W3A16,
     int_wna16.W2A16,
+    int_wna16.W3A16_NESTED,
+    int_wna16.W2A16_NESTED,
 )}
 SCHEME_NAMES: tuple[str, ...] = tuple(SCHEMES)  # the low-bit choices of quant.scheme (besides "none")
 NO_SCHEME = "none"
@@ -39,6 +41,10 @@ def scheme_of_kind(kind: str) -> QuantScheme | None:
 
 
 def scheme_of_weight(qweight) -> QuantScheme:
+    # the scheme of exactly its type first: a nested int weight is also an instance of the plain one's type
+    for scheme in SCHEMES.values():
+        if type(qweight) is scheme.weight_type:
+            return scheme
     for scheme in SCHEMES.values():
         if isinstance(qweight, scheme.weight_type):
             return scheme

