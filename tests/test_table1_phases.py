@@ -279,16 +279,26 @@ def test_long_report_states_the_task_lengths_and_the_response_lengths(tmp_path):
     assert (out / "report" / "results_long_1_reward.png").exists()
 
 
-def test_the_table1_page_links_the_other_phases_pages_that_exist(tmp_path):
+def test_the_table1_page_carries_the_other_phases_pages_that_exist(tmp_path):
     import report
 
     assert report.other_phase_links(tmp_path) == []
-    (tmp_path / "results_calibrate.md").write_text("# calibration\n")
-    (tmp_path / "results_long.md").write_text("# long\n")
+    (tmp_path / "results_calibrate.md").write_text("# calibration\n\nChosen: lr 1e-4.\n")
+    (tmp_path / "results_long.md").write_text("# long\n\n## 1. arms\n\n| a | b |\n")
     links = report.other_phase_links(tmp_path)
-    assert links[1] == "## The other phases (issue 33)"
-    assert links[3:] == ["- Drift calibration (lr x mini-batches, TBPO's band): [results_calibrate.md](results_calibrate.md)",
-                         "- Long responses (16-term chains): [results_long.md](results_long.md)"]
+    assert links == ["", "## The other phases (issue 33)",
+                     "", "### Drift calibration (lr x mini-batches, TBPO's band)", "",
+                     "Also as its own page: [results_calibrate.md](results_calibrate.md).", "", "Chosen: lr 1e-4.",
+                     "", "### Long responses (16-term chains)", "",
+                     "Also as its own page: [results_long.md](results_long.md).", "", "### 1. arms", "", "| a | b |"]
+    # refreshing docs/results.md rewrites only that section; Table 1's own sections stay as they were
+    (tmp_path / "results.md").write_text("# Table 1\n\n## 1. experts\n\nnumbers\n\n## The other phases (issue 33)\n\nold\n")
+    report.refresh_results_page(tmp_path)
+    text = (tmp_path / "results.md").read_text()
+    assert text.startswith("# Table 1\n\n## 1. experts\n\nnumbers\n\n## The other phases (issue 33)\n")
+    assert "old" not in text and text.endswith("| a | b |\n") and text.count("## The other phases") == 1
+    report.refresh_results_page(tmp_path)
+    assert (tmp_path / "results.md").read_text() == text  # idempotent
 
 
 def test_the_ladder_page_states_the_lr_mini_batches_and_steps_it_trained_at():

@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from machine import cpu_description  # noqa: E402
 
+from megatron_qarl.fileio import atomic_write_text  # noqa: E402
 from megatron_qarl.rl.repetition import is_repetitive  # noqa: E402
 
 COLUMNS = (  # (key in the per-run summary, column title, format)
@@ -375,13 +376,34 @@ OTHER_PHASES = {"results_calibrate": "Drift calibration (lr x mini-batches, TBPO
                 "results_long": "Long responses (16-term chains)"}
 
 
+PHASES_HEADING = "## The other phases (issue 33)"
+
+
+def _page_body(text: str) -> list[str]:
+    """A phase page without its title line, its headings one level down (they sit under a ### there)."""
+    lines = text.rstrip("\n").splitlines()[1:]
+    return [("#" + li) if li.startswith("#") else li for li in lines]
+
+
 def other_phase_links(docs: Path) -> list[str]:
-    """The section of docs/results.md that points at the other phases' pages `run.py --phase ... --docs` wrote."""
-    pages = [(page, title) for page, title in OTHER_PHASES.items() if (docs / f"{page}.md").exists()]
-    if not pages:
-        return []
-    return ["", "## The other phases (issue 33)", "",
-            *[f"- {title}: [{page}.md]({page}.md)" for page, title in pages]]
+    """docs/results.md's section of the other phases' pages that `run.py --phase ... --docs` wrote: per page its
+    title, a link to it and its whole body (tables, decisions, figures: the pages and this one share docs/)."""
+    out = []
+    for page, title in OTHER_PHASES.items():
+        path = docs / f"{page}.md"
+        if path.exists():
+            out += ["", f"### {title}", "", f"Also as its own page: [{page}.md]({page}.md).", *_page_body(path.read_text())]
+    return ["", PHASES_HEADING, *out] if out else []
+
+
+def refresh_results_page(docs: Path) -> None:
+    """Rewrite only the other phases' section of docs/results.md (after a phase's page changed); Table 1's own
+    sections stay as their runs generated them."""
+    path = docs / "results.md"
+    if not path.exists():
+        return
+    head = path.read_text().split("\n" + PHASES_HEADING + "\n")[0].rstrip("\n")
+    atomic_write_text(path, "\n".join([head, *other_phase_links(docs)]) + "\n")
 
 
 def _arm_summaries(out: Path, arms, seeds: list[int]) -> tuple[dict, list[str]]:

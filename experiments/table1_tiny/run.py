@@ -58,8 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import phases  # noqa: E402
 from phases import GRPO_TIS, RUNGS, TASKS, Arm, Task  # noqa: E402
-from report import (DEQUANTIZED_SAMPLER, Section, run_dir, write_calibration_report, write_ladder_report,  # noqa: E402
-                    write_report)
+from report import (DEQUANTIZED_SAMPLER, Section, refresh_results_page, run_dir,  # noqa: E402
+                    write_calibration_report, write_ladder_report, write_report)
 
 from megatron_qarl.lifecycle import die_with_parent  # noqa: E402
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig, generate_arithmetic_rows, write_rows  # noqa: E402
@@ -413,12 +413,16 @@ def report_phase(phase: str, sweep: Sweep, docs: Path | None) -> str:
         return write_report(sweep.out, report_sections(sweep.arms), sweep.seeds, docs=docs, home=sweep.task_dir,
                             name=name)
     if phase == "calibrate":
-        return write_calibration_report(sweep.out, sweep.arms, sweep.seeds, home=sweep.task_dir, docs=docs, name=name)
-    if phase == "ladder":
-        return write_ladder_report(sweep.out, sweep.arms, sweep.seeds, home=sweep.task_dir, docs=docs, name=name)
-    section = Section(f"Table 1's main arms on the {sweep.task.name} task ({sweep.task.about})",
-                      [(a.role, a.name, a.label) for a in sweep.arms])
-    return write_report(sweep.out, [section], sweep.seeds, docs=docs, home=sweep.task_dir, name=name)
+        text = write_calibration_report(sweep.out, sweep.arms, sweep.seeds, home=sweep.task_dir, docs=docs, name=name)
+    elif phase == "ladder":
+        text = write_ladder_report(sweep.out, sweep.arms, sweep.seeds, home=sweep.task_dir, docs=docs, name=name)
+    else:
+        section = Section(f"Table 1's main arms on the {sweep.task.name} task ({sweep.task.about})",
+                          [(a.role, a.name, a.label) for a in sweep.arms])
+        text = write_report(sweep.out, [section], sweep.seeds, docs=docs, home=sweep.task_dir, name=name)
+    if docs is not None:  # docs/results.md carries every phase's page as a section
+        refresh_results_page(docs)
+    return text
 
 
 def run_phase(phase: str, sweep: Sweep, jobs: int = 1) -> None:
