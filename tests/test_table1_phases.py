@@ -217,9 +217,11 @@ def test_ladder_report_numbers_are_the_hand_computed_ones(tmp_path):
 
 def _ladder_runs(tmp_path, finals: dict, masked: float = 0.2):
     arms = phases.ladder_arms([phases.RUNGS[3]], 1e-4, 4, 1.0)
+    sides = {"tbpo/masked_frac": masked, "tbpo/masked_pos_high": masked / 2, "tbpo/masked_neg_low": masked / 4,
+             "tbpo/masked_neg_high": masked / 4}
     for arm in arms:
         for seed, final in enumerate(finals[arm.role]):
-            step = {"mismatch/k3": 1e-3, **({"tbpo/masked_frac": masked} if arm.role == "qarl_tbpo" else {})}
+            step = {"mismatch/k3": 1e-3, **(sides if arm.role == "qarl_tbpo" else {})}
             _write(tmp_path, arm.name, seed, [step], [0.3, final])
     return report.write_ladder_report(tmp_path, arms, [0, 1, 2])
 
@@ -233,6 +235,8 @@ def test_ladder_outcome_a_is_a_rung_where_the_rollout_hurts_by_2_std_and_alignme
         "qarl_tbpo": [0.65, 0.67, 0.63],  # closes 25%
     })
     assert _row(text, "| W2 g128")[-1] == "0.200"
+    assert ("- W2 g128, QaRL + TBPO masked 0.200 of the sequences: positives above 1 + eps_h 0.100, negatives below "
+            "1 - delta_l 0.050, negatives above 1 + delta_h 0.050.") in text
     assert ("- W2 g128, quantized rollout, BF16 learner, GRPO+TIS: BF16 minus it +0.200 (2 seed std = 0.040): "
             "**hurts**") in text
     assert "  - QaRL + GRPO closes 75% of that gap (at least 50%)" in text

@@ -112,12 +112,23 @@ def summarize_run(rows: list[dict]) -> dict:
         "reward_area": _mean(train, "reward/mean"),
         "k3": _median(train, "mismatch/k3"),  # a few steps' routing flips would dominate a mean
         "masked": _mean(train, "tbpo/masked_frac"),
+        **{f"masked_{side}": _mean(train, f"tbpo/masked_{side}") for side in TBPO_SIDES},
         "repetitive": _mean(train, "response/repetitive_frac"),
         "repetitive_eval": evals[-1].get("eval/repetitive_frac", math.nan) if evals else math.nan,
         "step_s": statistics.median(r["time/step_s"] for r in train) if train else math.nan,
         "curves": {"step": [r["step"] for r in train], "reward": [r.get("reward/mean", math.nan) for r in train],
                    "k3": [r.get("mismatch/k3", math.nan) for r in train]},
     }
+
+
+TBPO_SIDES = {"pos_high": "positives above 1 + eps_h", "neg_low": "negatives below 1 - delta_l",
+              "neg_high": "negatives above 1 + delta_h"}
+
+
+def tbpo_sides(runs: list[dict]) -> str:
+    """Where TBPO's band masked, as fractions of all sequences (mean over steps and seeds): by side."""
+    return ", ".join(f"{what} {mean_std([r.get(f'masked_{side}', math.nan) for r in runs])[0]:.3f}"
+                     for side, what in TBPO_SIDES.items())
 
 
 def looping_floor(out: Path) -> float:
@@ -243,8 +254,10 @@ def _paired_findings(final: dict, summaries: dict, labels: dict) -> list[str]:
     masked = [r["masked"] for arm, runs in summaries.items() if arm.endswith("_tbpo") for r in runs
               if not math.isnan(r["masked"])]  # the TBPO arms with the paper's bands (not the ablation)
     if masked:
+        tbpo_runs = [r for arm, runs in summaries.items() if arm.endswith("_tbpo") for r in runs]
         out.append(f"- TBPO's trust band (paper Table 2 bands) masked {statistics.fmean(masked):.0%} of the sequences "
-                   "on average over the TBPO arms; a masked sequence contributes no gradient that step.")
+                   f"on average over the TBPO arms ({tbpo_sides(tbpo_runs)}); a masked sequence contributes no "
+                   "gradient that step.")
     return out
 
 
@@ -691,6 +704,11 @@ def write_ladder_report(out: Path, arms, seeds: list[int], home: Path | None = N
                 lines.append(f"- {label}: final pass@1 {first['pass1'][role][0]:.3f} at {first['label']} -> "
                              f"{last['pass1'][role][0]:.3f} at {last['label']} "
                              f"({last['pass1'][role][0] - first['pass1'][role][0]:+.3f}).")
+    for arm in arms:
+        if arm.role == "qarl_tbpo" and arm.name in summaries:
+            runs = summaries[arm.name]
+            lines.append(f"- {arm.param['rung_label']}, QaRL + TBPO masked {mean_std([r['masked'] for r in runs])[0]:.3f} "
+                         f"of the sequences: {tbpo_sides(runs)}.")
     lines += ["", f"The decision (issue 33), on final pass@1; a claim needs >= {SEEDS_FOR_A_CLAIM} seeds per arm:", ""]
     lines += ladder_outcome(rows, control_values, labels)
     late = ladder_rows(summaries, arms, key="pass1_last3")
