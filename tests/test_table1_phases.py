@@ -368,3 +368,17 @@ def test_nested_rungs_are_compared_with_their_plain_twin(tmp_path):
     assert ("  - quantized rollout, BF16 learner, GRPO+TIS: final pass@1 nested minus plain +0.090 (larger seed std "
             "0.028, n=2)") in text
     assert "  - QaRL + GRPO: final pass@1 nested minus plain +0.000 (larger seed std 0.014, n=2)" in text
+
+
+def test_a_report_without_finished_runs_leaves_the_docs_pages_as_they_are(tmp_path, monkeypatch, capsys):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "results_ladder.md").write_text("# the committed ladder page\n")
+    monkeypatch.setattr(run, "REPO", tmp_path)
+    out = _main(monkeypatch, capsys, "--out", str(tmp_path / "o"), "--phase", "ladder", "--report-only", "--docs")
+    assert (docs / "results_ladder.md").read_text() == "# the committed ladder page\n"
+    assert "no finished run" in out and "docs/results_ladder.md left as it is" in out
+    arm = phases.ladder_arms(phases.RUNGS[:1], run.LR, run.MINI_BATCHES, 1.0)[0]
+    _write(tmp_path / "o" / "ladder", arm.name, 0, [{"mismatch/k3": 1e-5}], [0.3, 0.5])
+    _main(monkeypatch, capsys, "--out", str(tmp_path / "o"), "--phase", "ladder", "--report-only", "--docs")
+    assert (docs / "results_ladder.md").read_text().startswith("# Harsher-sampler ladder")  # a finished run: rebuilt

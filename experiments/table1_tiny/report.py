@@ -319,6 +319,7 @@ def _plot_dir(out: Path, docs: Path | None) -> tuple[Path, str]:
 
 def _write(out: Path, docs: Path | None, name: str, lines: list[str]) -> str:
     text = "\n".join(lines) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(text)
     if docs is not None:
         (docs / f"{name}.md").write_text(text)

@@ -409,6 +409,12 @@ def print_plan(phase: str, sweep: Sweep) -> None:
 def report_phase(phase: str, sweep: Sweep, docs: Path | None) -> str:
     # docs/results.md for today's table1, docs/results_<phase>[_<task>].md for the others
     name = "results" if sweep.out == sweep.task_dir else f"results_{sweep.out.name}"
+    if docs is not None and not any((run_dir(sweep.out, a.name, s) / "DONE").exists()
+                                    for a in sweep.arms for s in sweep.seeds):
+        # a checkout without the runs (they are not in git) must not blank the committed pages
+        docs = None
+        print(f"[table1] phase {phase}: no finished run under {sweep.out / 'runs'}: docs/{name}.md left as it is",
+              flush=True)
     if phase == "table1":
         return write_report(sweep.out, report_sections(sweep.arms), sweep.seeds, docs=docs, home=sweep.task_dir,
                             name=name)
