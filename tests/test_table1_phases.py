@@ -382,3 +382,13 @@ def test_a_report_without_finished_runs_leaves_the_docs_pages_as_they_are(tmp_pa
     _write(tmp_path / "o" / "ladder", arm.name, 0, [{"mismatch/k3": 1e-5}], [0.3, 0.5])
     _main(monkeypatch, capsys, "--out", str(tmp_path / "o"), "--phase", "ladder", "--report-only", "--docs")
     assert (docs / "results_ladder.md").read_text().startswith("# Harsher-sampler ladder")  # a finished run: rebuilt
+
+
+def test_extra_tbpo_bands_add_one_aligned_arm_per_rung_at_that_band():
+    arms = phases.ladder_arms(list(phases.RUNGS[:2]), 2.5e-5, 2, 1.0, extra_bands=(10,))
+    wide = [a for a in arms if a.role == "qarl_tbpo_x10"]
+    assert [a.name for a in wide] == ["w4g128_qarl_tbpo_x10", "w4g32_qarl_tbpo_x10"]
+    assert wide[0].param["aligned"] and wide[0].param["arm_label"] == "QaRL + TBPO, band x10"
+    assert "train.loss.seq_clip_ratio_high=0.004" in wide[0].overrides  # 10 x Table 2's 4e-4
+    assert "train.loss.name=grpo" not in wide[0].overrides and "quant.scheme=w4a16" in wide[0].overrides
+    assert len(arms) == 1 + 2 * 5

@@ -148,16 +148,21 @@ LADDER_ARMS = {
 LADDER_CONTROL = "bf16_grpo_tis"
 
 
-def ladder_arms(rungs: list[Rung], lr: float, mini_batches: int, tbpo_band: float, control: bool = True) -> list[Arm]:
+def ladder_arms(rungs: list[Rung], lr: float, mini_batches: int, tbpo_band: float, control: bool = True,
+                extra_bands: tuple[float, ...] = ()) -> list[Arm]:
     """Per rung the four arms (the rung's quant scheme, the calibrated lr/mini-batches; TBPO with the chosen
-    band), and the shared BF16 GRPO+TIS control (no rung) when `control`."""
+    band) and, per `extra_bands` multiplier, one more QaRL + TBPO arm at that band (is TBPO's gap to GRPO its
+    band's width?); and the shared BF16 GRPO+TIS control (no rung) when `control`."""
     common = trust(lr, mini_batches)
     arms = []
     if control:
         arms.append(Arm(LADDER_CONTROL, "BF16 GRPO+TIS (control, no quantization)", BF16, (*GRPO_TIS, *common),
                         regime="control", role=LADDER_CONTROL, params=(("lr", lr), ("mini_batches", mini_batches))))
+    roles = dict(LADDER_ARMS)
+    for k in extra_bands:
+        roles[f"qarl_tbpo_x{_fmt(k)}"] = (f"QaRL + TBPO, band x{_fmt(k)}", QARL, band(k), True)
     for rung in rungs:
-        for role, (label, config, objective, aligned) in LADDER_ARMS.items():
+        for role, (label, config, objective, aligned) in roles.items():
             extra = band(tbpo_band) if role == "qarl_tbpo" else ()
             arms.append(Arm(f"{rung.name}_{role}", f"{rung.label}: {label}", config,
                             (*rung.overrides, *objective, *common, *extra), regime=rung.name, role=role,

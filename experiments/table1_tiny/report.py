@@ -706,10 +706,10 @@ def write_ladder_report(out: Path, arms, seeds: list[int], home: Path | None = N
                              f"{last['pass1'][role][0]:.3f} at {last['label']} "
                              f"({last['pass1'][role][0] - first['pass1'][role][0]:+.3f}).")
     for arm in arms:
-        if arm.role == "qarl_tbpo" and arm.name in summaries:
+        if arm.role.startswith("qarl_tbpo") and arm.name in summaries:
             runs = summaries[arm.name]
-            lines.append(f"- {arm.param['rung_label']}, QaRL + TBPO masked {mean_std([r['masked'] for r in runs])[0]:.3f} "
-                         f"of the sequences: {tbpo_sides(runs)}.")
+            lines.append(f"- {arm.param['rung_label']}, {arm.param['arm_label']} masked "
+                         f"{mean_std([r['masked'] for r in runs])[0]:.3f} of the sequences: {tbpo_sides(runs)}.")
     lines += ["", f"The decision (issue 33), on final pass@1; a claim needs >= {SEEDS_FOR_A_CLAIM} seeds per arm:", ""]
     lines += ladder_outcome(rows, control_values, labels)
     late = ladder_rows(summaries, arms, key="pass1_last3")

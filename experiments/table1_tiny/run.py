@@ -374,7 +374,8 @@ def phase_arms(phase: str, args) -> list[Arm]:
                                        args.mini_batches)
     if phase == "ladder":
         rungs = [r for r in RUNGS if r.name in (args.rungs[:1] if args.quick else args.rungs)]
-        return phases.ladder_arms(rungs, args.lr, args.mini_batches, args.tbpo_band, control=not args.quick)
+        return phases.ladder_arms(rungs, args.lr, args.mini_batches, args.tbpo_band, control=not args.quick,
+                                  extra_bands=tuple(args.tbpo_extra_bands))
     return phases.long_arms(args.lr, args.mini_batches, args.tbpo_band)
 
 
@@ -477,6 +478,8 @@ def main() -> None:
                             f"(default {MINI_BATCHES}, table1's)")
     calib.add_argument("--tbpo-band", type=float, default=1.0,
                        help="TBPO's band width as a multiple of LossConfig's defaults (default 1)")
+    calib.add_argument("--tbpo-extra-bands", type=float, nargs="+", default=[],
+                       help="ladder: per rung one more QaRL + TBPO arm at each of these band multipliers (e.g. 10)")
     calib.add_argument("--calib-lrs", type=float, nargs="+", default=[2.5e-5, 5e-5, 1e-4], help="calibrate: the lr grid")
     calib.add_argument("--calib-mini-batches", type=int, nargs="+", default=[1, 2, 4],
                        help="calibrate: the mini-batches grid")
