@@ -410,7 +410,7 @@ def test_qarl_convert_exports_w3a16_that_the_library_decompresses_and_inspect_re
         EmbeddedEngine.from_hf_checkpoint(str(out), dtype="float32")
 
 
-@pytest.mark.parametrize("name", ["w3a16", "w2a16"])
+@pytest.mark.parametrize("name", ["w3a16", "w2a16", "w3a16_nested", "w2a16_nested"])
 def test_config_refuses_sglang_and_vllm_and_runs_on_the_embedded_engine(name):
     from megatron_qarl.config import ConfigError, load_config
 
