@@ -11,17 +11,21 @@ per task, the real trainer, several seeds per arm.
     python experiments/table1_tiny/run.py --quick         # smoke: one calibration point and one rung, seed 0
     python experiments/table1_tiny/run.py --report-only   # rebuild the report from finished runs
 
-Phases (expected wall time on 2 cores at the defaults; the step time was measured only for table1's task):
+Phases (wall time on 2 cores, AMD EPYC, the run times measured with two runs sharing the cores; `--jobs 2` runs
+two single-threaded runs at once, about halving a phase's wall time):
   table1     today's Table 1 (arms x regimes x seeds). Measured at --steps 30, 3 seeds: experts ~65 min,
              attention ~25, int4_kernel ~60, vllm ~25 (only its BF16 arm runs without AMX); at the default
-             100 steps: not yet measured (the RL part scales ~linearly with the steps).
+             100 steps: ~3x that.
   calibrate  lr x mini-batches grid for QaRL+TBPO and QaRL+GSPO, then QaRL+TBPO at band x1/x3/x10 at
-             --lr/--mini-batches (one seed, 30 steps): not yet measured (20 runs at the defaults).
+             --lr/--mini-batches (one seed, 30 steps): 20 runs of ~2 min on the chain task (from the ladder's step
+             times), ~20-40 min.
+             On the long task (--task long) a 30-step run takes ~5.5 min.
   ladder     rungs W4 g128, W4 g32, W3 g128, W2 g128 (one master), 4 arms per rung + a BF16 control, at the
-             calibrated --lr/--mini-batches/--tbpo-band, 100 steps x 3 seeds: not yet measured (51 runs).
-  long       table1's main arms on the long task (16 terms), 100 steps x 3 seeds: not yet measured
-             (12 runs + its own SFT warm start, not yet measured either). Measured in a 2-step smoke
-             (QaRL W4A16, 2 mini-batches, ~76-token responses): ~11-12 s per RL step (table1's task: ~5 s).
+             calibrated --lr/--mini-batches/--tbpo-band, 100 steps: a run takes ~6 min (BF16 ~3.3 s per RL
+             step, quantized rungs ~3.5-4.5 s, evaluations included), so one seed of the whole ladder (17 runs)
+             ~55 min at --jobs 2, and 3 seeds of two rungs + the control (27 runs) ~1.5 h.
+  long       table1's main arms on the long task (16 terms), 100 steps x 3 seeds (12 runs): ~10-12 s per RL
+             step, ~20 min a run, ~2 h at --jobs 2; its own SFT warm start first (~850 steps, ~28 min).
   --quick    calibrate and ladder smoke: seed 0, 6 steps, one calibration point (TBPO and GSPO), one rung
              (W4 g128, 4 arms): 6 runs. Measured: 4.3 min on 2 cores (AMD EPYC), the chain task's SFT warm
              start included (94 s); each 6-step run ~25 s.
