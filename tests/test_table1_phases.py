@@ -177,16 +177,30 @@ def test_calibration_report_numbers_are_the_hand_computed_ones(tmp_path):
     _write(tmp_path, "tbpo_band_x3_lr0.0001_mb2", 0, [{"tbpo/masked_frac": 0.05}], [0.3, 0.55])
     text = report.write_calibration_report(tmp_path, arms, [0])
     assert _row(text, "| tbpo | 0.0001 | 2 | x1") == ["tbpo", "0.0001", "2", "x1", "1", "0.150", "-", "2.00e-03",
-                                                     "4.00e-03", "0.500", "yes"]
+                                                     "4.00e-03", "0.300", "0.500", "yes"]
     assert _row(text, "| gspo | 0.0001 | 2 | x1") == ["gspo", "0.0001", "2", "x1", "1", "-", "0.150", "-", "-",
-                                                     "0.600", "yes"]
+                                                     "0.300", "0.600", "yes"]
     assert _row(text, "| tbpo | 5e-05 | 2 | x1")[-1] == "no"
     assert _row(text, "| tbpo | 0.0001 | 2 | x3")[5] == "0.050"
     assert "both TBPO's masked and GSPO's clipped fraction are in 10%-20%: lr 0.0001 x 2 mini-batches." in text
     assert ("TBPO against its band width (lr 0.0001, 2 mini-batches): x1: masked 0.150, final pass@1 0.500; "
             "x3: masked 0.050, final pass@1 0.550.") in text
     assert "Not run (yet): gspo_lr5e-05_mb2/seed0." in text
+    assert "pass@1 collapses (final more than 0.1 below the start): none." in text
     assert (tmp_path / "results.md").read_text() == text
+
+
+def test_calibration_report_names_collapses_and_the_chosen_points_facts(tmp_path):
+    arms = phases.calibration_arms([5e-6, 1e-5, 2.5e-5], [2], [1], 5e-6, 2)
+    for arm, evals in (("tbpo_lr5e-06_mb2", [0.73, 0.70]), ("tbpo_lr1e-05_mb2", [0.73, 0.57]),  # 0.16 > 0.1
+                       ("tbpo_lr2.5e-05_mb2", [0.73, 0.25])):
+        _write(tmp_path, arm, 0, [{"tbpo/masked_frac": 0.02}], evals)
+    text = report.write_calibration_report(tmp_path, arms, [0], chosen_point=(5e-6, 2))
+    assert ("- Grid points where held-out pass@1 collapses (final more than 0.1 below the start): lr 1e-05 x 2 "
+            "mini-batches; lr 2.5e-05 x 2 mini-batches.") in text
+    assert ("- Chosen (run.py --lr / --mini-batches, what the ladder and long phases train at): lr 5e-06 x 2 "
+            "mini-batches: NOT a grid point with both in 10%-20%; pass@1 holds there, and collapses at every larger "
+            "lr of the grid (1e-05, 2.5e-05).") in text
 
 
 def test_ladder_report_numbers_are_the_hand_computed_ones(tmp_path):

@@ -428,7 +428,14 @@ def _arm_summaries(out: Path, arms, seeds: list[int]) -> tuple[dict, list[str]]:
 CALIBRATION_TARGET = (0.10, 0.20)  # the masked / clipped sequence fraction the calibration aims at
 CALIBRATION_COLUMNS = (("masked", "TBPO masked", "{:.3f}"), ("gspo_clip", "GSPO clipped", "{:.3f}"),
                        ("drift_p50", "drift last mb p50", "{:.2e}"), ("drift_p90", "drift last mb p90", "{:.2e}"),
-                       ("pass1_final", "pass@1 final", "{:.3f}"))
+                       ("pass1_start", "pass@1 start", "{:.3f}"), ("pass1_final", "pass@1 final", "{:.3f}"))
+# A point collapses when its final held-out pass@1 is this far below its start: ~3.5 binomial std of one
+# evaluation of 256 samples at p ~ 0.7 (sqrt(0.21 / 256) = 0.029), ~2.5 of the difference of two.
+COLLAPSE = 0.1
+
+
+def _collapsed(runs: list[dict]) -> bool:
+    return mean_std([r["pass1_start"] - r["pass1_final"] for r in runs])[0] > COLLAPSE
 
 
 def _fraction(arm, runs: list[dict]) -> float:
@@ -437,9 +444,12 @@ def _fraction(arm, runs: list[dict]) -> float:
 
 
 def write_calibration_report(out: Path, arms, seeds: list[int], home: Path | None = None,
-                             docs: Path | None = None, name: str = "results_calibrate") -> str:
-    """The calibration table (one row per calibration point: arm.param objective, lr, mini_batches, band) and
-    which points put the objective's masked / clipped fraction in CALIBRATION_TARGET."""
+                             docs: Path | None = None, name: str = "results_calibrate",
+                             chosen_point: tuple[float, int] | None = None) -> str:
+    """The calibration table (one row per calibration point: arm.param objective, lr, mini_batches, band), which
+    points put the objective's masked / clipped fraction in CALIBRATION_TARGET, which collapse (final pass@1
+    more than COLLAPSE below the start), and the facts of the chosen point (`chosen_point`, run.py's --lr /
+    --mini-batches; without it the point of the band sweep)."""
     home = out if home is None else home
     summaries, missing = _arm_summaries(out, arms, seeds)
     low, high = CALIBRATION_TARGET
@@ -470,8 +480,13 @@ def write_calibration_report(out: Path, arms, seeds: list[int], home: Path | Non
     if points:
         lines.append(f"- Grid points where both TBPO's masked and GSPO's clipped fraction are in {low:.0%}-{high:.0%}: "
                      + ("; ".join(both) if both else "none") + ".")
+    collapsed = {(a.param["lr"], a.param["mini_batches"]) for a in arms
+                 if a.name in summaries and a.regime == "grid" and _collapsed(summaries[a.name])}
+    if points:
+        lines.append(f"- Grid points where held-out pass@1 collapses (final more than {COLLAPSE:g} below the start): "
+                     + ("; ".join(f"lr {lr:g} x {mb} mini-batches" for lr, mb in sorted(collapsed)) or "none") + ".")
     band_arms = [arm for arm in arms if arm.regime == "band"]
-    chosen = {(a.param["lr"], a.param["mini_batches"]) for a in band_arms}
+    chosen = {chosen_point} if chosen_point else {(a.param["lr"], a.param["mini_batches"]) for a in band_arms}
     if len(chosen) == 1 and not any(a.param["band"] == 1 for a in band_arms):  # x1 is the grid's TBPO run there
         band_arms += [a for a in arms if a.regime == "grid" and a.param["objective"] == "tbpo"
                       and (a.param["lr"], a.param["mini_batches"]) in chosen]
@@ -483,6 +498,11 @@ def write_calibration_report(out: Path, arms, seeds: list[int], home: Path | Non
         fr = points.get((lr, mb), {})
         why = (f"both objectives' fractions are in {low:.0%}-{high:.0%} there" if len(fr) == 2 and
                all(low <= v <= high for v in fr.values()) else f"NOT a grid point with both in {low:.0%}-{high:.0%}")
+        if (lr, mb) in points:
+            larger = sorted(g for g in points if g[1] == mb and g[0] > lr)
+            why += ("; pass@1 collapses there" if (lr, mb) in collapsed else "; pass@1 holds there") + (
+                f", and collapses at every larger lr of the grid ({', '.join(f'{g[0]:g}' for g in larger)})"
+                if larger and all(g in collapsed for g in larger) else "")
         lines.append(f"- Chosen (run.py --lr / --mini-batches, what the ladder and long phases train at): lr {lr:g} x "
                      f"{mb} mini-batches: {why}.")
     if bands:

@@ -411,7 +411,7 @@ def print_plan(phase: str, sweep: Sweep) -> None:
         print(f"   {arm.name} [{arm.label}]: --config {arm.config} {' '.join(arm.overrides)}")
 
 
-def report_phase(phase: str, sweep: Sweep, docs: Path | None) -> str:
+def report_phase(phase: str, sweep: Sweep, docs: Path | None, chosen: tuple[float, int] | None = None) -> str:
     # docs/results.md for today's table1, docs/results_<phase>[_<task>].md for the others
     name = "results" if sweep.out == sweep.task_dir else f"results_{sweep.out.name}"
     if docs is not None and not any((run_dir(sweep.out, a.name, s) / "DONE").exists()
@@ -424,7 +424,8 @@ def report_phase(phase: str, sweep: Sweep, docs: Path | None) -> str:
         return write_report(sweep.out, report_sections(sweep.arms), sweep.seeds, docs=docs, home=sweep.task_dir,
                             name=name)
     if phase == "calibrate":
-        text = write_calibration_report(sweep.out, sweep.arms, sweep.seeds, home=sweep.task_dir, docs=docs, name=name)
+        text = write_calibration_report(sweep.out, sweep.arms, sweep.seeds, home=sweep.task_dir, docs=docs, name=name,
+                                        chosen_point=chosen)
     elif phase == "ladder":
         text = write_ladder_report(sweep.out, sweep.arms, sweep.seeds, home=sweep.task_dir, docs=docs, name=name)
     else:
@@ -524,7 +525,8 @@ def main() -> None:
     for phase, sweep in sweeps:
         if not args.report_only:
             run_phase(phase, sweep, args.jobs)
-        print(report_phase(phase, sweep, REPO / "docs" if args.docs else None), flush=True)
+        print(report_phase(phase, sweep, REPO / "docs" if args.docs else None, (args.lr, args.mini_batches)),
+              flush=True)
 
 
 if __name__ == "__main__":
