@@ -387,6 +387,7 @@ def write_report(out: Path, sections: list[Section], seeds: list[int], docs: Pat
 
 OTHER_PHASES = {"results_calibrate": "Drift calibration (lr x mini-batches, TBPO's band)",
                 "results_ladder": "Harsher-sampler ladder (W4 g128 .. W2 g128)",
+                "results_calibrate_long": "Drift calibration on the long task (lr for 68-78-token responses)",
                 "results_long": "Long responses (16-term chains)"}
 
 
