@@ -265,6 +265,12 @@ class TrainConfig:
     # An optimizer step whose loss or gradients are not finite is skipped (optimizer state untouched) and
     # counted (optim/nonfinite); this many skipped in a row stop the run with a DivergenceError.
     max_nonfinite_steps: int = 3
+    # The MoE load-balancing aux loss in RL updates (megatron's moe_aux_loss_coeff). Off by default, as slime
+    # and miles run Qwen3-30B-A3B RL (`--moe-aux-loss-coeff 0`, scripts/models/qwen3-30B-A3B.sh): a policy-gradient
+    # loss is ~1e-3, so Qwen3's pretraining coefficient (router_aux_loss_coef 0.001) makes the balance term
+    # steer the routers on its own (docs/results.md: it collapsed the long-response task at every lr).
+    # null: the model config's own coefficient. The SFT warm-up keeps the model's.
+    moe_aux_loss_coeff: float | None = 0.0
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -680,6 +686,9 @@ def _check_positive(cfg: RunConfig) -> list[str]:
         "rollout.sglang.health_timeout_s": r.sglang.health_timeout_s,
     }
     out = [f"{k}={v} must be > 0" for k, v in must_be_positive.items() if not v > 0]
+    if t.moe_aux_loss_coeff is not None and not t.moe_aux_loss_coeff >= 0:
+        out.append(f"train.moe_aux_loss_coeff={t.moe_aux_loss_coeff} must be >= 0 (0: no load-balancing loss; "
+                   "null: the model config's router_aux_loss_coef)")
     if not r.temperature > 0:
         out.append(f"rollout.temperature={r.temperature} must be > 0: RL learns from sampled groups and their "
                    "sampled-token log-probs (greedy decoding gives every sample of a group the same answer); "

@@ -96,6 +96,21 @@ class RunContext:
     start_checkpoint: str | None = None  # what launched engines start from (engine_start_checkpoint)
 
 
+def learner_config_overrides(cfg: RunConfig) -> dict:
+    """What the RL learner's megatron TransformerConfig takes from the run config, over its family's build."""
+    # Each rank's loss is already normalised by the global token/sequence count, so DP gradients must
+    # be summed, not averaged: megatron's calculate_per_token_loss switches DDP to sum.
+    # Routers get megatron's RouterReplay whenever the engine returns routes: replay (R3) when configured,
+    # and the replayed counterfactual forward of the routing telemetry otherwise (inert until used).
+    collects_routes = cfg.train.routing_replay == "replay" or cfg.train.routing_telemetry
+    overrides = {"calculate_per_token_loss": True, "moe_enable_routing_replay": collects_routes}
+    if cfg.train.moe_aux_loss_coeff is not None:  # else the family's build takes the model config's
+        overrides["moe_aux_loss_coeff"] = cfg.train.moe_aux_loss_coeff
+    if cfg.train.recompute_activations:  # full-layer recompute: keep only each layer's input
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return overrides
+
+
 def build_run_context(cfg: RunConfig, held=None) -> RunContext:
     """The run's parts. `held` (a contextlib.ExitStack, the caller's): releases the run-dir locks taken here when
     the caller is done (trainer.train: at the run's end, or when building fails)."""
@@ -126,14 +141,7 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
     # costs seconds, not a model load. Every leader reads them; a failure on one ends every rank.
     data, eval_examples = load_run_data(cfg, tokenizer, is_leader, hf_config)
 
-    # Each rank's loss is already normalised by the global token/sequence count, so DP gradients must
-    # be summed, not averaged: megatron's calculate_per_token_loss switches DDP to sum.
-    # Routers get megatron's RouterReplay whenever the engine returns routes: replay (R3) when configured,
-    # and the replayed counterfactual forward of the routing telemetry otherwise (inert until used).
-    collects_routes = cfg.train.routing_replay == "replay" or cfg.train.routing_telemetry
-    overrides = {"calculate_per_token_loss": True, "moe_enable_routing_replay": collects_routes}
-    if cfg.train.recompute_activations:  # full-layer recompute: keep only each layer's input
-        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    overrides = learner_config_overrides(cfg)
     # The trainer's state is allocated in the memory saver's regions, so a colocated engine can have the GPU
     # while it generates (memory_saver.py; the phases are memory.memory_timeline's).
     memory = TrainerMemory.for_run(engine_shares_gpu(cfg))

@@ -192,7 +192,9 @@ class Sweep:
                 f"eval.max_prompts={self.eval_prompts}", "eval.n=4", "eval.k=4",
                 f"logging.out_dir={out}", "logging.wandb.mode=disabled", "logging.plots=false",
                 "logging.log_every=5", "checkpoint.resume=none", "checkpoint.every=0", "checkpoint.keep_last=1",
-                f"checkpoint.dir={out / 'checkpoints'}", *arm.overrides]
+                f"checkpoint.dir={out / 'checkpoints'}",
+                # pinned, whatever the trainer's default: the balance loss collapsed the long task before it was off
+                "train.moe_aux_loss_coeff=0", *arm.overrides]
 
 
 def write_task_data(data: Path, task: Task = CHAIN) -> None:

@@ -128,6 +128,8 @@ def transformer_config_from_hf(hf_config, layout=None, *, params_dtype=torch.flo
         transformer_impl="local",
     )
     kwargs.update(overrides)
+    if kwargs["moe_aux_loss_coeff"] > 0:  # asked for (train.moe_aux_loss_coeff): DeepSeek-V3's own sequence-wise
+        kwargs["moe_router_load_balancing_type"] = "seq_aux_loss"  # balance loss (router.py _apply_seq_aux_loss)
     return MLATransformerConfig(**kwargs)
 
 
