@@ -408,7 +408,9 @@ def other_phase_links(docs: Path) -> list[str]:
         path = docs / f"{page}.md"
         if path.exists():
             out += ["", f"### {title}", "", f"Also as its own page: [{page}.md]({page}.md).", *_page_body(path.read_text())]
-    return ["", PHASES_HEADING, *out] if out else []
+    return ["", PHASES_HEADING, "", "These phases ran without the MoE load-balancing loss (every run's overrides.txt "
+            "pins train.moe_aux_loss_coeff=0, the trainer's default since); Table 1's sections above ran with "
+            "Qwen3's 0.001, before that key existed.", *out] if out else []
 
 
 def refresh_results_page(docs: Path) -> None:
