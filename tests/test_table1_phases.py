@@ -408,3 +408,46 @@ def test_extra_tbpo_bands_add_one_aligned_arm_per_rung_at_that_band():
     assert "train.loss.seq_clip_ratio_high=0.004" in wide[0].overrides  # 10 x Table 2's 4e-4
     assert "train.loss.name=grpo" not in wide[0].overrides and "quant.scheme=w4a16" in wide[0].overrides
     assert len(arms) == 1 + 2 * 5
+
+
+def test_learner_eval_keeps_only_unaligned_checkpoints_and_evaluates_them_unquantized(tmp_path, monkeypatch):
+    arms = phases.ladder_arms(phases.RUNGS[3:4], 2.5e-5, 2, 1.0)
+    sweep = run.Sweep(out=tmp_path, steps=3, seeds=[0], arms=arms, eval_every=1, eval_prompts=4, learner_eval=True)
+    assert [run.unaligned(sweep, a) for a in arms] == [False, True, True, False, False]  # control, 2 rollout, 2 QaRL
+    calls = []
+
+    def fake_train(sweep_, args, log):  # a run leaves its final checkpoint; a learner eval its step-0 evaluation
+        calls.append(args)
+        out = Path([a for a in args if a.startswith("logging.out_dir=")][-1].split("=", 1)[1])  # the last wins
+        (out / "checkpoints" / "step_00000003").mkdir(parents=True)
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/pass@1": 0.75}) + "\n")
+        return 1.0
+    monkeypatch.setattr(run, "_qarl_train", fake_train)
+    for arm in arms:
+        run.run_arm(sweep, arm, 0, tmp_path / "sft")
+    kept = {a.name: (tmp_path / "runs" / a.name / "seed0" / "checkpoints").exists() for a in arms}
+    assert kept == {a.name: run.unaligned(sweep, a) for a in arms}
+    rollout = arms[1]
+    run.evaluate_learner(sweep, rollout, 0)
+    args, run_out = calls[-1], tmp_path / "runs" / rollout.name / "seed0"
+    assert args[:-6] == (run_out / "overrides.txt").read_text().splitlines()  # the run's own, then:
+    assert args[-6:] == [f"model.init_checkpoint={run_out / 'checkpoints' / 'step_00000003'}", "train.steps=1",
+                         "quant.scheme=none", "quant.learner_aligned=true", f"logging.out_dir={run_out / 'learner_eval'}",
+                         f"checkpoint.dir={run_out / 'learner_eval' / 'checkpoints'}"]
+    assert not (run_out / "checkpoints").exists() and (run_out / "learner_eval" / "DONE").exists()
+    assert report.learner_pass1(run_out) == 0.75
+    run.evaluate_learner(sweep, rollout, 0)  # done: not again
+    assert len(calls) == len(arms) + 1
+
+
+def test_the_ladder_page_sets_the_unaligned_learners_unquantized_beside_their_samplers(tmp_path):
+    arms = phases.ladder_arms(phases.RUNGS[3:4], 1e-4, 4, 1.0)
+    for seed, (final, learner) in enumerate([(0.40, 0.70), (0.50, 0.80)]):
+        _write(tmp_path, "w2g128_rollout_grpo_tis", seed, [{"mismatch/k3": 1e-2}], [0.3, final])
+        evaluated = tmp_path / "runs" / "w2g128_rollout_grpo_tis" / f"seed{seed}" / "learner_eval"
+        evaluated.mkdir()
+        (evaluated / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/pass@1": learner}) + "\n")
+        (evaluated / "DONE").write_text("1\n")
+    text = report.write_ladder_report(tmp_path, arms, [0, 1])
+    assert ("- W2 g128, quantized rollout, BF16 learner, GRPO+TIS: final pass@1 quantized (its sampler) 0.450 ± 0.071, "
+            "the same learner unquantized 0.750 ± 0.071 (n=2).") in text

@@ -131,6 +131,28 @@ def tbpo_sides(runs: list[dict]) -> str:
                      for side, what in TBPO_SIDES.items())
 
 
+def learner_pass1(run: Path) -> float:
+    """Held-out pass@1 of the run's final learner evaluated without quantization (run.py --learner-eval: the
+    "eval at start" of a 1-step run from its last checkpoint with a BF16 sampler); NaN without one."""
+    if not (run / "learner_eval" / "DONE").exists():
+        return math.nan
+    start = [r for r in load_rows(run / "learner_eval") if "eval/pass@1" in r and r.get("step") == 0]
+    return start[0]["eval/pass@1"] if start else math.nan
+
+
+def learner_lines(rows: list[tuple[str, list[dict]]]) -> list[str]:
+    """(label, runs) of unaligned arms -> one line each where their final learners were evaluated unquantized:
+    the quantized deployment's final pass@1 against the learner's, mean ± std over the seeds that have both."""
+    out = []
+    for label, runs in rows:
+        both = [r for r in runs if not math.isnan(r.get("learner_pass1", math.nan))]
+        if both:
+            out.append(f"- {label}: final pass@1 quantized (its sampler) {_cell([r['pass1_final'] for r in both], '{:.3f}')}"
+                       f", the same learner unquantized {_cell([r['learner_pass1'] for r in both], '{:.3f}')} "
+                       f"(n={len(both)}).")
+    return out
+
+
 def looping_floor(out: Path) -> float:
     """The fraction of the task's correct training answers the looping detector flags (NaN without data).
     The char tokenizer makes one token per character, so characters compare as the token ids do."""
@@ -225,6 +247,7 @@ def findings(summaries: dict, labels: dict, sampler: str = DEQUANTIZED_SAMPLER) 
             out.append(f"- Neighbouring arms differ by {min(gaps):.3f}-{max(gaps):.3f}; the largest seed std is "
                        f"{max(spread):.3f}: {separated} of {len(gaps)} neighbouring gaps exceed it.")
     out += _paired_findings(final, summaries, labels)
+    out += learner_lines([(labels[a], runs) for a, runs in summaries.items()])
     return out
 
 
@@ -287,7 +310,7 @@ def _summaries(out: Path, section: Section, seeds: list[int]) -> tuple[dict, lis
         for seed in seeds:
             run = run_dir(out, name, seed)
             if (run / "DONE").exists():
-                runs.append(summarize_run(load_rows(run)))
+                runs.append({**summarize_run(load_rows(run)), "learner_pass1": learner_pass1(run)})
             else:
                 missing.append(f"{name}/seed{seed}")
         if runs:
@@ -733,6 +756,11 @@ def write_ladder_report(out: Path, arms, seeds: list[int], home: Path | None = N
             runs = summaries[arm.name]
             lines.append(f"- {arm.param['rung_label']}, {arm.param['arm_label']} masked "
                          f"{mean_std([r['masked'] for r in runs])[0]:.3f} of the sequences: {tbpo_sides(runs)}.")
+    learned = learner_lines([(f"{a.param['rung_label']}, {a.param['arm_label']}", summaries[a.name]) for a in arms
+                             if "rung" in a.param and not a.param["aligned"] and a.name in summaries])
+    if learned:
+        lines += ["", "The unaligned arms' final learners (BF16) evaluated without quantization, against their "
+                      "quantized samplers' evaluation (run.py --learner-eval):", "", *learned]
     lines += ["", f"The decision (issue 33), on final pass@1; a claim needs >= {SEEDS_FOR_A_CLAIM} seeds per arm:", ""]
     lines += ladder_outcome(rows, control_values, labels)
     late = ladder_rows(summaries, arms, key="pass1_last3")

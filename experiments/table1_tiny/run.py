@@ -163,6 +163,7 @@ class Sweep:
     task: Task = CHAIN
     home: Path | None = None  # the task's data and warm start (default: `out`)
     lr: float = LR  # the learning rate every arm starts from (an arm's own overrides come after it)
+    learner_eval: bool = False  # also evaluate the unaligned arms' final learners without quantization
     env: dict = field(default_factory=lambda: {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                                                "TORCHDYNAMO_DISABLE": "1"})
 
@@ -312,9 +313,22 @@ def claim_run(sweep: Sweep, arm: Arm, seed: int, init: Path) -> tuple[Path, list
     return out, args
 
 
-def finish_run(out: Path, seconds: float) -> None:
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the report needs the metrics, not the weights
+def finish_run(out: Path, seconds: float, keep_checkpoint: bool = False) -> None:
+    if not keep_checkpoint:  # the report needs the metrics, not the weights
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
     (out / "DONE").write_text(f"{seconds:.1f}\n")
+
+
+def unaligned(sweep: Sweep, arm: Arm) -> bool:
+    """Whether the arm samples with low-bit weights made from a learner that does not run them (BF16 learner)."""
+    from megatron_qarl.config import load_config
+
+    cfg = load_config(str(REPO / arm.config), [*sweep.task_overrides(), *arm.overrides])
+    return cfg.quant.scheme != "none" and not cfg.quant.learner_aligned
+
+
+def _keeps_checkpoint(sweep: Sweep, arm: Arm) -> bool:
+    return sweep.learner_eval and unaligned(sweep, arm)
 
 
 def run_arm(sweep: Sweep, arm: Arm, seed: int, init: Path) -> None:
@@ -323,8 +337,37 @@ def run_arm(sweep: Sweep, arm: Arm, seed: int, init: Path) -> None:
         return
     out, args = claimed
     seconds = _qarl_train(sweep, args, out / "train.log")
-    finish_run(out, seconds)
+    finish_run(out, seconds, _keeps_checkpoint(sweep, arm))
     print(f"[table1] {arm.name} seed {seed}: {seconds:.0f} s", flush=True)
+
+
+LEARNER_EVAL = "learner_eval"  # <run>/learner_eval: the final learner evaluated without quantization
+
+
+def evaluate_learner(sweep: Sweep, arm: Arm, seed: int) -> None:
+    """An unaligned run's final learner (its kept last checkpoint) evaluated by a BF16 sampler, on the run's
+    own held-out prompts and samples: its "eval at start" row in <run>/learner_eval/metrics.jsonl. Tells what
+    the learner learned apart from what its quantized deployment (the run's own evaluations) keeps of it."""
+    out = run_dir(sweep.out, arm.name, seed)
+    target = out / LEARNER_EVAL
+    if (target / "DONE").exists() or not (out / "DONE").exists():
+        return
+    kept = sorted((out / "checkpoints").glob("step_*"))
+    if not kept:
+        print(f"[table1] {arm.name} seed {seed}: no final checkpoint kept (it finished without --learner-eval): "
+              "no learner evaluation", flush=True)
+        return
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir()
+    args = [*(out / "overrides.txt").read_text().splitlines(), f"model.init_checkpoint={kept[-1]}", "train.steps=1",
+            "quant.scheme=none", "quant.learner_aligned=true", f"logging.out_dir={target}",
+            f"checkpoint.dir={target / 'checkpoints'}"]
+    seconds = _qarl_train(sweep, args, target / "train.log")
+    shutil.rmtree(target / "checkpoints", ignore_errors=True)
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    (target / "DONE").write_text(f"{seconds:.1f}\n")
+    print(f"[table1] {arm.name} seed {seed}: its final learner evaluated unquantized ({seconds:.0f} s)", flush=True)
 
 
 def run_arms_parallel(sweep: Sweep, runs: list[tuple[Arm, int]], init: Path, jobs: int, poll_s: float = 1.0) -> None:
@@ -347,7 +390,7 @@ def run_arms_parallel(sweep: Sweep, runs: list[tuple[Arm, int]], init: Path, job
                 running.remove(item)
                 if proc.returncode:
                     raise _failed(proc, out / "train.log")
-                finish_run(out, time.perf_counter() - start)
+                finish_run(out, time.perf_counter() - start, _keeps_checkpoint(sweep, arm))
                 print(f"[table1] {arm.name} seed {seed}: {time.perf_counter() - start:.0f} s", flush=True)
     finally:
         for proc, *_ in running:
@@ -396,7 +439,8 @@ def phase_sweep(phase: str, args, out: Path) -> Sweep:
         eval_every = 10
     return Sweep(out=runs, steps=steps, seeds=seeds, arms=phase_arms(phase, args), eval_every=eval_every,
                  eval_prompts=32 if args.quick else TASKS[task].eval_rows,
-                 init=Path(args.init).resolve() if args.init else None, task=TASKS[task], home=home)
+                 init=Path(args.init).resolve() if args.init else None, task=TASKS[task], home=home,
+                 learner_eval=args.learner_eval)
 
 
 def print_plan(phase: str, sweep: Sweep) -> None:
@@ -457,6 +501,10 @@ def run_phase(phase: str, sweep: Sweep, jobs: int = 1) -> None:
             run_arm(sweep, arm, seed, init)
     else:
         run_arms_parallel(sweep, runs, init, jobs)
+    if sweep.learner_eval:
+        for arm, seed in runs:
+            if unaligned(sweep, arm):
+                evaluate_learner(sweep, arm, seed)
     print(f"[table1] phase {phase}: {(time.perf_counter() - start) / 60:.1f} min", flush=True)
 
 
@@ -501,6 +549,10 @@ def main() -> None:
                         help="qarl-train runs at a time (each single-threaded; default 1). 2 on a 2-core machine "
                              "about halves a phase's wall time; the step times the reports print then include "
                              "the sharing")
+    parser.add_argument("--learner-eval", action="store_true",
+                        help="keep the unaligned arms' final checkpoints and evaluate those learners without "
+                             "quantization after the phase's runs (a BF16 sampler, the run's own held-out set): "
+                             "what the learner learned apart from what its quantized deployment keeps")
     parser.add_argument("--report-only", action="store_true", help="rebuild the reports from finished runs")
     parser.add_argument("--docs", action="store_true",
                         help="also write the reports to docs/ (table1: docs/results.md; others docs/results_<phase>.md) "
