@@ -494,8 +494,9 @@ def maybe_checkpoint(ctx, step: int, force: bool = False):
     last = step + 1 == ctx.cfg.train.steps
     if (every and (step + 1) % every == 0) or last or force:
         if not weights_finite(ctx.model):  # never a complete-looking checkpoint of diverged weights
-            raise DivergenceError(f"the weights are not finite after step {step + 1}: not checkpointing them; "
-                                  "resume from an earlier checkpoint with a lower train.optim.lr")
+            raise DivergenceError(f"training diverged: the weights are not finite after step {step + 1} (an applied "
+                                  "update overflowed them): not checkpointing them; resume from an earlier "
+                                  "checkpoint with a lower train.optim.lr")
         return ctx.checkpoints.save(step + 1, ctx.model, ctx.optimizer, checkpoint_state(ctx))
     return None
 

@@ -267,17 +267,24 @@ def test_run_checkpoint_of_the_old_format_resumes_and_refuses_conversion_clearly
     assert sorted(_rows(tmp_path / "run")) == [3]
 
 
-def test_a_diverging_run_skips_non_finite_steps_stops_clearly_and_never_checkpoints_nan(tmp_path):
-    """lr=1e6 without clipping (the issue's recipe): the loss goes non-finite; those optimizer steps are
-    skipped and counted, the run stops with one clear error (exit 2), and every checkpoint it left holds
-    finite weights (read back with the converter's own loader)."""
+@pytest.mark.parametrize("aux_loss", ["null", "0"])
+def test_a_diverging_run_stops_clearly_and_never_checkpoints_nan(tmp_path, aux_loss):
+    """lr=1e6 without clipping (the issue's recipe) diverges by one of two routes, and both stop with one clear
+    error (exit 2) and leave only finite checkpoints (read back with the converter's own loader).
+    With the model's balance loss (aux null) the routers get gradients on this zero-advantage batch and the
+    loss goes non-finite: those optimizer steps are skipped and counted until train.max_nonfinite_steps.
+    Without it (aux 0, the default) Adam turns the tiny finite gradients into ~lr-sized updates that overflow
+    the weights; the checkpoint due at that step is refused (or, where none is due, the next steps' losses
+    go non-finite and are skipped)."""
     from megatron_qarl.weights.convert import load_mcore_full_hf_state, open_mcore_checkpoint
 
     proc = _run(tmp_path, "train.steps=8", "checkpoint.every=1", "train.optim.lr=1e6", "train.optim.clip_grad=0",
-                "checkpoint.keep_last=10")
+                "checkpoint.keep_last=10", f"train.moe_aux_loss_coeff={aux_loss}")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "qarl-train: error: training diverged" in proc.stderr and "Traceback" not in proc.stderr
-    assert "optimizer step skipped" in proc.stdout
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-3000:]
+    if aux_loss == "null":
+        assert "optimizer step skipped (3 in a row, stop at 3)" in proc.stdout
     checkpoints = RunCheckpoints(tmp_path / "checkpoints").complete()
     for ckpt in checkpoints:
         state = load_mcore_full_hf_state(open_mcore_checkpoint(ckpt))
