@@ -120,6 +120,10 @@ def test_plan_prints_the_runs_and_launches_nothing(tmp_path, monkeypatch, capsys
     assert "sft.terms=16" in out and str(tmp_path / "o" / "task_long" / "sft") in out
     quick = _main(monkeypatch, capsys, "--out", str(tmp_path / "o"), "--quick", "--plan")
     assert quick.count("6 RL steps x seeds [0]") == 2 and "2 arms, 2 runs" in quick and "4 arms, 4 runs" in quick
+    monkeypatch.chdir(tmp_path)  # without --out: a smoke run has its own root, never a real run's dirs
+    quick_default = _main(monkeypatch, capsys, "--quick", "--plan")
+    assert f"runs under {tmp_path / 'runs' / 'table1_tiny_quick'}/calibrate/runs" in quick_default
+    assert "table1_tiny/" not in quick_default
     table1 = _main(monkeypatch, capsys, "--out", str(tmp_path / "o"), "--plan", "--regimes", "experts")
     assert f"runs under {tmp_path / 'o'}/runs; 100 RL steps x seeds [0, 1, 2]; 7 arms" in table1
 

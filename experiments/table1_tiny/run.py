@@ -510,7 +510,8 @@ def run_phase(phase: str, sweep: Sweep, jobs: int = 1) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="runs/table1_tiny", help="where tasks, runs and reports go")
+    parser.add_argument("--out", default=None, help="where tasks, runs and reports go (default runs/table1_tiny; "
+                        "--quick: runs/table1_tiny_quick, so a smoke run never meets a real run's dirs)")
     parser.add_argument("--phase", nargs="+", choices=PHASES, default=None,
                         help="the phases to run, in order (default: table1; with --quick: calibrate ladder)")
     parser.add_argument("--task", choices=list(TASKS), default=None,
@@ -570,7 +571,7 @@ def main() -> None:
     selected = args.phase or (["calibrate", "ladder"] if args.quick else ["table1"])
     if args.init and len({args.task or PHASE_TASK[p] for p in selected}) > 1:
         parser.error("--init is one task's warm start; these phases run on two tasks")
-    out = Path(args.out).resolve()
+    out = Path(args.out or ("runs/table1_tiny_quick" if args.quick else "runs/table1_tiny")).resolve()
     sweeps = [(phase, phase_sweep(phase, args, out)) for phase in selected]
     if args.plan:
         for phase, sweep in sweeps:
