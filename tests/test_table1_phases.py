@@ -218,8 +218,11 @@ def test_ladder_report_numbers_are_the_hand_computed_ones(tmp_path):
     }
     for arm, (k3, finals) in values.items():
         for seed, final in enumerate(finals):
-            _write(tmp_path, arm, seed, [{"mismatch/k3": k3}], [0.3, final])
+            start = {"bf16": 0.3, "w4g128": 0.28, "w2g128": 0.2}[arm.split("_")[0]] + 0.01 * seed
+            _write(tmp_path, arm, seed, [{"mismatch/k3": k3}], [start, final])
     text = report.write_ladder_report(tmp_path, arms, [0, 1])
+    assert ("- Before any RL step (the shared warm start), held-out pass@1 of the BF16 sampler 0.305; of the W4 g128 "
+            "sampler 0.285; of the W2 g128 sampler 0.205 (mean of the runs' step-0 evaluations)") in text
     # unaligned k3: mean of 1e-4 and 3e-4; aligned: of 1e-5 and 3e-5; ratio 2e-5 / 2e-4
     assert _row(text, "| W4 g128") == ["W4 g128", "2.00e-04", "2.00e-05", "1.00e-01", "0.700 ± 0.000 (n=2)",
                                        "0.600 ± 0.000 (n=2)", "0.750 ± 0.000 (n=2)", "0.750 ± 0.071 (n=2)", "-"]

@@ -554,8 +554,10 @@ def ladder_rows(summaries: dict, arms, key: str = "pass1_final") -> list[dict]:
         rung = rungs.setdefault(arm.param["rung"], {"rung": arm.param["rung"], "label": arm.param["rung_label"],
                                                     "twin": arm.param.get("twin", ""),
                                                     "unaligned": [], "aligned": [], "pass1": {},
-                                                    "finals": {}, "aligned_roles": [], "unaligned_roles": []})
+                                                    "finals": {}, "aligned_roles": [], "unaligned_roles": [],
+                                                    "start": []})
         runs = summaries[arm.name]
+        rung["start"] += [r["pass1_start"] for r in runs]  # every arm's sampler at step 0: the rung's codes
         rung["aligned" if arm.param["aligned"] else "unaligned"] += [r["k3"] for r in runs]
         rung["pass1"][arm.role] = mean_std([r[key] for r in runs])
         rung["finals"][arm.role] = [r[key] for r in runs]
@@ -744,6 +746,12 @@ def write_ladder_report(out: Path, arms, seeds: list[int], home: Path | None = N
     if control is not None:
         lines.append(f"- BF16 GRPO+TIS control (no quantization): final pass@1 {control[0]:.3f}"
                      + ("" if math.isnan(control[1]) else f" ± {control[1]:.3f}") + f" (n={len(control_values)}).")
+    if rows:
+        starts = [f"of the {r['label']} sampler {mean_std(r['start'])[0]:.3f}" for r in rows]
+        if control_values:
+            starts.insert(0, f"of the BF16 sampler {mean_std([r['pass1_start'] for r in summaries[control_arm.name]])[0]:.3f}")
+        lines.append(f"- Before any RL step (the shared warm start), held-out pass@1 {'; '.join(starts)} (mean of the "
+                     "runs' step-0 evaluations): the gap quantizing alone costs, which RL then widens or closes.")
     if len(rows) > 1:
         first, last = rows[0], rows[-1]
         for role, label in roles.items():
