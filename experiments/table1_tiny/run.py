@@ -23,12 +23,14 @@ two single-threaded runs at once, about halving a phase's wall time):
   ladder     rungs W4 g128, W4 g32, W3 g128, W2 g128 (one master), 4 arms per rung + a BF16 control, at the
              calibrated --lr/--mini-batches/--tbpo-band, 100 steps: a run takes ~6 min (BF16 ~3.3 s per RL
              step, quantized rungs ~3.5-4.5 s, evaluations included), so one seed of the whole ladder (17 runs)
-             ~55 min at --jobs 2, and 3 seeds of two rungs + the control (27 runs) ~1.5 h.
+             ~55 min at --jobs 2, and 3 seeds of two rungs + the control (27 runs) ~1.5 h (measured
+             2026-11-29: 23 of them in 73 min, ~330-350 s a run; --learner-eval adds ~12 s per unaligned run).
   long       table1's main arms on the long task (16 terms), 100 steps x 3 seeds (12 runs): ~10-12 s per RL
              step, ~20 min a run, ~2 h at --jobs 2; its own SFT warm start first (~850 steps, ~28 min).
   --quick    calibrate and ladder smoke: seed 0, 6 steps, one calibration point (TBPO and GSPO), one rung
-             (W4 g128, 4 arms): 6 runs. Measured: 4.3 min on 2 cores (AMD EPYC), the chain task's SFT warm
-             start included (94 s); each 6-step run ~25 s.
+             (W4 g128, 4 arms): 6 runs under runs/table1_tiny_quick. Measured: 4.3 min on 2 idle cores (AMD
+             EPYC), the chain task's SFT warm start included (94 s); each 6-step run ~25 s. 10.8 min when three
+             other runs shared the 2 cores (2026-11-29).
 
 Tasks (`--task`, default: the phase's own; megatron_qarl/rl/synthetic.py "chain", one-digit operands, the
 response writes each operand after the first and the running sum least-significant digit first,
@@ -518,7 +520,8 @@ def main() -> None:
                         help="run the phases on this task (default: each phase's own: long for `long`, else chain)")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: seed 0, 6 steps (table1: its main arms, 8 steps), one calibration point, "
-                             "one rung; under 10 minutes by design (not yet measured)")
+                             "one rung, under runs/table1_tiny_quick; measured 4.3 min on an idle 2-core AMD EPYC (10.8 min "
+                             "while three other runs shared its 2 cores)")
     parser.add_argument("--plan", "--dry-run", action="store_true", dest="plan",
                         help="print the runs the phases would launch (arm, overrides, seeds, steps); run nothing")
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
