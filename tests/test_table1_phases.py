@@ -388,6 +388,7 @@ def test_nested_rungs_are_compared_with_their_plain_twin(tmp_path):
     text = report.write_ladder_report(tmp_path, arms, [0, 1])
     # nested 0.61 - plain 0.52 = +0.09; stds 0.0141 (nested) and 0.0283 (plain)
     assert "- W2 g128 nested against W2 g128: unaligned k3 1.00e-02 against 2.00e-02 (x0.50)." in text
+    assert "-> 0.610 at W2 g128 nested" not in text  # the climb across rungs leaves the nested twin out
     assert ("  - quantized rollout, BF16 learner, GRPO+TIS: final pass@1 nested minus plain +0.090 (larger seed std "
             "0.028, n=2)") in text
     assert "  - QaRL + GRPO: final pass@1 nested minus plain +0.000 (larger seed std 0.014, n=2)" in text

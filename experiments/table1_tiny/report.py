@@ -752,8 +752,9 @@ def write_ladder_report(out: Path, arms, seeds: list[int], home: Path | None = N
             starts.insert(0, f"of the BF16 sampler {mean_std([r['pass1_start'] for r in summaries[control_arm.name]])[0]:.3f}")
         lines.append(f"- Before any RL step (the shared warm start), held-out pass@1 {'; '.join(starts)} (mean of the "
                      "runs' step-0 evaluations): the gap quantizing alone costs, which RL then widens or closes.")
-    if len(rows) > 1:
-        first, last = rows[0], rows[-1]
+    plain = [r for r in rows if not r["twin"]]  # a nested rung is compared with its twin below, not climbed
+    if len(plain) > 1:
+        first, last = plain[0], plain[-1]
         for role, label in roles.items():
             if role in first["pass1"] and role in last["pass1"]:
                 lines.append(f"- {label}: final pass@1 {first['pass1'][role][0]:.3f} at {first['label']} -> "
