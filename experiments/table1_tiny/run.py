@@ -366,9 +366,8 @@ def evaluate_learner(sweep: Sweep, arm: Arm, seed: int) -> None:
             "quant.scheme=none", "quant.learner_aligned=true", f"logging.out_dir={target}",
             f"checkpoint.dir={target / 'checkpoints'}"]
     seconds = _qarl_train(sweep, args, target / "train.log")
-    shutil.rmtree(target / "checkpoints", ignore_errors=True)
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    (target / "DONE").write_text(f"{seconds:.1f}\n")
+    finish_run(target, seconds)
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the run's kept checkpoint has served
     print(f"[table1] {arm.name} seed {seed}: its final learner evaluated unquantized ({seconds:.0f} s)", flush=True)
 
 
