@@ -268,7 +268,7 @@ class TrainConfig:
     # The MoE load-balancing aux loss in RL updates (megatron's moe_aux_loss_coeff). Off by default, as slime
     # and miles run Qwen3-30B-A3B RL (`--moe-aux-loss-coeff 0`, scripts/models/qwen3-30B-A3B.sh): a policy-gradient
     # loss is ~1e-3, so Qwen3's pretraining coefficient (router_aux_loss_coef 0.001) makes the balance term
-    # steer the routers on its own (docs/results.md: it collapsed the long-response task at every lr).
+    # steer the routers on its own (docs/balance-loss.md: it collapsed the long-response task at every lr).
     # null: the model config's own coefficient. The SFT warm-up keeps the model's.
     moe_aux_loss_coeff: float | None = 0.0
     loss: LossConfig = field(default_factory=LossConfig)
