@@ -40,8 +40,20 @@ qarl_torch_pip_args() {
   fi
 }
 
+# Behind a firewall an unreachable extra index costs minutes of pip retry warnings per package: ask it once, with
+# a short deadline, and drop it with one line when it does not answer (pip's own index / find-links stay in use).
+qarl_probe_torch_index() {
+  [ -n "$QARL_TORCH_INDEX" ] || return 0
+  if ! python -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=5).close()' \
+      "$QARL_TORCH_INDEX" >/dev/null 2>&1; then
+    echo "env.sh: the torch index $QARL_TORCH_INDEX does not answer; installing without it (set QARL_TORCH_INDEX= to skip this probe, or to a reachable mirror)" >&2
+    QARL_TORCH_INDEX=""
+  fi
+}
+
 stamp="$QARL_VENV/.qarl-installed-$(cat "$QARL_ROOT/setup.py" "$CPU_PINS" | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
+  qarl_probe_torch_index
   mapfile -t torch_args < <(qarl_torch_pip_args)
   [ "${#torch_args[@]}" -gt 0 ] || exit 1
   python -m pip install -q --disable-pip-version-check --upgrade pip wheel

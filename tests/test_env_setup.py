@@ -15,7 +15,9 @@ def _stub_venv(tmp_path: Path) -> tuple[Path, Path]:
     venv, log = tmp_path / "venv", tmp_path / "argv.log"
     (venv / "bin").mkdir(parents=True, exist_ok=True)
     python = venv / "bin" / "python"
-    python.write_text(f'#!/usr/bin/env bash\nprintf "%s\\x1f" "$@" >> {log}\nprintf "\\n" >> {log}\n')
+    # `python -c ...` is env.sh's probe of the torch index: it answers with $STUB_INDEX_RC (0: reachable)
+    python.write_text('#!/usr/bin/env bash\nif [ "$1" = "-c" ]; then exit "${STUB_INDEX_RC:-0}"; fi\n'
+                      f'printf "%s\\x1f" "$@" >> {log}\nprintf "\\n" >> {log}\n')
     python.chmod(0o755)
     (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:$PATH"\n')
     return venv, log
@@ -28,6 +30,7 @@ def _pip_calls(tmp_path: Path, **env) -> list[list[str]]:
     proc = subprocess.run(["bash", str(REPO / "launch" / "env.sh")], env=full_env, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
+    _pip_calls.stderr = proc.stderr
     return [line.split("\x1f")[:-1] for line in log.read_text().splitlines()]
 
 
@@ -65,3 +68,10 @@ def test_a_set_up_venv_is_not_installed_again(tmp_path):
     _pip_calls(tmp_path)
     calls = _pip_calls(tmp_path)  # the same stub venv: its stamp is there, nothing runs
     assert len(calls) == 3  # the first run's three pip calls only
+
+
+def test_an_unreachable_torch_index_is_dropped_with_one_line_instead_of_minutes_of_pip_retries(tmp_path):
+    torch = _torch_call(_pip_calls(tmp_path, STUB_INDEX_RC="1"))
+    assert not any(a.startswith("--extra") or "://" in a for a in torch), torch
+    said = [ln for ln in _pip_calls.stderr.splitlines() if "does not answer" in ln]
+    assert len(said) == 1 and PYTORCH_CPU_INDEX in said[0] and "QARL_TORCH_INDEX=" in said[0], _pip_calls.stderr
