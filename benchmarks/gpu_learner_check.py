@@ -491,7 +491,7 @@ def part_b_variant(label: str, preset: str, layers: int, tokens: int, quant, opt
         out["sites"] = len(aligned.sites)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
     mark("after_ddp")
-    opt = build_optimizer(OptimConfig(name=optim_name, lr=1e-6, bf16=bf16), [ddp])
+    opt = build_optimizer(OptimConfig(name=optim_name, lr=1e-6, bf16=bf16), [ddp], family_of(hf))
     out["optimizer_backend"] = opt.backend
     mark("after_optimizer_build")
     gen = torch.Generator().manual_seed(11)

@@ -90,7 +90,7 @@ def measure(cfg, cuda: bool) -> dict:
     with memory.region(TRAINER_GRADS):
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
     with memory.region(TRAINER_STATE):
-        opt = build_optimizer(cfg.train.optim, [ddp])
+        opt = build_optimizer(cfg.train.optim, [ddp], family_of(hf))
         init_optimizer_state(opt)
     resident = torch.cuda.memory_allocated() / GIB if cuda else None
     tokens = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
