@@ -172,3 +172,110 @@ def test_a_colocated_step_releases_and_restores_in_the_timeline_order(monkeypatc
     step = [("engine release",)] + wait + [("resume", TRAINER_STATE), ("resume", TRAINER_GRADS)] + wait \
         + [("pause", TRAINER_GRADS)] + publish_tail
     assert saver.calls == build + start + first + step + step
+
+
+GIB = 1024 ** 3
+
+
+class FakeLibrary(RecordingSaver):
+    """torch_memory_saver's process-wide state, as its C code keeps it: a tag is active or paused, and the calls the
+    library would exit(1) on (tms csrc/core.cpp: pause of a non-active allocation, resume of a non-paused one) fail
+    the test instead, so a test sees whether GuardedSaver let one through."""
+
+    def __init__(self):
+        super().__init__()
+        self.state = {}
+
+    def pause(self, tag=None):
+        assert self.state.get(tag) != "paused", "the library would exit(1): pause of a paused allocation"
+        self.state[tag] = "paused"
+        super().pause(tag)
+
+    def resume(self, tag=None):
+        assert self.state.get(tag) == "paused", "the library would exit(1): resume of an active allocation"
+        self.state[tag] = "active"
+        super().resume(tag)
+
+
+def _guarded(device_free=100 * GIB, host=100 * GIB, grows=None):
+    from megatron_qarl.memory_saver import GuardedSaver
+
+    grows = dict(grows or {TRAINER_STATE: 10 * GIB, TRAINER_GRADS: 4 * GIB})
+    reserved = [0]
+    library = FakeLibrary()
+
+    @contextlib.contextmanager
+    def region(tag="default", enable_cpu_backup=False):  # allocating inside grows torch's reserved memory
+        library.calls.append(("region", tag, enable_cpu_backup))
+        yield
+        reserved[0] += grows.get(tag, 0)
+
+    library.region = region
+    free = [device_free]
+    saver = GuardedSaver(library, device_free=lambda: free[0], host_available=lambda: host,
+                         reserved=lambda: reserved[0])
+    memory = TrainerMemory(saver, on_gpu=False, colocated=False)
+    for tag in REGIONS:
+        with memory.region(tag):
+            pass
+    return memory, saver, library, free
+
+
+
+def test_guarded_saver_passes_the_production_calls_through_in_order():
+    memory, saver, library, _ = _guarded()
+    assert saver.tag_bytes(TRAINER_STATE) == 10 * GIB and saver.tag_bytes(TRAINER_GRADS) == 4 * GIB
+    for _ in range(2):
+        memory.release()
+        memory.restore()
+    assert [c for c in library.calls if c[0] != "region"] == 2 * [
+        ("pause", TRAINER_GRADS), ("pause", TRAINER_STATE), ("resume", TRAINER_STATE), ("resume", TRAINER_GRADS)]
+
+
+def test_a_second_pause_or_a_resume_of_an_active_region_is_one_line_not_the_library_exit():
+    memory, saver, library, _ = _guarded()
+    saver.pause(TRAINER_STATE)
+    with pytest.raises(MemorySaverError, match="'trainer_state' is released already.*Cannot pause") as err:
+        saver.pause(TRAINER_STATE)  # e.g. a second TrainerMemory on the same process-wide saver
+    assert "\n" not in str(err.value)
+    with pytest.raises(MemorySaverError, match="'trainer_grads' is not released.*Cannot resume"):
+        saver.resume(TRAINER_GRADS)
+    with pytest.raises(MemorySaverError, match="allocation into .*'trainer_state' while it is released"):
+        with saver.region(TRAINER_STATE, enable_cpu_backup=True):
+            pass
+    saver.resume(TRAINER_STATE)
+    assert library.state == {TRAINER_STATE: "active"}  # nothing the library would have exited on reached it
+
+
+def test_a_resume_without_the_device_memory_is_refused_before_the_library_maps():
+    memory, saver, library, free = _guarded()
+    memory.release()
+    free[0] = 9 * GIB  # the engine kept more than it released: 10 GiB of state cannot come back
+    with pytest.raises(MemorySaverError, match=r"restoring 'trainer_state' maps 10.00 GiB back and the GPU has 9.00 "
+                                               r"GiB free.*mem_fraction_static"):
+        memory.restore()
+    assert ("resume", TRAINER_STATE) not in library.calls
+    free[0] = 10 * GIB
+    memory.restore()  # the hand-over can be retried once the memory is there
+    assert library.calls[-2:] == [("resume", TRAINER_STATE), ("resume", TRAINER_GRADS)]
+
+
+def test_a_pause_that_cannot_pin_its_host_copy_is_refused_before_the_library_pins():
+    from megatron_qarl.memory_saver import HOST_HEADROOM_BYTES
+
+    # grads have no host copy: only the 10 GiB of state needs host memory (plus the headroom)
+    memory, saver, library, _ = _guarded(host=10 * GIB + HOST_HEADROOM_BYTES - 1)
+    memory.release((TRAINER_GRADS,))
+    with pytest.raises(MemorySaverError, match=r"releasing 'trainer_state' pins a 10.00 GiB host copy.*--mem"):
+        memory.release()
+    assert ("pause", TRAINER_STATE) not in library.calls and ("pause", TRAINER_GRADS) in library.calls
+    memory, saver, library, _ = _guarded(host=10 * GIB + HOST_HEADROOM_BYTES)
+    memory.release()
+    assert ("pause", TRAINER_STATE) in library.calls
+
+
+def test_one_tag_keeps_one_backup_policy():
+    memory, saver, _, _ = _guarded()
+    with pytest.raises(MemorySaverError, match="'trainer_grads' was opened with enable_cpu_backup=False"):
+        with saver.region(TRAINER_GRADS, enable_cpu_backup=True):
+            pass
