@@ -409,6 +409,24 @@ def _only_trainable(model_chunks, keep: set[int]):
 # ----------------------------------------------------------------------------------------------
 
 
+def distributed_optimizer_refusal(ddp_configs: Iterable) -> str | None:
+    """Why megatron's distributed optimizer cannot be built here (one line), None when no chunk asks for it.
+
+    `DistributedDataParallelConfig(use_distributed_optimizer=True)` makes DDP allocate a param buffer next to the
+    grad buffer and re-point every ``param.data`` into it (mcore megatron/core/distributed/param_and_grad_buffer.py
+    :796-834: ``self.param_data = torch.zeros(...)``, then ``param.data = new_param_data`` and a copy). The trainer
+    builds DDP inside the memory saver's TRAINER_GRADS region, which has no host backup (memory_saver.REGIONS:
+    grads are dead between steps), so the first release for a colocated engine would drop the bf16 params
+    themselves; and the optimizers built here do not shard their state (``_megatron_config``:
+    ``use_distributed_optimizer=False``), which megatron's mixed-precision optimizer would need to match."""
+    if any(getattr(c, "use_distributed_optimizer", False) for c in ddp_configs):
+        return ("megatron's distributed optimizer (DistributedDataParallelConfig(use_distributed_optimizer=True)) "
+                "is not supported: DDP moves every param into its param buffer, which the trainer allocates in the "
+                "memory saver's TRAINER_GRADS region that has no host backup, so a release for a colocated engine "
+                "would lose the params; build DDP with use_distributed_optimizer=False")
+    return None
+
+
 def _megatron_config(cfg: OptimConfig):
     from megatron.core.optimizer import OptimizerConfig
 
@@ -586,6 +604,9 @@ def build_optimizer(cfg: OptimConfig, model_chunks: Iterable, family) -> QarlOpt
             raise TypeError(
                 f"build_optimizer needs megatron DistributedDataParallel-wrapped chunks (for main_grad); "
                 f"got {type(chunk).__name__}")
+    refusal = distributed_optimizer_refusal(chunk.ddp_config for chunk in model_chunks)
+    if refusal:
+        raise OptimConfigError(refusal)
     if cfg.bf16 and not torch.cuda.is_available():
         raise OptimConfigError(
             "bf16=true keeps bf16 model params with fp32 masters in megatron's Float16Optimizer, which "
