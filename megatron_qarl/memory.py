@@ -44,7 +44,12 @@ family's `tp_replicated_params`, e.g. MLA's down-projections, are whole on every
         GEMM (which re-gathers in the backward);
       with train.recompute_activations: 2 B x H / TP per layer and token (layer inputs) plus ONE layer's
       full activations during its recompute;
-      logits: T x V / TP x 6 B (bf16 logits + fp32 log-softmax), not chunked.
+      logits (logits_transient_bytes, what models/logprobs.py holds, counted by tests/test_logprobs.py on the CPU):
+        training: 2 copies of the T x V/TP logits in the params dtype (the saved logits and their gradient; megatron's
+        own transpose copy in the forward and grad copy in the output layer's backward are as large) + one fp32
+        chunk of at most logprobs.CHUNK_ELEMENTS elements (whole rows) + 16 B per token and 32 B per chunk row
+        (the fp32 log-sum-exp, target logit, incoming gradient and its scale; the chunk's indices);
+        old log-probs (no grad): max(2 copies, 1 copy + the chunk) and the same small vectors.
     This is a rough upper-side estimate (no fused-kernel savings, no allocator fragmentation).
 
 Rollout engine weights: the published payload as the engine stores it (W4A16: int32-packed 0.5 B/elem +
@@ -57,10 +62,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_qarl.models import logprobs
 from megatron_qarl.models.registry import family_of, resolve_hf_config
 from megatron_qarl.quant.schemes import NO_SCHEME, scheme_of
 
 GIB = 1024 ** 3
+LOGPROB_TOKEN_BYTES = 16  # fp32 per token held by logprobs.py: log-sum-exp, target logit, grad_out, grad_out / T
+LOGPROB_ROW_BYTES = 32    # per row of one chunk: int64 target index and its temporary, mask, gathered logit, sums
 
 
 # --------------------------------------------------------------------------------------------------
@@ -118,6 +126,25 @@ def _per_layer_token_bytes(family, shape, tp: int, etp: int, aligned_attention: 
     return attn + moe
 
 
+def logits_transient_bytes(batch: int, seq: int, vocab_local: int, elem: int, *, grad: bool,
+                           chunk_elements: int | None = None) -> float:
+    """The bytes the logits and their log-softmax hold at their peak for one micro-batch of `batch` x `seq`
+    tokens with `vocab_local` = V / TP logits each in `elem`-byte params (models/logprobs.py's docstring):
+      forward:  the output's [s, b, V/TP] original and its [b, s, V/TP] copy (gpt_model.py:712), then the logits
+                and one fp32 chunk;
+      backward: the saved logits, their gradient and one fp32 chunk, then the gradient and the output layer's
+                contiguous copy of it (megatron/core/utils.py:1086);
+    plus LOGPROB_TOKEN_BYTES per token and LOGPROB_ROW_BYTES per chunk row."""
+    n = float(batch * seq * vocab_local)
+    ce = logprobs.CHUNK_ELEMENTS if chunk_elements is None else chunk_elements
+    rows = min(logprobs.chunk_rows(vocab_local, ce), max(seq - 1, 1))  # a chunk never spans two sequences
+    chunk = 4.0 * rows * vocab_local
+    peak = max(2 * elem * n, elem * n + chunk)
+    if grad:
+        peak = max(peak, 2 * elem * n + chunk)
+    return peak + batch * seq * LOGPROB_TOKEN_BYTES + rows * LOGPROB_ROW_BYTES
+
+
 def _activation_bytes(cfg, family, shape, tp: int, etp: int, aligned_attention: bool) -> dict[str, float]:
     b, seq = cfg.train.micro_batch_size, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     t = b * seq
@@ -133,9 +160,12 @@ def _activation_bytes(cfg, family, shape, tp: int, etp: int, aligned_attention: 
         scores, score_buffer = heads * seq * 4.0 * saved_layers, 0.0  # the log-sum-exp the backward re-reads
     else:
         scores, score_buffer = heads * seq ** 2 * 6.0 * (saved_layers + 1), heads * seq ** 2 * 2.0
-    logits = t * shape.vocab_size / tp * 6.0
+    elem = 2 if cfg.model.dtype == "bfloat16" else 4
+    vocab_local = shape.vocab_size // tp  # unpadded: the families' check_divisibility asks TP to divide it
+    logits = logits_transient_bytes(b, seq, vocab_local, elem, grad=True)
+    no_grad_logits = logits_transient_bytes(b, seq, vocab_local, elem, grad=False)
     return {"tokens_per_micro_batch": t, "layers": layers, "attention_scores": scores, "logits": logits,
-            "score_buffer": score_buffer, "no_grad_layer": t * per_layer_token}
+            "no_grad_logits": no_grad_logits, "score_buffer": score_buffer, "no_grad_layer": t * per_layer_token}
 
 
 def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
@@ -266,7 +296,7 @@ def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str
     grads = {"grads_fp32": tr["grads_fp32"]}
     train_act = {"activations": act["layers"], "attention_scores": act["attention_scores"],
                  "logits": act["logits"]}
-    old_act = {"activations": act["no_grad_layer"], "logits": act["logits"]}
+    old_act = {"activations": act["no_grad_layer"], "logits": act["no_grad_logits"]}
 
     def reserve(variable: dict) -> dict:
         return {"allocator_reserve": ALLOCATOR_RESERVE * sum(variable.values())}

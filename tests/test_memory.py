@@ -114,7 +114,12 @@ def test_tiny_w4a16_reference_memory_hand_computed():
     # MoE 2*2*256 + 8*8 + 2*2*(256 + 3*256) = 5,184 -> 7,744 x 2 layers x 96 tokens
     assert est["tokens_per_micro_batch"] == 96
     assert mem["activations"] == 96 * 7_744 * 2 == 1_486_848
-    assert mem["logits"] == 96 * 128 * 6 == 73_728
+    # logits (models/logprobs.py, bf16 here): the saved logits and their gradient, 2 x 2 B x 96 x 128 = 49,152, one
+    # fp32 chunk of 23 rows (a sequence's 24 - 1 positions; CHUNK_ELEMENTS would take 131,072 rows of 128) x 128 x
+    # 4 B = 11,776, 16 B per token (1,536) and 32 B per chunk row (736)
+    assert mem["logits"] == 49_152 + 11_776 + 1_536 + 736 == 63_200
+    # no grad (old log-probs): the forward's 2 copies (megatron's transpose) outweigh 1 copy + the chunk
+    assert est["activation_detail"]["no_grad_logits"] == 49_152 + 1_536 + 736
     # fused (SDPA, the default): b 4 x 4 heads x L 24 x fp32 log-sum-exp, saved in both layers
     assert mem["attention_scores"] == 4 * 4 * 24 * 4 * 2 == 3_072
     # unfused: b 4 x 4 heads x L 24^2 x 6 B, saved in both layers plus one layer's transient
@@ -235,3 +240,19 @@ def test_dry_run_prints_the_timeline_and_a_verdict():
         assert f"\n{phase:<14}" in text
     assert "FITS a 79 GiB GPU" in text
     assert "does NOT fit a 0.1 GiB GPU" in format_dry_run(_tiny(), world_size=1, gpu_gib=0.1)
+
+
+def test_qwen3_30b_a3b_logits_transient_hand_count():
+    """The paper arm's logits at T = 18,432 tokens and V/TP = 151,936 / 4 = 37,984 (bf16): 2 copies of
+    700,121,088 elements (2.80 GB) + one fp32 chunk of 441 rows (2^24 // 37,984) = 67.0 MB + 16 B x 18,432 + 32 B x
+    441; the previous code held the bf16 logits, their fp32 cast and the fp32 quotient at once (10 B/element,
+    7.0 GB; the model counted 6 B/element, 4.2 GB)."""
+    from pathlib import Path
+
+    cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "qwen3_30b_a3b_qarl_w4a16_tbpo.yaml"), [])
+    est = estimate_memory(cfg, world_size=8)
+    n = 18_432 * 37_984
+    assert n == 700_121_088
+    chunk = 4 * 441 * 37_984
+    assert est["trainer_per_gpu"]["logits"] == 2 * 2 * n + chunk + 16 * 18_432 + 32 * 441 == 2_867_797_152
+    assert est["activation_detail"]["no_grad_logits"] == 2 * 2 * n + 16 * 18_432 + 32 * 441

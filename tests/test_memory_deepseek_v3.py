@@ -85,7 +85,8 @@ def test_tiny_dsv3_estimate_by_hand():
     assert est["kv_bytes_per_token_per_gpu"] == KV_PER_TOKEN
     assert mem["activations"] == 96 * PER_LAYER_TOKEN * 3 == 2_018_304
     assert mem["attention_scores"] == 4 * 4 * 24 * 4 * 3  # SDPA: b x heads x L fp32 log-sum-exp, 3 layers
-    assert mem["logits"] == 96 * 128 * 6
+    # fp32 logits: 2 copies 2 x 4 B x 96 x 128 + one fp32 chunk of 23 rows x 128 + 16 B/token + 32 B/chunk row
+    assert mem["logits"] == 98_304 + 11_776 + 1_536 + 736
     # TP 2 (sequence parallel): the replicated down-projections stay whole on each rank
     tp2 = estimate_memory(_tiny_dsv3("parallel.tp=2", "parallel.etp=1", world_size=2), world_size=2)
     local = (ATTENTION - REPLICATED) / 2 + REPLICATED + DENSE_MLP / 2 + EXPERTS + ROUTER + NORMS + EMBED
@@ -120,7 +121,10 @@ def test_tiny_dsv3_all_linears_quantizes_mla_heads_not_its_latent_by_hand():
 MASTER, GRADS, ADAM = 4 * TOTAL, 4 * TOTAL, 8 * TOTAL
 CACHE = EXPERTS * (1 + 4 + 0.5) + 2 * EXPERTS / 128  # int8 codes, fp32 dequantized, packed words; bf16 scales
 ENGINE_WEIGHTS = 2 * (TOTAL - EXPERTS) + EXPERTS / 2 + 2 * EXPERTS / 128
-TRAIN_ACT, OLD_ACT, LOGITS, LSE = 96 * PER_LAYER_TOKEN * 3, 96 * PER_LAYER_TOKEN, 96 * 128 * 6, 4 * 4 * 24 * 4 * 3
+TRAIN_ACT, OLD_ACT, LSE = 96 * PER_LAYER_TOKEN * 3, 96 * PER_LAYER_TOKEN, 4 * 4 * 24 * 4 * 3
+# logits, fp32: training 2 copies of 96 x 128 x 4 B + one fp32 chunk of 23 rows x 128 + 16 B/token + 32 B/chunk
+# row; old log-probs (no grad) the 2 copies only, + the small vectors (test_memory's tiny hand count)
+LOGITS, OLD_LOGITS = 98_304 + 11_776 + 1_536 + 736, 98_304 + 1_536 + 736
 
 
 def test_tiny_dsv3_colocated_phases_term_by_term():
@@ -136,7 +140,7 @@ def test_tiny_dsv3_colocated_phases_term_by_term():
     assert rows["engine start"]["terms"] == rows["rollout"]["terms"]
     assert rows["engine wake"]["total"] == residue + CUDA_CONTEXT + ENGINE_WEIGHTS + kv
     state = MASTER + ADAM
-    old = residue + state + GRADS + CACHE + (OLD_ACT + LOGITS) * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT
+    old = residue + state + GRADS + CACHE + (OLD_ACT + OLD_LOGITS) * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT
     assert rows["old-logprob"]["total"] == pytest.approx(old, rel=1e-12)
     train = residue + state + GRADS + CACHE + (TRAIN_ACT + LSE + LOGITS) * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT
     assert rows["train"]["total"] == pytest.approx(train, rel=1e-12)

@@ -33,12 +33,15 @@ def _rows(timeline) -> dict:
 #     = 17,301,504 + 49,152 = 17,350,656
 #   engine weights: bf16 rest 2 x 464,384 + packed experts 1,572,864 + scales 49,152 = 2,550,784
 #   T = 4 x 24 = 96 tokens; per layer and token 7,744 B (test_memory); training activations 2 layers
-#   1,486,848; no-grad one layer 743,424; logits 96 x 128 x 6 = 73,728; SDPA log-sum-exp 4 x 4 x 24 x 4 x 2
-#   = 3,072
+#   1,486,848; no-grad one layer 743,424; logits (fp32, models/logprobs.py): training the saved logits and their
+#   gradient 2 x 4 B x 96 x 128 = 98,304 + one fp32 chunk of 23 rows x 128 = 11,776 + 16 B/token 1,536 + 32 B/chunk
+#   row 736 = 112,352; old log-probs the 2 copies (megatron's transpose) + 2,272 = 100,576; SDPA log-sum-exp
+#   4 x 4 x 24 x 4 x 2 = 3,072
 MASTER, GRADS, ADAM = 4 * TINY_TOTAL, 4 * TINY_TOTAL, 8 * TINY_TOTAL
 CACHE = TINY_EXPERTS * (1 + 4 + 0.5) + 2 * TINY_EXPERTS / 128
 ENGINE_WEIGHTS = 2 * (TINY_TOTAL - TINY_EXPERTS) + TINY_EXPERTS / 2 + 2 * TINY_EXPERTS / 128
-TRAIN_ACT, OLD_ACT, LOGITS, LSE = 96 * 7_744 * 2, 96 * 7_744, 96 * 128 * 6, 4 * 4 * 24 * 4 * 2
+TRAIN_ACT, OLD_ACT, LSE = 96 * 7_744 * 2, 96 * 7_744, 4 * 4 * 24 * 4 * 2
+LOGITS, OLD_LOGITS = 98_304 + 11_776 + 1_536 + 736, 98_304 + 1_536 + 736
 
 
 def test_tiny_colocated_phases_term_by_term():
@@ -54,7 +57,8 @@ def test_tiny_colocated_phases_term_by_term():
     assert rows["engine start"]["terms"] == rows["rollout"]["terms"]
     assert rows["engine wake"]["total"] == residue + CUDA_CONTEXT + ENGINE_WEIGHTS + kv
     state = MASTER + ADAM  # fp32 params are the masters (no bf16 copy)
-    old = residue + state + GRADS + CACHE + (OLD_ACT + LOGITS) * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT
+    assert LOGITS == 112_352 and OLD_LOGITS == 100_576
+    old = residue + state + GRADS + CACHE + (OLD_ACT + OLD_LOGITS) * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT
     assert rows["old-logprob"]["total"] == pytest.approx(old, rel=1e-12)
     train = residue + state + GRADS + CACHE + (TRAIN_ACT + LSE + LOGITS) * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT
     assert rows["train"]["total"] == pytest.approx(train, rel=1e-12)
