@@ -165,6 +165,10 @@ class RolloutConfig:
     # with the same per-sample seeds; an engine that fails for good is restarted and re-published at most
     # `engine_restarts` times per step before the step fails.
     request_prompts: int = 8
+    # How many of its requests an engine has in flight at once (SGLang's / vLLM's scheduler batches them
+    # continuously over its KV cache); the rest start as these end. The results are used in request order,
+    # so the batch does not depend on it. The embedded engine serves one request at a time whatever this is.
+    max_inflight_requests: int = 32
     request_timeout_s: float = 1800.0
     request_retries: int = 2
     engine_restarts: int = 1
@@ -930,6 +934,10 @@ def _check_world(cfg: RunConfig, world_size: int) -> list[str]:
     if kind is not None:  # an unregistered rollout.engine has no topology: _check_choices names it
         out += rollout_topology(cfg, world_size).problems(r.allow_idle_gpus)
         out += kind.check_world(cfg, world_size)
+    if isinstance(r.max_inflight_requests, bool) or not isinstance(r.max_inflight_requests, int) \
+            or r.max_inflight_requests < 1:
+        out.append(f"rollout.max_inflight_requests={r.max_inflight_requests!r} must be an int >= 1 (requests in "
+                   "flight per engine; 1 sends them one at a time)")
     if r.request_retries < 0 or r.engine_restarts < 0:
         out.append(f"rollout.request_retries={r.request_retries} and rollout.engine_restarts={r.engine_restarts} "
                    "must be >= 0")

@@ -62,8 +62,8 @@ def evaluate(ctx) -> dict:
             sums = _evaluate_share(ctx, samples if ctx.cfg.eval.save_samples else None)
         except Exception as exc:  # every rank must hear of it, or the others would hang in the sum below
             error = exc
-    raise_if_any_rank_failed(error, RolloutEngineError(
-        "the evaluation failed on another rollout group's leader (see its error)"))
+    raise_if_any_rank_failed(error, RolloutEngineError(  # the other ranks wait on the store, not in a collective
+        "the evaluation failed on another rollout group's leader (see its error)"), phase="the evaluation")
     total = sum_over_ranks(sums)
     if ctx.cfg.eval.save_samples:
         ctx.eval_samples = _gathered_on_rank0(samples)

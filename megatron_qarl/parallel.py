@@ -6,12 +6,15 @@ workarounds from ``compat_cpu``) and on nccl with it.
 from __future__ import annotations
 
 import atexit
+import itertools
 import ipaddress
 import math
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,6 +39,15 @@ class ParallelLayout:
     # The number of ranks (GPUs) this layout is meant for; null: any that fits. A launch with another
     # WORLD_SIZE is refused, and `qarl-train --dry-run` checks the config against it on a login node.
     world_size: int | None = None
+    # How long any collective may wait before its process group fails it: torch.distributed's default group
+    # and every megatron group (megatron's distributed_timeout_minutes). torch's own NCCL default is 10 min.
+    # The phases where ranks legitimately wait on others' work for far longer (an engine's start, a rollout,
+    # an evaluation: an hour on GPUs) do not wait in a collective: they wait on the rendezvous store
+    # (`wait_for_ranks`), up to `rank_wait_timeout_minutes`, and say so in the log every
+    # `rank_wait_log_interval_s` seconds; only then do the ranks enter the collective, together.
+    distributed_timeout_minutes: float = 30.0
+    rank_wait_timeout_minutes: float = 720.0
+    rank_wait_log_interval_s: float = 300.0
 
     def smallest_world(self) -> int:
         """The smallest world size this layout fits (dense tp*pp and expert etp*ep*pp both divide it)."""
@@ -70,6 +82,11 @@ class ParallelLayout:
                 f"{world_size}; launch {self.world_size} ranks, or set parallel.world_size={world_size} (or null) "
                 "and check the layout with --dry-run"
             )
+        for name in ("distributed_timeout_minutes", "rank_wait_timeout_minutes", "rank_wait_log_interval_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ParallelLayoutError(f"parallel.{name} must be a positive number, got {value!r}")
         if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
             raise ParallelLayoutError(f"etp must be a positive int or None (= tp), got {self.etp!r}")
         if self.pp > 1:
@@ -93,20 +110,28 @@ class ParallelLayout:
             )
 
 
-def _init_process_group(backend: str | None) -> None:
+def _init_process_group(backend: str | None, timeout: timedelta) -> None:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=timeout)
         return
     # A plain process (tests, single-process tools): a world of one rendezvousing through a fresh
     # file, which (unlike picking a free TCP port) cannot race with other processes on the machine.
     store_dir = tempfile.mkdtemp(prefix="qarl-dist-")
     atexit.register(shutil.rmtree, store_dir, ignore_errors=True)
     store = os.path.join(store_dir, "store")
-    dist.init_process_group(backend=backend, init_method=f"file://{store}", rank=0, world_size=1)
+    dist.init_process_group(backend=backend, init_method=f"file://{store}", rank=0, world_size=1, timeout=timeout)
+
+
+def group_timeout(group=None) -> timedelta:
+    """The timeout `group`'s collectives fail after (the default group when None): what the layout asked."""
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    pg = group or _get_default_group()
+    return pg._get_backend(collective_device(pg)).options._timeout
 
 
 def init_distributed(
@@ -121,8 +146,9 @@ def init_distributed(
     from megatron_qarl.compat_cpu import apply_cpu_workarounds
 
     layout = layout or ParallelLayout()
+    timeout = timedelta(minutes=layout.distributed_timeout_minutes)
     if not dist.is_initialized():
-        _init_process_group(backend)
+        _init_process_group(backend, timeout)
     layout.validate(dist.get_world_size())
     apply_cpu_workarounds()
     if parallel_state.model_parallel_is_initialized():
@@ -132,7 +158,10 @@ def init_distributed(
         pipeline_model_parallel_size=layout.pp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
+        # megatron takes whole minutes (parallel_state.py:561, 819: timedelta(minutes=...)); never round to 0
+        distributed_timeout_minutes=max(1, math.ceil(layout.distributed_timeout_minutes)),
     )
+    set_rank_wait(layout.rank_wait_timeout_minutes * 60.0, layout.rank_wait_log_interval_s)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return layout
@@ -308,11 +337,95 @@ def sum_over_ranks(partial: dict) -> dict:
     return total
 
 
-def raise_if_any_rank_failed(error: BaseException | None, elsewhere: BaseException) -> None:
+def raise_if_any_rank_failed(error: BaseException | None, elsewhere: BaseException, *,
+                             phase: str | None = None) -> None:
     """COLLECTIVE. Raise on every rank when any rank failed: this rank's own `error`, or `elsewhere` (which
-    says another rank failed) on the ranks that did not, so no rank is left waiting in a collective."""
-    if max_over_ranks(0 if error is None else 1):
-        raise error if error is not None else elsewhere
+    says another rank failed) on the ranks that did not, so no rank is left waiting in a collective.
+    `phase`: after a long phase (engine start, evaluation) the ranks agree through `wait_for_ranks`, so the
+    ones that finished early wait on the store, not in a collective a watchdog would kill; `elsewhere` then
+    also names the first failed rank and its error's first line."""
+    if phase is None:
+        if max_over_ranks(0 if error is None else 1):
+            raise error if error is not None else elsewhere
+        return
+    status, said = wait_for_ranks(phase, 0 if error is None else 1, error_summary(error))
+    if status:
+        if error is not None:
+            raise error
+        raise type(elsewhere)(f"{elsewhere} [{said}]")
+
+
+def error_summary(error: BaseException | None) -> str:
+    """An error's type and first line (at most 300 characters): what one rank tells the others of it."""
+    if error is None:
+        return ""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+
+
+class RankWaitTimeout(RuntimeError):
+    """A long phase did not end on every rank within parallel.rank_wait_timeout_minutes."""
+
+
+_RANK_WAIT = {"timeout_s": 720 * 60.0, "log_s": 300.0}
+_rank_wait_serial = itertools.count()  # every rank runs the same waits in the same order: the same serial
+_STATUS_LEVELS = 4  # wait_for_ranks statuses are 0 (fine) .. 3
+
+
+def set_rank_wait(timeout_s: float, log_s: float) -> None:
+    """The deadline and log interval of `wait_for_ranks` (init_distributed sets them from the layout)."""
+    _RANK_WAIT.update(timeout_s=float(timeout_s), log_s=float(log_s))
+
+
+def wait_for_ranks(phase: str, status: int = 0, note: str = "", *, poll_s: float = 1.0) -> tuple[int, str]:
+    """COLLECTIVE, without a collective: every rank posts its `status` (0 fine, 1..3 what went wrong) and
+    waits until every rank has, on the rendezvous store; the largest status and the `note` of a rank that
+    posted it ("rank R: note"; "" when all are 0).
+
+    For the phases where some ranks finish long before others (an engine's start, a rollout, an evaluation:
+    the leaders work, the other ranks only wait). A collective would hold them in NCCL, whose watchdog
+    kills the job after the process group's timeout (torch's NCCL default: 10 min); the store has no
+    watchdog. A rank that waits prints one line every parallel.rank_wait_log_interval_s and gives up with
+    RankWaitTimeout after parallel.rank_wait_timeout_minutes. The store sees one counter increment per rank
+    and one read per waiting rank per poll (at most every `poll_s`), whatever the world size.
+    """
+    if not 0 <= status < _STATUS_LEVELS:
+        raise ValueError(f"status {status} is not in 0..{_STATUS_LEVELS - 1}")
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return status, (f"rank 0: {note}" if status else "")
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store, me, world = _get_default_store(), dist.get_rank(), dist.get_world_size()
+    serial = next(_rank_wait_serial)
+    base = f"qarl/rank_wait/{serial}"
+    if status:
+        store.set(f"{base}/note{status}", f"rank {me}: {note}")  # before it counts: a reader finds it
+        store.add(f"{base}/count{status}", 1)
+    store.add(f"{base}/arrived", 1)
+    t0 = time.monotonic()
+    next_log, pause = t0 + _RANK_WAIT["log_s"], 0.005
+    while (arrived := store.add(f"{base}/arrived", 0)) < world:
+        waited = time.monotonic() - t0
+        if waited > _RANK_WAIT["timeout_s"]:
+            raise RankWaitTimeout(
+                f"rank {me}: {phase} did not end on {world - arrived} of {world} ranks within "
+                f"parallel.rank_wait_timeout_minutes={_RANK_WAIT['timeout_s'] / 60:g} (waited {waited:.0f} s); their "
+                "logs say where they are; raise it if the phase legitimately takes longer")
+        if time.monotonic() >= next_log:
+            print(f"[qarl] rank {me}: waiting for {world - arrived} of {world} ranks to finish {phase} "
+                  f"({waited:.0f} s so far, at most {_RANK_WAIT['timeout_s']:.0f} s)", flush=True)
+            next_log += _RANK_WAIT["log_s"]
+        time.sleep(pause)
+        pause = min(pause * 2, poll_s)
+    if serial >= 2 and me == 0:  # every rank has left wait serial-2 (it posted this one): its keys are done
+        for key in ("arrived", *(f"{k}{v}" for k in ("note", "count") for v in range(1, _STATUS_LEVELS))):
+            try:
+                store.delete_key(f"qarl/rank_wait/{serial - 2}/{key}")
+            except Exception:  # noqa: BLE001 - a store without delete_key keeps a few bytes per wait
+                pass
+    for level in range(_STATUS_LEVELS - 1, 0, -1):
+        if store.add(f"{base}/count{level}", 0):
+            return level, store.get(f"{base}/note{level}").decode()
+    return 0, ""
 
 
 def max_over_ranks(value: int) -> int:

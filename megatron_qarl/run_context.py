@@ -190,14 +190,22 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
 def start_engines(ctx: RunContext) -> None:
     """COLLECTIVE. Start every rollout group's engine and the publisher that feeds them. Last, on GPUs the trainer
     has released: an engine sizes its KV cache from the memory free when it starts (memory.memory_timeline)."""
+    from megatron_qarl.parallel import raise_if_any_rank_failed
+    from megatron_qarl.rollout.protocol import RolloutEngineError
     from megatron_qarl.weights.publish import WeightPublisher
 
     cfg = ctx.cfg
     release_for_engines(ctx.memory, ctx.quant)
     if ctx.memory.on_gpu and ctx.memory.colocated:
         check_engine_start_memory(cfg)
-    ctx.engine = _build_engine(cfg, ctx.hf_config, ctx.topology, ctx.start_checkpoint, ctx.tokenizer) \
-        if ctx.topology.is_leader() else None
+    error = None
+    if ctx.topology.is_leader():
+        try:  # minutes on GPUs (SGLang's start, its JIT compiles): the other ranks wait on the store meanwhile
+            ctx.engine = _build_engine(cfg, ctx.hf_config, ctx.topology, ctx.start_checkpoint, ctx.tokenizer)
+        except Exception as exc:  # every rank must hear of it, not wait for a rollout that never comes
+            error = exc
+    raise_if_any_rank_failed(error, RolloutEngineError("another rollout group's engine did not start (its leader "
+                                                       "says why)"), phase="the engines' start")
     check_engines_serve_the_learners_quantization(ctx)
     ctx.publisher = WeightPublisher(
         ctx.model.module, ctx.hf_config, cfg.quant, quant=ctx.quant, engine=ctx.engine, leaders=ctx.topology.leaders,

@@ -5,8 +5,10 @@ One RL step:
   0. eval      on eval steps (evaluation.eval_due): held-out pass@1 / pass@k through the same engines; once
                more after the last step.
   1. rollout   each rollout group's leader sends its engine (holding the last published weights) its share of
-               the step's requests (n responses per prompt, per-row seeds); rewards -> group-normalised
-               advantages next to the engine; each DP rank receives only its shard (rollout.dispatch).
+               the step's requests, all in flight at once up to rollout.max_inflight_requests (n responses
+               per prompt, per-row seeds); rewards -> group-normalised advantages next to the engine; the
+               other ranks wait on the store, not in a collective (parallel.wait_for_ranks); each DP rank
+               receives only its shard (rollout.dispatch).
   2. old       the learner recomputes log-probs with its (aligned, low-bit) forward: l_old; with
                train.routing_replay=replay every learner forward dispatches to the sampler's experts (R3).
                Routing telemetry: per-layer sampler<->learner router mismatch, k3 with/without replay.
@@ -29,13 +31,15 @@ import torch.distributed as dist
 from megatron_qarl.config import RunConfig
 from megatron_qarl.errors import DivergenceError, RunStopped
 from megatron_qarl.parallel import (
-    destroy_distributed, dp_group, dp_rank, dp_size, max_over_ranks, sum_over_ranks, tp_size,
+    destroy_distributed, dp_group, dp_rank, dp_size, error_summary, max_over_ranks, sum_over_ranks, tp_size,
+    wait_for_ranks,
 )
 from megatron_qarl.rl.advantages import group_normalized_advantages
 from megatron_qarl.rl.batch import RolloutBatch, build_rollout_batch
 from megatron_qarl.rl.losses import compute_loss, compute_loss_normalizer
 from megatron_qarl.rl.metrics import drift_metrics, reduce_metrics, seq_abs_log_ratio
 from megatron_qarl.rl.repetition import is_repetitive
+from megatron_qarl.rollout.dispatch import RolloutStopRequested
 from megatron_qarl.rollout.protocol import RolloutEngineError
 
 
@@ -58,7 +62,10 @@ def train(cfg: RunConfig) -> dict:
 
     A stop request (SIGTERM, SIGUSR1, Ctrl-C, $QARL_STOP_FILE: lifecycle.stop_on_signals) is honoured at the
     next step boundary, on every rank at the same step: that step is checkpointed, the engines and reward
-    workers are stopped, and RunStopped is raised (qarl-train exits with lifecycle.EXIT_STOPPED)."""
+    workers are stopped, and RunStopped is raised (qarl-train exits with lifecycle.EXIT_STOPPED). One that
+    arrives during a rollout (on GPUs the longest phase by far) does not wait for it: the requests in flight
+    are abandoned, the last complete step is checkpointed (unless it already is) and the run stops the same
+    way; the resumed run redoes the abandoned step's rollout with the same prompts and seeds."""
     from megatron_qarl.lifecycle import stop_on_signals
 
     with contextlib.ExitStack() as held, stop_on_signals() as stop:  # held: the run-dir locks, to the end
@@ -87,7 +94,12 @@ def _train(cfg: RunConfig, held, stop) -> dict:
         for step in range(ctx.start_step, cfg.train.steps):
             metrics = evaluate(ctx) if eval_due(cfg, step) else {}  # held-out pass@k of the weights so far
             timer = StepTimer()
-            local, rollout = collect_rollouts(ctx, step)  # this rank's DP shard of the step's samples
+            try:
+                local, rollout = collect_rollouts(ctx, step, stop)  # this rank's DP shard of the step's samples
+            except RolloutStopRequested:  # the requests in flight were abandoned: keep what is complete
+                saved = checkpoint_before_step(ctx, step)
+                raise RunStopped(stopped_line(stop, ctx, step, saved, during_rollout=True),
+                                 checkpoint=str(saved) if saved else None) from None
             metrics.update(rollout)
             engine_sleep(ctx)  # colocated engine: its GPU memory goes to training until the publish
             ctx.memory.restore()  # the trainer's state back from host memory, its grads re-mapped
@@ -127,11 +139,19 @@ def _train(cfg: RunConfig, held, stop) -> dict:
 
 # -- 1. rollout ----------------------------------------------------------------------------------------
 
-def collect_rollouts(ctx, step: int) -> tuple[RolloutBatch, dict]:
+# What a rank posts when the rollout phase ends (parallel.wait_for_ranks: the largest reaches every rank).
+ROLLOUT_OK, ROLLOUT_ENGINE_FAILED, ROLLOUT_FAILED, ROLLOUT_STOPPED = range(4)
+
+
+def collect_rollouts(ctx, step: int, stop=None) -> tuple[RolloutBatch, dict]:
     """COLLECTIVE. Every rollout-group leader reads the step's prompts, its engine serves its share of the
     requests (rollout.dispatch), it scores them; then each rank receives only its DP shard's samples.
     An engine that fails for good is restarted, every engine re-published, and the failed requests rerun
-    with the same seeds (rollout.engine_restarts times); returns (this rank's shard, step metrics)."""
+    with the same seeds (rollout.engine_restarts times); returns (this rank's shard, step metrics).
+
+    The ranks that serve nothing wait for the leaders on the store (parallel.wait_for_ranks), for as long as
+    a rollout takes, not in a collective the NCCL watchdog would end. A stop request (`stop`) abandons the
+    requests in flight: RolloutStopRequested on every rank, the prompts handed back to the data stream."""
     from megatron_qarl.rollout.dispatch import deliver_samples, plan_requests
 
     cfg, topo = ctx.cfg, ctx.topology
@@ -139,25 +159,32 @@ def collect_rollouts(ctx, step: int) -> tuple[RolloutBatch, dict]:
     requests = plan_requests(num_rows, cfg.rollout.n, cfg.rollout.request_prompts, topo.engines)
     group_size = topo.group_size
     owned, partial = {}, {}
+    # where the data stream was, for a stop that abandons this rollout (its prompts are read again on resume)
+    data_before = ctx.data.state_dict() if ctx.engine is not None and stop is not None else None
     prompts = ctx.data.next_batch(cfg.train.prompts_per_step) if ctx.engine is not None else None
     pending = [r for r in requests if r.engine == topo.group_of(dist.get_rank())] if ctx.engine is not None else []
     restarts = 0
     while True:
         error = None
         try:
-            serve_requests(ctx, step, prompts, pending, owned, partial)
+            serve_requests(ctx, step, prompts, pending, owned, partial,
+                           should_stop=stop.requested if stop is not None else None)
         except Exception as exc:  # every rank must learn of it below, or the others would hang
             error = exc
-        # 0: fine; 1: an engine failed (restart + re-publish + rerun its requests); 2: anything else
-        status = max_over_ranks(0 if error is None else 1 if isinstance(error, RolloutEngineError) else 2)
-        if status == 0:
+        status, said = wait_for_ranks(f"step {step + 1}'s rollout", rollout_status(error), error_summary(error))
+        if status == ROLLOUT_OK:
             break
-        if status == 2 or restarts == cfg.rollout.engine_restarts:
+        if status == ROLLOUT_STOPPED:
+            if data_before is not None:  # the resumed run reads these prompts again
+                ctx.data.load_state_dict(data_before)
+            raise RolloutStopRequested(f"step {step + 1}'s rollout was abandoned on a stop request [{said}]")
+        if status == ROLLOUT_FAILED or restarts == cfg.rollout.engine_restarts:
             if error is not None:
                 raise error
-            raise RolloutEngineError("the rollout failed on another rollout group's leader (see its error)")
+            raise RolloutEngineError(f"the rollout failed on another rollout group's leader [{said}]")
         restarts += 1
         restart_failed_engine(ctx, error)
+        wait_for_ranks("an engine's restart")  # a restart takes minutes (SGLang's start): not in a collective
         engine_sleep(ctx)  # colocated: the trainer's state comes back for the publish
         publish_weights(ctx)  # collective: the restarted engine gets the current weights back
     # Row r was served by the engine of request r // rows_per_request: its leader holds the sample.
@@ -177,21 +204,31 @@ def collect_rollouts(ctx, step: int) -> tuple[RolloutBatch, dict]:
     return batch, {**rollout_metrics(totals), "rollout/engines": float(topo.engines)}
 
 
-def serve_requests(ctx, step: int, prompts, pending: list, owned: dict, partial: dict) -> None:
-    """This leader's `pending` requests through its engine, scored: each served request leaves `pending`
-    and lands in `owned` (row -> Sample) and the metric sums `partial`, so after an engine error a rerun
-    serves only the rest."""
-    from megatron_qarl.rollout.dispatch import Sample, generate_request
+def rollout_status(error: BaseException | None) -> int:
+    """What this rank posts at the end of its share of the rollout (ROLLOUT_*)."""
+    if error is None:
+        return ROLLOUT_OK
+    if isinstance(error, RolloutStopRequested):
+        return ROLLOUT_STOPPED
+    return ROLLOUT_ENGINE_FAILED if isinstance(error, RolloutEngineError) else ROLLOUT_FAILED
+
+
+def serve_requests(ctx, step: int, prompts, pending: list, owned: dict, partial: dict, should_stop=None) -> None:
+    """This leader's `pending` requests through its engine, all in flight at once up to
+    rollout.max_inflight_requests (rollout.dispatch.generate_concurrently), scored in request order: each
+    served request leaves `pending` and lands in `owned` (row -> Sample) and the metric sums `partial`, so
+    after an engine error a rerun serves only the rest. `should_stop()` true: RolloutStopRequested."""
+    from megatron_qarl.rollout.dispatch import Sample, generate_concurrently
 
     cfg = ctx.cfg
     n = cfg.rollout.n
     rows_prompt_ids = [p.prompt_ids for p in prompts for _ in range(n)] if prompts is not None else []
     # The step seed: a resumed run samples exactly what the uninterrupted run sampled.
     sampling = dataclasses.replace(ctx.sampling, seed=ctx.sampling.seed + step)
-    while pending:
-        request = pending[0]
-        results, retries = generate_request(ctx.engine, rows_prompt_ids, sampling, request,
-                                            retries=cfg.rollout.request_retries)
+    served = generate_concurrently(ctx.engine, rows_prompt_ids, sampling, list(pending),
+                                   retries=cfg.rollout.request_retries,
+                                   max_inflight=cfg.rollout.max_inflight_requests, should_stop=should_stop)
+    for request, results, retries in served:
         texts = ctx.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
         groups = [row // n for row in request.rows]
         rewards = torch.tensor(ctx.reward_fn(texts, [prompts[g].answer for g in groups],
@@ -209,7 +246,7 @@ def serve_requests(ctx, step: int, prompts, pending: list, owned: dict, partial:
             "groups": float(adv.num_groups), "degenerate_groups": float(adv.num_degenerate_groups),
             "requests": 1.0, "request_retries": float(retries),
         })
-        pending.pop(0)
+        pending.remove(request)
     _add(partial, reward_step_metrics(ctx) if ctx.reward_fn is not None else {})
 
 
@@ -501,19 +538,37 @@ def maybe_checkpoint(ctx, step: int, force: bool = False):
     return None
 
 
+def checkpoint_before_step(ctx, step: int):
+    """COLLECTIVE. The state after the last complete step (`step` steps done), checkpointed for a run that
+    stops during step `step + 1`'s rollout; the checkpoint's path, None when it already has one (the step the
+    run started from, or one checkpoint.every saved) or no step ran."""
+    every = ctx.cfg.checkpoint.every
+    if step <= ctx.start_step or (every and step % every == 0):
+        return None
+    engine_sleep(ctx)  # colocated: the trainer's state comes back from host memory to be saved
+    ctx.memory.restore()
+    return maybe_checkpoint(ctx, step - 1, force=True)
+
+
 def stop_agreed(stop) -> bool:
     """COLLECTIVE. Whether any rank was asked to stop (a signal, the stop file): every rank gets the same answer
     at the same step boundary, so all of them checkpoint and stop together."""
     return bool(max_over_ranks(1 if stop.requested() else 0))
 
 
-def stopped_line(stop, ctx, steps_done: int, checkpoint, failed: BaseException | None = None) -> str:
+def stopped_line(stop, ctx, steps_done: int, checkpoint, failed: BaseException | None = None,
+                 during_rollout: bool = False) -> str:
     """The one line a stopped run ends with: why, where, what was saved, how to go on."""
     from megatron_qarl.lifecycle import EXIT_STOPPED
 
     reason = stop.reason or "a stop request on another rank"
     total = ctx.cfg.train.steps
-    if failed is not None:
+    if during_rollout:
+        saved = f"checkpoint {checkpoint} written" if checkpoint is not None else \
+            f"the last complete checkpoint is {ctx.checkpoints.latest() or 'none (no step had finished)'}"
+        what = (f"after step {steps_done}/{total}, during step {steps_done + 1}'s rollout (its requests in flight "
+                f"were abandoned: the resumed run samples them again); {saved}")
+    elif failed is not None:
         first = (str(failed).strip().splitlines() or [type(failed).__name__])[0][:200]
         latest = ctx.checkpoints.latest()
         what = (f"the step in flight failed after the request ({type(failed).__name__}: {first}), so no new "

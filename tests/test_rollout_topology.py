@@ -134,6 +134,7 @@ def test_two_engines_equal_one_hold_the_exporters_payload_and_survive_a_killed_e
     assert res["rows"] == 16 and res["engines_differ"] == []
     assert res["delivered_ok"] == {"0": True, "1": True}
     assert res["clean_requests"] == 4 and res["clean_restarts"] == 0
+    assert res["serial_equal"] == {"0": True, "1": True}  # 1 request in flight or all of them: the same batch
     assert res["restarts"] == 1 and res["recovered_equal"] == {"0": True, "1": True}
     assert "shut down" in res["failures"]["1"] and "another rollout group" in res["failures"]["0"]
 

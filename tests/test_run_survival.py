@@ -192,8 +192,12 @@ def test_a_stop_signal_finishes_the_step_checkpoints_and_exits_3(tmp_path, sig):
     line = _one_line(stderr, "qarl-train:")
     done = int(line.split(" after step ")[1].split("/")[0])
     ckpt = out / "checkpoints" / f"step_{done:08d}"
-    assert line == (f"qarl-train: stopped by {sig} after step {done}/40; checkpoint {ckpt} written; exit status 3; "
-                    "run the same command again to continue (checkpoint.resume=auto)")
+    # a signal during a rollout abandons it and saves the steps before it; at any other phase the step finishes
+    during = (f", during step {done + 1}'s rollout (its requests in flight were abandoned: the resumed run samples "
+              "them again)")
+    assert line in [f"qarl-train: stopped by {sig} after step {done}/40{clause}; checkpoint {ckpt} written; exit "
+                    "status 3; run the same command again to continue (checkpoint.resume=auto)"
+                    for clause in ("", during)], line
     assert done >= 2 and verify_checkpoint(ckpt) == [] and (ckpt / MARKER_NAME).is_file()
     assert _rows(out) == list(range(done))
     if sig == "SIGTERM":  # the same command resumes from it
@@ -269,3 +273,58 @@ def test_under_torchrun_every_rank_stops_after_the_same_step(tmp_path, target):
     assert _rows(out) == list(range(done))
     if target == "one-worker":  # torchrun names its workers' status (after its own signal it prints a traceback)
         assert "exitcode:3" in stderr.replace(" ", ""), stderr[-3000:]
+
+
+SLOW_REWARD = '''
+import json, os, time
+
+def reward(responses, answers, rows):
+    """Logs each call's answers; from call SLOW_FROM on, says it started and takes SLOW_S (a long rollout)."""
+    with open(os.environ["SLOW_LOG"], "a") as f:
+        f.write(json.dumps(answers) + "\\n")
+    with open(os.environ["SLOW_LOG"]) as f:
+        calls = sum(1 for _ in f)
+    if calls >= int(os.environ["SLOW_FROM"]):
+        open(os.environ["SLOW_STARTED"], "w").close()
+        time.sleep(float(os.environ["SLOW_S"]))
+    return [float(a in r) for r, a in zip(responses, answers)]
+'''
+
+
+def test_a_stop_during_a_rollout_abandons_it_checkpoints_the_last_complete_step_and_exits_3(tmp_path, monkeypatch):
+    """Issue 42 item 3: SIGTERM used to be honoured only at the next step boundary, after the whole rollout (hours on
+    GPUs, past Slurm's grace). Now the rollout's requests in flight are abandoned, the last complete step is
+    checkpointed, exit 3; the resumed run reads the abandoned step's prompts again and finishes."""
+    (tmp_path / "qarl_slow_reward.py").write_text(SLOW_REWARD)
+    log, started = tmp_path / "calls.jsonl", tmp_path / "started"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the plug-in, for the trainer and its reward worker
+    env = dict(SLOW_LOG=str(log), SLOW_STARTED=str(started), SLOW_S="4", SLOW_FROM="6")
+    # the preflight's reward check is call 1; then 4 requests of 1 prompt per step, one call each: call 6 is step 2's
+    # first request
+    args = ("train.steps=40", "checkpoint.every=0", "rollout.request_prompts=1", "data.reward=qarl_slow_reward:reward",
+            "data.reward_timeout_s=30")
+    out = tmp_path / "run"
+    run = Background(tmp_path, out, *args, **env)
+    deadline = time.monotonic() + 300
+    while not started.exists():
+        assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr_path.read_text()[-3000:]
+        time.sleep(0.05)
+    run.proc.send_signal(signal.SIGTERM)  # during step 2's rollout, its first reward call in progress
+    rc, _, stderr = run.finish(timeout=120)
+    assert rc == EXIT_STOPPED, stderr[-3000:]
+    ckpt = out / "checkpoints" / "step_00000001"
+    assert _one_line(stderr, "qarl-train:") == (
+        f"qarl-train: stopped by SIGTERM after step 1/40, during step 2's rollout (its requests in flight were "
+        f"abandoned: the resumed run samples them again); checkpoint {ckpt} written; exit status 3; run the same "
+        "command again to continue (checkpoint.resume=auto)")
+    assert verify_checkpoint(ckpt) == [] and (ckpt / MARKER_NAME).is_file()
+    assert _rows(out) == [0]  # the abandoned step logged nothing
+    calls = log.read_text().splitlines()
+    assert len(calls) == 6  # the rest of step 2's requests were not scored: abandoned
+    proc = _run(out, *args[1:], "train.steps=2", **{**env, "SLOW_FROM": "1000"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {ckpt} (step 1)" in proc.stdout
+    assert _rows(out) == [0, 1]
+    # the resumed step 2 read the prompts the abandoned one had: its first request (after the resumed run's
+    # preflight call) has the same answers
+    assert log.read_text().splitlines()[7] == calls[5]

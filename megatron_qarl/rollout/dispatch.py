@@ -9,6 +9,13 @@ same weights, 1 engine and N engines produce the same batch. A request whose eng
 the same seeds (`generate_request`); a whole prompt group always sits in one request, so rewards and
 group-normalised advantages are computed next to the engine that sampled them.
 
+Every engine has all of its requests in flight at once, up to ``rollout.max_inflight_requests``
+(`generate_concurrently`): SGLang's and vLLM's schedulers batch them continuously, so an engine serves
+hundreds of sequences instead of one request's rows, and a request's slowest row no longer holds back the
+next request. The results are handed back in request order, so scoring, metrics and the batch do not depend
+on how many requests were in flight. A stop request (`should_stop`) abandons the requests in flight at once
+(`RolloutStopRequested`).
+
 After generation each rank needs only its data-parallel shard: `deliver_samples` sends every sample from
 the rank that owns it to the ranks that asked for it, point to point (routes as uint8 tensors), instead of
 broadcasting the whole batch to every rank.
@@ -16,7 +23,9 @@ broadcasting the whole batch to every rank.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +75,80 @@ def generate_request(engine, rows_prompt_ids: Sequence[Sequence[int]], sampling:
         return results, attempt
     raise RolloutEngineError(f"request {request.index} (rows {request.rows.start}-{request.rows.stop - 1}) failed "
                              f"on engine {request.engine} after {attempt + 1} attempt(s): {last}")
+
+
+class RolloutStopRequested(Exception):
+    """A stop request arrived while requests were in flight: they were abandoned (the step is not done)."""
+
+
+def generate_concurrently(engine, rows_prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+                          requests: Sequence[Request], *, retries: int, max_inflight: int,
+                          should_stop: Callable[[], bool] | None = None,
+                          poll_s: float = 0.2) -> Iterator[tuple[Request, list[GenerationResult], int]]:
+    """(request, results, retries used) for each of `requests`, in their order, while up to `max_inflight` of
+    them are in flight on `engine` at once (each through `generate_request`: its own seeds, retries, bound).
+
+    When a request fails for good, no new one starts; the ones in flight end (each within its own bound), the
+    ones that succeeded are still handed back, in order, and then the first failure is raised, so the caller
+    reruns only the failed ones. `should_stop()` is asked every `poll_s`: when it says yes,
+    RolloutStopRequested is raised at once and the requests in flight are abandoned (their threads are
+    daemons: an engine call that never returns cannot hold the process past its end)."""
+    if max_inflight < 1:
+        raise ValueError(f"max_inflight={max_inflight} must be >= 1")
+    done: dict[int, tuple[bool, Any]] = {}
+    cond = threading.Condition()
+    any_failed = threading.Event()  # no request starts once one has failed for good (the engine may be gone)
+
+    def run(k: int, request: Request) -> None:
+        try:
+            outcome = (True, generate_request(engine, rows_prompt_ids, sampling, request, retries=retries))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            outcome = (False, err)
+            any_failed.set()
+        with cond:
+            done[k] = outcome
+            cond.notify_all()
+
+    started, handed, failed = 0, 0, None
+    while handed < len(requests):
+        with cond:
+            while not any_failed.is_set() and started < len(requests) and started - len(done) < max_inflight:
+                threading.Thread(target=run, args=(started, requests[started]), daemon=True,
+                                 name=f"qarl-request-{requests[started].index}").start()
+                started += 1
+            if handed not in done:
+                cond.wait(timeout=poll_s)
+        if should_stop is not None and should_stop():
+            raise RolloutStopRequested(f"a stop was requested with {started - len(done)} request(s) in flight "
+                                       f"and {len(requests) - started} not started: abandoned")
+        with cond:
+            if handed not in done:
+                if failed is not None and len(done) == started:
+                    break  # every started request has ended: hand back the successes after the failure
+                continue
+            ok, value = done[handed]
+        if ok:
+            yield (requests[handed], *value)
+        elif failed is None:
+            failed = value
+        handed += 1
+        if handed == started and any_failed.is_set():
+            break
+    if any_failed.is_set():
+        while True:  # the requests in flight when the failure came: wait for them, keep their results
+            with cond:
+                if len(done) == started:
+                    break
+                cond.wait(timeout=poll_s)
+            if should_stop is not None and should_stop():
+                raise RolloutStopRequested("a stop was requested while the requests in flight ended after a failure")
+        for k in range(handed, started):
+            ok, value = done[k]
+            if ok:
+                yield (requests[k], *value)
+            elif failed is None:
+                failed = value
+        raise failed
 
 
 def _healthy(engine) -> bool:

@@ -27,6 +27,7 @@ fp32 BEFORE top-k/top-p truncation — the definition vLLM and SGLang use for th
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -175,6 +176,9 @@ class EmbeddedEngine:
                  w4a16_kernel: str = "dequantized", quantization_config: dict | None = None):
         if w4a16_kernel not in SAMPLER_W4A16_KERNELS:
             raise ValueError(f"unknown W4A16 kernel {w4a16_kernel!r}; expected one of {SAMPLER_W4A16_KERNELS}")
+        # One request at a time: the dispatcher keeps several in flight (rollout.max_inflight_requests), which a
+        # server batches; this in-process sampler's KV cache, routes and hooks belong to one batch
+        self._generate_lock = threading.Lock()
         self.hf_config = model.config  # what restart() rebuilds from
         self.family = family_of(model.config)  # its naming (HF <-> transformers tensors), router class
         self.model = _in_engine_dtype(model, dtype).eval()
@@ -434,8 +438,9 @@ class EmbeddedEngine:
         return self.model is not None
 
     def shutdown(self) -> None:
-        self.model = None
-        self._params = {}
+        with self._generate_lock:  # a request in flight finishes first (a server's shutdown ends its batch)
+            self.model = None
+            self._params = {}
 
     def restart(self) -> None:
         """A fresh model of the same architecture (random weights, as a restarted server holds its start-up
@@ -464,7 +469,10 @@ class EmbeddedEngine:
             raise RolloutEngineError("stop strings need the engine's tokenizer (EmbeddedEngineConfig.tokenizer)")
         rows = [(i, p) for i, p in enumerate(prompt_token_ids) for _ in range(sampling.n)]
         gens = [torch.Generator().manual_seed(s) for s in sampling.row_seeds(len(rows))]
-        return _SamplingLoop(self, rows, sampling, gens).run()
+        with self._generate_lock:
+            if self.model is None:
+                raise RolloutEngineError("engine was shut down")
+            return _SamplingLoop(self, rows, sampling, gens).run()
 
 
 def _filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

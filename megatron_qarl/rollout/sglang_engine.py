@@ -602,6 +602,7 @@ class SGLangEngine:
         self._key_file: str | None = None
         self.log_path: str | None = cfg.log_path
         self._inproc = None
+        self._inproc_lock = threading.Lock()
         self._http: _Http | None = None
         self._in_update = False
         self._group_ready = False
@@ -908,7 +909,8 @@ class SGLangEngine:
             raise RolloutEngineError("generate called during an open weight update")
         payload, rows = generate_payload(prompt_token_ids, sampling, self.cfg.return_routed_experts)
         if self._inproc is not None:
-            outs = self._inproc.generate(**payload)
+            with self._inproc_lock:  # sglang.Engine runs its own event loop: one caller at a time
+                outs = self._inproc.generate(**payload)
         else:
             try:
                 outs = self._http.request("/generate", payload, timeout=self.cfg.request_timeout_s)

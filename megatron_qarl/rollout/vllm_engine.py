@@ -35,6 +35,7 @@ import functools
 import logging
 import os
 import secrets
+import threading
 import socket
 import subprocess
 import time
@@ -197,6 +198,7 @@ class VLLMEngine:
             raise VLLMSetupError(f"VLLMEngineConfig.model_path {cfg.model_path!r} is not a checkpoint dir "
                                  "(config.json missing)")
         self.cfg = cfg
+        self._call_lock = threading.Lock()
         self.python = check_vllm_venv(cfg.venv)
         self._proc: subprocess.Popen | None = None
         self._conn = None
@@ -290,6 +292,11 @@ class VLLMEngine:
             self._log_file = None
 
     def _call(self, message: dict, payload: bytes | None = None) -> dict:
+        # one message and its reply at a time on the pipe: the dispatcher calls generate from several threads
+        with self._call_lock:
+            return self._call_locked(message, payload)
+
+    def _call_locked(self, message: dict, payload: bytes | None = None) -> dict:
         if self._conn is None:
             raise RolloutEngineError("the vLLM engine was shut down")
         try:

@@ -7,7 +7,8 @@ topology's code paths: the publisher, the dispatcher and the trainer's rollout p
    next to the whole payload's size;
 2. the same requests through 1 engine (rank 0) and through 2 engines (round-robin): samples, log-probs and
    routes are identical; `deliver_samples` hands each rank exactly the rows it asks for;
-3. the trainer's `collect_rollouts` with 2 engines: clean; with rank 1's engine killed (shut down) at its
+3. the trainer's `collect_rollouts` with 2 engines: clean (every request of an engine in flight at once), and
+   with rollout.max_inflight_requests=1: the same batch bit for bit; with rank 1's engine killed (shut down) at its
    second request: restarted, re-published, the request rerun -> the same batch as the clean run; with
    `engine_restarts=0` the same kill fails the step on BOTH ranks with a clear error (no hang).
 Rank 0 writes the numbers as JSON; the asserts are in tests/test_rollout_topology.py.
@@ -161,6 +162,10 @@ def main():
     try:
         ctx = rollout_ctx(run_cfg, engine, publisher, tokenizer, reward_fn, rows_prompts, cfg)
         clean, clean_metrics = collect_rollouts(ctx, step=0)
+        # one request in flight at a time instead of all of them: the same batch, bit for bit
+        ctx.cfg = dataclasses.replace(run_cfg, rollout=dataclasses.replace(run_cfg.rollout, max_inflight_requests=1))
+        serial, _ = collect_rollouts(ctx, step=0)
+        ctx.cfg = run_cfg
         killer = KillAt(engine, at=2) if dist.get_rank() == 1 else engine
         ctx.engine = killer
         publisher.engine = engine  # the restarted engine object is the same one: re-published in place
@@ -179,9 +184,10 @@ def main():
     finally:
         reward_fn.close()
     recovered_equal = all_rows({dist.get_rank(): batch_digest(clean) == batch_digest(recovered)})
+    serial_equal = all_rows({dist.get_rank(): batch_digest(clean) == batch_digest(serial)})
     write_result({
         "publish": [first, second], "engines_differ": same(one, two), "rows": len(one),
-        "delivered_ok": delivered_ok, "recovered_equal": recovered_equal,
+        "delivered_ok": delivered_ok, "recovered_equal": recovered_equal, "serial_equal": serial_equal,
         "restarts": rec_metrics["rollout/engine_restarts"], "clean_restarts": clean_metrics["rollout/engine_restarts"],
         "clean_requests": clean_metrics["rollout/requests"], "failures": failures, "failed_in_s": failed_in,
         "peak_by_rank": all_rows({dist.get_rank(): [first["peak_bytes"], second["peak_bytes"]]}),
