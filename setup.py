@@ -41,6 +41,9 @@ EXTRAS = {
         "torch_memory_saver==0.0.10",  # the colocated trainer's release / restore (megatron_qarl/memory_saver.py)
         "transformer-engine[core_cu13]==2.11.0",
         "wheel==0.48.0",  # imported by transformer-engine-torch's setup.py in the second step
+        # launch/gpu_check.sh runs the GPU-marked tests: the [test] pins, so a GPU install has what it runs
+        "pytest==9.2.0",
+        "pytest-timeout==2.4.0",
     ],
 }
 

@@ -24,26 +24,37 @@ def _script_models(work: Path) -> None:
     """Run the script's own model/prompt writer (its `PYEOF` heredoc) into `work`."""
     text = SCRIPT.read_text()
     code = text[text.index("<<'PYEOF'\n") + len("<<'PYEOF'\n"):text.index("\nPYEOF\n")]
-    subprocess.run([sys.executable, "-", str(work)], input=code, text=True, check=True, cwd=ROOT,
+    subprocess.run([sys.executable, "-", str(work), "16"], input=code, text=True, check=True, cwd=ROOT,
                    env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
 
 
 def _script_probe_argv(work: Path, scheme: str) -> list[str]:
-    """The probe arguments the script passes for `scheme`, with its variables substituted."""
+    """The probe arguments the script passes for `scheme` on a full GPU box (SGLang, TE: every backend of its
+    case line), with its variables substituted."""
     text = SCRIPT.read_text()
     case = re.search(rf"^\s*{scheme}\) (.*?) ;;$", text, re.M).group(1)
     hf = "$work/hf"
     m = re.search(r'hf="([^"]+)"', case)
     if m:
         hf = m.group(1)
-    extra = shlex.split(re.search(r"extra=\((.*)\)", case).group(1))
-    line = re.search(r'"\$PY" -m megatron_qarl\.probe (.*?)\|\| rc=1', text, re.S).group(1).replace("\\\n", " ")
+    m = re.search(r"extra=\(([^)]*)\)", case)
+    extra = shlex.split(m.group(1)) if m else []
+    backends = shlex.split(re.search(r"backends=\(([^)]*)\)", case).group(1))
+    line = re.search(r'"\$PY" -m megatron_qarl\.probe (.*?--out "\$work/probe_\$s\.json")', text, re.S).group(1)
+    line = line.replace("\\\n", " ")
+    values = {"$hf": hf, "$work": str(work), "$s": scheme, "$sampler": "sglang", "$NEW_TOKENS": "32",
+              "$learner_dtype": "bfloat16"}
     argv = []
-    for token in shlex.split(line.replace('"${extra[@]}"', "@EXTRA@")):
+    for token in shlex.split(line.replace('"${extra[@]}"', "@EXTRA@").replace('"${use[@]}"', "@BACKENDS@")):
         if token == "@EXTRA@":
             argv += extra
             continue
-        argv.append(token.replace("$hf", hf).replace("$work", str(work)).replace("$s", scheme))
+        if token == "@BACKENDS@":
+            argv += backends
+            continue
+        for var in sorted(values, key=len, reverse=True):
+            token = token.replace(var, values[var])
+        argv.append(token)
     return [a.replace("$work", str(work)) for a in argv]
 
 
