@@ -406,10 +406,17 @@ def test_fp8_site_forward_is_block_weight_times_tile_quantized_input(hf_state, d
 
 def test_fp8_aligned_learner_computes_what_the_embedded_w8a8_sampler_does(hf_state):
     """FP8 (block 64): the embedded engine runs SGLang's W8A8 (block weights, inputs quantized per 1x64
-    tile, both expert GEMMs included), and the aligned megatron learner computes the same thing: its
-    distance to that sampler is a rare e4m3 flip of an activation (the two add in different orders), a
-    thousandth of its distance to the same weights without the activation quantization (W8A16).
-    Masters are bf16 values, as the engine holds its unquantized tensors (norms, router, embeddings)."""
+    tile, both expert GEMMs included), and the aligned megatron learner computes the same thing.
+    Masters are bf16 values, as the engine holds its unquantized tensors (norms, router, embeddings).
+
+    The two add in different orders, so an e4m3 code of an activation flips where a value lies within that fp32
+    difference of a rounding boundary, and a flip avalanches downstream (tests/dist/fp8_code_replay.py): how far is
+    the CPU's kernels' doing. So the learner runs with the engine's activation codes replayed, after checking them
+    (every quantizer input within eps x K x layers of the engine's, of its tile's amax; every flipped code
+    explained by a boundary within that reach); then every log-prob meets the fp32 bound, and its KL to the
+    sampler is below a thousandth of its KL to the same weights without the activation quantization (W8A16)."""
+    from fp8_code_replay import record_engine, replay_engine_codes
+
     from megatron_qarl.quant.engine_layout import engine_named_tensors
     from megatron_qarl.rollout.embedded import EmbeddedEngine
 
@@ -418,20 +425,32 @@ def test_fp8_aligned_learner_computes_what_the_embedded_w8a8_sampler_does(hf_sta
     model = build(state)
     apply_aligned_quantization(model, quant_cfg)
     ids = tokens(cfg.vocab_size)
+    assert len(set(ids[:, 0].tolist())) == ids.shape[0]  # no two tokens share a history: each has its own rows
     engine = EmbeddedEngine.from_hf_config(cfg, dtype="float32")
     engine.begin_weight_update()
     engine.update_weights(engine_named_tensors(state.items(), quant_cfg, naming=engine.family))
     engine.end_weight_update()
+    # fp32 both sides: eps x the longest reduction (hidden, expert and attention widths: 256) x layers
+    bound = torch.finfo(torch.float32).eps * max(cfg.hidden_size, cfg.moe_intermediate_size) * cfg.num_hidden_layers
+    fed = {(b, s) for b in range(ids.shape[0]) for s in range(ids.shape[1])}  # teacher-forced: every position
     with torch.no_grad():
-        learner = torch.log_softmax(mcore_logits(model, ids).double(), -1)
-        w8a8 = torch.log_softmax(engine.model(input_ids=ids).logits.double(), -1)
+        with record_engine(engine.model) as engine_inputs:
+            w8a8 = torch.log_softmax(engine.model(input_ids=ids).logits.double(), -1)
+        free = torch.log_softmax(mcore_logits(model, ids).double(), -1)
+        with replay_engine_codes(model, engine_inputs, fed, bound) as codes:
+            learner = torch.log_softmax(mcore_logits(model, ids).double(), -1)
         w8a16 = torch.log_softmax(hf_model(cfg, engine.hf_state())(input_ids=ids).logits.double(), -1)
 
     def kl(p_log, q_log):
         return float((p_log.exp() * (p_log - q_log)).sum(-1).mean())
 
     aligned, unaligned = kl(w8a8, learner), kl(w8a16, learner)
-    print(f"KL(sampler || aligned FP8 learner): W8A8 sampler {aligned:.2e}, W8A16 weights {unaligned:.2e}")
+    gap = (learner - w8a8).abs().amax()
+    print(f"KL(sampler || aligned FP8 learner): W8A8 sampler {aligned:.2e} (without the replay {kl(w8a8, free):.2e}), "
+          f"W8A16 weights {unaligned:.2e}; max |log p| gap {gap:.2e} (bound {bound:.1e}); {codes.summary()}")
+    assert codes.rows > 0 and codes.unmatched_fed == 0, codes.summary()
+    assert codes.unexplained == 0 and codes.ambiguous == 0, codes.summary()
+    assert float(gap) <= bound
     assert aligned * 1000 < unaligned
 
 
