@@ -100,6 +100,21 @@ CASES = [
          "running qarl-train", "the step in flight finishes and is checkpointed; one line 'stopped by SIG... after "
          "step N/M; checkpoint ... written'; the same command resumes from it", "3",
          "test_run_survival.py::test_a_stop_signal_finishes_the_step_checkpoints_and_exits_3"),
+    Case("stopping", "SIGTERM during a rollout (hours on GPUs: a step-boundary stop would overrun Slurm's grace)",
+         "the signal while step 2's first reward call runs (a slow reward plug-in, 4 requests per step)",
+         "the requests in flight are abandoned, step 1 is checkpointed, one line 'after step 1/40, during step 2's "
+         "rollout (...)'; the resumed run scores the same prompts again", "3",
+         "test_run_survival.py::test_a_stop_during_a_rollout_abandons_it_checkpoints_the_last_complete_step_and_"
+         "exits_3"),
+    Case("waiting", "a rollout leader works longer than the process groups' timeout (NCCL's watchdog: 10 min by "
+         "default) while the other ranks wait", "parallel.distributed_timeout_minutes=0.1, a 12 s engine request "
+         "on rank 0 under torchrun", "the waiting rank waits on the store, logging every "
+         "parallel.rank_wait_log_interval_s; both ranks get their batch (the same wait in a collective fails)", "-",
+         "test_rank_wait.py::test_a_rollout_longer_than_the_groups_timeout_no_longer_kills_the_ranks_that_wait_for_it"),
+    Case("waiting", "a leader fails during a long phase, or never finishes it", "a non-engine error on rank 0's "
+         "request; a wait past parallel.rank_wait_timeout_minutes", "every rank ends: the others with a line naming "
+         "rank 0's error; a wait past the deadline with one line naming the phase and the key", "-",
+         "test_rank_wait.py::test_a_rollout_longer_than_the_groups_timeout_no_longer_kills_the_ranks_that_wait_for_it"),
     Case("stopping", "the stop file ($QARL_STOP_FILE) appears", "touch", "as a signal", "3",
          "test_run_survival.py::test_the_stop_file_stops_the_run_like_a_signal"),
     Case("stopping", "a second Ctrl-C", "two SIGINTs 1.5 s apart", "stops at once: one line, no traceback, the step "
@@ -189,7 +204,7 @@ carries this run's id (a resumed run takes its checkpoint's).
 | 0 | done |
 | 1 | a bug, not something the user can fix: a traceback |
 | 2 | a problem the user can fix: one line naming it and the fix (`qarl-train: error: ...`, `qarl-convert: error: ...`) |
-| 3 | stopped on request (SIGTERM, SIGUSR1, Ctrl-C, the stop file) after checkpointing the step in flight: run the same command again (`checkpoint.resume=auto`) |
+| 3 | stopped on request (SIGTERM, SIGUSR1, Ctrl-C, the stop file) after checkpointing the last complete step (the step in flight, or the steps before an abandoned rollout): run the same command again (`checkpoint.resume=auto`) |
 | 130 | a second Ctrl-C: stopped at once, the step in flight not checkpointed |
 
 ## Stopping a run
@@ -197,7 +212,13 @@ carries this run's id (a resumed run takes its checkpoint's).
 SIGTERM, SIGUSR1, SIGINT (Ctrl-C) and the file named by `$QARL_STOP_FILE` only *ask* the run to stop: at the
 next step boundary every rank agrees (a max over a flag), the finished step is checkpointed (whatever
 `checkpoint.every` says), the engines and reward workers are stopped, and qarl-train prints one line and exits
-with status 3. A stop asked before the first step exits 3 with nothing new to save; one asked during the last
+with status 3. **A stop that arrives during a rollout** (on GPUs the longest phase by far, an hour and more)
+does not wait for it: the leader that sees it abandons its requests in flight within a poll (0.2 s; a reward
+call in progress finishes first), every rank learns it at the end of the rollout phase, the last complete step
+is checkpointed (unless `checkpoint.every` or the resume already saved it) and the run exits 3 ("after step
+N/M, during step N+1's rollout"). What is lost: the abandoned step's responses only (the engine's time on
+them); the data position goes back to before that step, so the resumed run samples the same prompts with the
+same seeds. A stop that reaches a non-leader rank only is honoured at the step boundary. A stop asked before the first step exits 3 with nothing new to save; one asked during the last
 step lets the run finish (exit 0) unless the final evaluation remains. If the step in flight fails after the
 request (for example the signal also reached an SGLang server), the run still exits 3 and says that the previous
 checkpoint stands. A second Ctrl-C (more than a second after the first) stops at once (130).

@@ -112,3 +112,20 @@ def test_the_bound_must_be_positive():
     rows, requests = _requests()
     with pytest.raises(ValueError, match="max_inflight=0"):
         list(generate_concurrently(FakeServer(), rows, SamplingParams(), requests, retries=0, max_inflight=0))
+
+
+def test_the_dispatch_benchmark_runs_through_the_sglang_http_client(capsys):
+    """benchmarks/bench_rollout_dispatch.py, shrunk: its fake server, SGLangEngine's subprocess mode and every bound
+    (so a change of the dispatcher's or the engine's signature breaks here, not in a benchmark run)."""
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_rollout_dispatch",
+                                                  REPO / "benchmarks" / "bench_rollout_dispatch.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--requests", "4", "--rows", "2", "--token-ms", "0.5", "--max-tokens", "16",
+                       "--inflight", "1,4"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "max_inflight_requests=" in ln]
+    assert len(lines) == 2 and all(ln.endswith("rows identical to the first: True") for ln in lines), lines
