@@ -78,10 +78,80 @@ def format_timeline(timeline: dict) -> list[str]:
     return lines
 
 
-def format_dry_run(cfg, world_size: int, gpu_gib: float = 79.0) -> str:
-    """Resolved config + parallel layout + memory estimate, as `qarl-train --dry-run` prints it."""
+def dry_run_gpus_per_node(world_size: int, requested: int | None = None) -> int:
+    """Trainer processes per node for the host plan: --gpus-per-node, else torchrun's LOCAL_WORLD_SIZE, else
+    Slurm's SLURM_GPUS_ON_NODE, else min(world, 8)."""
+    for value in (requested, os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("SLURM_GPUS_ON_NODE")):
+        if value not in (None, ""):
+            try:
+                n = int(value)
+            except ValueError:
+                raise UserError(f"GPUs per node {value!r} is not a number; pass --gpus-per-node N") from None
+            if n < 1:
+                raise UserError(f"--gpus-per-node={n} must be >= 1")
+            return min(n, world_size)
+    return min(world_size, 8)
+
+
+def dry_run_host(cfg, host_gib: float | None = None) -> tuple[float, str] | None:
+    """(bytes, source) of the node RAM a dry run checks the host plan against: --host-gib; else the Slurm
+    allocation (SLURM_MEM_PER_NODE / SLURM_MEM_PER_CPU); else this machine's RAM when it can be a node of the plan
+    (it has CUDA, or the plan runs on the CPU: memory.plan_on_gpu); else None: not checked (a login node or laptop without
+    GPUs looking at a GPU plan)."""
+    import torch
+
+    from megatron_qarl.memory import GIB, node_memory, plan_on_gpu
+
+    if host_gib is not None:
+        if host_gib <= 0:
+            raise UserError(f"--host-gib={host_gib:g} must be > 0 (the node's RAM in GiB)")
+        return host_gib * GIB, f"--host-gib {host_gib:g}"
+    if os.environ.get("SLURM_MEM_PER_NODE") or (os.environ.get("SLURM_MEM_PER_CPU")
+                                                and os.environ.get("SLURM_CPUS_ON_NODE")):
+        return node_memory()
+    if torch.cuda.is_available() or not plan_on_gpu(cfg):
+        return node_memory()
+    return None
+
+
+def format_host_plan(plan: dict, host: tuple[float, str] | None) -> list[str]:
+    """`--dry-run`'s host-memory section: the terms, then the verdict against `host` (or why it is not checked)."""
+    from megatron_qarl.memory import GIB
+
+    lines = [f"# host memory per node at its peak ({plan['processes']} trainer process(es); {plan['where']})"]
+    lines += [f"{k:<20}{_human(v):>14}" for k, v in plan["terms"].items()]
+    need = plan["need"]
+    if host is None:
+        lines.append(f"host plan: needs {need / GIB:.1f} GiB per node; not checked here (no GPU on this machine, so "
+                     "it is not a node of this plan): pass --host-gib <node RAM>, or run the dry run on a node (the "
+                     "Slurm job's dry run checks its --mem)")
+    else:
+        have, source = host
+        verdict = "FITS" if need <= have else "does NOT fit"
+        lines.append(f"host plan: {verdict} the node: needs {need / GIB:.1f} GiB per node, {source} is "
+                     f"{have / GIB:.1f} GiB")
+    return lines
+
+
+def check_dry_run_host(cfg, world_size: int, gpus_per_node: int, host: tuple[float, str] | None) -> None:
+    """The host plan refused in one line (UserError) when it needs more than `host` has."""
+    from megatron_qarl.memory import HostMemoryError, check_host_plan, host_plan
+
+    if host is None:
+        return
+    try:
+        check_host_plan(host_plan(cfg, world_size, gpus_per_node), *host)
+    except HostMemoryError as err:
+        raise UserError(str(err)) from err
+
+
+def format_dry_run(cfg, world_size: int, gpu_gib: float = 79.0, gpus_per_node: int | None = None,
+                   host: tuple[float, str] | None = None) -> str:
+    """Resolved config + parallel layout + memory estimate + host plan, as `qarl-train --dry-run` prints it."""
     from megatron_qarl.config import rollout_topology, to_yaml, validate_config
-    from megatron_qarl.memory import engine_shares_gpu, memory_timeline, timeline_verdict
+    from megatron_qarl.memory import (
+        NCCL_PER_COMMUNICATOR, engine_shares_gpu, host_plan, memory_timeline, nccl_bytes, timeline_verdict,
+    )
 
     validate_config(cfg, world_size=world_size)
     timeline = memory_timeline(cfg, world_size, gpu_gib)
@@ -115,7 +185,14 @@ def format_dry_run(cfg, world_size: int, gpu_gib: float = 79.0) -> str:
                      f"{timeline['kv_sequences']:.1f} full-length sequences per engine")
         lines.append(f"host memory for the released trainer state: {_human(timeline['host_backup_per_gpu'])} "
                      "pinned per GPU")
+    comms = timeline["communicators"]
+    if comms:
+        lines.append(f"NCCL communicators per trainer GPU (assumed {_human(NCCL_PER_COMMUNICATOR)} each, not "
+                     f"measured): {_human(nccl_bytes(comms))} for " + ", ".join(
+                         f"{k} x{v}" if k == "p2p" else f"{k}({v})" for k, v in comms.items()))
     lines.append(timeline_verdict(timeline))
+    per_node = dry_run_gpus_per_node(world_size) if gpus_per_node is None else gpus_per_node
+    lines += [""] + format_host_plan(host_plan(cfg, world_size, per_node, timeline), host)
     return "\n".join(lines) + "\n"
 
 
@@ -175,6 +252,12 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-gib", type=float, default=79.0,
                    help="--dry-run only: the GPU memory the trainer estimate must fit (default 79: what torch "
                         "sees of an H100 80 GB)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="--dry-run only: trainer processes per node for the host-memory plan (default: "
+                        "LOCAL_WORLD_SIZE, else SLURM_GPUS_ON_NODE, else min(world, 8))")
+    p.add_argument("--host-gib", type=float, default=None,
+                   help="--dry-run only: the node RAM the host plan must fit (default: the Slurm allocation when "
+                        "set, else this machine's RAM when it has a GPU or the plan needs none, else not checked)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20")
     return p
 
@@ -207,12 +290,18 @@ def train_main(argv=None) -> int:
             cfg = load_config(args.config, args.overrides)
             # The plan first (config, layout, memory timeline: it needs no data), then the inputs: a problem there
             # is one line on stderr and exit 2, after a plan the user can still read.
-            print(format_dry_run(cfg, dry_run_world_size(cfg, args.world_size), args.gpu_gib), flush=True)
+            world = dry_run_world_size(cfg, args.world_size)
+            per_node, host = dry_run_gpus_per_node(world, args.gpus_per_node), dry_run_host(cfg, args.host_gib)
+            print(format_dry_run(cfg, world, args.gpu_gib, per_node, host), flush=True)
+            check_dry_run_host(cfg, world, per_node, host)  # after the plan: one line, exit 2
             inputs = [] if args.skip_inputs else check_inputs(cfg)
             print("".join(line + "\n" for line in inputs), end="")
             return 0
         if args.skip_inputs:
             raise UserError("--skip-inputs is a --dry-run option; a run always checks its inputs")
+        for flag, value in (("--gpus-per-node", args.gpus_per_node), ("--host-gib", args.host_gib)):
+            if value is not None:
+                raise UserError(f"{flag} is a --dry-run option (the host-memory plan); a run uses its node")
         if args.world_size is not None:
             raise UserError("--world-size is a --dry-run option; a run's world size is the launcher's "
                             "(torchrun --nproc_per_node / WORLD_SIZE)")

@@ -253,7 +253,13 @@ def engine_weight_bytes(cfg, groups, replicated=None, never=None) -> dict[str, f
 # --------------------------------------------------------------------------------------------------
 # What no shape determines, stated once. Not yet measured on a GPU (docs/gpu-runs.md lists the measurement):
 CUDA_CONTEXT = 0.5 * GIB        # per process per GPU: CUDA context + cuBLAS workspace (torch 2.1x, H100)
-NCCL_BUFFERS = 0.5 * GIB        # per process per GPU that has multi-rank communicators
+# ASSUMPTION, not measured on a GPU: the device memory of ONE NCCL communicator on one GPU. Its source is this
+# estimate from NCCL's documented defaults, not a measurement: NCCL_BUFFSIZE = 4 MiB per channel and connection
+# (the Simple protocol; LL128 and LL buffers are of the same order), x 2 protocols x 2 connections (ring and tree)
+# x 8 channels = 128 MiB. It varies with the NCCL version, the topology (channels; NVLS on NVSwitch boxes adds
+# more) and NCCL_BUFFSIZE itself. docs/gpu-runs.md: measure it (mem_get_info around one communicator's first
+# all_reduce) and put the number here. memory.trainer_communicators names the communicators it is multiplied by.
+NCCL_PER_COMMUNICATOR = 128 * 2 ** 20
 ENGINE_ACTIVATIONS = 2.0 * GIB  # SGLang's forward outside mem_fraction_static (one chunked-prefill chunk,
                                 # the sampler's logits; CUDA graphs are off for W4A16, sglang_engine.py)
 ALLOCATOR_RESERVE = 0.10        # the caching allocator's slack over variable-size allocations (activations,
@@ -261,6 +267,46 @@ ALLOCATOR_RESERVE = 0.10        # the caching allocator's slack over variable-si
 MIN_FREE = 4.0 * GIB            # what every phase must leave free for FITS
 
 PHASES = ("engine start", "rollout", "old-logprob", "train", "publish", "engine wake")
+
+
+def trainer_communicators(cfg, world_size: int) -> dict[str, int]:
+    """{name: ranks} of the NCCL communicators one trainer process creates on its GPU (the worst rank), from the
+    parallel layout. torch's ProcessGroupNCCL makes a group's communicator at the group's first collective on the
+    GPU (init_process_group without device_id, parallel.py:119: lazy), so every group of more than one rank that
+    the run uses counts once, even when another group has the same ranks (megatron creates each group apart: dp_cp
+    and dp at megatron/core/parallel_state.py:855-880 and 953-967 in 0.16.1):
+      world           the default group: memory_saver's barriers, deliver_samples' all_gather_object
+                      (rollout/dispatch.py:188), parallel.max_over_ranks
+      tp              megatron's TP / SP collectives, logprobs' log-sum-exp, weights/sharding.py's gathers
+      dp / dp_cp      the trainer's DP reductions (parallel.dp_group) / megatron DDP's gradient all-reduce
+      model_parallel  TP x PP: the dense parameters' Muon and gradient norm (optim.py)
+      ep / tp_ep      the MoE token all-to-all / the alltoall dispatcher's tp_ep_group (token_dispatcher.py:540)
+      etp             expert TP (when > 1)
+      expert_dp       DDP's expert-gradient all-reduce
+      expert_mp       ETP x EP x PP: the experts' Muon and gradient norm (optim.py)
+      pp              pipeline stages (when > 1)
+      p2p             deliver_samples' send_object_list / recv_object_list (rollout/dispatch.py:190-202): outside
+                      a batch_isend_irecv, ProcessGroupNCCL::pointToPoint keys a 2-rank communicator by the pair
+                      (getKeySendRecv(rank_, peer)); the rows a rollout-group leader made can be wanted by any
+                      rank, so a leader may pair with each of the world - 1 others (an upper bound)
+    Groups of one rank make no communicator. Multiplied by NCCL_PER_COMMUNICATOR (an assumption)."""
+    lay = cfg.parallel
+    tp, pp, ep = lay.tp, lay.pp, lay.ep
+    etp = lay.etp if lay.etp is not None else tp
+    dp = max(world_size // (tp * pp), 1)
+    expert_dp = max(world_size // (etp * ep * pp), 1)
+    groups = {"world": world_size, "tp": tp, "dp": dp, "dp_cp": dp, "model_parallel": tp * pp, "ep": ep,
+              "tp_ep": etp * ep, "etp": etp, "expert_dp": expert_dp, "expert_mp": etp * ep * pp, "pp": pp}
+    out = {name: ranks for name, ranks in groups.items() if ranks > 1}
+    if world_size > 1:
+        out["p2p"] = world_size - 1  # communicators of 2 ranks each, one per peer
+    return out
+
+
+def nccl_bytes(communicators: dict[str, int]) -> float:
+    """NCCL_PER_COMMUNICATOR per communicator: one per group, `p2p`'s value is its number of 2-rank ones."""
+    count = sum(v for k, v in communicators.items() if k == "p2p") + sum(1 for k in communicators if k != "p2p")
+    return count * NCCL_PER_COMMUNICATOR
 
 
 def engine_shares_gpu(cfg) -> bool:
@@ -289,7 +335,7 @@ def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str
     tr, act, eng = est["trainer_per_gpu"], est["activation_detail"], est["engine"]
     capacity = gpu_gib * GIB
     shares = engine_shares_gpu(cfg)
-    nccl = NCCL_BUFFERS if world_size > 1 else 0.0
+    nccl = nccl_bytes(trainer_communicators(cfg, world_size))
     residue = {"trainer_context": CUDA_CONTEXT, "trainer_nccl": nccl,
                "publish_prev_codes": tr["publish_prev_codes"], "attention_score_buffer": act["score_buffer"]}
     state = {"params_bf16": tr["params_bf16"], "master_fp32": tr["master_fp32"], "optimizer": tr["optimizer"]}
@@ -304,7 +350,8 @@ def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str
     rows: list[tuple[str, dict]] = []
     kv = None
     if shares:
-        engine_nccl = NCCL_BUFFERS if cfg.rollout.engine_tp > 1 else 0.0
+        # the engine's TP group: one communicator (SGLang's other groups and custom all-reduce buffers: not counted)
+        engine_nccl = NCCL_PER_COMMUNICATOR if cfg.rollout.engine_tp > 1 else 0.0
         fraction = cfg.rollout.sglang.mem_fraction_static  # vLLM reads it as gpu_memory_utilization
         if engine_kind(cfg.rollout.engine).gpu_fraction_of_total:  # vLLM: of the TOTAL memory, activations included
             kv = fraction * capacity - eng["per_engine_gpu"] - ENGINE_ACTIVATIONS
@@ -341,7 +388,7 @@ def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str
     fits = all(r["free"] >= MIN_FREE for r in table) and (kv_sequences is None or kv_sequences >= 1)
     return {"rows": table, "peak": peak, "capacity": capacity, "fits": fits, "kv_budget": kv,
             "kv_sequences": kv_sequences, "host_backup_per_gpu": sum(state.values()) if shares else 0.0,
-            "estimate": est}
+            "communicators": trainer_communicators(cfg, world_size), "estimate": est}
 
 
 def engine_kv_at_start(cfg, free_bytes: float) -> tuple[float, float]:
@@ -367,3 +414,134 @@ def timeline_verdict(timeline: dict) -> str:
         largest = sorted(((v, k) for k, v in tight["terms"].items()), reverse=True)[:3]
         text += "; largest terms there " + ", ".join(f"{k} {v / GIB:.2f} GiB" for v, k in largest)
     return text
+
+
+# --------------------------------------------------------------------------------------------------
+# The host plan: what one node's RAM must hold
+# --------------------------------------------------------------------------------------------------
+# ASSUMPTIONS, not measured (the next GPU run records host RSS, docs/gpu-runs.md): the resident host memory of
+# one trainer process (python, torch and the CUDA libraries, megatron, the tokenizer and prompt rows) and of the
+# engine processes per engine GPU (SGLang: one scheduler process per TP rank, plus its tokenizer / detokenizer
+# processes per engine). Round numbers until measured.
+TRAINER_HOST_RSS = 8.0 * GIB
+ENGINE_HOST_RSS = 8.0 * GIB
+# A trainer process on the CPU (no CUDA libraries; its model state counted apart): MEASURED on this project's CPU
+# box, max RSS 0.66 GiB for `qarl-train --config configs/tiny_qarl_w4a16_tbpo.yaml train.steps=1` (embedded engine
+# in-process, torch 2.x CPU wheel); rounded up.
+TRAINER_HOST_RSS_CPU = 1.0 * GIB
+
+
+class HostMemoryError(ValueError):
+    """A plan whose host memory cannot fit the node (one line: the need, the have, the fix)."""
+
+
+def _engine_gpus_per_node(cfg, world_size: int, trainer_gpus: int) -> int:
+    """Engine GPUs a node hosts: colocated engines cover `engines x engine_tp` of the world's GPUs, evenly."""
+    r = cfg.rollout
+    engines = r.engines or (world_size // r.engine_tp if r.engine_tp else 0)
+    generating = min(engines * r.engine_tp, world_size)
+    return -(-generating * trainer_gpus // world_size) if world_size else 0
+
+
+def plan_on_gpu(cfg) -> bool:
+    """Whether the run's trainer runs on GPUs: CUDA here, or engines that need them (on the trainer's GPUs, or
+    separate servers); a plan whose engines run beside the trainer on the host (embedded, vLLM-CPU) without CUDA
+    here is a CPU plan."""
+    import torch
+
+    from megatron_qarl.rollout.engines import engine_kind
+
+    return torch.cuda.is_available() or engine_shares_gpu(cfg) or not engine_kind(cfg.rollout.engine).colocated(cfg)
+
+
+def host_plan(cfg, world_size: int, gpus_per_node: int, timeline: dict | None = None,
+              on_gpu: bool | None = None) -> dict[str, Any]:
+    """What one node's host memory holds at its peak (the engines generating, the trainer's state released), term
+    by term, for `gpus_per_node` trainer processes of `world_size`. `on_gpu` (None: plan_on_gpu) says whether
+    the trainer runs on GPUs; on the CPU its whole estimate (`trainer_state`) is host memory and
+    a process's own RSS is TRAINER_HOST_RSS_CPU. On GPUs:
+      pinned_backup      torch_memory_saver's pinned host copy of each process's released trainer state (the
+                         timeline's host_backup_per_gpu: bf16 params, fp32 masters, optimizer state), x processes.
+                         tms cudaMallocHost's it at every pause and cudaFreeHost's it at resume unless
+                         retain_cpu_backup is set (torch_memory_saver csrc/cpu_backup.h allocate/offload,
+                         csrc/core.cpp resume: `if (!retain_cpu_backup) cpu_backuper::release`; the Python
+                         entrypoint.py:124-132 of 0.0.10 sets it, env TMS_RETAIN_CPU_BACKUP at start). Either way
+                         it is all pinned while the engines generate, so it is counted whole;
+      trainer_processes  TRAINER_HOST_RSS per process (an assumption);
+      engine_processes   ENGINE_HOST_RSS per engine GPU on the node (an assumption), for engines on these GPUs;
+      engine_routes      SGLang's pinned host buffer of routed experts when the engines return routes
+                         (train.routing_telemetry or routing_replay=replay: --enable-return-routed-experts): KV
+                         capacity tokens x layers x top_k x int32 per engine GPU (sglang state_capturer/base.py,
+                         BaseHostCache: pin_memory=True);
+      engine_weights     an engine that runs on the host (not on the trainer's GPUs, in the leader's process or a
+                         CPU server): its model, bf16 size x rollout.embedded_dtype's bytes / 2, per leader here.
+    """
+    timeline = timeline or memory_timeline(cfg, world_size)
+    est = timeline["estimate"]
+    procs = max(1, min(gpus_per_node, world_size))
+    shares = engine_shares_gpu(cfg)
+    on_gpu = plan_on_gpu(cfg) if on_gpu is None else on_gpu
+    if on_gpu:
+        terms = {"pinned_backup": timeline["host_backup_per_gpu"] * procs,
+                 "trainer_processes": TRAINER_HOST_RSS * procs}
+    else:  # the trainer's whole state and activations live in host memory
+        terms = {"trainer_state": est["trainer_per_gpu"]["total"] * procs,
+                 "trainer_processes": TRAINER_HOST_RSS_CPU * procs}
+    if shares:
+        engine_gpus = _engine_gpus_per_node(cfg, world_size, procs)
+        terms["engine_processes"] = ENGINE_HOST_RSS * engine_gpus
+        routes = cfg.train.routing_replay == "replay" or cfg.train.routing_telemetry
+        if routes and timeline["kv_budget"] and timeline["kv_budget"] > 0:
+            hf = resolve_hf_config(cfg.model)
+            shape = family_of(hf).shape(hf)
+            tokens = timeline["kv_budget"] / est["kv_bytes_per_token_per_gpu"]
+            terms["engine_routes"] = tokens * shape.num_hidden_layers * shape.num_experts_per_tok * 4 * engine_gpus
+    else:
+        from megatron_qarl.rollout.engines import engine_kind
+
+        if engine_kind(cfg.rollout.engine).colocated(cfg):  # in the leaders' processes, on the host
+            r = cfg.rollout
+            engines = r.engines or max(world_size // max(r.engine_tp, 1), 1)
+            leaders_here = -(-engines * procs // world_size)
+            per_engine = est["engine"]["bf16_total"] * (2 if r.embedded_dtype == "float32" else 1)
+            terms["engine_weights"] = per_engine * leaders_here
+    where = ("the engines generating, the trainer's state released to pinned host memory" if shares else
+             "the trainer's state on its GPUs") if on_gpu else "on the CPU: the trainer's state and activations"
+    return {"terms": terms, "need": sum(terms.values()), "processes": procs, "on_gpu": on_gpu, "where": where}
+
+
+def node_memory(env=None) -> tuple[float, str]:
+    """(bytes, where it comes from) of host memory a node's run may use at start: Slurm's allocation when the job
+    has one (SLURM_MEM_PER_NODE, or SLURM_MEM_PER_CPU x SLURM_CPUS_ON_NODE: MiB, Slurm's unit), else this machine's
+    RAM (psutil.virtual_memory().total: what the node has, not what other processes leave free at this moment, so
+    that the verdict does not change with the load of a shared login node)."""
+    import os
+
+    env = os.environ if env is None else env
+    if env.get("SLURM_MEM_PER_NODE"):
+        mb = float(env["SLURM_MEM_PER_NODE"])
+        return mb * 2 ** 20, f"the Slurm allocation (SLURM_MEM_PER_NODE={env['SLURM_MEM_PER_NODE']} MiB)"
+    if env.get("SLURM_MEM_PER_CPU") and env.get("SLURM_CPUS_ON_NODE"):
+        mb, cpus = float(env["SLURM_MEM_PER_CPU"]), int(env["SLURM_CPUS_ON_NODE"])
+        return mb * cpus * 2 ** 20, (f"the Slurm allocation (SLURM_MEM_PER_CPU={env['SLURM_MEM_PER_CPU']} MiB x "
+                                     f"SLURM_CPUS_ON_NODE={cpus})")
+    import psutil
+
+    return float(psutil.virtual_memory().total), "this machine's RAM (psutil)"
+
+
+def check_host_plan(plan: dict, have: float, source: str) -> None:
+    """Raise HostMemoryError (one line) when the plan's host need exceeds `have`."""
+    need = plan["need"]
+    if need <= have:
+        return
+    largest = ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in sorted(plan["terms"].items(), key=lambda kv: -kv[1])[:2])
+    raise HostMemoryError(
+        f"host memory: the plan needs {need / GIB:.1f} GiB per node ({plan['processes']} trainer processes; "
+        f"{largest}) but {source} is {have / GIB:.1f} GiB; give the job more (sbatch --mem={_mem_flag(need)}, "
+        "launch/slurm/qarl_multinode.sbatch), use nodes with more RAM or fewer GPUs per node, or hold less state per "
+        "GPU (a larger parallel.tp / parallel.ep)")
+
+
+def _mem_flag(need: float) -> str:
+    return f"{int(-(-need // GIB))}G"

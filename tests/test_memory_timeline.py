@@ -7,7 +7,8 @@ import pytest
 from megatron_qarl.cli import format_dry_run
 from megatron_qarl.config import load_config
 from megatron_qarl.memory import (
-    ALLOCATOR_RESERVE, CUDA_CONTEXT, ENGINE_ACTIVATIONS, GIB, MIN_FREE, NCCL_BUFFERS, memory_timeline,
+    ALLOCATOR_RESERVE, CUDA_CONTEXT, ENGINE_ACTIVATIONS, ENGINE_HOST_RSS, GIB, MIN_FREE, NCCL_PER_COMMUNICATOR,
+    TRAINER_HOST_RSS, host_plan, memory_timeline, trainer_communicators,
 )
 
 from test_memory import TINY_EXPERTS, TINY_TOTAL
@@ -84,11 +85,60 @@ def test_kv_budget_and_verdict_for_the_w4a16_paper_arm():
     cfg = load_config(str(CONFIGS / "qwen3_30b_a3b_qarl_w4a16_tbpo.yaml"), [])
     timeline = memory_timeline(cfg, world_size=8, gpu_gib=79.0)
     engine_weights = 18_030_686_208 / 2  # test_memory.test_qwen3_30b_a3b_w4a16_engine_weights, per engine GPU
-    free_at_start = 79 * GIB - CUDA_CONTEXT - NCCL_BUFFERS - CUDA_CONTEXT
+    # 8 collective communicators and 7 point-to-point ones (test_nccl_is_counted_per_communicator)
+    free_at_start = 79 * GIB - CUDA_CONTEXT - 15 * NCCL_PER_COMMUNICATOR - CUDA_CONTEXT
     assert timeline["kv_budget"] == 0.6 * free_at_start - engine_weights
     # K and V of 48 layers, 4 KV heads over engine TP 2, head_dim 128, bf16: 49,152 B per token per GPU
     assert timeline["kv_sequences"] == pytest.approx(timeline["kv_budget"] / (18_432 * 49_152))
     assert timeline["fits"]
+
+
+def test_nccl_is_counted_per_communicator():
+    """One communicator per NCCL group of > 1 ranks the trainer uses and one per point-to-point peer, named from
+    the layout. Qwen3-30B-A3B at TP 4 x EP 8 (ETP 1) on 8 GPUs: DP 8 / 4 = 2, expert-DP 8 / 8 = 1 (none), TP x PP
+    4, ETP x EP 8; deliver_samples' leader may send to each of the 7 other ranks. On 16: DP 4, expert-DP 2, 15
+    peers."""
+    cfg = load_config(str(CONFIGS / "qwen3_30b_a3b_qarl_w4a16_tbpo.yaml"), [])
+    comms = trainer_communicators(cfg, 8)
+    assert comms == {"world": 8, "tp": 4, "dp": 2, "dp_cp": 2, "model_parallel": 4, "ep": 8, "tp_ep": 8,
+                     "expert_mp": 8, "p2p": 7}
+    rows = _rows(memory_timeline(cfg, world_size=8, gpu_gib=79.0))
+    assert rows["train"]["terms"]["trainer_nccl"] == (8 + 7) * 128 * 2 ** 20 == 15 * NCCL_PER_COMMUNICATOR
+    assert rows["train"]["terms"]["engine_nccl"] == NCCL_PER_COMMUNICATOR  # the engine's TP 2 group
+    assert trainer_communicators(cfg, 16) == {"world": 16, "tp": 4, "dp": 4, "dp_cp": 4, "model_parallel": 4,
+                                              "ep": 8, "tp_ep": 8, "expert_dp": 2, "expert_mp": 8, "p2p": 15}
+    tiny = _tiny_colocated()
+    assert trainer_communicators(tiny, 1) == {}  # world 1: no communicator at all
+    assert _rows(memory_timeline(tiny, world_size=1, gpu_gib=2.0))["train"]["terms"]["trainer_nccl"] == 0
+
+
+def test_host_plan_of_the_w4a16_paper_arm_by_hand():
+    """One 8-GPU node of the W4A16 arm: 8 x the released state (bf16 params 2 B + fp32 masters 4 B + Muon/Adam
+    state of the local params), 8 trainer and 8 engine processes; with routing telemetry on, SGLang's pinned
+    route buffer per engine GPU: KV-capacity tokens x 48 layers x top-8 x int32."""
+    cfg = load_config(str(CONFIGS / "qwen3_30b_a3b_qarl_w4a16_tbpo.yaml"), [])
+    assert not cfg.train.routing_telemetry  # off in the GPU configs unless asked
+    timeline = memory_timeline(cfg, world_size=8, gpu_gib=79.0)
+    tr = timeline["estimate"]["trainer_per_gpu"]
+    state = tr["params_bf16"] + tr["master_fp32"] + tr["optimizer"]
+    local = timeline["estimate"]["params"]["local_per_gpu"]
+    assert tr["params_bf16"] == 2 * local and tr["master_fp32"] == 4 * local
+    assert timeline["host_backup_per_gpu"] == state
+    assert 37.9 * GIB < state < 38.1 * GIB  # the audit's 38.0 GiB (M2)
+    plan = host_plan(cfg, 8, 8, timeline, on_gpu=True)
+    assert plan["terms"] == {"pinned_backup": 8 * state, "trainer_processes": 8 * TRAINER_HOST_RSS,
+                             "engine_processes": 8 * ENGINE_HOST_RSS}
+    assert plan["need"] == 8 * state + 8 * 8 * GIB + 8 * 8 * GIB
+    on = load_config(str(CONFIGS / "qwen3_30b_a3b_qarl_w4a16_tbpo.yaml"), ["train.routing_telemetry=true"])
+    t_on = memory_timeline(on, world_size=8, gpu_gib=79.0)
+    kv_tokens = t_on["kv_budget"] / 49_152  # 49,152 B of KV per token per GPU (test above)
+    assert host_plan(on, 8, 8, t_on, on_gpu=True)["terms"]["engine_routes"] == pytest.approx(
+        kv_tokens * 48 * 8 * 4 * 8, rel=1e-12)
+    # 4 GPUs per node: half of everything
+    assert host_plan(cfg, 8, 4, timeline, on_gpu=True)["need"] == plan["need"] / 2
+
+
+ALL_GPU_CONFIGS = PAPER_CONFIGS + [CONFIGS / "moonlight_16b_a3b_qarl_w4a16_tbpo.yaml"]
 
 
 @pytest.mark.parametrize("path", PAPER_CONFIGS, ids=[p.stem for p in PAPER_CONFIGS])
@@ -102,6 +152,20 @@ def test_every_paper_config_fits_80gb_colocated_with_4gib_free_in_every_phase(pa
     assert timeline["kv_sequences"] >= 1
     text = format_dry_run(cfg, world_size=8, gpu_gib=79.0)
     assert "FITS a 79 GiB GPU" in text and "does NOT fit" not in text
+
+
+@pytest.mark.parametrize("path", ALL_GPU_CONFIGS, ids=[p.stem for p in ALL_GPU_CONFIGS])
+def test_every_gpu_config_runs_without_telemetry_and_prints_its_host_plan(path):
+    """The 30B and Moonlight configs: routing telemetry off, FITS on the GPU, and the host plan printed; checked
+    against a node of 2 TiB it FITS, and here (no GPU, no Slurm) it says it is not checked."""
+    cfg = load_config(str(path), [])
+    assert cfg.train.routing_telemetry is False
+    text = format_dry_run(cfg, world_size=8, gpu_gib=79.0, gpus_per_node=8, host=(2048 * GIB, "--host-gib 2048"))
+    assert "FITS a 79 GiB GPU" in text and "does NOT fit" not in text
+    assert "# host memory per node at its peak (8 trainer process(es)" in text and "pinned_backup" in text
+    assert "host plan: FITS the node: needs" in text and "--host-gib 2048 is 2048.0 GiB" in text
+    unchecked = format_dry_run(cfg, world_size=8, gpu_gib=79.0, gpus_per_node=8, host=None)
+    assert "host plan: needs" in unchecked and "not checked here" in unchecked
 
 
 def test_unfused_attention_does_not_fit_and_says_which_terms():
