@@ -304,7 +304,8 @@ def test_separate_two_nodes(cluster, monkeypatch):
         key_file = argv[argv.index("--config") + 1]
         # the same arguments the trainer gives its own servers for this config (one source of truth)
         assert argv == _expected_server_argv(cluster, group=i, base_gpu_id=4 * i, port=30000 + i, key_file=key_file)
-        assert "--enable-return-routed-experts" in argv
+        # the 30B configs run without routing telemetry unless asked (train.routing_telemetry=true): no routes
+        assert "--enable-return-routed-experts" not in argv
         assert argv[argv.index("--moe-runner-backend") + 1] == "marlin"
         assert argv[argv.index("--cuda-graph-backend-decode") + 1] == "disabled"
         assert argv[argv.index("--cuda-graph-backend-prefill") + 1] == "disabled"
@@ -422,3 +423,31 @@ def test_time_limit_signal_stops_the_trainer_at_a_step_and_requeues(cluster):
         assert set(opts["--signals-to-handle"].split(",")) >= {"SIGTERM", "SIGINT", "SIGUSR1"}, opts
         assert int(opts["--shutdown-timeout"]) >= 600, opts
     assert not list(cluster["logs"].glob(".tmp-*")), "the job's scratch directory is left behind"
+
+
+def test_sbatch_asks_for_the_memory_the_default_configs_host_plan_needs():
+    """#SBATCH --mem (GiB) >= the host plan of the default CONFIG on 2 nodes x 8 GPUs (memory.host_plan, the
+    trainer on GPUs), and the job's dry run checks it per node."""
+    import re
+
+    from megatron_qarl.config import load_config
+    from megatron_qarl.memory import GIB, host_plan
+
+    text = SBATCH.read_text()
+    mem = re.findall(r"^#SBATCH --mem=(\d+)G$", text, re.M)
+    assert len(mem) == 1, "one #SBATCH --mem=<N>G line"
+    cfg = load_config(ROOT / CONFIG, [])
+    need = host_plan(cfg, 2 * GPUS_PER_NODE, GPUS_PER_NODE, on_gpu=True)["need"]
+    assert int(mem[0]) * GIB >= need, (mem[0], need / GIB)
+    assert '--gpus-per-node "$GPUS_PER_NODE"' in text
+
+
+def test_a_job_with_too_little_memory_stops_at_its_dry_run_in_one_line(cluster):
+    """SLURM_MEM_PER_NODE below the plan (a job submitted with a smaller --mem): the dry run refuses it in one line
+    before any step starts."""
+    p = _render(cluster, SLURM_MEM_PER_NODE=str(64 * 1024))
+    assert p.returncode == 2, p.stdout + p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("qarl-train: error:")]
+    assert len(errors) == 1 and "host memory: the plan needs" in errors[0], p.stderr
+    assert "SLURM_MEM_PER_NODE=65536 MiB) is 64.0 GiB" in errors[0] and "sbatch --mem=" in errors[0]
+    assert not _records(cluster["rec"], "srun"), "no step may start"
