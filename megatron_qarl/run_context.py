@@ -141,6 +141,7 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
     # costs seconds, not a model load. Every leader reads them; a failure on one ends every rank.
     data, eval_examples = load_run_data(cfg, tokenizer, is_leader, hf_config)
 
+    hf_index = scan_initial_hf_weights(cfg, hf_config)  # headers, index and tensor shapes: before the build
     overrides = learner_config_overrides(cfg)
     # The trainer's state is allocated in the memory saver's regions, so a colocated engine can have the GPU
     # while it generates (memory_saver.py; the phases are memory.memory_timeline's).
@@ -151,7 +152,7 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
             hf_config, layout, params_dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
             config_overrides=overrides, core_attention=cfg.model.core_attention,
         )
-    _load_initial_weights(cfg, model, hf_config)
+    _load_initial_weights(cfg, model, hf_config, hf_index)
     quant = None
     if cfg.quant.scheme != "none" and cfg.quant.learner_aligned:
         quant = apply_aligned_quantization(model, cfg.quant)
@@ -491,7 +492,20 @@ def engine_start_checkpoint(cfg: RunConfig, model, hf_config, quant, tokenizer=N
     return str(out)
 
 
-def _load_initial_weights(cfg: RunConfig, model, hf_config) -> None:
+def scan_initial_hf_weights(cfg: RunConfig, hf_config):
+    """The headers of model.hf_path's safetensors files (hf_io.scan_hf_checkpoint: the index names only files
+    inside the directory, every header is one the format allows) and their tensors against the config, read
+    before the model is built; None when the run does not start from HF weights."""
+    if cfg.model.init_checkpoint or not cfg.model.hf_path:
+        return None
+    from megatron_qarl.weights.hf_io import scan_hf_checkpoint, validate_hf_index
+
+    index = scan_hf_checkpoint(cfg.model.hf_path)
+    validate_hf_index(index, hf_config)
+    return index
+
+
+def _load_initial_weights(cfg: RunConfig, model, hf_config, hf_index=None) -> None:
     if cfg.model.init_checkpoint:
         from megatron_qarl.checkpointing import load_checkpoint
 
@@ -503,7 +517,7 @@ def _load_initial_weights(cfg: RunConfig, model, hf_config) -> None:
 
         error = None
         try:  # each rank reads only its shards; a NaN / Inf weight in any rank's part stops every rank
-            load_hf_checkpoint_into_model(model, hf_config, cfg.model.hf_path)
+            load_hf_checkpoint_into_model(model, hf_config, cfg.model.hf_path, index=hf_index)
         except CheckpointError as exc:
             error = exc
         raise_if_any_rank_failed(error, CheckpointError(

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import time
@@ -25,15 +26,25 @@ CONFIG_NAME = "config.json"
 # ---------------------------------------------------------------- reading
 
 def _shard_files(path: Path) -> dict[str, list[str]]:
-    """{shard file name: [tensor names]} from the index, or the single file."""
+    """{shard file name: [tensor names]} from the index, or the single file. The index's file names must name
+    files inside `path` (no absolute path, no `..`): a checkpoint never reads a file from elsewhere."""
     index = path / INDEX_NAME
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise CheckpointError(f"{index} is not a valid safetensors index ({exc})") from exc
+            weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:  # JSON, UTF-8, no weight_map, not an object
+            raise CheckpointError(f"{index} is not a valid safetensors index ({exc}); re-download or re-export "
+                                  "the checkpoint") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in weight_map.items()):
+            raise CheckpointError(f"{index}: weight_map is not a {{tensor name: file name}} object of strings; "
+                                  "re-download or re-export the checkpoint")
         files: dict[str, list[str]] = {}
         for tensor_name, file_name in weight_map.items():
+            if not _inside(file_name):
+                raise CheckpointError(f"{index} maps {tensor_name} to {file_name!r}, a file outside the checkpoint "
+                                      f"directory {path}; an index names the shard files beside it: fix the index or "
+                                      "re-download the checkpoint")
             files.setdefault(file_name, []).append(tensor_name)
         missing = sorted(f for f in files if not (path / f).is_file())
         if missing:
@@ -45,9 +56,83 @@ def _shard_files(path: Path) -> dict[str, list[str]]:
     raise CheckpointError(f"{path} has neither {INDEX_NAME} nor {SINGLE_NAME}")
 
 
+def _inside(file_name: str) -> bool:
+    """Whether an index's file name names a file under the checkpoint directory: relative, no `..`, not empty.
+    (Read lexically: a shard that is a symbolic link, as in the HF hub cache's snapshots, stays readable.)"""
+    parts = file_name.replace("\\", "/").split("/")
+    return (bool(file_name) and not os.path.isabs(file_name) and "\0" not in file_name
+            and all(part not in ("", ".", "..") for part in parts))
+
+
+# Bits per element of each dtype the safetensors format defines (its Rust crate's Dtype).
+SAFETENSORS_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "I64": 64,
+    "U64": 64, "F64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+
+
+def _no_duplicates(pairs):
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
+
+
+def _header_problem(header, data_bytes: int) -> str | None:
+    """What makes a parsed safetensors header other than the format allows (None: it is one): a JSON object of
+    tensor name -> {dtype, shape, data_offsets}, names valid UTF-8, `__metadata__` a flat {str: str}, every
+    tensor's bytes those its dtype and shape need, the tensors tiling the data buffer exactly (no overlap, no
+    gap, nothing past its end)."""
+    if not isinstance(header, dict):
+        return f"the header is a JSON {type(header).__name__}, not an object of tensors"
+    spans = []
+    for name, info in header.items():
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"tensor name {name!r} is not valid UTF-8"
+        if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                return "__metadata__ is not a flat {string: string} object"
+            continue
+        if not isinstance(info, dict):
+            return f"tensor {name!r} is described by a JSON {type(info).__name__}, not {{dtype, shape, data_offsets}}"
+        absent = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
+        if absent:
+            return f"tensor {name!r} has no {', '.join(absent)}"
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPE_BITS:
+            return f"tensor {name!r} has dtype {dtype!r}, which the safetensors format does not define"
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            return f"tensor {name!r} has shape {shape!r}, not a list of non-negative integers"
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            return f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end"
+        numel = math.prod(shape)
+        bits = numel * SAFETENSORS_DTYPE_BITS[dtype]
+        if bits != 8 * (offsets[1] - offsets[0]):
+            return (f"tensor {name!r} ({dtype}, shape {shape}) needs {bits / 8:g} bytes but its data_offsets "
+                    f"{offsets} span {offsets[1] - offsets[0]}")
+        spans.append((offsets[0], offsets[1], name))
+    at, previous = 0, None
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            what = f"overlaps {previous!r}" if begin < at else f"leaves bytes {at}..{begin} unused"
+            return f"tensor {name!r} at data_offsets [{begin}, {end}] {what}"
+        at, previous = end, name
+    if at > data_bytes:
+        return None  # truncated: the caller says so
+    if at != data_bytes:
+        return f"{data_bytes - at} byte(s) follow the last tensor's data"
+    return None
+
+
 def _check_safetensors_complete(file: Path) -> dict:
-    """Catch truncated files before safetensors' mmap does (its message does not name the file); the header
-    ({tensor name: {dtype, shape, data_offsets}}, maybe "__metadata__") when the file is whole."""
+    """The header ({tensor name: {dtype, shape, data_offsets}}, maybe "__metadata__") of a whole, well-formed
+    safetensors file, read without mapping the data: a truncated file (safetensors' mmap message does not
+    name it) or a header the format does not allow (_header_problem) is a CheckpointError naming the file."""
     fix = "re-download or re-export it"
     size = file.stat().st_size
     with open(file, "rb") as fh:
@@ -57,15 +142,26 @@ def _check_safetensors_complete(file: Path) -> dict:
         header_len = struct.unpack("<Q", head)[0]
         if 8 + header_len > size:
             raise CheckpointError(f"{file} is truncated (header needs {8 + header_len} bytes, file has {size}); {fix}")
-        try:
-            header = json.loads(fh.read(header_len))
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{file} has a corrupt safetensors header ({exc}); {fix}") from exc
+        if header_len > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{file} has a {header_len}-byte safetensors header, past the format's limit of "
+                                  f"{MAX_HEADER_BYTES}; it is not a safetensors file: {fix}")
+        raw = fh.read(header_len)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except ValueError as exc:  # not UTF-8 (UnicodeDecodeError), not JSON, a duplicate name
+        raise CheckpointError(f"{file} has a corrupt safetensors header ({_one_line(exc)}); {fix}") from None
+    problem = _header_problem(header, size - 8 - header_len)
+    if problem:
+        raise CheckpointError(f"{file} has a safetensors header the format does not allow: {problem}; {fix}")
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + header_len + end > size:
         raise CheckpointError(f"{file} is truncated: tensors need {8 + header_len + end} bytes, "
                               f"file has {size}; {fix}")
     return header
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200]
 
 
 @dataclass

@@ -1,0 +1,150 @@
+"""Issue 49's third round of faults, items 3 and 6 (safetensors headers): nothing a run had is lost, nothing it
+writes follows a link out of its directory, nothing outside a checkpoint is read, no header the safetensors format
+does not allow reaches the model build."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_qarl.errors import CheckpointError
+from megatron_qarl.weights.hf_io import INDEX_NAME, scan_hf_checkpoint
+
+
+# ---------------------------------------------------------------- safetensors files and indexes
+
+def _safetensors(path: Path, header, data: bytes = b"", raw: bytes | None = None) -> Path:
+    """A file in the safetensors layout: u64 header length, the header (`raw` bytes as given, else JSON), data."""
+    body = raw if raw is not None else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(body)) + body + data)
+    return path
+
+
+def _good(path: Path, name: str = "w") -> Path:
+    return _safetensors(path, {name: {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                               "__metadata__": {"format": "pt"}}, bytes(8))
+
+
+def test_a_well_formed_file_passes_the_header_check(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(3, 5), "b": torch.ones(7, dtype=torch.bfloat16), "e": torch.zeros(0)},
+              str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    index = scan_hf_checkpoint(tmp_path)
+    assert index.shapes == {"a": (3, 5), "b": (7,), "e": (0,)}
+    _good(tmp_path / "model.safetensors")
+    assert scan_hf_checkpoint(tmp_path).shapes == {"w": (2,)}
+
+
+F32x2 = {"dtype": "F32", "shape": [2]}
+BAD_HEADERS = {  # class -> (header as JSON, or raw header bytes; data bytes; what the one line says)
+    "a list": ([{"w": {**F32x2, "data_offsets": [0, 8]}}], 8, "a JSON list, not an object"),
+    "a string": ("model", 8, "a JSON str, not an object"),
+    "non-UTF-8 bytes in a name": (b'{"w\xff\xfe": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}', 8,
+                                  "corrupt safetensors header"),
+    "a lone surrogate in a name": (b'{"w\\ud800": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}', 8,
+                                   "is not valid UTF-8"),
+    "overlapping offsets": ({"a": {**F32x2, "data_offsets": [0, 8]}, "b": {**F32x2, "data_offsets": [4, 12]}}, 12,
+                            "overlaps 'a'"),
+    "inverted offsets": ({"w": {**F32x2, "data_offsets": [8, 0]}}, 8, "not [begin, end] with 0 <= begin <= end"),
+    "missing data_offsets": ({"w": {**F32x2}}, 8, "has no data_offsets"),
+    "nested metadata": ({"__metadata__": {"format": {"nested": "pt"}}, "w": {**F32x2, "data_offsets": [0, 8]}}, 8,
+                        "__metadata__ is not a flat {string: string} object"),
+    "dtype x shape larger than the offsets": ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 8]}}, 8,
+                                              "needs 16 bytes but its data_offsets [0, 8] span 8"),
+    "dtype x shape smaller than the offsets": ({"w": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 8]}}, 8,
+                                               "needs 4 bytes but its data_offsets [0, 8] span 8"),
+    "an unknown dtype": ({"w": {"dtype": "F128", "shape": [2], "data_offsets": [0, 8]}}, 8,
+                         "dtype 'F128', which the safetensors format does not define"),
+    "a negative dimension": ({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, 8,
+                             "not a list of non-negative integers"),
+    "a gap between tensors": ({"a": {**F32x2, "data_offsets": [0, 8]}, "b": {**F32x2, "data_offsets": [12, 20]}}, 20,
+                              "leaves bytes 8..12 unused"),
+    "bytes after the last tensor": ({"w": {**F32x2, "data_offsets": [0, 8]}}, 12, "4 byte(s) follow"),
+    "a duplicate name": (b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+                         b'"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}', 8, "duplicate key 'w'"),
+    "a tensor described by a list": ({"w": ["F32", [2], [0, 8]]}, 8, "described by a JSON list"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HEADERS))
+def test_a_safetensors_header_the_format_does_not_allow_is_one_line(tmp_path, case):
+    """Each used to pass the header check (json.loads was all it asked) and then crash with a traceback
+    (AttributeError, KeyError, UnicodeDecodeError) or load a tensor from the wrong bytes."""
+    header, data, says = BAD_HEADERS[case]
+    file = tmp_path / "model.safetensors"
+    if isinstance(header, bytes):
+        _safetensors(file, None, bytes(data), raw=header)
+    else:
+        _safetensors(file, header, bytes(data))
+    with pytest.raises(CheckpointError) as err:
+        scan_hf_checkpoint(tmp_path)
+    line = str(err.value)
+    assert "\n" not in line and str(file) in line and says in line and "re-download or re-export it" in line, line
+
+
+def test_a_bad_header_is_refused_before_the_run_builds_the_model(tmp_path, monkeypatch, world_of_one):
+    """The run checks model.hf_path's headers before the model build (minutes at 30B), not after it."""
+    from megatron_qarl import run_context
+    from megatron_qarl.config import load_config
+    from megatron_qarl.models.qwen3_moe import tiny_hf_config
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    tiny_hf_config().to_json_file(str(hf / "config.json"))
+    _safetensors(hf / "model.safetensors", [1, 2], bytes(8))
+    cfg = load_config(None, ["model.preset=null", f"model.hf_path={hf}", "model.tokenizer=char",
+                             f"logging.out_dir={tmp_path / 'run'}", "logging.wandb.mode=disabled"])
+    monkeypatch.setattr(run_context, "load_run_data", lambda *a, **k: (None, None))
+
+    class Unbuilt:
+        def __init__(self, family):
+            self.family = family
+
+        def __getattr__(self, name):
+            if name == "build_model":
+                raise AssertionError("the model was built before the header check")
+            return getattr(self.family, name)
+
+    real = run_context.family_of
+    monkeypatch.setattr(run_context, "family_of", lambda hf_config: Unbuilt(real(hf_config)))
+    with pytest.raises(CheckpointError, match="a JSON list, not an object"):
+        run_context.build_run_context(cfg)
+
+
+@pytest.mark.parametrize("outside", ["../outside.safetensors", "{abs}", "sub/../../outside.safetensors", ""])
+def test_an_index_naming_a_file_outside_the_checkpoint_is_refused(tmp_path, outside):
+    """weight_map's file names were joined to the checkpoint dir as given: an absolute name or `../` read a file
+    from anywhere (here a valid safetensors file beside the checkpoint)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    target = _good(tmp_path / "outside.safetensors")
+    _good(ckpt / "model-00001-of-00002.safetensors", "a")
+    name = outside.format(abs=target)
+    (ckpt / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": {
+        "a": "model-00001-of-00002.safetensors", "w": name}}))
+    with pytest.raises(CheckpointError) as err:
+        scan_hf_checkpoint(ckpt)
+    line = str(err.value)
+    assert "\n" not in line and "a file outside the checkpoint directory" in line and repr(name) in line, line
+
+
+@pytest.mark.parametrize("weight_map", [["a"], {"a": 3}, None])
+def test_an_index_whose_weight_map_is_not_names_to_files_is_one_line(tmp_path, weight_map):
+    _good(tmp_path / "model.safetensors", "a")
+    (tmp_path / INDEX_NAME).write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match="weight_map is not a"):
+        scan_hf_checkpoint(tmp_path)
+
+
+def test_a_shard_that_is_a_link_inside_the_hub_cache_still_reads(tmp_path):
+    """The HF hub's snapshots link every shard to ../../blobs/<hash>: names are checked, not link targets."""
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    _good(blobs / "123")
+    (snap / "model.safetensors").symlink_to("../../blobs/123")
+    assert scan_hf_checkpoint(snap).shapes == {"w": (2,)}
