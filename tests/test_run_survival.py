@@ -60,9 +60,10 @@ class Background:
         self.proc = subprocess.Popen(_cmd(out, *overrides, nproc=nproc), env=_env(self.tag, **env), cwd=REPO,
                                      stdout=self._out, stderr=self._err, start_new_session=new_session)
 
-    def wait_for(self, text: str, timeout: float = 300.0) -> None:
+    def wait_for(self, text: str, timeout: float = 300.0, stream: str = "stdout") -> None:
+        path = self.stdout_path if stream == "stdout" else self.stderr_path
         deadline = time.monotonic() + timeout
-        while text not in self.stdout_path.read_text():
+        while text not in path.read_text():
             assert self.proc.poll() is None, f"the run ended before {text!r}:\n{self.stderr_path.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"no {text!r} within {timeout} s"
             time.sleep(0.1)
@@ -89,14 +90,91 @@ def _one_line(stderr: str, start: str) -> str:
     return lines[0]
 
 
+# A run held at a known point: a reward plug-in (the trainer's own plug-in interface, nothing added to the code
+# under test) that counts its calls and, at call HOLD_AT, says so and returns only once the test releases it. Calls:
+# the preflight's reward check is call 1; with rollout.request_prompts=1 and 4 prompts per step each step is 4
+# requests of one call each, so step k's calls are 4k-2 .. 4k+1. Held in a step's LAST call, a stop signal finds
+# the rollout's requests all served: the step finishes and is checkpointed. Held in an earlier call, the rollout is
+# abandoned. Either way the run cannot finish, or reach another phase, before the test has done its part, however
+# fast or loaded the machine.
+HOLD_REWARD = '''
+import json, os, time
+
+def reward(responses, answers, rows):
+    """Logs each call's answers; call HOLD_AT writes HOLD_HELD and waits for HOLD_RELEASE (at most HOLD_MAX_S)."""
+    with open(os.environ["HOLD_LOG"], "a") as f:
+        f.write(json.dumps(answers) + "\\n")
+    with open(os.environ["HOLD_LOG"]) as f:
+        calls = sum(1 for _ in f)
+    if calls == int(os.environ["HOLD_AT"]):
+        open(os.environ["HOLD_HELD"], "w").close()
+        deadline = time.monotonic() + float(os.environ["HOLD_MAX_S"])
+        while not os.path.exists(os.environ["HOLD_RELEASE"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return [float(a in r) for r, a in zip(responses, answers)]
+'''
+HOLD_MAX_S = 300  # a test that fails while its run is held does not leave it held for longer
+
+
+def last_call_of_step(k: int) -> int:
+    return 4 * k + 1
+
+
+class Hold:
+    """The plug-in's files, the overrides and the environment of a run held at reward call `at`."""
+
+    def __init__(self, tmp: Path, monkeypatch, at: int):
+        (tmp / "qarl_hold_reward.py").write_text(HOLD_REWARD)
+        monkeypatch.setenv("PYTHONPATH", str(tmp))  # the plug-in, for the trainer and its reward worker
+        self.log, self.held, self.released = tmp / "calls.jsonl", tmp / "held", tmp / "release"
+        self.env = dict(HOLD_LOG=str(self.log), HOLD_HELD=str(self.held), HOLD_RELEASE=str(self.released),
+                        HOLD_AT=str(at), HOLD_MAX_S=str(HOLD_MAX_S))
+        # the deadline of a plug-in call is data.reward_timeout_s per response: above the longest hold
+        self.args = ("rollout.request_prompts=1", "data.reward=qarl_hold_reward:reward",
+                     f"data.reward_timeout_s={HOLD_MAX_S}")
+
+    def wait(self, run: "Background", timeout: float = 300.0) -> None:
+        """Until the run is held (it cannot have finished: it waits for `release`)."""
+        deadline = time.monotonic() + timeout
+        while not self.held.exists():
+            assert run.proc.poll() is None, f"the run ended before it was held:\n{run.stderr_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"the run was not held within {timeout} s"
+            time.sleep(0.05)
+
+    def release(self) -> None:
+        self.released.touch()
+
+
 # ---------------------------------------------------------------- one trainer per run directory
 
-def test_a_second_trainer_on_the_same_dir_is_refused_and_the_first_one_is_untouched(tmp_path):
+def test_a_second_trainer_on_the_same_dir_is_refused_and_the_first_one_is_untouched(tmp_path, monkeypatch):
     """The second trainer used to clean the first one's in-progress checkpoint as a leftover at start-up: now it is
-    refused in one line naming the holder's pid and host, before it reads, moves or removes anything."""
+    refused in one line naming the holder's pid and host, before it reads, moves or removes anything. The first run
+    is held in step 3's rollout (its steps 1-2 checkpointed) until the second has been refused: it used to be
+    raced, and on a loaded machine it finished before the second reached the lock."""
     out = tmp_path / "run"
-    first = Background(tmp_path, out, "train.steps=6", "checkpoint.every=1", "checkpoint.keep_last=2")
-    first.wait_for("step 2/6")
+    hold = Hold(tmp_path, monkeypatch, at=last_call_of_step(2) + 1)
+    first = Background(tmp_path, out, "train.steps=6", "checkpoint.every=1", "checkpoint.keep_last=2", *hold.args,
+                       **hold.env)
+    try:
+        hold.wait(first)
+        assert "step 2/6" in first.stdout_path.read_text()
+        _second_is_refused(out, first)
+    finally:
+        hold.release()
+    rc, stdout, stderr = first.finish()
+    assert rc == 0, stderr[-3000:]
+    ckpts = out / "checkpoints"
+    assert [p.name for p in RunCheckpoints(ckpts).complete()] == ["step_00000005", "step_00000006"]
+    assert all(verify_checkpoint(p) == [] for p in RunCheckpoints(ckpts).complete())
+    assert _rows(out) == list(range(6))  # the refused run wrote no metrics row
+    # the lock went with the first run: the dir is usable again (the same experiment: resumed, nothing left to do)
+    proc = _run(out, "train.steps=6", "checkpoint.every=1", "checkpoint.keep_last=2", *hold.args,
+                **{**hold.env, "HOLD_AT": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _second_is_refused(out: Path, first: "Background") -> None:
     ckpts = out / "checkpoints"
     writing = ckpts / f".step_00000099.tmp-{first.proc.pid}-inprogress"  # what a save in flight looks like
     writing.mkdir()
@@ -106,13 +184,7 @@ def test_a_second_trainer_on_the_same_dir_is_refused_and_the_first_one_is_untouc
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"pid {first.proc.pid} on {os.uname().nodename}" in line and "in use by another run" in line, line
     assert writing.is_dir() and (writing / "__0_0.distcp").stat().st_size == 1000  # not cleaned by the second
-    rc, stdout, stderr = first.finish()
-    assert rc == 0, stderr[-3000:]
-    assert [p.name for p in RunCheckpoints(ckpts).complete()] == ["step_00000005", "step_00000006"]
-    assert all(verify_checkpoint(p) == [] for p in RunCheckpoints(ckpts).complete())
-    assert _rows(out) == list(range(6))  # the refused run wrote no metrics row
-    proc = _run(out, "train.steps=6")  # the lock went with the first run: the dir is usable again
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert first.proc.poll() is None  # still held: the refusal was the lock's, not a finished run's
 
 
 def test_clean_stale_removes_dead_writers_temp_dirs_only(tmp_path):
@@ -180,136 +252,143 @@ STOP_RUN = ["train.steps=40", "checkpoint.every=0"]
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1", "SIGINT"])
-def test_a_stop_signal_finishes_the_step_checkpoints_and_exits_3(tmp_path, sig):
+def test_a_stop_signal_finishes_the_step_checkpoints_and_exits_3(tmp_path, monkeypatch, sig):
     """SIGTERM (Slurm preemption, kill), SIGUSR1 (Slurm's --signal before the time limit) and Ctrl-C (SIGINT)
-    used to kill the run at once (no checkpoint: up to checkpoint.every steps lost; a traceback for Ctrl-C)."""
+    used to kill the run at once (no checkpoint: up to checkpoint.every steps lost; a traceback for Ctrl-C).
+    The signal comes while the run is held in step 2's last reward call: the step in flight finishes."""
     out = tmp_path / "run"
-    run = Background(tmp_path, out, *STOP_RUN)
-    run.wait_for("step 2/40")
-    run.proc.send_signal(getattr(signal, sig))
+    hold = Hold(tmp_path, monkeypatch, at=last_call_of_step(2))
+    run = Background(tmp_path, out, *STOP_RUN, *hold.args, **hold.env)
+    try:
+        hold.wait(run)
+        run.proc.send_signal(getattr(signal, sig))
+        run.wait_for(f"[qarl] {'Ctrl-C' if sig == 'SIGINT' else sig} received", stream="stderr")
+    finally:
+        hold.release()
     rc, stdout, stderr = run.finish()
     assert rc == EXIT_STOPPED, stderr[-3000:]
-    line = _one_line(stderr, "qarl-train:")
-    done = int(line.split(" after step ")[1].split("/")[0])
-    ckpt = out / "checkpoints" / f"step_{done:08d}"
-    # a signal during a rollout abandons it and saves the steps before it; at any other phase the step finishes
-    during = (f", during step {done + 1}'s rollout (its requests in flight were abandoned: the resumed run samples "
-              "them again)")
-    assert line in [f"qarl-train: stopped by {sig} after step {done}/40{clause}; checkpoint {ckpt} written; exit "
-                    "status 3; run the same command again to continue (checkpoint.resume=auto)"
-                    for clause in ("", during)], line
-    assert done >= 2 and verify_checkpoint(ckpt) == [] and (ckpt / MARKER_NAME).is_file()
-    assert _rows(out) == list(range(done))
+    ckpt = out / "checkpoints" / "step_00000002"
+    assert _one_line(stderr, "qarl-train:") == (
+        f"qarl-train: stopped by {sig} after step 2/40; checkpoint {ckpt} written; exit status 3; run the same "
+        "command again to continue (checkpoint.resume=auto)")
+    assert verify_checkpoint(ckpt) == [] and (ckpt / MARKER_NAME).is_file()
+    assert _rows(out) == [0, 1]
     if sig == "SIGTERM":  # the same command resumes from it
-        proc = _run(out, f"train.steps={done + 1}", "checkpoint.every=0")
+        proc = _run(out, "train.steps=3", "checkpoint.every=0", *hold.args, **{**hold.env, "HOLD_AT": "0"})
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert f"resumed from {ckpt} (step {done})" in proc.stdout
-        assert _rows(out) == list(range(done + 1))
+        assert f"resumed from {ckpt} (step 2)" in proc.stdout
+        assert _rows(out) == [0, 1, 2]
 
 
-def test_the_stop_file_stops_the_run_like_a_signal(tmp_path):
+def test_the_stop_file_stops_the_run_like_a_signal(tmp_path, monkeypatch):
     out, stop = tmp_path / "run", tmp_path / "STOP"
-    run = Background(tmp_path, out, *STOP_RUN, **{STOP_FILE_ENV: str(stop)})
-    run.wait_for("step 2/40")
-    stop.touch()
+    hold = Hold(tmp_path, monkeypatch, at=last_call_of_step(2))
+    run = Background(tmp_path, out, *STOP_RUN, *hold.args, **hold.env, **{STOP_FILE_ENV: str(stop)})
+    try:
+        hold.wait(run)
+        stop.touch()
+    finally:
+        hold.release()
     rc, _, stderr = run.finish()
     assert rc == EXIT_STOPPED, stderr[-3000:]
-    assert f"stopped by the stop file {stop} after step" in _one_line(stderr, "qarl-train:")
+    assert f"stopped by the stop file {stop} after step 2/40;" in _one_line(stderr, "qarl-train:")
 
 
-def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path, monkeypatch):
+    """Held in step 2's rollout, the run cannot end between the two presses; the second comes past the window in
+    which lifecycle takes a SIGINT for a forwarded copy of the first (a fixed interval, not a machine's speed)."""
+    from megatron_qarl.lifecycle import _REPEAT_WINDOW_S
+
     out = tmp_path / "run"
-    run = Background(tmp_path, out, "train.steps=40", "checkpoint.every=0", "rollout.max_new_tokens=48",
-                     "train.prompts_per_step=8", "train.mini_batch_prompts=4")
-    run.wait_for("step 1/40")
-    run.proc.send_signal(signal.SIGINT)
-    time.sleep(1.5)  # a second press, not a forwarded copy of the first
-    run.proc.send_signal(signal.SIGINT)
+    hold = Hold(tmp_path, monkeypatch, at=last_call_of_step(1) + 1)
+    run = Background(tmp_path, out, *STOP_RUN, *hold.args, **hold.env)
+    try:
+        hold.wait(run)
+        run.proc.send_signal(signal.SIGINT)
+        run.wait_for("[qarl] Ctrl-C received", stream="stderr")
+        time.sleep(_REPEAT_WINDOW_S + 0.5)  # a second press, not a forwarded copy of the first
+        assert run.proc.poll() is None  # still held
+        run.proc.send_signal(signal.SIGINT)
+        run.proc.wait(timeout=120)  # it ends on the second press, still held
+    finally:
+        hold.release()
     rc, _, stderr = run.finish()
     assert rc == EXIT_INTERRUPTED, stderr[-3000:]
     assert "stopped at once" in _one_line(stderr, "qarl-train: interrupted")
 
 
-def test_sigterm_to_every_process_of_the_run_still_stops_it_gracefully(tmp_path):
+def test_sigterm_to_every_process_of_the_run_still_stops_it_gracefully(tmp_path, monkeypatch):
     """Slurm signals every process of a job step, and a terminal's Ctrl-C the whole foreground group: the reward
-    workers (math_verify's pool here) and megatron's helpers get the signal too. They outlive it, so the step in
-    flight still finishes and is checkpointed."""
+    workers (the plug-in's, in the middle of a call here) and megatron's helpers get the signal too. They outlive
+    it, so the step in flight still finishes and is checkpointed."""
     out = tmp_path / "run"
-    run = Background(tmp_path, out, "train.steps=40", "checkpoint.every=1", "data.reward=math_verify",
-                     "data.reward_workers=1",
+    hold = Hold(tmp_path, monkeypatch, at=last_call_of_step(2))
+    run = Background(tmp_path, out, "train.steps=40", "checkpoint.every=1", *hold.args, **hold.env,
                      new_session=True)
-    run.wait_for("step 2/40")
-    workers = [c for c in psutil.Process(run.proc.pid).children(recursive=True)]
-    assert workers, "the run has no helper processes to signal"
-    os.killpg(run.proc.pid, signal.SIGTERM)
+    try:
+        hold.wait(run)
+        workers = [c for c in psutil.Process(run.proc.pid).children(recursive=True)]
+        assert workers, "the run has no helper processes to signal"
+        os.killpg(run.proc.pid, signal.SIGTERM)
+        run.wait_for("[qarl] SIGTERM received", stream="stderr")
+    finally:
+        hold.release()
     rc, _, stderr = run.finish()
     assert rc == EXIT_STOPPED, stderr[-3000:]
     line = _one_line(stderr, "qarl-train:")
-    assert "stopped by SIGTERM after step" in line and "written" in line, line
+    assert "stopped by SIGTERM after step 2/40" in line and "written" in line, line
 
 
 @pytest.mark.dist
 @pytest.mark.parametrize("target", ["one-worker", "torchrun"])
-def test_under_torchrun_every_rank_stops_after_the_same_step(tmp_path, target):
+def test_under_torchrun_every_rank_stops_after_the_same_step(tmp_path, monkeypatch, target):
     """A signal that reaches one rank only (or torchrun, which forwards SIGTERM to its workers): the ranks agree at
-    the step boundary (a max over a flag), write one checkpoint together (every rank's shards) and stop."""
+    the step boundary (a max over a flag), write one checkpoint together (every rank's shards) and stop. The signal
+    comes while rank 0 (the rollout leader) is held in step 2's last reward call."""
     out = tmp_path / "run"
-    run = Background(tmp_path, out, *STOP_RUN, "parallel.ep=2", nproc=2)
-    run.wait_for("step 2/40", timeout=400)
-    if target == "torchrun":
-        run.proc.send_signal(signal.SIGTERM)
-    else:
-        workers = [c for c in psutil.Process(run.proc.pid).children() if "megatron_qarl.cli" in " ".join(c.cmdline())]
-        assert len(workers) == 2
-        rank1 = next(w for w in workers if w.environ().get("RANK") == "1")
-        rank1.send_signal(signal.SIGTERM)
+    hold = Hold(tmp_path, monkeypatch, at=last_call_of_step(2))
+    run = Background(tmp_path, out, *STOP_RUN, "parallel.ep=2", *hold.args, nproc=2, **hold.env)
+    try:
+        hold.wait(run, timeout=400)
+        if target == "torchrun":
+            run.proc.send_signal(signal.SIGTERM)
+        else:
+            workers = [c for c in psutil.Process(run.proc.pid).children()
+                       if "megatron_qarl.cli" in " ".join(c.cmdline())]
+            assert len(workers) == 2
+            rank1 = next(w for w in workers if w.environ().get("RANK") == "1")
+            rank1.send_signal(signal.SIGTERM)
+        if target == "torchrun":  # forwarded by torchrun: here once rank 0 has it (rank 1's handler says nothing;
+            run.wait_for("[qarl] SIGTERM received", timeout=120, stream="stderr")  # a signal sent is pending)
+    finally:
+        hold.release()
     rc, _, stderr = run.finish()
     assert rc != 0  # torchrun reports its workers' status 3 as a failure of its own
     lines = [ln for ln in stderr.splitlines() if ln.startswith("qarl-train: stopped by")]
     assert len(lines) == 1, stderr[-4000:]  # rank 0 says it, once
-    done = int(lines[0].split(" after step ")[1].split("/")[0])
-    ckpt = out / "checkpoints" / f"step_{done:08d}"
+    assert " after step 2/40;" in lines[0], lines[0]
+    ckpt = out / "checkpoints" / "step_00000002"
     assert verify_checkpoint(ckpt) == [] and json.loads((ckpt / MARKER_NAME).read_text())["world_size"] == 2
-    assert _rows(out) == list(range(done))
+    assert _rows(out) == [0, 1]
     if target == "one-worker":  # torchrun names its workers' status (after its own signal it prints a traceback)
         assert "exitcode:3" in stderr.replace(" ", ""), stderr[-3000:]
-
-
-SLOW_REWARD = '''
-import json, os, time
-
-def reward(responses, answers, rows):
-    """Logs each call's answers; from call SLOW_FROM on, says it started and takes SLOW_S (a long rollout)."""
-    with open(os.environ["SLOW_LOG"], "a") as f:
-        f.write(json.dumps(answers) + "\\n")
-    with open(os.environ["SLOW_LOG"]) as f:
-        calls = sum(1 for _ in f)
-    if calls >= int(os.environ["SLOW_FROM"]):
-        open(os.environ["SLOW_STARTED"], "w").close()
-        time.sleep(float(os.environ["SLOW_S"]))
-    return [float(a in r) for r, a in zip(responses, answers)]
-'''
 
 
 def test_a_stop_during_a_rollout_abandons_it_checkpoints_the_last_complete_step_and_exits_3(tmp_path, monkeypatch):
     """Issue 42 item 3: SIGTERM used to be honoured only at the next step boundary, after the whole rollout (hours on
     GPUs, past Slurm's grace). Now the rollout's requests in flight are abandoned, the last complete step is
-    checkpointed, exit 3; the resumed run reads the abandoned step's prompts again and finishes."""
-    (tmp_path / "qarl_slow_reward.py").write_text(SLOW_REWARD)
-    log, started = tmp_path / "calls.jsonl", tmp_path / "started"
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the plug-in, for the trainer and its reward worker
-    env = dict(SLOW_LOG=str(log), SLOW_STARTED=str(started), SLOW_S="4", SLOW_FROM="6")
-    # the preflight's reward check is call 1; then 4 requests of 1 prompt per step, one call each: call 6 is step 2's
-    # first request
-    args = ("train.steps=40", "checkpoint.every=0", "rollout.request_prompts=1", "data.reward=qarl_slow_reward:reward",
-            "data.reward_timeout_s=30")
+    checkpointed, exit 3; the resumed run reads the abandoned step's prompts again and finishes. The signal comes
+    while the run is held in step 2's first reward call (it used to come during a 4 s sleep there: a race)."""
+    hold = Hold(tmp_path, monkeypatch, at=last_call_of_step(1) + 1)
+    args = ("train.steps=40", "checkpoint.every=0", *hold.args)
     out = tmp_path / "run"
-    run = Background(tmp_path, out, *args, **env)
-    deadline = time.monotonic() + 300
-    while not started.exists():
-        assert run.proc.poll() is None and time.monotonic() < deadline, run.stderr_path.read_text()[-3000:]
-        time.sleep(0.05)
-    run.proc.send_signal(signal.SIGTERM)  # during step 2's rollout, its first reward call in progress
+    run = Background(tmp_path, out, *args, **hold.env)
+    try:
+        hold.wait(run)
+        run.proc.send_signal(signal.SIGTERM)  # during step 2's rollout, its first reward call in progress
+        run.wait_for("[qarl] SIGTERM received", stream="stderr")
+    finally:
+        hold.release()
     rc, _, stderr = run.finish(timeout=120)
     assert rc == EXIT_STOPPED, stderr[-3000:]
     ckpt = out / "checkpoints" / "step_00000001"
@@ -319,12 +398,12 @@ def test_a_stop_during_a_rollout_abandons_it_checkpoints_the_last_complete_step_
         "command again to continue (checkpoint.resume=auto)")
     assert verify_checkpoint(ckpt) == [] and (ckpt / MARKER_NAME).is_file()
     assert _rows(out) == [0]  # the abandoned step logged nothing
-    calls = log.read_text().splitlines()
+    calls = hold.log.read_text().splitlines()
     assert len(calls) == 6  # the rest of step 2's requests were not scored: abandoned
-    proc = _run(out, *args[1:], "train.steps=2", **{**env, "SLOW_FROM": "1000"})
+    proc = _run(out, *args[1:], "train.steps=2", **{**hold.env, "HOLD_AT": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {ckpt} (step 1)" in proc.stdout
     assert _rows(out) == [0, 1]
     # the resumed step 2 read the prompts the abandoned one had: its first request (after the resumed run's
     # preflight call) has the same answers
-    assert log.read_text().splitlines()[7] == calls[5]
+    assert hold.log.read_text().splitlines()[7] == calls[5]
