@@ -207,9 +207,11 @@ def part_p0(cuda: bool, pin_gib: float) -> dict:
 
     import psutil
 
-    out: dict = {"versions": versions(), "sdpa_flags": sdpa_flags()}
-    if cuda:
+    out: dict = {}
+    if cuda:  # first: nothing of this process on the device yet (versions() asks torch for the device's properties)
         out["nvidia_smi_before_cuda_init"] = _nvidia_smi()
+    out.update(versions=versions(), sdpa_flags=sdpa_flags())
+    if cuda:
         torch.cuda.init()
         torch.cuda.set_device(0)
         free0, total = torch.cuda.mem_get_info()
@@ -441,6 +443,11 @@ def part_p2(cuda: bool, preset: str, layers: int, tokens: int, cycles: int, out_
         "measured_gib": {k: (v / GIB if v is not None else None) for k, v in regions.items()},
         "model_gib": {"model": train_terms.get("params_bf16"), "ddp": train_terms.get("grads_fp32"),
                       "optimizer": (train_terms.get("master_fp32") or 0) + (train_terms.get("optimizer") or 0)}}
+    if hasattr(memory.saver, "tag_bytes"):  # GuardedSaver: what each tag's pools hold (what a pause pins, M4)
+        from megatron_qarl.memory_saver import REGIONS
+
+        out["tms_pool_gib"] = {tag: memory.saver.tag_bytes(tag) / GIB for tag in REGIONS}
+        out["tms_reserved_growth_gib"] = {tag: v / GIB for tag, v in memory.saver.grown.items()}
     write_json(out_dir / "p2.partial.json", out)
     ids = torch.randint(0, learner.hf.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     ids = ids.to("cuda" if cuda else "cpu")

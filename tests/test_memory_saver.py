@@ -279,3 +279,25 @@ def test_one_tag_keeps_one_backup_policy():
     with pytest.raises(MemorySaverError, match="'trainer_grads' was opened with enable_cpu_backup=False"):
         with saver.region(TRAINER_GRADS, enable_cpu_backup=True):
             pass
+
+
+def test_a_tags_bytes_are_its_pools_segments_when_the_library_has_pools(monkeypatch):
+    """On a GPU the count is the segments of the library's pools keyed by the tag (torch_memory_saver/entrypoint.py
+    :222-229, one MemPool per (tag, backup, disk, backend, device)), read with torch's per-pool snapshot; a torch
+    without it falls back to the reserved growth counted in the regions."""
+    from types import SimpleNamespace
+
+    from megatron_qarl.memory_saver import GuardedSaver
+
+    pools = {(TRAINER_STATE, True, False, "pinned", 0): SimpleNamespace(id=(0, 1)),
+             (TRAINER_STATE, True, False, "pinned", 1): SimpleNamespace(id=(0, 2)),
+             (TRAINER_GRADS, False, False, "", 0): SimpleNamespace(id=(0, 3))}
+    segments = {(0, 1): [{"total_size": 3 * GIB}, {"total_size": GIB}], (0, 2): [{"total_size": 2 * GIB}],
+                (0, 3): [{"total_size": 5 * GIB}]}
+    library = SimpleNamespace(_impl=SimpleNamespace(_mem_pools=pools))
+    saver = GuardedSaver(library, device_free=lambda: 0, host_available=lambda: 0, reserved=lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda pool_id: segments[pool_id])
+    assert saver.tag_bytes(TRAINER_STATE) == 6 * GIB and saver.tag_bytes(TRAINER_GRADS) == 5 * GIB
+    saver.grown[TRAINER_STATE] = 7
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda pool_id: (_ for _ in ()).throw(TypeError("old torch")))
+    assert saver.tag_bytes(TRAINER_STATE) == 7
