@@ -6,6 +6,7 @@ target, so `remove_stale_temps` can find what a killed writer left behind.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -168,10 +169,73 @@ def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
     return removed
 
 
+# ------------------------------------------------------------------ a run's own files, never through a link
+
+def _link_problem(path: Path, fd: int | None = None) -> str | None:
+    if fd is None and os.path.islink(path):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        return f"{path} is a symbolic link (to {target})"
+    if fd is not None:
+        links = os.fstat(fd).st_nlink
+        if links > 1:
+            return f"{path} has {links} hard links (the same file is elsewhere too)"
+    return None
+
+
+def _refuse_link(problem: str) -> RunFileLinkError:
+    return RunFileLinkError(f"{problem}: a run writes its own files, never through a link out of its directory; "
+                            "remove it (what it links to is not touched) or use another directory")
+
+
+def check_own_file(path: str | os.PathLike) -> None:
+    """RunFileLinkError if `path` (a file the run will append to or rewrite) is a symbolic link."""
+    problem = _link_problem(Path(path))
+    if problem:
+        raise _refuse_link(problem)
+
+
+def open_own_file(path: str | os.PathLike, flags: int, mode: int | None = None) -> int:
+    """os.open(path, flags) for a file the run owns: never through a symbolic link (O_NOFOLLOW) nor into a file
+    with other hard links (RunFileLinkError either way, nothing written); the fd, close-on-exec."""
+    path = Path(path)
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, default_file_mode() if mode is None else mode)
+    except OSError as err:
+        problem = _link_problem(path) if err.errno in (errno.ELOOP, errno.EMLINK) else None
+        if problem:
+            raise _refuse_link(problem) from None
+        raise
+    problem = _link_problem(path, fd)
+    if problem:
+        os.close(fd)
+        raise _refuse_link(problem)
+    return fd
+
+
+def append_text(path: str | os.PathLike, text: str) -> None:
+    """Append `text` to the run's file `path` (created if absent) in one write, never through a link."""
+    fd = open_own_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        data = text.encode("utf-8")
+        while data:
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
+
+
 # ------------------------------------------------------------------ one writer per run directory
 
 class RunDirInUseError(RuntimeError):
     """Another live process holds the run directory's lock (a second trainer on the same out dir)."""
+
+
+class RunFileLinkError(RunDirInUseError):
+    """A file the run appends to or locks in its directory is a symbolic link, or has other hard links: writing it
+    would write a file outside the run (a copied or shared run dir can hold such planted links). A RunDirInUseError:
+    the directory cannot be used as it is (qarl-train: one line, exit 2)."""
 
 
 class RunDirLock:
@@ -195,7 +259,7 @@ class RunDirLock:
         import socket
 
         self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, default_file_mode())
+        fd = open_own_file(self.path, os.O_RDWR | os.O_CREAT)  # never through a planted link
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

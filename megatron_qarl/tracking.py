@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_qarl.fileio import atomic_write_bytes, atomic_write_text
+from megatron_qarl.fileio import append_text, atomic_write_bytes, atomic_write_text, check_own_file
 
 # The curves a reader of a QaRL run looks at first: learning progress, response length, the
 # sampler<->learner mismatch, how much the trust band masks, and cost. Every metric under one of
@@ -166,6 +166,7 @@ class MetricsTracker:
                                     "run does not replace them: resume it, or use another out dir (qarl-train: "
                                     "logging.overwrite=true moves them aside)")
         for path in (self.jsonl_path, self.samples_path, self.eval_samples_path):
+            check_own_file(path)  # a planted link: refused before it is read, rewritten or appended to
             if resume and start_step is not None and path.exists():
                 _truncate_jsonl(path, start_step)
         self._rows: list[dict] = []  # what summary() and the plots read when there is no metrics.jsonl
@@ -187,8 +188,7 @@ class MetricsTracker:
         metrics = {k: _plain(v) for k, v in metrics.items()}
         row = {"step": step, **{k: _json_safe(v) for k, v in metrics.items()}}
         if self.cfg.jsonl:
-            with open(self.jsonl_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_text(self.jsonl_path, json.dumps(row) + "\n")  # never through a link (fileio.open_own_file)
         else:
             self._rows.append(row)
         if self._wandb is not None:
@@ -278,8 +278,7 @@ def _append_jsonl(path: Path, step: int, rows: list[dict[str, Any]]) -> None:
         return
     text = "".join(json.dumps({"step": step, **{k: _json_safe(_plain(v)) for k, v in r.items()}}) + "\n"
                    for r in rows)
-    with open(path, "a") as f:
-        f.write(text)  # one write: a kill tears at most the last line, which a resume drops
+    append_text(path, text)  # one write: a kill tears at most the last line, which a resume drops
 
 
 def _truncate_jsonl(path: Path, start_step: int) -> None:

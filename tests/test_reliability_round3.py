@@ -148,3 +148,53 @@ def test_a_shard_that_is_a_link_inside_the_hub_cache_still_reads(tmp_path):
     _good(blobs / "123")
     (snap / "model.safetensors").symlink_to("../../blobs/123")
     assert scan_hf_checkpoint(snap).shapes == {"w": (2,)}
+
+
+# ---------------------------------------------------------------- nothing a run writes follows a link out of its dir
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "elsewhere" / "precious.txt"
+    victim.parent.mkdir()
+    victim.write_text("a user's file outside the run\n")
+    return victim
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_a_planted_lock_file_link_is_refused_and_its_target_untouched(tmp_path, link):
+    """`.qarl.lock` as a link in a copied or shared run dir: the lock used to open it (no O_NOFOLLOW) and truncate
+    the file it points to, then write its pid line there."""
+    from megatron_qarl.fileio import RunDirInUseError, RunDirLock, RunFileLinkError
+
+    victim, run = _victim(tmp_path), tmp_path / "run"
+    run.mkdir()
+    lock = run / RunDirLock.NAME
+    lock.symlink_to(victim) if link == "symbolic" else lock.hardlink_to(victim)
+    with pytest.raises(RunFileLinkError) as err:
+        RunDirLock(run, "logging.out_dir").acquire()
+    assert isinstance(err.value, RunDirInUseError)  # qarl-train: one line, exit 2
+    line = str(err.value)
+    assert "\n" not in line and str(lock) in line and "remove it" in line, line
+    assert victim.read_text() == "a user's file outside the run\n"
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"])
+def test_a_planted_metrics_file_link_gets_no_rows_through_it(tmp_path, name):
+    """metrics.jsonl (samples.jsonl, eval_samples.jsonl) as a link: a resumed run appended its rows through it, to
+    the file it points to; a link planted while the run is going is refused at the next row too."""
+    from megatron_qarl.fileio import RunFileLinkError
+    from megatron_qarl.tracking import MetricsTracker, TrackerConfig
+
+    victim, run = _victim(tmp_path), tmp_path / "run"
+    run.mkdir()
+    cfg = TrackerConfig(out_dir=str(run), wandb_mode="disabled", plots=False, total_steps=3)
+    (run / name).symlink_to(victim)
+    with pytest.raises(RunFileLinkError, match=f"{name} is a symbolic link"):
+        MetricsTracker(cfg, resume=True, start_step=1)
+    (run / name).unlink()
+    tracker = MetricsTracker(cfg, resume=True, start_step=0)
+    (run / name).symlink_to(victim)  # planted after the start
+    with pytest.raises(RunFileLinkError, match=f"{name} is a symbolic link"):
+        {"metrics.jsonl": lambda: tracker.log(0, {"reward/mean": 1.0}),
+         "samples.jsonl": lambda: tracker.log_samples(0, [{"prompt": "p"}]),
+         "eval_samples.jsonl": lambda: tracker.log_eval_samples(0, [{"prompt": "p"}])}[name]()
+    assert victim.read_text() == "a user's file outside the run\n"
