@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     h2m = sub.add_parser("hf-to-mcore", help="HF dir -> megatron dist checkpoint (e.g. model.init_checkpoint)",
-                         description="Convert a Hugging Face Qwen3-MoE directory into a megatron dist checkpoint "
+                         description="Convert a Hugging Face model directory of a supported family "
+                                     f"({', '.join(_family_names())}) into a megatron dist checkpoint "
                                      "(loadable at any TP/EP; use it as model.init_checkpoint).")
     h2m.add_argument("--hf", required=True, metavar="DIR",
                      help="Hugging Face model directory (config.json + *.safetensors)")
@@ -72,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
                           "format's default: experts for w4a16, all-linears for fp8)")
     exp.add_argument("--group-size", type=int, default=None,
                      help="group size along the input dim of a group-wise format (default: the run's "
-                          "quant.group_size, else 128)")
+                          "quant.group_size, else the format's own: 16 for nvfp4, 128 otherwise)")
     exp.add_argument("--block-size", type=int, default=None,
                      help="FP8 block size (default: the run's quant.block_size, else 128)")
     exp.add_argument("--out", required=True, metavar="DIR", help="the engine-format directory to write")
@@ -178,7 +179,13 @@ def format_run_info(info: dict, base: dict) -> list[str]:
     return lines
 
 
-def export_format(args) -> tuple[str, str | None, int, int]:
+def _family_names() -> tuple[str, ...]:
+    from megatron_qarl.models.registry import family_names
+
+    return family_names()
+
+
+def export_format(args) -> tuple[str, str | None, int | None, int | None]:
     """(format, scope, group size, block size) for `export`: what was given, else what the run recorded."""
     fmt, scope, group, block = args.format, args.scope, args.group_size, args.block_size
     if args.ckpt is not None and (fmt is None or scope is None or group is None or block is None):
@@ -198,7 +205,7 @@ def export_format(args) -> tuple[str, str | None, int, int]:
         where = f"{args.ckpt} records no training run (an SFT or hf-to-mcore checkpoint)" if args.ckpt else \
             "an HF source has no training run to read it from"
         raise ConversionError(f"export needs --format {' | '.join(FORMATS)}: {where}")
-    return fmt, scope, group or 128, block or 128
+    return fmt, scope, group, block  # None: the format's own (nvfp4: 16; else 128)
 
 
 def _run(args) -> int:

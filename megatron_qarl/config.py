@@ -872,9 +872,24 @@ def _check_shard_shapes(cfg: RunConfig) -> list[str]:
         # quantizes q_proj/k_proj/v_proj separately: blocks only line up when heads hold whole blocks.
         out.append(f"self_attn.qkv: head_dim {head_dim} is not a multiple of the {scheme.name} block "
                    f"{block_rows}, so the fused QKV's {scheme.name} blocks would differ from the engine's "
-                   f"per-projection blocks; use quant.{scheme.unit_field} dividing {head_dim} (e.g. 64)")
+                   f"per-projection blocks; {_unit_that_fits(cfg, scheme, head_dim, block_rows)}")
     out += _check_engine_expert_split(cfg, family, shape, scheme, what)
     return out
+
+
+def _unit_that_fits(cfg: RunConfig, scheme, head_dim: int, block_rows: int) -> str:
+    """The fix for a block that does not divide head_dim: the largest smaller power-of-two block that divides it
+    AND passes every shard check (a suggestion that fails the same way is no fix), else the scope without
+    attention."""
+    unit = block_rows // 2
+    while unit >= 1:
+        if head_dim % unit == 0:
+            trial = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, **{scheme.unit_field: unit}))
+            if not _check_shard_shapes(trial):
+                return f"use quant.{scheme.unit_field}={unit} (divides {head_dim} and every shard)"
+        unit //= 2
+    return (f"no {scheme.name} block dividing {head_dim} fits every shard; leave attention out of quant.scope "
+            "(e.g. quant.scope=experts)")
 
 
 def _check_engine_expert_split(cfg: RunConfig, family, shape, scheme, what: str) -> list[str]:

@@ -353,7 +353,10 @@ def eos_stop_ids(hf_dir) -> tuple[int, ...]:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m megatron_qarl.probe", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hf", required=True, help="HF Qwen3-MoE checkpoint directory (full precision)")
+    from megatron_qarl.models.registry import family_names
+
+    parser.add_argument("--hf", required=True, help="HF checkpoint directory (full precision) of a supported family: "
+                                                    f"{', '.join(family_names())}")
     parser.add_argument("--prompts", required=True, help="JSONL with prompt_token_ids or prompt per row")
     parser.add_argument("--scheme", default=DEFAULT_LOW_BIT, choices=list(SCHEMES))
     parser.add_argument("--engine", default=ProbeSettings.engine, choices=list(engine_names()),

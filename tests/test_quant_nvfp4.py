@@ -308,8 +308,9 @@ def test_qarl_convert_exports_nvfp4_that_the_library_decompresses_and_inspect_re
 # ------------------------------------------------------------------------------------------ config
 
 def test_config_shard_and_engine_checks():
+    assert QuantConfig(scheme="nvfp4").group_size == 16  # its own group by default (issue 49 item 7)
     with pytest.raises(QuantConfigError, match="fixed group of 16"):
-        QuantConfig(scheme="nvfp4")
+        QuantConfig(scheme="nvfp4", group_size=128)
     fc1 = SiteGeometry("l.linear_fc1.weight", (256, 256), row_parallel=False, parts=2, axis="expert-TP", glu=True)
     with pytest.raises(QuantizationError, match="global scale spans the whole weight.*expert-TP=2"):
         check_site_geometry(fc1, NVFP4)

@@ -62,18 +62,34 @@ class LinearNaming(Protocol):
         quantized."""
 
 
+DEFAULT_UNIT = 128  # the group / block size of a format that fixes none: the engines' and checkpoints' common one
+
+
 @dataclass
 class QuantConfig:
     # none (bf16) or a low-bit format registered in quant/schemes/: w4a16 (int4 weights, group-wise scales),
     # fp8 (W8A8, block scales), ... (docs/ARCHITECTURE.md "How to add a format")
     scheme: str = "none"
     scope: str = "experts"  # which linears are low-bit: experts | experts+attention | attention | all-linears
-    group_size: int = 128  # group-wise formats (w4a16, ...): input-dim elements per scale
-    block_size: int = 128  # fp8: square weight block per scale (activations per 1 x block_size)
+    # group-wise formats (w4a16, w3a16, w2a16, nvfp4, ...): input-dim elements per scale; null: the format's own
+    # (nvfp4's fixed 16, else 128)
+    group_size: int | None = None
+    block_size: int | None = None  # fp8: square weight block per scale (activations per 1 x block_size); null: 128
     backend: str = "reference"  # the learner's low-bit GEMM: reference | marlin | te
 
     def __post_init__(self) -> None:
+        self.resolve_units()
         self.validate()
+
+    def resolve_units(self) -> "QuantConfig":
+        """Fill an unset group / block size with the format's own: its fixed one (nvfp4: 16), else 128, so the
+        defaults never refuse the scheme they belong to."""
+        scheme = scheme_named(self.scheme) if self.scheme in SCHEMES and self.scheme != NO_SCHEME else None
+        for name in ("group_size", "block_size"):
+            if getattr(self, name) is None:
+                fixed = scheme.fixed_unit if scheme is not None and scheme.unit_field == name else None
+                setattr(self, name, fixed if fixed is not None else DEFAULT_UNIT)
+        return self
 
     def validate(self) -> "QuantConfig":
         if self.scheme not in SCHEMES:

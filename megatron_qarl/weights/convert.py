@@ -620,15 +620,25 @@ def mcore_to_hf_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, d
 # ------------------------------------------------------------------ export (engine layout)
 
 
-def export_quant_config(fmt: str, scope: str | None, group_size: int = 128, block_size: int = 128):
+def export_quant_config(fmt: str, scope: str | None, group_size: int | None = None, block_size: int | None = None):
+    """The QuantConfig of an export; unset sizes are the format's own. A refusal names qarl-convert's flags, not
+    the trainer's keys the message is written for."""
     from megatron_qarl.quant import QuantConfig
+    from megatron_qarl.quant.errors import QuantizationError
 
     if fmt not in FORMATS:
         raise ConversionError(f"unknown --format {fmt!r}; choose one of {FORMATS}")
     if fmt == "bf16":
         return QuantConfig()
     scope = scope or scheme_named(fmt).default_scope
-    return QuantConfig(scheme=fmt, scope=scope, group_size=group_size, block_size=block_size)
+    try:
+        return QuantConfig(scheme=fmt, scope=scope, group_size=group_size, block_size=block_size)
+    except QuantizationError as err:
+        flags = {"quant.group_size": "--group-size", "quant.block_size": "--block-size", "quant.scope": "--scope"}
+        message = str(err)
+        for key, flag in flags.items():
+            message = message.replace(key, flag)
+        raise ConversionError(f"--format {fmt}: {message}") from err
 
 
 def write_engine_checkpoint(out: Path, hf_config, named: Iterable[tuple[str, torch.Tensor]], total_bytes: int,
@@ -709,7 +719,7 @@ class EngineCheckpointSink:
 
 def export_checkpoint(out: str | os.PathLike, *, hf: str | os.PathLike | None = None,
                       ckpt: str | os.PathLike | None = None, fmt: str = DEFAULT_LOW_BIT, scope: str | None = None,
-                      group_size: int = 128, block_size: int = 128,
+                      group_size: int | None = None, block_size: int | None = None,
                       max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False,
                       tokenizer: str | None = None) -> Path:
     """Engine-layout checkpoint from exactly one of an HF dir (streamed) or a megatron checkpoint, with the

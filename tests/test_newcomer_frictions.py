@@ -1,0 +1,64 @@
+"""A newcomer's frictions (issue 49, item 7): hints that work when followed, the docs naming every scheme and
+family, progress before step 1."""
+import re
+
+import pytest
+
+from megatron_qarl.config import ConfigError, load_config
+
+
+def test_the_fp8_block_hint_names_a_block_that_then_passes_every_shard_check():
+    """The hint used to say 'e.g. 64' whatever head_dim was; followed where 64 does not fit it failed the same way."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["quant.scheme=fp8", "quant.scope=all-linears", "quant.block_size=128"])
+    hint = re.search(r"use quant\.block_size=(\d+) \(divides 64 and every shard\)", str(err.value))
+    assert hint, str(err.value)
+    load_config(None, ["quant.scheme=fp8", "quant.scope=all-linears", f"quant.block_size={hint.group(1)}"])
+
+
+def test_nvfp4_takes_its_own_group_size_by_default_and_every_other_format_keeps_128():
+    assert load_config(None, ["quant.scheme=nvfp4", "quant.scope=all-linears"]).quant.group_size == 16
+    assert load_config(None, ["quant.scheme=w4a16"]).quant.group_size == 128
+    assert load_config(None, ["quant.scheme=fp8", "quant.scope=all-linears", "quant.block_size=64"]).quant.group_size == 128
+    with pytest.raises(ConfigError, match="set quant.group_size=16, not 32"):  # an explicit wrong one still refused
+        load_config(None, ["quant.scheme=nvfp4", "quant.scope=all-linears", "quant.group_size=32"])
+
+
+def test_export_names_its_own_flags_when_it_refuses_a_size():
+    from megatron_qarl.weights.convert import ConversionError, export_quant_config
+
+    assert export_quant_config("nvfp4", "all-linears").group_size == 16
+    with pytest.raises(ConversionError) as err:
+        export_quant_config("nvfp4", "all-linears", group_size=32)
+    assert "set --group-size=16, not 32" in str(err.value) and "quant." not in str(err.value)
+
+
+def test_the_docs_name_every_registered_scheme_and_both_families():
+    from conftest import REPO
+    from megatron_qarl.models.registry import family_names
+    from megatron_qarl.quant.schemes import SCHEMES
+
+    readme = (REPO / "README.md").read_text()
+    byo = (REPO / "docs" / "bring-your-own-model.md").read_text()
+    for name in SCHEMES:
+        assert f"`{name}`" in readme or f"`{name.split('_')[0]}`" in readme and "_nested" in readme, name
+        assert name.split("_")[0] in byo, name
+    for family in family_names():
+        assert f"model_type: {family}" in byo, family
+    assert "Qwen3-MoE only" not in byo and "Qwen3-MoE directory and" not in byo
+
+
+@pytest.mark.parametrize("cli", ["qarl-convert hf-to-mcore", "probe"])
+def test_the_clis_name_every_family_they_take(cli, capsys):
+    from megatron_qarl.models.registry import family_names
+
+    if cli == "probe":
+        from megatron_qarl.probe import main
+        argv = ["--help"]
+    else:
+        from conversion.cli import main
+        argv = ["hf-to-mcore", "--help"]
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert done.value.code == 0 and all(f in out for f in family_names()), out
