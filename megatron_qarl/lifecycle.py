@@ -88,6 +88,49 @@ def init_helper_process(owner_pid: int) -> None:
     ignore_stop_signals_from_others(owner_pid)
 
 
+_REAP_SIGNAL = getattr(signal, "SIGRTMIN", 34) + 3  # a signal no job scheduler or terminal sends
+
+
+def end_group_with_this_process() -> None:
+    """Make this process lead a process group of its own, and have every process of that group (the processes it
+    starts, theirs, and so on, unless one leaves the group) SIGKILLed when this process ends, however it ends:
+    a clean exit, `os._exit`, a signal, SIGKILL, or its parent's death (die_with_parent).
+
+    A reaper, forked now, waits in the group for this process's death (the kernel's parent-death signal, and a
+    check of its parent once a second) and then kills the group, itself last. For a process that runs code we do
+    not control (a reward plug-in's worker): call it first thing, before any thread starts (it forks). It ignores
+    stop signals from outside (a Slurm job step's SIGTERM, a terminal's Ctrl-C): only this process's end counts.
+    Linux only (elsewhere: nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    os.setpgid(0, 0)
+    me = os.getpid()
+    if os.fork() != 0:
+        return
+    try:  # the reaper: no Python-level cleanup, no file descriptors of its parent's (its pipes see EOF on time)
+        os.closerange(3, 65536)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {_REAP_SIGNAL})
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, _REAP_SIGNAL, 0, 0, 0)
+        while os.getppid() == me and signal.sigtimedwait({_REAP_SIGNAL}, 1.0) is None:
+            pass
+        os.killpg(me, signal.SIGKILL)
+    finally:
+        os._exit(0)
+
+
+def kill_process_group(pgid: int | None) -> None:
+    """SIGKILL every process of the process group `pgid` (one end_group_with_this_process made); none left: nothing."""
+    if pgid is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def stop_process(proc: subprocess.Popen | None, grace_s: float = 30.0) -> None:
     """End a child we started: SIGTERM, `grace_s` to exit, then SIGKILL. A finished (or absent) child: nothing."""
     if proc is None or proc.poll() is not None:

@@ -167,6 +167,28 @@ CASES = [
     Case("inputs", "stop signals reaching the reward workers from outside (Slurm, a terminal)", "`kill -TERM/-INT/"
          "-USR1` from another process", "ignored: the workers live until the trainer stops them", "-",
          "test_rl_rewards.py::test_reward_workers_outlive_stop_signals_that_are_not_the_trainers"),
+    # ------------------------------------------------------------ plug-ins that end their process (issue 49)
+    Case("plug-ins", "a reward plug-in that ends its process in a call: SystemExit(0), sys.exit(3), KeyboardInterrupt, "
+         "another BaseException, os._exit(0), a signal", "each from `fn(responses, answers, rows)`, deadline 60 s",
+         "one line naming the plug-in and what it did, at once (SystemExit(0) used to end qarl-train with 0 and "
+         "nothing written, KeyboardInterrupt as 'interrupted (Ctrl-C)' 130, os._exit(0) was waited on for the whole "
+         "deadline and called too slow)", "2",
+         "test_plugin_endings.py::test_every_way_a_plugin_call_can_end_is_one_line_at_once"),
+    Case("plug-ins", "a reward plug-in module that ends its process at import (sys.exit(3), SystemExit(0), "
+         "KeyboardInterrupt, os._exit(0))", "the module's top level", "the config check imports it in a worker, never "
+         "in the trainer: one line naming it and what it did (sys.exit(3) used to exit 3, 'stopped on request, run "
+         "again', which loops a requeue script; os._exit(0) ended the trainer with 0)", "2",
+         "test_plugin_endings.py::test_a_plugin_module_that_ends_its_process_at_import_is_one_line"),
+    Case("plug-ins", "the same through qarl-train", "data.reward=<module>:<function> ending in the preflight's call "
+         "or at import", "one line, before the model is built; no metrics", "2",
+         "test_plugin_endings.py::test_qarl_train_with_a_plugin_that_ends_its_process_is_one_line_and_exit_2"),
+    Case("plug-ins", "processes a reward plug-in starts", "`sleep 300` started in a call; the worker closed, ended "
+         "by os._exit, killed at the deadline", "killed with the worker (its process group, by a reaper that "
+         "waits for the worker's end); they used to outlive the run", "-",
+         "test_plugin_endings.py::test_processes_a_plugin_starts_end_with_its_worker"),
+    Case("plug-ins", "the trainer SIGKILLed while a plug-in's child runs", "SIGKILL of the process holding the "
+         "reward function", "the worker dies with the trainer, the child with the worker", "-",
+         "test_plugin_endings.py::test_processes_a_plugin_starts_end_when_the_trainer_is_killed"),
 ]
 
 

@@ -346,9 +346,9 @@ def plugin(tmp_path, monkeypatch):
 def test_plugin_gets_rows_and_its_rewards_are_returned(plugin, tmp_path):
     import json
 
-    fn = RewardFunction(RewardConfig(kind=f"{plugin}:score"))
-    rows = [{"prompt": "1+1", "weight": 1.0}, {"prompt": "2+2", "weight": 0.5}, {"prompt": "3+3", "weight": 2}]
     children = worker_pids()
+    fn = RewardFunction(RewardConfig(kind=f"{plugin}:score"))  # its worker starts (and loads it) here
+    rows = [{"prompt": "1+1", "weight": 1.0}, {"prompt": "2+2", "weight": 0.5}, {"prompt": "3+3", "weight": 2}]
     assert fn(["2", " 4 ", "7"], ["2", "4", "6"], rows) == [1.0, 0.5, 0.0]
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     assert [c[1:] for c in calls] == [[["2", " 4 ", "7"], ["2", "4", "6"], rows]]  # one call with the batch
@@ -449,8 +449,9 @@ def test_a_hanging_plugin_is_killed_at_its_deadline_and_is_one_line(plugin, attr
 
 def test_a_plugin_that_kills_its_worker_is_one_line(plugin):
     with RewardFunction(RewardConfig(kind=f"{plugin}:kills_its_process")) as fn:
-        with pytest.raises(RewardError, match=rf"'{plugin}:kills_its_process' killed its worker process "
-                                              r"\(exit code 7\) on a batch of 1 responses; fix the function"):
+        with pytest.raises(RewardError, match=rf"'{plugin}:kills_its_process': ended its worker process "
+                                              r"\(exit status 7: os._exit, or a crash in native code\) on a batch "
+                                              r"of 1 responses"):
             fn(["a"], ["a"], [{}])
 
 

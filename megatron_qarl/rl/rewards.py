@@ -25,12 +25,18 @@ answer without ``\\boxed``/``$`` is wrapped in ``\\boxed{}`` (dataset answers ar
 Inputs are capped: the response's last ``max_response_chars`` characters (answers sit at the end) and the
 gold answer's first ``max_answer_chars``.
 
-Plug-ins are code we do not control, so they get the same protection: each call, with the whole batch,
-``fn(responses: list[str], answers: list, rows: list[dict]) -> list[float]`` (``rows``: the dataset row of
-each response's prompt), runs in a worker process of its own pebble pool (one worker: calls come one at a
-time) under a deadline of ``timeout_s`` per response of the batch; past it pebble kills the worker and the call
-is a RewardError naming the plug-in and the deadline (a fresh worker serves the next call). Its result is
-checked (one finite number per response) in the worker before it is sent back.
+Plug-ins are code we do not control, so they get the same protection, and more: the trainer never imports one.
+A plug-in is imported, checked and called in a worker process of its own (``_PluginWorker``: one process, calls
+come one at a time); each call, with the whole batch, ``fn(responses: list[str], answers: list, rows:
+list[dict]) -> list[float]`` (``rows``: the dataset row of each response's prompt), runs under a deadline of
+``timeout_s`` per response of the batch; past it the worker is killed and the call is a RewardError naming the
+plug-in and the deadline (a fresh worker serves the next call). Its result is checked (one finite number per
+response) in the worker before it is sent back. Every way a plug-in can end, at import or in a call, is one
+RewardError line naming the plug-in and what it did, at once: an exception, ``sys.exit`` / ``SystemExit`` (any
+code, 0 included), ``KeyboardInterrupt``, another BaseException, ``os._exit`` or a signal that ends its worker
+(seen the moment the process ends, not at the deadline). The worker leads a process group of its own, and every
+process of that group (what the plug-in starts, and theirs) is killed when the worker ends, however it ends
+(lifecycle.end_group_with_this_process), so nothing a plug-in starts outlives its worker.
 
 Stop signals: Slurm signals every process of a job step and Ctrl-C reaches the whole foreground group, but a
 worker must live until the trainer has finished its step; workers ignore SIGINT / SIGUSR1 and a SIGTERM that
@@ -53,7 +59,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from megatron_qarl.lifecycle import die_with_parent, ignore_stop_signals_from_others
+from megatron_qarl.lifecycle import (die_with_parent, end_group_with_this_process, ignore_stop_signals_from_others,
+                                     kill_process_group)
 
 VerifyFn = Callable[[str, str], float]  # (response, gold) -> reward; module level, run in the workers
 PluginFn = Callable[[List[str], List[Any], List[Mapping[str, Any]]], Sequence[float]]
@@ -120,6 +127,15 @@ def _one_line(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())
 
 
+def _what_it_did(e: BaseException) -> str:
+    """What a plug-in that raised `e` did, in words: how a plug-in ends its process reads as what it is."""
+    if isinstance(e, SystemExit):
+        return f"called sys.exit({e.code!r}) (raised SystemExit)"
+    if isinstance(e, KeyboardInterrupt):
+        return "raised KeyboardInterrupt (no Ctrl-C reaches a reward worker: the plug-in raised it)"
+    return f"raised {_one_line(e)}"
+
+
 def _split_spec(spec: str) -> Tuple[str, str]:
     module, _, attr = spec.partition(":")
     if not all(part.isidentifier() for name in (module, attr) for part in name.split(".")):
@@ -135,7 +151,11 @@ def load_reward_plugin(spec: str) -> PluginFn:
     module_name, attr = _split_spec(spec)
     try:
         obj: Any = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - a user module may raise anything on import
+    except BaseException as e:  # noqa: BLE001 - a user module may raise anything on import, sys.exit included
+        if not isinstance(e, Exception):  # SystemExit, KeyboardInterrupt, ...: it tried to end the process
+            raise RewardError(f"reward plug-in {spec!r}: module {module_name!r} {_what_it_did(e)} while being "
+                              "imported; a reward module must not end its process: remove that from its "
+                              "top level (a plug-in returns its rewards or raises)") from None
         if not isinstance(e, ModuleNotFoundError):
             hint = "fix the module"
         elif e.name and module_name != e.name and not module_name.startswith(e.name + "."):
@@ -172,11 +192,18 @@ def check_reward_spec(spec: str) -> Optional[str]:
     if ":" not in spec:
         return (f"unknown reward kind {spec!r}; use one of {', '.join(REWARD_NAMES)}, "
                 f"or a plug-in '{PLUGIN_FORM}'")
+    if spec in _LOADABLE:
+        return None
     try:
-        load_reward_plugin(spec)
+        _split_spec(spec)
+        _PluginWorker(spec).close()  # imported and checked in a process of its own, never in this one
     except RewardError as e:
         return str(e)
+    _LOADABLE.add(spec)
     return None
+
+
+_LOADABLE: set = set()  # plug-in specs this process has seen load (check_reward_spec runs once per spec)
 
 
 def _checked_rewards(spec: str, result: Any, n: int) -> List[float]:
@@ -289,22 +316,128 @@ def _verify_in_worker(verify_fn: VerifyFn, response: str, gold: str, budget_s: f
         return "error", 0.0
 
 
-_WORKER_PLUGINS: Dict[str, PluginFn] = {}  # in a plug-in worker: the loaded plug-in, by spec
+_LOAD_TIMEOUT_S = 120.0  # a plug-in's import and checks (its module may import torch, a tokenizer, ...)
+_READY = "ready"
 
 
-def _plugin_in_worker(spec: str, responses: List[str], answers: List[Any], rows: List[Mapping[str, Any]]
-                      ) -> Tuple[str, Any]:
-    """In the plug-in's worker: ("ok", checked rewards) or ("error", the one-line RewardError message)."""
+def _guarded(spec: str, what: str, call: Callable[[], Any]) -> Tuple[str, Any]:
+    """In the plug-in's worker: ("ok", call()) or ("error", one line naming the plug-in and what it did), however
+    the plug-in ends the call: an exception, sys.exit / SystemExit (any code), KeyboardInterrupt, any BaseException."""
     try:
-        fn = _WORKER_PLUGINS.get(spec) or _WORKER_PLUGINS.setdefault(spec, load_reward_plugin(spec))
-        try:
-            result = fn(responses, answers, rows)
-        except Exception as e:  # noqa: BLE001 - a user function may raise anything
-            raise RewardError(f"reward plug-in {spec!r} raised {_one_line(e)} (on a batch of {len(responses)} "
-                              "responses); fix the function (it runs in a reward worker process)") from None
-        return "ok", _checked_rewards(spec, result, len(responses))
+        return "ok", call()
     except RewardError as e:
         return "error", str(e)
+    except Exception as e:  # noqa: BLE001 - a user function may raise anything
+        return "error", (f"reward plug-in {spec!r} raised {_one_line(e)} {what}; fix the function (it runs in a "
+                         "reward worker process)")
+    except BaseException as e:  # noqa: BLE001 - SystemExit / KeyboardInterrupt must not end the worker unreported
+        return "error", (f"reward plug-in {spec!r} {_what_it_did(e)} {what}; a reward function must return its "
+                         "rewards (or raise an exception), never end its process")
+
+
+def _plugin_worker_main(conn, owner_pid: int, spec: str) -> None:
+    """The plug-in's worker process: load the plug-in, say so (or why not), then serve calls until told to stop."""
+    die_with_parent(owner_pid)
+    end_group_with_this_process()  # what the plug-in starts dies with this process (before any thread starts)
+    ignore_stop_signals_from_others(owner_pid)
+    try:  # a plug-in may use multiprocessing itself (a daemonic process may not have children)
+        mp.current_process().daemon = False
+    except (AssertionError, AttributeError):
+        pass
+    status, fn = _guarded(spec, "while being loaded", lambda: load_reward_plugin(spec))
+    conn.send((status, _READY if status == "ok" else fn))
+    if status != "ok":
+        return
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):  # the trainer is gone
+            return
+        if request is None:
+            return
+        responses, answers, rows = request
+        conn.send(_guarded(spec, f"(on a batch of {len(responses)} responses)",
+                           lambda: _checked_rewards(spec, fn(responses, answers, rows), len(responses))))
+
+
+class _PluginWorker:
+    """One worker process of a reward plug-in (spawned: never a fork of the trainer). It imports and checks the
+    plug-in when it starts: RewardError (one line) if that fails, however it fails. `call` runs the plug-in on a
+    batch under a deadline; a worker that ends meanwhile (os._exit, a signal, a crash) is seen at once."""
+
+    def __init__(self, spec: str, load_timeout_s: float = _LOAD_TIMEOUT_S):
+        self.spec = spec
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_plugin_worker_main, args=(child, os.getpid(), spec),
+                                name=f"qarl-reward-plugin {spec}", daemon=True)
+        self.proc.start()
+        child.close()
+        try:
+            status, value = self._reply(load_timeout_s, "while being loaded", "import it",
+                                        f"its import and checks took longer than {load_timeout_s:g} s")
+        except BaseException:
+            self.close()
+            raise
+        if status != "ok":
+            self.close()
+            raise RewardError(value)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def _reply(self, timeout_s: float, what: str, fix: str, too_slow: str) -> Tuple[str, Any]:
+        """The worker's reply within `timeout_s`; RewardError at once if the worker ends first, TimeoutError past
+        the deadline (the caller kills the worker)."""
+        from multiprocessing.connection import wait
+
+        ready = wait([self._conn, self.proc.sentinel], timeout=timeout_s)
+        if self._conn in ready:
+            try:
+                return self._conn.recv()
+            except (EOFError, OSError):  # the worker ended while (or instead of) replying
+                pass
+        elif not ready:
+            if what == "while being loaded":
+                raise RewardError(f"reward plug-in {self.spec!r} did not load: {too_slow}; make its module "
+                                  "import faster (it is imported in a reward worker process)")
+            raise TimeoutError(too_slow)
+        self.proc.join(5.0)
+        code = self.proc.exitcode
+        if code is not None and code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+            how = f"its worker process {how}"
+        else:
+            how = f"ended its worker process (exit status {code}: os._exit, or a crash in native code)"
+        raise RewardError(f"reward plug-in {self.spec!r}: {how} {what}; a reward function must return its rewards "
+                          f"(or raise an exception), never end its process: {fix} in a Python shell to see why")
+
+    def call(self, responses: List[str], answers: List[Any], rows: List[Mapping[str, Any]],
+             timeout_s: float) -> Tuple[str, Any]:
+        try:
+            self._conn.send((responses, answers, rows))
+        except (EOFError, OSError):  # the worker is gone: _reply says how
+            pass
+        return self._reply(timeout_s, f"on a batch of {len(responses)} responses", "call it on such a batch",
+                           f"{timeout_s:g} s")
+
+    def close(self) -> None:
+        """Stop the worker (at once if it is busy) and, with it, every process the plug-in started."""
+        if self.proc.is_alive():
+            try:
+                self._conn.send(None)
+            except (OSError, ValueError):
+                pass
+            self.proc.join(2.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        kill_process_group(self.proc.pid)
+        self._conn.close()
 
 
 @dataclass
@@ -426,9 +559,10 @@ class RewardFunction:
 
     def __post_init__(self) -> None:
         self._pool: Optional[VerifierPool] = None
-        # loaded here too: a plug-in that does not load is refused before any worker starts
-        self._plugin: Optional[PluginFn] = load_reward_plugin(self.config.kind) if self.config.is_plugin else None
-        self._plugin_pool = None  # the plug-in's pebble pool (one worker), started by the first call
+        # the plug-in's worker, started now: a plug-in that does not load is refused here (never imported in this
+        # process); a worker the plug-in ended is replaced by the next call
+        self._plugin_worker: Optional[_PluginWorker] = _PluginWorker(self.config.kind) if self.config.is_plugin \
+            else None
         self.stats = RewardStats()
 
     def __call__(self, responses: Sequence[str], answers: Sequence[Any],
@@ -440,7 +574,7 @@ class RewardFunction:
         for i, r in enumerate(responses):
             if not isinstance(r, str):
                 raise TypeError(f"responses[{i}] is {type(r).__name__}, expected the decoded response text (str)")
-        if self._plugin is not None:
+        if self.config.is_plugin:
             return self._call_plugin(list(responses), list(answers), rows)
         # A non-finite numeric gold answer (NaN / inf) can match nothing: reward 0, counted as an error,
         # never sent to the verifier (math-verify would call \boxed{nan} equal to itself).
@@ -469,35 +603,33 @@ class RewardFunction:
     def _call_plugin(self, responses: List[str], answers: List[Any],
                      rows: Optional[Sequence[Mapping[str, Any]]]) -> List[float]:
         """One call of the plug-in in its worker, under timeout_s per response; RewardError (one line) when it
-        raises, returns a bad result, runs past the deadline (the worker is killed) or its worker dies."""
-        import pebble
-
+        raises, ends its worker however it does, returns a bad result or runs past the deadline (the worker is
+        killed)."""
         spec = self.config.kind
         if rows is None:
             raise ValueError(f"reward plug-in {spec!r} needs the dataset rows: call reward_fn(responses, "
                              "answers, rows) with the row of each response's prompt")
         budget = self.config.timeout_s * max(1, len(responses))
-        if self._plugin_pool is not None and not self._plugin_pool.active:
+        if self._plugin_worker is not None and not self._plugin_worker.alive:
             self._close_plugin_pool()
-        if self._plugin_pool is None:
-            self._plugin_pool = pebble.ProcessPool(max_workers=1, context=mp.get_context("spawn"),
-                                                   initializer=_init_worker, initargs=(os.getpid(), False))
-        future = self._plugin_pool.schedule(_plugin_in_worker, args=(spec, responses, answers, list(rows)),
-                                            timeout=budget)
+        if self._plugin_worker is None:
+            self._plugin_worker = _PluginWorker(spec)
         try:
-            status, value = future.result()
-        except FuturesTimeoutError:
+            status, value = self._plugin_worker.call(responses, answers, list(rows), budget)
+        except TimeoutError:
             self.stats.timeouts += len(responses)
             self.stats.worker_restarts += 1
+            self._close_plugin_pool()
             raise RewardError(
                 f"reward plug-in {spec!r} did not return within {budget:g} s (data.reward_timeout_s="
                 f"{self.config.timeout_s:g} per response x {len(responses)} responses) and was killed; make it "
                 "faster or give it a deadline of its own, or raise data.reward_timeout_s") from None
-        except pebble.ProcessExpired as e:
+        except RewardError:  # it ended its worker
             self.stats.worker_restarts += 1
-            raise RewardError(f"reward plug-in {spec!r} killed its worker process (exit code {e.exitcode}) on a "
-                              f"batch of {len(responses)} responses; fix the function") from None
-        except Exception as e:  # noqa: BLE001 - the pool broke or the arguments do not pickle
+            self._close_plugin_pool()
+            raise
+        except Exception as e:  # noqa: BLE001 - the arguments do not pickle
+            self._close_plugin_pool()
             raise RewardError(f"reward plug-in {spec!r} could not be called in its worker process "
                               f"({_one_line(e)}); its arguments and result must pickle") from None
         if status != "ok":
@@ -506,10 +638,9 @@ class RewardFunction:
         return value
 
     def _close_plugin_pool(self) -> None:
-        if self._plugin_pool is not None:
-            self._plugin_pool.stop()
-            self._plugin_pool.join()
-            self._plugin_pool = None
+        if self._plugin_worker is not None:
+            self._plugin_worker.close()
+            self._plugin_worker = None
 
     def _count(self, rewards: Sequence[float]) -> None:
         self.stats.total += len(rewards)
