@@ -4,8 +4,10 @@ checkpoints. The loop and its phases are `trainer.py`'s; this module only builds
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,11 +91,15 @@ class RunContext:
     # The reward pool's cumulative counters when last logged: each step logs its own share.
     reward_counts: dict = field(default_factory=dict)
     nonfinite_streak: int = 0  # optimizer steps skipped in a row for a non-finite loss or gradient
+    no_gradient_steps: int = 0  # steps whose every group was degenerate (equal rewards): zero advantages
     step_samples: list = field(default_factory=list)  # this step's samples for samples.jsonl (logging rank)
     eval_samples: list = field(default_factory=list)  # the last evaluation's responses for eval_samples.jsonl (rank 0)
     wandb_run_id: str | None = None  # the wandb run a resumed run continues (from its checkpoint)
     memory: Any = None  # memory_saver.TrainerMemory: the trainer's state released while colocated engines run
     start_checkpoint: str | None = None  # what launched engines start from (engine_start_checkpoint)
+    # (step, metrics so far) of the step being checkpointed, and a resumed checkpoint's logged_row (checkpoint_state)
+    step_row: tuple | None = None
+    resumed_row: dict | None = None
 
 
 def learner_config_overrides(cfg: RunConfig) -> dict:
@@ -146,23 +152,26 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
     # The trainer's state is allocated in the memory saver's regions, so a colocated engine can have the GPU
     # while it generates (memory_saver.py; the phases are memory.memory_timeline's).
     memory = TrainerMemory.for_run(engine_shares_gpu(cfg))
-    with memory.region(TRAINER_STATE):
+    with announce(f"building the {family_of(hf_config).model_type} learner (TP {layout.tp}, EP {layout.ep})"), \
+            memory.region(TRAINER_STATE):
         model = family_of(hf_config).build_model(
             # bfloat16: megatron mixed precision (bf16 params, fp32 masters in the optimizer).
             hf_config, layout, params_dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
             config_overrides=overrides, core_attention=cfg.model.core_attention,
         )
-    _load_initial_weights(cfg, model, hf_config, hf_index)
+    with announce("loading the initial weights"):
+        _load_initial_weights(cfg, model, hf_config, hf_index)
     quant = None
     if cfg.quant.scheme != "none" and cfg.quant.learner_aligned:
         quant = apply_aligned_quantization(model, cfg.quant)
-    with memory.region(TRAINER_GRADS):
-        ddp = DistributedDataParallel(
-            model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model,
-        )
-    with memory.region(TRAINER_STATE):
-        optimizer = build_optimizer(cfg.train.optim, [ddp], family_of(hf_config))
-        init_optimizer_state(optimizer)
+    with announce("building DDP and the optimizer state"):
+        with memory.region(TRAINER_GRADS):
+            ddp = DistributedDataParallel(
+                model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model,
+            )
+        with memory.region(TRAINER_STATE):
+            optimizer = build_optimizer(cfg.train.optim, [ddp], family_of(hf_config))
+            init_optimizer_state(optimizer)
 
     ctx = RunContext(
         cfg=cfg, hf_config=hf_config, model=ddp, optimizer=optimizer, quant=quant, publisher=None, engine=None,
@@ -185,7 +194,22 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
         save_yaml(cfg, Path(cfg.logging.out_dir) / "config.yaml")
         ctx.tracker = build_tracker(cfg, resume=continuing or ctx.start_step > 0, start_step=ctx.start_step,
                                     wandb_run_id=ctx.wandb_run_id)
+        if ctx.resumed_row is not None:  # a run killed during the publish after its checkpoint: the row it lost
+            ctx.tracker.restore_row(ctx.resumed_row)
     return ctx
+
+
+@contextlib.contextmanager
+def announce(what: str):
+    """On the logging rank: "[qarl] <what> ..." before a phase of the start (minutes each at 30B: the build, the
+    HF load, the engines' start, the first publish) and how long it took after, so a start is never silent."""
+    if not is_logging_rank():
+        yield
+        return
+    print(f"[qarl] {what} ...", flush=True)
+    t0 = time.perf_counter()
+    yield
+    print(f"[qarl] {what}: done in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
 def start_engines(ctx: RunContext) -> None:
@@ -596,7 +620,21 @@ def checkpoint_state(ctx: RunContext) -> dict:
         TOKENIZER_SOURCE_KEY: tokenizer_source(ctx.cfg.model),  # what qarl-convert exports carry
         # rank 0 writes the extra state and is the logging rank: its wandb run is the run's
         "wandb_run_id": ctx.tracker.wandb_run_id if ctx.tracker is not None else None,
+        "logged_row": logged_row(ctx),
     }
+
+
+def logged_row(ctx: RunContext) -> str | None:
+    """The checkpointed step's row as the tracker will log it after the publish (its metrics until the checkpoint,
+    its samples and evaluation samples), as JSON: a run killed during that publish lost the row, and the resumed
+    run logs it from here (MetricsTracker.restore_row). None off the logging rank or before any step."""
+    if ctx.tracker is None or ctx.step_row is None:
+        return None
+    from megatron_qarl.tracking import plain_row
+
+    step, metrics = ctx.step_row
+    return json.dumps({"step": step, "metrics": plain_row(metrics), "samples": [plain_row(r) for r in ctx.step_samples],
+                       "eval_samples": [plain_row(r) for r in ctx.eval_samples]})
 
 
 def resume_run(ctx: RunContext) -> int:
@@ -622,6 +660,8 @@ def resume_run(ctx: RunContext) -> int:
     if ctx.quant is not None:
         ctx.quant.invalidate()  # masters replaced: the next forward re-quantizes
     ctx.wandb_run_id = state.get("wandb_run_id")  # None for checkpoints written before it was stored
+    if isinstance(state.get("logged_row"), str):
+        ctx.resumed_row = json.loads(state["logged_row"])
     if ctx.data is not None and state.get("data") is not None:
         ctx.data.load_state_dict(state["data"])
     random.setstate(state["rng"]["python"])

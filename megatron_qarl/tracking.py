@@ -216,6 +216,24 @@ class MetricsTracker:
         (`step` is the metrics row the evaluation is logged in)."""
         _append_jsonl(self.eval_samples_path, step, rows)
 
+    def restore_row(self, record: dict) -> list[str]:
+        """Log what a checkpoint recorded of its step's row (run_context.logged_row: {"step", "metrics", "samples",
+        "eval_samples"}) where the files lack it: the run that wrote the checkpoint was killed before it logged the
+        row (the publish runs between the two). Returns the files the row was restored to (and says so)."""
+        step, restored = record["step"], []
+        if not any(r.get("step") == step for r in self.rows()):
+            self.log(step, {**record["metrics"], "restored_from_checkpoint": 1.0})
+            restored.append(self.jsonl_path.name if self.cfg.jsonl else "metrics")
+        for rows, path, write in ((record.get("samples"), self.samples_path, self.log_samples),
+                                  (record.get("eval_samples"), self.eval_samples_path, self.log_eval_samples)):
+            if rows and (path != self.samples_path or self.cfg.samples) and step not in _steps_of(path):
+                write(step, rows)
+                restored.append(path.name)
+        if restored:
+            print(f"[qarl] step {step}'s row was checkpointed but never logged (the run was killed during the publish "
+                  f"after its checkpoint): restored to {', '.join(restored)} from the checkpoint", flush=True)
+        return restored
+
     def rows(self) -> list[dict]:
         """Every logged row; with metrics.jsonl that includes the rows of the run this one resumed."""
         if not self.cfg.jsonl:
@@ -271,6 +289,23 @@ class MetricsTracker:
             except Exception as exc:  # noqa: BLE001 - same: never the run's error
                 print(f"[qarl] wandb not closed cleanly: {exc}", flush=True)
         return written
+
+
+def plain_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A row's values as the JSONL files hold them (plain numbers and strings)."""
+    return {k: _json_safe(_plain(v)) for k, v in row.items()}
+
+
+def _steps_of(path: Path) -> set:
+    """The steps a {"step": ...} jsonl holds rows of (a torn line is skipped)."""
+    steps = set()
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                steps.add(json.loads(line).get("step"))
+            except (ValueError, AttributeError):
+                continue
+    return steps
 
 
 def _append_jsonl(path: Path, step: int, rows: list[dict[str, Any]]) -> None:

@@ -74,7 +74,7 @@ def train(cfg: RunConfig) -> dict:
 
 def _train(cfg: RunConfig, held, stop) -> dict:
     from megatron_qarl.evaluation import eval_due, evaluate
-    from megatron_qarl.run_context import build_run_context, start_engines
+    from megatron_qarl.run_context import announce, build_run_context, start_engines
 
     owns_process_group = not dist.is_initialized()  # torchrun's workers and plain processes alike: we made it
     try:
@@ -86,9 +86,11 @@ def _train(cfg: RunConfig, held, stop) -> dict:
     last: dict = {}
     step = ctx.start_step
     try:
-        start_engines(ctx)  # on GPUs the trainer has released
-        engine_sleep(ctx)
-        publish_weights(ctx)  # the engine must hold the (possibly resumed) weights before the first rollout
+        with announce(f"starting {ctx.topology.engines} {cfg.rollout.engine} engine(s)"):
+            start_engines(ctx)  # on GPUs the trainer has released
+        with announce("the first publish of the weights to the engines"):
+            engine_sleep(ctx)
+            publish_weights(ctx)  # the engine must hold the (possibly resumed) weights before the first rollout
         if stop_agreed(stop):  # asked before any step ran: nothing new to checkpoint
             raise RunStopped(stopped_line(stop, ctx, step, None))
         for step in range(ctx.start_step, cfg.train.steps):
@@ -111,6 +113,7 @@ def _train(cfg: RunConfig, held, stop) -> dict:
             metrics.update(policy_update(ctx, local))
             timer.lap("update")
             stopping = stop_agreed(stop)  # COLLECTIVE: every rank stops after the same step
+            ctx.step_row = (step, {**metrics, **timer.marks})  # kept in the checkpoint: a kill in the publish loses no row
             saved = maybe_checkpoint(ctx, step, force=stopping)  # before the publish releases the state it saves
             if not stopping:  # a stopping run publishes nothing: the resumed run publishes before its first rollout
                 metrics.update(publish_weights(ctx))
@@ -512,6 +515,7 @@ def gather_dp(items: list) -> list:
 
 def log(ctx, step: int, metrics: dict) -> dict:
     if ctx.tracker is not None:  # the logging rank
+        warn_if_no_gradient(ctx, step, metrics)
         ctx.tracker.log(step, metrics)
         if ctx.step_samples:
             ctx.tracker.log_samples(step, ctx.step_samples)
@@ -520,6 +524,18 @@ def log(ctx, step: int, metrics: dict) -> dict:
             ctx.tracker.log_eval_samples(step, ctx.eval_samples)
             ctx.eval_samples = []
     return metrics
+
+
+def warn_if_no_gradient(ctx, step: int, metrics: dict) -> None:
+    """A step whose every prompt group had equal rewards has zero advantages: no policy gradient flowed. Said on
+    the first such step (with the usual causes) and counted; close_run says how many steps it was."""
+    if not metrics.get("adv/groups") or metrics.get("adv/degenerate_frac", 0.0) < 1.0:
+        return
+    ctx.no_gradient_steps += 1
+    if ctx.no_gradient_steps == 1:
+        print(f"[qarl] warning: step {step + 1}: every prompt group's responses got the same reward, so every "
+              "advantage is 0 and no policy gradient flowed (a model that never answers right, e.g. a random init: "
+              "warm it up with `qarl-train sft`; a reward that never varies; rollout.n=1)", flush=True)
 
 
 def maybe_checkpoint(ctx, step: int, force: bool = False):
@@ -596,6 +612,9 @@ def close_run(ctx) -> None:
             summary = None if failing else ctx.tracker.summary()
             if summary:
                 print(f"[qarl] {summary}", flush=True)
+            if ctx.no_gradient_steps and not failing:
+                print(f"[qarl] warning: {ctx.no_gradient_steps} step(s) of this run had no policy gradient (every "
+                      "group's rewards were equal: adv/degenerate_frac 1.0)", flush=True)
             written = ctx.tracker.finish(failed=failing)
             if written:
                 print(f"[qarl] metrics: {', '.join(str(p) for p in written)}", flush=True)

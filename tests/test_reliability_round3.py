@@ -198,3 +198,61 @@ def test_a_planted_metrics_file_link_gets_no_rows_through_it(tmp_path, name):
          "samples.jsonl": lambda: tracker.log_samples(0, [{"prompt": "p"}]),
          "eval_samples.jsonl": lambda: tracker.log_eval_samples(0, [{"prompt": "p"}])}[name]()
     assert victim.read_text() == "a user's file outside the run\n"
+
+
+# ---------------------------------------------------------------- a kill during the publish loses no row
+
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from conftest import REPO  # noqa: E402
+
+CONFIG = str(REPO / "configs" / "tiny_qarl_w4a16_tbpo.yaml")
+SMALL = ["train.prompts_per_step=4", "rollout.n=2", "train.mini_batch_prompts=2", "train.micro_batch_size=2",
+         "rollout.max_new_tokens=4", "logging.wandb.mode=disabled", "logging.plots=false", "train.steps=3",
+         "checkpoint.every=1", "eval.path=null"]
+# qarl-train with the publisher's N-th call SIGKILLing the process (call 1 is the publish before the first step,
+# call k + 2 the one after step k): a real kill at a known point, nothing added to the code under test.
+KILL_IN_PUBLISH = '''
+import os, signal, sys
+import megatron_qarl.trainer as trainer
+real, calls = trainer.publish_weights, [0]
+def publish_weights(ctx):
+    calls[0] += 1
+    if calls[0] == int(os.environ["KILL_AT_PUBLISH"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(ctx)
+trainer.publish_weights = publish_weights
+from megatron_qarl.cli import train_main as main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def _qarl_train(out: Path, *overrides: str, code: str | None = None, **env) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-c", code] if code else [sys.executable, "-m", "megatron_qarl.cli"]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1",
+                "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **env}
+    return subprocess.run([*launcher, "--config", CONFIG, f"logging.out_dir={out}", *SMALL, *overrides],
+                          env=full_env, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def _steps(path: Path) -> list[int]:
+    return sorted({json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()})
+
+
+def test_a_sigkill_during_the_publish_leaves_no_hole_in_metrics_or_samples(tmp_path):
+    """The step is checkpointed before the publish and logged after it: a SIGKILL in between lost its metrics and
+    samples rows for good (the resumed run starts after it): rows 0, 2 remained. The checkpoint now keeps the row,
+    and the resumed run logs it."""
+    out = tmp_path / "run"
+    killed = _qarl_train(out, code=KILL_IN_PUBLISH, KILL_AT_PUBLISH="3")  # during the publish after step 1
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert (out / "checkpoints" / "step_00000002").is_dir() and _steps(out / "metrics.jsonl") == [0]
+    resumed = _qarl_train(out)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step 1's row was checkpointed but never logged" in resumed.stdout
+    assert _steps(out / "metrics.jsonl") == [0, 1, 2] and _steps(out / "samples.jsonl") == [0, 1, 2]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and "reward/mean" in rows[1] and rows[1]["restored_from_checkpoint"] == 1.0
