@@ -22,7 +22,8 @@ p2  the learner on the 2-layer Qwen3-30B-A3B shape, built as run_context builds 
     build_learner: the real torch_memory_saver regions, init_optimizer_state, TP1, bf16 params + fp32 masters,
     Muon through the torch fallback, W4A16 experts on the reference backend, full recompute, sdpa): the device
     bytes allocated in each region against memory.py's terms, the per-phase peaks at 18,432 tokens (old-logprob,
-    train, publish) against memory_timeline, the quant cache's bytes and the allocator's slack after train, two
+    train, publish) against memory_timeline, the logits transient (the no-grad forward's peak from the output
+    layer on) against memory.py's logits term, the quant cache's bytes and the allocator's slack after train, two
     release / restore cycles (device bytes freed, host RSS taken, seconds, params / fp32 masters / optimizer state
     bitwise, the grad buffer zeroed, one more train step: finite loss and grad norm), the memory saver's singleton
     called again, and, in a child process (a tms exit(1) must not end this one), a region tensor freed outside
@@ -461,6 +462,32 @@ def part_p2(cuda: bool, preset: str, layers: int, tokens: int, cycles: int, out_
         return {"quant_cache_gib": (allocated() - before) / GIB if cuda else None}  # the cache the forward built
 
     out["old_logprob"] = phases.run("old-logprob", old_logprob)
+
+    def logits_transient():
+        """The no-grad forward's peak from the output layer's input on (the bf16 logits and what token_logprobs
+        makes of them: audit-3 M1a) against memory.py's `logits` term for the old-logprob phase."""
+        marks = {}
+
+        def pre_hook(module, args):
+            sync(cuda)
+            if cuda:
+                marks["before_output_layer"] = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+
+        handle = learner.model.output_layer.register_forward_pre_hook(pre_hook)
+        try:
+            with torch.no_grad():
+                token_logprobs(learner.ddp, ids)
+            sync(cuda)
+        finally:
+            handle.remove()
+        res = {"hook_ran": "before_output_layer" in marks or not cuda,
+               "model_logits_gib": out["memory_timeline_rows_gib"].get("old-logprob", {}).get("logits")}
+        if cuda:
+            res["measured_gib"] = (torch.cuda.max_memory_allocated() - marks["before_output_layer"]) / GIB
+        return res
+
+    guarded(out, "logits_transient", logits_transient)
     out["first_step"] = phases.run("train", lambda: gmt.train_step(learner, ids))
     if cuda:
         out["allocator_slack_after_train_gib"] = (torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) / GIB

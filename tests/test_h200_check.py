@@ -56,6 +56,7 @@ def test_the_core_parts_run_end_to_end_and_write_one_json_each(tmp_path):
     assert set(p2["resident_by_region"]["model_gib"]) == {"model", "ddp", "optimizer"}
     assert set(p2["phase_peaks"]) == {"old-logprob", "train", "publish"} and p2["first_step"]["finite"]
     assert p2["published_bytes"] > 0
+    assert p2["logits_transient"]["hook_ran"] and p2["logits_transient"]["model_logits_gib"] > 0
     assert len(p2["cycles"]) == 2
     for cycle in p2["cycles"]:
         assert cycle["state"]["bitwise_same"] and {"param", "master", "state"} <= set(cycle["state"]["tensors"])
