@@ -62,3 +62,42 @@ def test_the_clis_name_every_family_they_take(cli, capsys):
         main(argv)
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert done.value.code == 0 and all(f in out for f in family_names()), out
+
+
+def test_a_step_without_any_policy_gradient_is_warned_about_once_and_counted(capsys):
+    from types import SimpleNamespace
+
+    from megatron_qarl.trainer import warn_if_no_gradient
+
+    ctx = SimpleNamespace(no_gradient_steps=0)
+    warn_if_no_gradient(ctx, 0, {"adv/groups": 4.0, "adv/degenerate_frac": 0.5})  # some groups vary: a gradient
+    for step in (1, 2):
+        warn_if_no_gradient(ctx, step, {"adv/groups": 4.0, "adv/degenerate_frac": 1.0})
+    out = capsys.readouterr().out.splitlines()
+    assert ctx.no_gradient_steps == 2 and len(out) == 1, out
+    assert out[0].startswith("[qarl] warning: step 2: every prompt group's responses got the same reward") and \
+        "qarl-train sft" in out[0]
+
+
+def test_the_start_phases_are_announced_with_their_time(capsys):
+    from megatron_qarl.run_context import announce
+
+    with announce("building the learner"):
+        pass
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "[qarl] building the learner ..." and re.fullmatch(
+        r"\[qarl\] building the learner: done in \d+\.\d s", out[1]), out
+
+
+def test_megatrons_missing_te_and_apex_warnings_are_not_printed_on_every_command():
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("import megatron_qarl, megatron.core.optimizer, megatron.core.optimizer.clip_grads, "
+            "megatron.core.models.backends")
+    proc = subprocess.run([sys.executable, "-W", "default", "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "not installed" not in proc.stderr, proc.stderr[-2000:]
