@@ -286,6 +286,11 @@ def train_main(argv=None) -> int:
     try:
         from megatron_qarl.config import load_config
 
+        from megatron_qarl.lifecycle import stale_stop_file
+
+        stale = stale_stop_file()  # before anything is built: a run would build its model, then stop at once
+        if stale is not None:
+            raise UserError(stale)
         if args.dry_run:
             cfg = load_config(args.config, args.overrides)
             # The plan first (config, layout, memory timeline: it needs no data), then the inputs: a problem there

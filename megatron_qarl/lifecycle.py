@@ -155,6 +155,18 @@ STOP_FILE_ENV = "QARL_STOP_FILE"  # a path: the run stops gracefully at the step
 _REPEAT_WINDOW_S = 1.0  # a second SIGINT within this is a forwarded copy (torchrun, a shell), not a second press
 
 
+def stale_stop_file(environ=None) -> str | None:
+    """The problem, as one line, when the stop file `$QARL_STOP_FILE` names exists before a run starts: it is left
+    from an earlier stop (a run deletes nothing it did not make), and a run started with it would build its model
+    and stop again at its first step boundary, exit 3, "run again": a requeue script would loop. None otherwise."""
+    path = (os.environ if environ is None else environ).get(STOP_FILE_ENV) or None
+    if path is None or not os.path.exists(path):  # what StopRequest.requested() asks
+        return None
+    return (f"the stop file {path} (${STOP_FILE_ENV}) exists before the run started, left from an earlier stop: "
+            f"the run would stop again at its first step; remove it (rm {path!s}) and run the same command again, "
+            f"or unset {STOP_FILE_ENV}")
+
+
 class StopRequest:
     """What asked the run to stop: a signal (SIGTERM: Slurm preemption, `kill`; SIGUSR1: Slurm's --signal
     before the time limit; SIGINT: Ctrl-C) or the file $QARL_STOP_FILE. The handlers only record the request;
