@@ -17,7 +17,8 @@ p1  SDPA at the trainer's head layouts (q/kv heads 8/1 at TP4 and 32/4 at TP1, h
     and 18432, through the project's SDPADotProductAttention with [s, b, h, d] inputs: whether the flash kernel
     takes the call, which kernels ran (torch.profiler), which forced backends accept it (flash / cuDNN /
     memory-efficient), forward and backward seconds, the peak over the inputs; and at L = 2048 the output and
-    dq / dk / dv against an fp32 math reference (an explicit causal softmax on the same bf16 inputs).
+    dq / dk / dv against an fp32 math reference (an explicit causal softmax on the same bf16 inputs), and at 4096
+    against megatron's unfused DotProductAttention.
 p2  the learner on the 2-layer Qwen3-30B-A3B shape, built as run_context builds it (gpu_memory_timeline.
     build_learner: the real torch_memory_saver regions, init_optimizer_state, TP1, bf16 params + fp32 masters,
     Muon through the torch fallback, W4A16 experts on the reference backend, full recompute, sdpa): the device
@@ -406,6 +407,30 @@ def part_p1(cuda: bool, lengths: list[int], layouts: list[tuple[int, int]], head
             return res
 
         guarded(out["shapes"], key, numerics)
+
+        def vs_megatron():
+            """The same call through megatron's unfused DotProductAttention (what model.core_attention=unfused runs;
+            O(L^2) memory), output and dq / dk / dv, at the shortest length."""
+            from megatron.core.transformer.dot_product_attention import DotProductAttention
+            from megatron.core.transformer.enums import AttnMaskType
+
+            L = min(lengths)
+            dpa = DotProductAttention(attn.config, 1, AttnMaskType.causal, "self")
+            res = {"L": L}
+            q, k, v = _qkv(L, heads, groups, head_dim, dtype, device, seed=4)
+            grad = torch.randn(L, 1, heads * head_dim, generator=torch.Generator().manual_seed(5)).to(device, dtype)
+            runs = []
+            for module in (attn, dpa):
+                leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+                o = module(*leaves, None)
+                o.backward(grad)
+                runs.append([o.detach()] + [t.grad for t in leaves])
+            for name, a, b in zip(("out", "dq", "dk", "dv"), *runs):
+                res[name] = {"max_abs_diff": float((a.float() - b.float()).abs().max()),
+                             "ref_max_abs": float(b.float().abs().max())}
+            return res
+
+        guarded(out["shapes"], f"q{heads}_kv{groups}_vs_megatron_unfused", vs_megatron)
         if cuda:
             torch.cuda.empty_cache()
     return out
