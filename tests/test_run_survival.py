@@ -91,23 +91,27 @@ def _one_line(stderr: str, start: str) -> str:
 
 
 # A run held at a known point: a reward plug-in (the trainer's own plug-in interface, nothing added to the code
-# under test) that counts its calls and, at call HOLD_AT, says so and returns only once the test releases it. Calls:
-# the preflight's reward check is call 1; with rollout.request_prompts=1 and 4 prompts per step each step is 4
-# requests of one call each, so step k's calls are 4k-2 .. 4k+1. Held in a step's LAST call, a stop signal finds
-# the rollout's requests all served: the step finishes and is checkpointed. Held in an earlier call, the rollout is
-# abandoned. Either way the run cannot finish, or reach another phase, before the test has done its part, however
-# fast or loaded the machine.
+# under test) that counts its calls and, at call HOLD_AT, says so and returns only once the test releases it. Calls,
+# per rollout-group leader (its RANK: each leader scores its own requests): the preflight's reward check is call 1;
+# with rollout.request_prompts=1 each request is one call, so with R requests per leader and step, step k's calls are
+# R(k-1)+2 .. Rk+1 (one leader: R = 4 prompts per step; two under torchrun: R = 2). Held in a step's LAST call, a stop
+# signal finds the rollout's requests all served: the step finishes and is checkpointed. Held in an earlier call,
+# the rollout is abandoned. Either way the run cannot finish, or reach another phase, before the test has done its
+# part, however fast or loaded the machine.
 HOLD_REWARD = '''
 import json, os, time
 
 def reward(responses, answers, rows):
-    """Logs each call's answers; call HOLD_AT writes HOLD_HELD and waits for HOLD_RELEASE (at most HOLD_MAX_S)."""
-    with open(os.environ["HOLD_LOG"], "a") as f:
+    """Logs each call's answers (a file per RANK); this leader's call HOLD_AT writes HOLD_HELD.<rank> and waits for
+    HOLD_RELEASE (at most HOLD_MAX_S)."""
+    rank = os.environ.get("RANK", "0")
+    log = f"{os.environ['HOLD_LOG']}.{rank}"
+    with open(log, "a") as f:
         f.write(json.dumps(answers) + "\\n")
-    with open(os.environ["HOLD_LOG"]) as f:
+    with open(log) as f:
         calls = sum(1 for _ in f)
     if calls == int(os.environ["HOLD_AT"]):
-        open(os.environ["HOLD_HELD"], "w").close()
+        open(f"{os.environ['HOLD_HELD']}.{rank}", "w").close()
         deadline = time.monotonic() + float(os.environ["HOLD_MAX_S"])
         while not os.path.exists(os.environ["HOLD_RELEASE"]) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -116,27 +120,30 @@ def reward(responses, answers, rows):
 HOLD_MAX_S = 300  # a test that fails while its run is held does not leave it held for longer
 
 
-def last_call_of_step(k: int) -> int:
-    return 4 * k + 1
+def last_call_of_step(k: int, requests: int = 4) -> int:
+    """A leader's last reward call of step k (1-based) when it serves `requests` requests a step."""
+    return requests * k + 1
 
 
 class Hold:
-    """The plug-in's files, the overrides and the environment of a run held at reward call `at`."""
+    """The plug-in's files, the overrides and the environment of a run whose `leaders` are held at reward call `at`."""
 
-    def __init__(self, tmp: Path, monkeypatch, at: int):
+    def __init__(self, tmp: Path, monkeypatch, at: int, leaders: int = 1):
         (tmp / "qarl_hold_reward.py").write_text(HOLD_REWARD)
         monkeypatch.setenv("PYTHONPATH", str(tmp))  # the plug-in, for the trainer and its reward worker
-        self.log, self.held, self.released = tmp / "calls.jsonl", tmp / "held", tmp / "release"
-        self.env = dict(HOLD_LOG=str(self.log), HOLD_HELD=str(self.held), HOLD_RELEASE=str(self.released),
-                        HOLD_AT=str(at), HOLD_MAX_S=str(HOLD_MAX_S))
+        self.log = tmp / "calls.jsonl.0"  # rank 0's calls
+        self.held = [tmp / f"held.{rank}" for rank in range(leaders)]
+        self.released = tmp / "release"
+        self.env = dict(HOLD_LOG=str(tmp / "calls.jsonl"), HOLD_HELD=str(tmp / "held"),
+                        HOLD_RELEASE=str(self.released), HOLD_AT=str(at), HOLD_MAX_S=str(HOLD_MAX_S))
         # the deadline of a plug-in call is data.reward_timeout_s per response: above the longest hold
         self.args = ("rollout.request_prompts=1", "data.reward=qarl_hold_reward:reward",
                      f"data.reward_timeout_s={HOLD_MAX_S}")
 
     def wait(self, run: "Background", timeout: float = 300.0) -> None:
-        """Until the run is held (it cannot have finished: it waits for `release`)."""
+        """Until every leader is held (the run cannot have finished: it waits for `release`)."""
         deadline = time.monotonic() + timeout
-        while not self.held.exists():
+        while not all(p.exists() for p in self.held):
             assert run.proc.poll() is None, f"the run ended before it was held:\n{run.stderr_path.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"the run was not held within {timeout} s"
             time.sleep(0.05)
@@ -344,9 +351,10 @@ def test_sigterm_to_every_process_of_the_run_still_stops_it_gracefully(tmp_path,
 def test_under_torchrun_every_rank_stops_after_the_same_step(tmp_path, monkeypatch, target):
     """A signal that reaches one rank only (or torchrun, which forwards SIGTERM to its workers): the ranks agree at
     the step boundary (a max over a flag), write one checkpoint together (every rank's shards) and stop. The signal
-    comes while rank 0 (the rollout leader) is held in step 2's last reward call."""
+    comes while both ranks (each a rollout group's leader) are held in their last reward call of step 2."""
     out = tmp_path / "run"
-    hold = Hold(tmp_path, monkeypatch, at=last_call_of_step(2))
+    # two rollout groups (an engine on each rank), 2 requests each a step: both leaders held in their last one
+    hold = Hold(tmp_path, monkeypatch, at=last_call_of_step(2, requests=2), leaders=2)
     run = Background(tmp_path, out, *STOP_RUN, "parallel.ep=2", *hold.args, nproc=2, **hold.env)
     try:
         hold.wait(run, timeout=400)
