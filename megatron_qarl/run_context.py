@@ -565,6 +565,51 @@ def config_identity(cfg: RunConfig) -> str:
     return json.dumps(picked, sort_keys=True, default=str)
 
 
+# What makes another run of the same experiment (another seed, another learning rate or optimizer): resume=auto
+# continues a checkpoint only when these match (a requeued job, the same command again, matches).
+RUN_SECTIONS = ("train.seed", "train.optim")
+
+
+def run_settings(cfg: RunConfig) -> str:
+    """This run's RUN_SECTIONS and its logging.out_dir (absolute) as canonical JSON: recorded in its checkpoints
+    (checkpoint_state), compared by check_own_checkpoint."""
+    full = to_dict(cfg)
+    picked = {}
+    for section in RUN_SECTIONS:
+        value = full
+        for part in section.split("."):
+            value = value[part]
+        picked[section] = value
+    picked["logging.out_dir"] = str(Path(cfg.logging.out_dir).absolute())
+    return json.dumps(picked, sort_keys=True, default=str)
+
+
+def check_own_checkpoint(cfg: RunConfig, path, state: dict | None) -> None:
+    """checkpoint.resume=auto continues this run's own checkpoints only. One recorded with other run settings (a
+    shared checkpoint.dir holding another run's: another seed or optimizer, or, when checkpoint.dir lies outside
+    logging.out_dir, another out dir) is a ConfigError naming that run and the choices; it used to be resumed, its
+    run id taken and its newest steps pruned. checkpoint.resume=force or =<path> continues it on purpose;
+    checkpoints from before run settings were recorded are resumed as before."""
+    from megatron_qarl.config import ConfigError
+
+    state = state or {}
+    if cfg.checkpoint.resume != "auto" or not isinstance(state.get("run_settings"), str):
+        return
+    theirs, ours = _flatten(json.loads(state["run_settings"])), _flatten(json.loads(run_settings(cfg)))
+    if cfg.checkpoint.dir is None:  # the checkpoints live in this out dir: a copied or moved run dir is this run
+        theirs.pop("logging.out_dir", None)
+        ours.pop("logging.out_dir", None)
+    differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k, "<absent>") != ours.get(k, "<absent>"))
+    if not differ:
+        return
+    listing = "; ".join(f"{k}: {theirs.get(k, '<absent>')!r} there, {ours.get(k, '<absent>')!r} here" for k in differ[:6])
+    raise ConfigError(
+        f"checkpoint {path} is another run's (run {state.get('run_id', '?')}: {listing}"
+        f"{'; ...' if len(differ) > 6 else ''}); checkpoint.resume=auto continues only this run's own checkpoints "
+        f"and would take that run over. Give this run its own checkpoint.dir, or continue that run on purpose with "
+        f"checkpoint.resume={path} (or checkpoint.resume=force)")
+
+
 def _flatten(value, prefix: str = "") -> dict:
     if isinstance(value, dict):
         out = {}
@@ -616,6 +661,7 @@ def checkpoint_state(ctx: RunContext) -> dict:
         "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
         "config_name": ctx.cfg.name,
         "config_identity": config_identity(ctx.cfg),
+        "run_settings": run_settings(ctx.cfg),  # which run this is (check_own_checkpoint)
         HF_SIDECAR_KEY: hf_checkpoint_files(ctx.hf_config, ctx.cfg.model.hf_path),
         TOKENIZER_SOURCE_KEY: tokenizer_source(ctx.cfg.model),  # what qarl-convert exports carry
         # rank 0 writes the extra state and is the logging rank: its wandb run is the run's
@@ -653,6 +699,7 @@ def resume_run(ctx: RunContext) -> int:
         except Exception:  # noqa: BLE001 - incomplete/refused: load() below raises the clear error
             side = None
         check_run_identity(ctx.cfg, path, side)
+        check_own_checkpoint(ctx.cfg, path, side)
     ctx.checkpoints.clean_stale()
     if path is None:
         return 0

@@ -256,3 +256,57 @@ def test_a_sigkill_during_the_publish_leaves_no_hole_in_metrics_or_samples(tmp_p
     assert _steps(out / "metrics.jsonl") == [0, 1, 2] and _steps(out / "samples.jsonl") == [0, 1, 2]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and "reward/mean" in rows[1] and rows[1]["restored_from_checkpoint"] == 1.0
+
+
+# ---------------------------------------------------------------- resume=auto continues this run's own checkpoints
+
+def _cfg(*overrides: str):
+    from megatron_qarl.config import load_config
+
+    return load_config(None, ["logging.out_dir=/runs/a", "checkpoint.dir=/shared/ckpt", *overrides])
+
+
+@pytest.mark.parametrize("other,says", [
+    (["train.seed=7"], "train.seed: 1234 there, 7 here"),
+    (["train.optim.lr=0.5"], "train.optim.lr:"),
+    (["logging.out_dir=/runs/b"], "logging.out_dir: '/runs/a' there, '/runs/b' here"),
+])
+def test_resume_auto_refuses_another_runs_checkpoint_and_a_requeue_still_resumes(other, says):
+    from megatron_qarl.config import ConfigError
+    from megatron_qarl.run_context import check_own_checkpoint, run_settings
+
+    side = {"run_id": "abc123", "run_settings": run_settings(_cfg())}
+    check_own_checkpoint(_cfg(), "/shared/ckpt/step_00000004", side)  # the same command again: resumed
+    with pytest.raises(ConfigError) as err:
+        check_own_checkpoint(_cfg(*other), "/shared/ckpt/step_00000004", side)
+    line = str(err.value)
+    assert "\n" not in line and "is another run's (run abc123" in line and says in line, line
+    assert "own checkpoint.dir" in line and "checkpoint.resume=/shared/ckpt/step_00000004" in line, line
+    check_own_checkpoint(_cfg(*other, "checkpoint.resume=force"), "/shared/ckpt/step_00000004", side)  # on purpose
+    check_own_checkpoint(_cfg(*other), "/shared/ckpt/step_00000004", {"run_id": "abc123"})  # before run settings
+
+
+def test_a_run_dir_moved_or_copied_still_resumes_its_own_checkpoints():
+    """With checkpoint.dir unset the checkpoints live in the out dir: a moved run dir is the same run."""
+    from megatron_qarl.run_context import check_own_checkpoint, run_settings
+
+    side = {"run_settings": run_settings(_cfg("checkpoint.dir=null"))}
+    check_own_checkpoint(_cfg("checkpoint.dir=null", "logging.out_dir=/moved/a"), "/moved/a/checkpoints/step_1", side)
+
+
+def test_a_second_run_on_a_shared_checkpoint_dir_does_not_take_over_the_first_ones(tmp_path):
+    """Another seed on a shared checkpoint.dir: resume=auto resumed the first run's checkpoint, took its run id and
+    would prune its steps; now refused in one line naming that run, nothing of either run touched."""
+    shared = tmp_path / "shared"
+    first = _qarl_train(tmp_path / "a", f"checkpoint.dir={shared}", "train.steps=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    ckpt = shared / "step_00000001"
+    before = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
+    second = _qarl_train(tmp_path / "b", f"checkpoint.dir={shared}", "train.steps=2", "train.seed=7")
+    assert second.returncode == 2, second.stderr[-3000:]
+    lines = [ln for ln in second.stderr.splitlines() if ln.startswith("qarl-train: error:")]
+    assert len(lines) == 1 and "is another run's" in lines[0] and "train.seed: 1234 there, 7 here" in lines[0], \
+        second.stderr[-3000:]
+    assert sorted(p.name for p in shared.iterdir() if p.name.startswith("step_")) == ["step_00000001"]
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == before
+    assert not (tmp_path / "b" / "metrics.jsonl").exists()
