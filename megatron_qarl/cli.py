@@ -96,8 +96,8 @@ def dry_run_gpus_per_node(world_size: int, requested: int | None = None) -> int:
 def dry_run_host(cfg, host_gib: float | None = None) -> tuple[float, str] | None:
     """(bytes, source) of the node RAM a dry run checks the host plan against: --host-gib; else the Slurm
     allocation (SLURM_MEM_PER_NODE / SLURM_MEM_PER_CPU); else this machine's RAM when it can be a node of the plan
-    (it has CUDA, or the plan runs on the CPU: memory.plan_on_gpu); else None: not checked (a login node or laptop without
-    GPUs looking at a GPU plan)."""
+    (it has CUDA, or the plan runs on the CPU: memory.plan_on_gpu); else None: not checked (a login node or laptop
+    without GPUs looking at a GPU plan)."""
     import torch
 
     from megatron_qarl.memory import GIB, node_memory, plan_on_gpu

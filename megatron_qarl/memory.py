@@ -257,8 +257,9 @@ CUDA_CONTEXT = 0.5 * GIB        # per process per GPU: CUDA context + cuBLAS wor
 # estimate from NCCL's documented defaults, not a measurement: NCCL_BUFFSIZE = 4 MiB per channel and connection
 # (the Simple protocol; LL128 and LL buffers are of the same order), x 2 protocols x 2 connections (ring and tree)
 # x 8 channels = 128 MiB. It varies with the NCCL version, the topology (channels; NVLS on NVSwitch boxes adds
-# more) and NCCL_BUFFSIZE itself. docs/gpu-runs.md: measure it (mem_get_info around one communicator's first
-# all_reduce) and put the number here. memory.trainer_communicators names the communicators it is multiplied by.
+# more) and NCCL_BUFFSIZE itself. benchmarks/h200_check.py p0 measures one (mem_get_info around a world-of-one
+# communicator's first all_reduce; docs/gpu-runs.md, issue 42); put the measured number here. trainer_communicators
+# names the communicators it is multiplied by.
 NCCL_PER_COMMUNICATOR = 128 * 2 ** 20
 ENGINE_ACTIVATIONS = 2.0 * GIB  # SGLang's forward outside mem_fraction_static (one chunked-prefill chunk,
                                 # the sampler's logits; CUDA graphs are off for W4A16, sglang_engine.py)
@@ -419,10 +420,18 @@ def timeline_verdict(timeline: dict) -> str:
 # --------------------------------------------------------------------------------------------------
 # The host plan: what one node's RAM must hold
 # --------------------------------------------------------------------------------------------------
-# ASSUMPTIONS, not measured (the next GPU run records host RSS, docs/gpu-runs.md): the resident host memory of
-# one trainer process (python, torch and the CUDA libraries, megatron, the tokenizer and prompt rows) and of the
-# engine processes per engine GPU (SGLang: one scheduler process per TP rank, plus its tokenizer / detokenizer
-# processes per engine). Round numbers until measured.
+# ASSUMPTIONS, not measured (benchmarks/h200_check.py records host memory; docs/gpu-runs.md): the resident host
+# memory of one trainer process (python, torch and the CUDA libraries, megatron, the tokenizer and prompt rows) and
+# of the engine processes per engine GPU (SGLang: one scheduler process per TP rank, plus its tokenizer /
+# detokenizer processes per engine). Round numbers until measured.
+#
+# torch_memory_saver's retain_cpu_backup stays unset (memory_saver.py's default): the pinned backup is then made
+# at every pause and freed at every resume. The plan counts it whole either way, since it is all pinned while the
+# engines generate; retaining it changes when it is held (the whole run, training included), not the peak. Why not
+# set it now: what re-pinning ~38 GiB per GPU costs per step is unmeasured (h200_check p0 times an 8 GiB pinned
+# allocation), and the switch belongs to memory_saver.py. What argues for setting it once measured: a retained
+# backup is allocated once, at the first pause, so a host that cannot pin it fails at step 0 rather than mid-run
+# (tms exits the process when cudaMallocHost fails: csrc/utils.h CUDA_ERROR_CHECK), and no step pays the pinning.
 TRAINER_HOST_RSS = 8.0 * GIB
 ENGINE_HOST_RSS = 8.0 * GIB
 # A trainer process on the CPU (no CUDA libraries; its model state counted apart): MEASURED on this project's CPU

@@ -135,10 +135,11 @@ def vocab_parallel_token_logprobs(
     """log softmax(logits[:, t] / temperature)[targets[:, t]] for t in 0..S-2, from [B, S, V/TP] logits (this
     rank's slice of the vocabulary) and [B, S-1] targets: [B, S-1], fp32 (fp64 for fp64 logits).
 
-    `chunk_elements`: fp32 elements per chunk (None: CHUNK_ELEMENTS). `group`: the tensor-parallel group the vocabulary is split over (None: megatron's, one rank when megatron is
-    not initialised). A target outside every rank's slice (e.g. -100) gives -logsumexp, as megatron's
-    cross entropy does (tensor_parallel/cross_entropy.py:48-62). The backward returns this rank's slice of the
-    gradient; the output layer's backward all-reduces what it sends on."""
+    `chunk_elements`: fp32 elements per chunk (None: CHUNK_ELEMENTS). `group`: the tensor-parallel group the
+    vocabulary is split over (None: megatron's, one rank when megatron is not initialised). A target outside
+    every rank's slice (e.g. -100) gives -logsumexp, as megatron's cross entropy does
+    (tensor_parallel/cross_entropy.py:48-62). The backward returns this rank's slice of the gradient; the output
+    layer's backward all-reduces what it sends on."""
     if logits.dim() != 3 or targets.shape != (logits.shape[0], logits.shape[1] - 1):
         raise ValueError(f"logits must be [B, S, V/TP] and targets [B, S-1]; got {tuple(logits.shape)} and "
                          f"{tuple(targets.shape)}")
