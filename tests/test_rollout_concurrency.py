@@ -129,3 +129,20 @@ def test_the_dispatch_benchmark_runs_through_the_sglang_http_client(capsys):
                        "--inflight", "1,4"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "max_inflight_requests=" in ln]
     assert len(lines) == 2 and all(ln.endswith("rows identical to the first: True") for ln in lines), lines
+
+
+def test_a_request_that_shares_its_engine_with_others_in_flight_gets_their_share_of_time():
+    """With k requests in flight a healthy engine serves each up to k times slower than alone: SGLang's HTTP timeout
+    scales with them, else a busy engine's queued requests would time out and restart from nothing."""
+    from megatron_qarl.config import load_config
+    from megatron_qarl.rollout.dispatch import shared_request_timeout_s
+    from megatron_qarl.rollout.sglang_engine import SGLangEngineConfig
+
+    assert shared_request_timeout_s(1800, 32, 16) == 1800 * 16  # all 16 of the step's requests in flight
+    assert shared_request_timeout_s(1800, 4, 16) == 1800 * 4
+    assert shared_request_timeout_s(1800, 1, 16) == 1800  # one at a time: the bound alone, as before
+    cfg = load_config(None, ["rollout.engine=sglang", "rollout.sglang.model_path=/ckpt", "train.routing_telemetry=false",
+                             "train.prompts_per_step=32",
+                             "rollout.request_prompts=8", "rollout.max_inflight_requests=3",
+                             "rollout.request_timeout_s=100"])
+    assert SGLangEngineConfig.from_run(cfg).request_timeout_s == 300  # 4 requests a step, 3 in flight

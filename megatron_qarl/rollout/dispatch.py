@@ -77,6 +77,14 @@ def generate_request(engine, rows_prompt_ids: Sequence[Sequence[int]], sampling:
                              f"on engine {request.engine} after {attempt + 1} attempt(s): {last}")
 
 
+def shared_request_timeout_s(request_timeout_s: float, max_inflight: int, requests: int) -> float:
+    """The bound on one request when up to `max_inflight` of a step's `requests` share one engine: k requests in
+    flight share its throughput, so one of them may take up to k times what it takes alone
+    (`rollout.request_timeout_s`), as k requests sent one after another did. Without the factor a healthy, busy
+    engine would time out the requests it queues, and their retries would start them again from nothing."""
+    return float(request_timeout_s) * max(1, min(int(max_inflight), int(requests)))
+
+
 class RolloutStopRequested(Exception):
     """A stop request arrived while requests were in flight: they were abandoned (the step is not done)."""
 

@@ -82,6 +82,7 @@ from megatron_qarl.parallel import is_loopback_host
 from megatron_qarl.quant.scheme import EngineSupport
 from megatron_qarl.quant.schemes import NO_SCHEME, scheme_named
 from megatron_qarl.rollout import sglang_compat
+from megatron_qarl.rollout.dispatch import shared_request_timeout_s
 from megatron_qarl.rollout.engine_kind import EngineKind, choice_problem
 from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, FlattenedBucket, iter_buckets
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
@@ -204,7 +205,9 @@ class SGLangEngineConfig:
     # apart); None: the model_type of model_path's config.json
     model_type: str | None = None
     health_timeout_s: float = 900.0
-    request_timeout_s: float = 1800.0  # one /generate request (rollout.request_timeout_s)
+    # one /generate request; from a run: rollout.request_timeout_s x the requests in flight that share the server
+    # (dispatch.shared_request_timeout_s)
+    request_timeout_s: float = 1800.0
     update_timeout_s: float = 1800.0  # one weight-update / memory call
     # Colocated: --enable-memory-saver, so release/resume_memory_occupation free and retake the GPU memory
     # (without it they are no-ops, utils/torch_memory_saver_adapter.py:156-160).
@@ -320,7 +323,10 @@ class SGLangEngineConfig:
             transport="tensor" if s.mode == "colocated" else "distributed",
             bucket_bytes=cfg.publish.bucket_mb * 1024 * 1024,
             health_timeout_s=s.health_timeout_s,
-            request_timeout_s=cfg.rollout.request_timeout_s,
+            # the requests in flight share the server (rollout.max_inflight_requests): each may wait behind the others
+            request_timeout_s=shared_request_timeout_s(
+                cfg.rollout.request_timeout_s, cfg.rollout.max_inflight_requests,
+                -(-cfg.train.prompts_per_step // cfg.rollout.request_prompts)),
             memory_saver=s.mode == "colocated",
             cuda_graph=s.cuda_graph,
             deterministic_inference=s.deterministic_inference,
