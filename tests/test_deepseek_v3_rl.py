@@ -342,10 +342,12 @@ def test_aligned_learner_recomputes_the_embedded_engines_logprobs_through_the_pu
     resp = batch.response_mask.bool()
     # fp32 both sides, the same weights and experts: eps x the longest reduction (dense MLP 512) x layers
     bound = torch.finfo(torch.float32).eps * CFG.intermediate_size * CFG.num_hidden_layers
-    with replay_routing(model, batch.routed_experts):
-        free_gap = (logp_of(model, batch) - batch.sampler_logp)[resp].abs()
     # the (sequence, position)s the engine computed: the prompt and every response token but the last
     fed = {(i, j) for i, (p, r) in enumerate(zip(prompts, results)) for j in range(len(p) + len(r.token_ids) - 1)}
+    # the learner's own forward, only compared (its first flips: where the avalanches start, for the print)
+    with replay_routing(model, batch.routed_experts), replay_engine_codes(model, engine_inputs, fed, bound,
+                                                                          substitute=False) as free_codes:
+        free_gap = (logp_of(model, batch) - batch.sampler_logp)[resp].abs()
     with replay_routing(model, batch.routed_experts), replay_engine_codes(model, engine_inputs, fed, bound) as codes:
         aligned_gap = (logp_of(model, batch) - batch.sampler_logp)[resp].abs()
     aligned.remove()
@@ -355,8 +357,8 @@ def test_aligned_learner_recomputes_the_embedded_engines_logprobs_through_the_pu
           f"{aligned_gap.mean():.2e}, unaligned max {unaligned_gap.max():.2e} mean {unaligned_gap.mean():.2e}")
     if scheme == "fp8":
         print(f"without the replay: aligned max {free_gap.max():.2e} mean {free_gap.mean():.2e}, "
-              f"{float((free_gap > bound).float().mean()):.0%} of the tokens beyond {bound:.1e}; replay: "
-              f"{codes.summary()}")
+              f"{float((free_gap > bound).float().mean()):.0%} of the tokens beyond {bound:.1e}, first flips "
+              f"{free_codes.seeds(fed)}; replay: {codes.summary()}")
         assert codes.rows > 0 and codes.unmatched_fed == 0, codes.summary()  # every fed token within fp32 order
         assert codes.unexplained == 0, codes.summary()  # each flipped code has a boundary within that reach
         assert codes.ambiguous == 0, codes.summary()

@@ -143,6 +143,11 @@ class ReplayStats:
     flipped_at: list = field(default_factory=list)   # (linear, token, values flipped)
     unmatched: list = field(default_factory=list)    # (linear, token, nearest |x_l - x_e| / amax) of fed rows
 
+    def seeds(self, fed: set, n: int = 4) -> list:
+        """The first flips of fed tokens in the order the forward met them, (linear, (sequence, position), values)
+        (with `substitute=False`: where the two sides' own forwards first part, the avalanche's seeds)."""
+        return [f for f in self.flipped_at if f[1] in fed][:n]
+
     def summary(self) -> str:
         return (f"{self.rows} rows replayed, {self.values} values: {self.flips} e4m3 codes flipped "
                 f"({self.near_boundary} within the fp32 reach of a boundary, {self.unexplained} unexplained), "
