@@ -122,9 +122,9 @@ def format_host_plan(plan: dict, host: tuple[float, str] | None) -> list[str]:
     lines += [f"{k:<20}{_human(v):>14}" for k, v in plan["terms"].items()]
     need = plan["need"]
     if host is None:
-        lines.append(f"host plan: needs {need / GIB:.1f} GiB per node; not checked here (no GPU on this machine, so "
-                     "it is not a node of this plan): pass --host-gib <node RAM>, or run the dry run on a node (the "
-                     "Slurm job's dry run checks its --mem)")
+        why = "no GPU on this machine, so it is not a node of this plan" if plan["on_gpu"] else "no node RAM given"
+        lines.append(f"host plan: needs {need / GIB:.1f} GiB per node; not checked here ({why}): pass --host-gib "
+                     "<node RAM>, or run the dry run on a node (the Slurm job's dry run checks its --mem)")
     else:
         have, source = host
         verdict = "FITS" if need <= have else "does NOT fit"
