@@ -121,19 +121,27 @@ def torch_memory_saver_singleton() -> "GuardedSaver":
     return guarded
 
 
-def host_available_bytes() -> int:
-    """Host memory this process can still take: psutil's available, capped by a cgroup v2 limit (a Slurm job's
-    --mem, a container's limit) when one is set."""
+def host_available_bytes(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """Host memory this process can still take: psutil's available, capped by every cgroup v2 memory limit on the
+    way from this process's cgroup up to the root (a Slurm job's --mem, a container's limit: limit - current)."""
     import psutil
 
     available = psutil.virtual_memory().available
     try:
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()
-        if limit != "max":
-            used = int(open("/sys/fs/cgroup/memory.current").read().strip())
-            available = min(available, int(limit) - used)
-    except (OSError, ValueError):
-        pass
+        lines = open(proc_cgroup).read().splitlines()
+        rel = next(line.split("::", 1)[1] for line in lines if line.startswith("0::")).strip("/")
+    except (OSError, StopIteration):
+        rel = ""
+    parts = [p for p in rel.split("/") if p]
+    for depth in range(len(parts), -1, -1):
+        level = os.path.join(cgroup_root, *parts[:depth])
+        try:
+            limit = open(os.path.join(level, "memory.max")).read().strip()
+            if limit != "max":
+                used = int(open(os.path.join(level, "memory.current")).read().strip())
+                available = min(available, int(limit) - used)
+        except (OSError, ValueError):
+            continue
     return available
 
 

@@ -301,3 +301,28 @@ def test_a_tags_bytes_are_its_pools_segments_when_the_library_has_pools(monkeypa
     saver.grown[TRAINER_STATE] = 7
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda pool_id: (_ for _ in ()).throw(TypeError("old torch")))
     assert saver.tag_bytes(TRAINER_STATE) == 7
+
+
+def test_host_memory_is_capped_by_every_cgroup_limit_above_the_process(tmp_path, monkeypatch):
+    """A Slurm job's --mem is a cgroup v2 limit on the job's cgroup, not the root's: every level is read."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    from megatron_qarl.memory_saver import host_available_bytes
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=500 * GIB))
+    root = tmp_path / "cgroup"
+    job = root / "system.slice" / "slurmstepd.scope" / "job_7"
+    job.mkdir(parents=True)
+    (root / "memory.max").write_text("max\n")
+    proc = tmp_path / "self_cgroup"
+    proc.write_text("0::/system.slice/slurmstepd.scope/job_7\n")
+    assert host_available_bytes(str(root), str(proc)) == 500 * GIB  # no limit anywhere: the host's
+    (job / "memory.max").write_text(f"{40 * GIB}\n")
+    (job / "memory.current").write_text(f"{30 * GIB}\n")
+    assert host_available_bytes(str(root), str(proc)) == 10 * GIB  # the job's --mem
+    (root / "system.slice" / "memory.max").write_text(f"{35 * GIB}\n")
+    (root / "system.slice" / "memory.current").write_text(f"{34 * GIB}\n")
+    assert host_available_bytes(str(root), str(proc)) == 1 * GIB  # a tighter limit further up
+    assert host_available_bytes(str(root), str(tmp_path / "absent")) == 500 * GIB  # only the root's (no limit)
