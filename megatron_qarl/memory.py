@@ -519,11 +519,37 @@ def host_plan(cfg, world_size: int, gpus_per_node: int, timeline: dict | None = 
     return {"terms": terms, "need": sum(terms.values()), "processes": procs, "on_gpu": on_gpu, "where": where}
 
 
-def node_memory(env=None) -> tuple[float, str]:
+def cgroup_memory_limit(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """The smallest cgroup v2 memory.max on the way from this process's cgroup up to the root (a container's or a
+    job's limit), or None when there is none."""
+    import os
+
+    try:
+        lines = open(proc_cgroup).read().splitlines()
+        rel = next(line.split("::", 1)[1] for line in lines if line.startswith("0::")).strip("/")
+    except (OSError, StopIteration):
+        rel = ""
+    parts = [p for p in rel.split("/") if p]
+    limits = []
+    for depth in range(len(parts), -1, -1):
+        try:
+            value = open(os.path.join(cgroup_root, *parts[:depth], "memory.max")).read().strip()
+        except OSError:
+            continue
+        if value != "max":
+            try:
+                limits.append(float(value))
+            except ValueError:
+                continue
+    return min(limits) if limits else None
+
+
+def node_memory(env=None, cgroup_limit=cgroup_memory_limit) -> tuple[float, str]:
     """(bytes, where it comes from) of host memory a node's run may use at start: Slurm's allocation when the job
     has one (SLURM_MEM_PER_NODE, or SLURM_MEM_PER_CPU x SLURM_CPUS_ON_NODE: MiB, Slurm's unit), else this machine's
     RAM (psutil.virtual_memory().total: what the node has, not what other processes leave free at this moment, so
-    that the verdict does not change with the load of a shared login node)."""
+    that the verdict does not change with the load of a shared login node), capped by a cgroup v2 limit above this
+    process (a container's). memory_saver.GuardedSaver checks what is free at each pause of the run itself."""
     import os
 
     env = os.environ if env is None else env
@@ -536,7 +562,11 @@ def node_memory(env=None) -> tuple[float, str]:
                                      f"SLURM_CPUS_ON_NODE={cpus})")
     import psutil
 
-    return float(psutil.virtual_memory().total), "this machine's RAM (psutil)"
+    total = float(psutil.virtual_memory().total)
+    limit = cgroup_limit() if cgroup_limit is not None else None
+    if limit is not None and limit < total:
+        return limit, "this process's cgroup memory limit (memory.max)"
+    return total, "this machine's RAM (psutil)"
 
 
 def check_host_plan(plan: dict, have: float, source: str) -> None:

@@ -98,3 +98,24 @@ def test_host_ram_source_order_and_bad_values(no_slurm, monkeypatch):
     assert dry_run_gpus_per_node(16, 2) == 2
     with pytest.raises(UserError, match=r"--gpus-per-node=0 must be >= 1"):
         dry_run_gpus_per_node(16, 0)
+
+
+def test_a_cgroup_limit_caps_the_machines_ram(tmp_path, no_slurm, monkeypatch):
+    """A container's cgroup v2 memory.max (the smallest on the way up from this process's cgroup) caps psutil's
+    total; 'max' levels and missing files are no limit."""
+    import psutil
+
+    from megatron_qarl.memory import cgroup_memory_limit
+
+    (tmp_path / "job" / "step").mkdir(parents=True)
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "job" / "memory.max").write_text(f"{3 * GIB}\n")
+    (tmp_path / "job" / "step" / "memory.max").write_text(f"{5 * GIB}\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/job/step\n")
+    assert cgroup_memory_limit(str(tmp_path), str(proc)) == 3 * GIB
+    proc.write_text("0::/\n")
+    assert cgroup_memory_limit(str(tmp_path), str(proc)) is None
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=64 * GIB, available=0))
+    assert node_memory({}, cgroup_limit=lambda: 3 * GIB) == (3 * GIB, "this process's cgroup memory limit (memory.max)")
+    assert node_memory({}, cgroup_limit=lambda: None) == (64 * GIB, "this machine's RAM (psutil)")
