@@ -326,9 +326,10 @@ def train_main(argv=None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"qarl-train: {stopped}", file=sys.stderr)
         return EXIT_STOPPED
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before the run's signal handlers were installed
-        if os.environ.get("RANK", "0") == "0":
-            print("qarl-train: interrupted (Ctrl-C): stopped at once, the step in flight was not checkpointed; "
+    except KeyboardInterrupt as interrupted:  # a second Ctrl-C, or one before the run's signal handlers were installed
+        if os.environ.get("RANK", "0") == "0":  # what the loop says a next run has (sft.py), else the RL trainer's
+            print(f"qarl-train: {interrupted}" if str(interrupted) else
+                  "qarl-train: interrupted (Ctrl-C): stopped at once, the step in flight was not checkpointed; "
                   "the last complete checkpoint stands (checkpoint.resume=auto continues from it)", file=sys.stderr)
         return EXIT_INTERRUPTED
 

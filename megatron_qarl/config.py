@@ -374,7 +374,7 @@ class SFTConfig:
     dtype: str = "float32"
     init_checkpoint: str | None = None  # continue from a dist checkpoint instead of random init
     out_checkpoint: str | None = "runs/sft/checkpoint"
-    overwrite: bool = True  # replace an existing out_checkpoint (atomically)
+    overwrite: bool = False  # an existing out_checkpoint: refused (false), or moved to <path>.old-<timestamp>
 
     def validate(self) -> "SFTConfig":
         problems = []

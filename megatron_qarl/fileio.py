@@ -247,9 +247,10 @@ class RunDirLock:
 
     NAME = ".qarl.lock"
 
-    def __init__(self, directory: str | os.PathLike, what: str = "run directory"):
+    def __init__(self, directory: str | os.PathLike, what: str = "run directory", name: str | None = None):
+        """`name`: another lock file in `directory` (one output of several there, e.g. `.<checkpoint>.qarl.lock`)."""
         self.directory, self.what = Path(directory), what
-        self.path = self.directory / self.NAME
+        self.path = self.directory / (name or self.NAME)
         self._fd: int | None = None
         self._moved: list[int] = []  # locks held on files whose directory was renamed since (follow)
 

@@ -13,6 +13,13 @@ Usage (one process, or under torchrun for TP/EP/DP):
 
     qarl-train sft --config configs/tiny_qarl_w4a16_tbpo.yaml sft.out_checkpoint=runs/sft/ckpt
 
+A run holds the lock of its logging.out_dir and of its sft.out_checkpoint (fileio.RunDirLock: a second SFT run on
+either is refused). An existing sft.out_checkpoint is refused, or with sft.overwrite=true moved aside to
+``<path>.old-<timestamp>`` (nothing is deleted). SIGTERM, SIGUSR1, Ctrl-C and $QARL_STOP_FILE stop the run at the
+next step boundary with its state (model, optimizer, step, history) in ``<sft.out_checkpoint>.resume``, exit status
+3; the same command again continues from it (the same problems, the same learning-rate schedule) and removes it
+once sft.out_checkpoint is written.
+
 The CPU demo (configs/_base_tiny.yaml's `sft` section) trains 2-digit addition with answers written
 least-significant digit first (``63+43=`` -> ``601``): the tiny model learns it on every seed measured,
 its sampled accuracy passing 0.3 after a few hundred steps (benchmarks/demo_robustness.py prints the
@@ -22,7 +29,9 @@ the rise, so RL starts from a policy whose sampled groups have mixed rewards; ``
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import math
 import random
 import time
@@ -315,13 +324,15 @@ def _check_vocab(tokenizer, hf_config) -> None:
 class _Progress:
     """Progress bar on rank 0, windowed loss / throughput every `log_every` steps (eval time excluded)."""
 
-    def __init__(self, sft: SFTConfig, dp: int):
+    def __init__(self, sft: SFTConfig, dp: int, start: int = 0, loss_history: list | None = None):
         from tqdm import tqdm
 
         self.sft, self.dp = sft, dp
-        self.bar = tqdm(total=sft.steps, desc="sft", disable=not is_logging_rank(), mininterval=1.0, dynamic_ncols=True)
+        self.bar = tqdm(total=sft.steps, initial=start, desc="sft", disable=not is_logging_rank(), mininterval=1.0,
+                        dynamic_ncols=True)
         self.metrics: dict[str, Any] = {}
-        self.loss_history: list[tuple[int, float]] = []  # (step, DP-mean loss of the log window)
+        # (step, DP-mean loss of the log window); a resumed run's starts with the stopped run's
+        self.loss_history: list[tuple[int, float]] = [tuple(x) for x in loss_history or []]
         self._reset()
 
     def _reset(self) -> None:
@@ -373,19 +384,137 @@ def run_sft(cfg, sft: SFTConfig | None = None) -> dict[str, Any]:
     Scripts that call it need an `if __name__ == "__main__":` guard: the checkpoint writer spawns
     processes that re-import the main module.
     """
+    from megatron_qarl.lifecycle import stop_on_signals
+
     sft = _sft_section(cfg, sft)
     owns_process_group = not dist.is_initialized()
     layout = init_distributed(getattr(cfg, "parallel", None) or ParallelLayout(), seed=sft.seed)
     try:
-        result = _train(cfg, sft, layout)
-        _write_metrics(cfg, result)
-        return result
+        with contextlib.ExitStack() as held, stop_on_signals() as stop:  # held: the locks, to the end
+            lock_sft_dirs(cfg, sft, held)  # before anything there is read, moved or written
+            prepare_out_checkpoint(sft)
+            result = _train(cfg, sft, layout, stop)
+            _write_metrics(cfg, result)
+            return result
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once; say what a next run has, not RL's resume
+        raise KeyboardInterrupt(_interrupted_line(cfg, sft)) from None
     finally:
         if owns_process_group:
             destroy_distributed()
 
 
-def _train(cfg, sft: SFTConfig, layout) -> dict[str, Any]:
+def _interrupted_line(cfg, sft: SFTConfig) -> str:
+    from megatron_qarl.checkpointing import is_complete
+
+    path = resume_dir(cfg, sft)
+    if path is not None and is_complete(path):
+        return (f"interrupted (Ctrl-C): stopped at once, the SFT step in flight was not saved; the same command "
+                f"continues from the state of an earlier stop in {path}")
+    return "interrupted (Ctrl-C): stopped at once; nothing of this SFT run was saved: the same command starts it over"
+
+
+def _out_dir(cfg) -> str | None:
+    return getattr(getattr(cfg, "logging", None), "out_dir", None)
+
+
+def resume_dir(cfg, sft: SFTConfig) -> Path | None:
+    """Where a stopped SFT run keeps its state: `<sft.out_checkpoint>.resume` (else `<logging.out_dir>/sft_resume`)."""
+    if sft.out_checkpoint:
+        return Path(f"{sft.out_checkpoint}.resume")
+    return Path(_out_dir(cfg)) / "sft_resume" if _out_dir(cfg) else None
+
+
+def lock_sft_dirs(cfg, sft: SFTConfig, held) -> None:
+    """COLLECTIVE. The logging rank locks logging.out_dir and sft.out_checkpoint (a lock file beside it) for the run's
+    life, as a trainer does (fileio.RunDirLock): a second SFT run on either is RunDirInUseError on every rank."""
+    from megatron_qarl.fileio import RunDirInUseError, RunDirLock
+    from megatron_qarl.parallel import raise_if_any_rank_failed
+
+    error = None
+    if is_logging_rank():
+        locks = []
+        if _out_dir(cfg):
+            locks.append(RunDirLock(_out_dir(cfg), "logging.out_dir"))
+        if sft.out_checkpoint:
+            out = Path(sft.out_checkpoint)
+            locks.append(RunDirLock(out.parent, f"sft.out_checkpoint={out}'s directory", name=f".{out.name}.qarl.lock"))
+        try:
+            for lock in locks:
+                held.callback(lock.acquire().release)
+        except RunDirInUseError as exc:
+            error = exc
+    raise_if_any_rank_failed(error, RunDirInUseError("the SFT run's directories are in use by another run (rank 0 "
+                                                     "says which)"))
+
+
+def prepare_out_checkpoint(sft: SFTConfig) -> Path | None:
+    """COLLECTIVE. An existing sft.out_checkpoint (an earlier SFT run's) is never replaced silently: refused with one
+    line naming the choices, or with sft.overwrite=true moved aside to `<path>.old-<timestamp>` (nothing is deleted).
+    Returns where it went (None: there was none)."""
+    from megatron_qarl.parallel import raise_if_any_rank_failed
+    from megatron_qarl.tracking import moved_aside_name
+
+    out, error, moved = Path(sft.out_checkpoint) if sft.out_checkpoint else None, None, None
+    if out is not None and is_logging_rank() and (out.exists() or out.is_symlink()):
+        if not sft.overwrite:
+            error = SFTConfigError(
+                f"sft.out_checkpoint={out} holds an earlier SFT run's checkpoint; choose one: write to a new "
+                f"sft.out_checkpoint, or set sft.overwrite=true to move it to {out.name}.old-<timestamp> (nothing is "
+                "deleted)")
+        else:
+            moved = moved_aside_name(out)
+            out.rename(moved)
+            print(f"[sft] sft.overwrite=true: moved the earlier checkpoint {out} to {moved} (nothing deleted)",
+                  flush=True)
+    raise_if_any_rank_failed(error, SFTConfigError(f"sft.out_checkpoint={out} cannot be written (rank 0 says why)"))
+    return moved
+
+
+def _identity(cfg, sft: SFTConfig) -> str:
+    """What a stopped run's state must share with the run that continues it: the SFT settings but the budget and
+    the reporting ones, and the model."""
+    from megatron_qarl.config import to_dict
+
+    settings = {k: v for k, v in dataclasses.asdict(sft).items() if k not in SFT_RESUMABLE_CHANGES}
+    model = to_dict(cfg)["model"] if hasattr(cfg, "model") and dataclasses.is_dataclass(cfg) else None
+    return json.dumps({"sft": settings, "model": model}, sort_keys=True, default=str)
+
+
+# SFT keys a stopped run may be continued with changed: the budget, when to stop early, reporting, the output.
+SFT_RESUMABLE_CHANGES = ("steps", "stop_at_sampled_accuracy", "eval_every", "log_every", "out_checkpoint",
+                         "overwrite")
+
+
+def _resume(cfg, sft: SFTConfig, ddp, optimizer) -> dict[str, Any] | None:
+    """COLLECTIVE. The state a stopped run left in resume_dir, loaded into the model and optimizer (its extra state:
+    step, history); None when there is none. State of other settings is refused naming the keys."""
+    from megatron_qarl.checkpointing import is_complete, load_checkpoint, read_extra_state
+    from megatron_qarl.fileio import remove_stale_temps
+
+    path = resume_dir(cfg, sft)
+    if path is None:
+        return None
+    if is_logging_rank():
+        for stale in remove_stale_temps(path):  # what a save killed mid-write left
+            print(f"[sft] removed {stale}, left by an interrupted save", flush=True)
+    if not is_complete(path):
+        return None
+    side = read_extra_state(path) or {}
+    if side.get("kind") != "sft_resume" or side.get("identity") != _identity(cfg, sft):
+        theirs = json.loads(side["identity"]) if isinstance(side.get("identity"), str) else {}
+        ours = json.loads(_identity(cfg, sft))
+        keys = sorted({f"sft.{k}" for k in set(theirs.get("sft", {})) | set(ours["sft"])
+                       if theirs.get("sft", {}).get(k) != ours["sft"].get(k)}
+                      | ({"model"} if theirs.get("model") != ours["model"] else set()))
+        raise SFTConfigError(f"{path} is the state of a stopped SFT run with other settings ({', '.join(keys[:8])}); "
+                             "run that run's command to finish it, or move it aside to start this one over")
+    state = load_checkpoint(path, ddp, optimizer, fix=f"move {path} aside to start the SFT run over")
+    if is_logging_rank():
+        print(f"[sft] resumed from {path} (step {state['step']}/{sft.steps})", flush=True)
+    return state
+
+
+def _train(cfg, sft: SFTConfig, layout, stop=None) -> dict[str, Any]:
     t_start = time.perf_counter()
     hf_config = resolve_hf_config(cfg.model)
     tokenizer = load_tokenizer(cfg.model)
@@ -394,7 +523,8 @@ def _train(cfg, sft: SFTConfig, layout) -> dict[str, Any]:
         raise SFTConfigError(f"batch_size={sft.batch_size} is not divisible by the data-parallel size "
                              f"{dp_size()}; pick a multiple of it")
     ddp, optimizer = build_sft_model(hf_config, layout, sft, core_attention=cfg.model.core_attention)
-    if sft.init_checkpoint:
+    resumed = _resume(cfg, sft, ddp, optimizer) or {}
+    if sft.init_checkpoint and not resumed:
         from megatron_qarl.checkpointing import load_checkpoint
 
         load_checkpoint(sft.init_checkpoint, ddp)
@@ -404,22 +534,30 @@ def _train(cfg, sft: SFTConfig, layout) -> dict[str, Any]:
     pad_multiple = layout.pad_multiple
     per_rank = sft.batch_size // dp_size()
 
-    history: list[dict[str, Any]] = []
-    progress = _Progress(sft, dp_size())
+    start = int(resumed.get("step", 0))
+    for _ in range(start):  # the problems the stopped run trained on: each rank's stream goes on where it was
+        stream.next(per_rank)
+    history: list[dict[str, Any]] = list(resumed.get("history", []))
+    progress = _Progress(sft, dp_size(), start=start, loss_history=resumed.get("loss_history"))
     ddp.train()
-    step = 0
-    for step in range(1, sft.steps + 1):
-        batch = make_batch(tokenizer, stream.next(per_rank), pad_multiple)
-        loss, grad_norm = train_step(ddp, optimizer, batch)
-        progress.step(step, loss, grad_norm, batch.num_tokens, optimizer.current_lr())
-        last_step = step == sft.steps
-        if last_step or (sft.eval_every and step % sft.eval_every == 0):
-            history.append(_eval_record(ddp, tokenizer, eval_set, sft, step, pad_multiple, progress))
-            target = sft.stop_at_sampled_accuracy
-            if target is not None and history[-1]["eval/sampled_accuracy"] >= target and not last_step:
-                progress.write(f"[sft] sampled accuracy reached {target}; stopping at step {step}")
-                break
-    progress.close()
+    step = start
+    try:  # the bar closes however the loop ends (its line would run into the run's last line)
+        for step in range(start + 1, sft.steps + 1):
+            batch = make_batch(tokenizer, stream.next(per_rank), pad_multiple)
+            loss, grad_norm = train_step(ddp, optimizer, batch)
+            progress.step(step, loss, grad_norm, batch.num_tokens, optimizer.current_lr())
+            last_step = step == sft.steps
+            if last_step or (sft.eval_every and step % sft.eval_every == 0):
+                history.append(_eval_record(ddp, tokenizer, eval_set, sft, step, pad_multiple, progress))
+                target = sft.stop_at_sampled_accuracy
+                if target is not None and history[-1]["eval/sampled_accuracy"] >= target and not last_step:
+                    progress.write(f"[sft] sampled accuracy reached {target}; stopping at step {step}")
+                    break
+            if stop is not None and not last_step and _stop_agreed(stop):  # COLLECTIVE: every rank, the same step
+                progress.close()
+                raise _stopped(cfg, sft, ddp, optimizer, stop, step, history, progress)
+    finally:
+        progress.close()
     target = sft.stop_at_sampled_accuracy
     if target is not None and history[-1]["eval/sampled_accuracy"] < target:
         progress.write(f"[sft] warning: sampled accuracy {history[-1]['eval/sampled_accuracy']:.3f} did not reach "
@@ -427,9 +565,46 @@ def _train(cfg, sft: SFTConfig, layout) -> dict[str, Any]:
                        "(raise sft.steps, or use the easier sft.digit_order=lsd_first task)")
     final = {**progress.metrics, **history[-1], "step": step, "train_wall_s": time.perf_counter() - t_start}
     final["checkpoint"] = _save(ddp, sft, final, hf_config, cfg.model) if sft.out_checkpoint else None
+    _drop_resume_state(cfg, sft)
     final["history"] = history
     final["loss_history"] = progress.loss_history
     return final
+
+
+def _stop_agreed(stop) -> bool:
+    """COLLECTIVE. Whether any rank was asked to stop (a signal, the stop file), the same answer on every rank."""
+    from megatron_qarl.parallel import max_over_ranks
+
+    return bool(max_over_ranks(1 if stop.requested() else 0))
+
+
+def _stopped(cfg, sft: SFTConfig, ddp, optimizer, stop, step: int, history, progress):
+    """COLLECTIVE. The RunStopped a stop request ends the run with, after saving its state to resume_dir (model,
+    optimizer with its schedule, the step, the evaluation and loss histories)."""
+    from megatron_qarl.checkpointing import save_checkpoint
+    from megatron_qarl.errors import RunStopped
+    from megatron_qarl.lifecycle import EXIT_STOPPED
+
+    reason = stop.reason or "a stop request on another rank"
+    path = resume_dir(cfg, sft)
+    if path is None:
+        return RunStopped(f"stopped by {reason} after SFT step {step}/{sft.steps}; nothing was saved (sft.out_checkpoint "
+                          f"and logging.out_dir are unset): a new run starts over; exit status {EXIT_STOPPED}")
+    extra = {"kind": "sft_resume", "step": step, "identity": _identity(cfg, sft), "history": history,
+             "loss_history": [list(x) for x in progress.loss_history]}
+    save_checkpoint(path, ddp, optimizer, extra=extra, force=True)
+    return RunStopped(f"stopped by {reason} after SFT step {step}/{sft.steps}; its state is in {path}; exit status "
+                      f"{EXIT_STOPPED}; run the same command again to continue from step {step}", checkpoint=str(path))
+
+
+def _drop_resume_state(cfg, sft: SFTConfig) -> None:
+    """A finished run's stopped state (it resumed from it) is superseded by sft.out_checkpoint: removed (rank 0)."""
+    import shutil
+
+    path = resume_dir(cfg, sft)
+    if path is not None and is_logging_rank() and path.is_dir():
+        shutil.rmtree(path)
+        print(f"[sft] removed {path}: the run it continued has finished", flush=True)
 
 
 def _write_metrics(cfg, result: dict[str, Any]) -> None:

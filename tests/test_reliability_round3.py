@@ -310,3 +310,114 @@ def test_a_second_run_on_a_shared_checkpoint_dir_does_not_take_over_the_first_on
     assert sorted(p.name for p in shared.iterdir() if p.name.startswith("step_")) == ["step_00000001"]
     assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == before
     assert not (tmp_path / "b" / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------- qarl-train sft: lock, graceful stop, resume, refuse
+
+SFT_SMALL = ["sft.steps=4", "sft.batch_size=8", "sft.eval_every=0", "sft.eval_prompts=8", "sft.eval_max_new_tokens=4",
+             "sft.log_every=1", "sft.lr_warmup_steps=0", "sft.stop_at_sampled_accuracy=null",
+             "logging.wandb.mode=disabled"]
+
+
+def _sft(tmp_path: Path, name: str, *overrides: str) -> tuple[Path, list[str]]:
+    out = tmp_path / name / "checkpoint"
+    return out, ["sft", "--config", CONFIG, f"sft.out_checkpoint={out}", f"logging.out_dir={tmp_path / name / 'log'}",
+                 *SFT_SMALL, *overrides]
+
+
+def _losses(out: Path) -> list:
+    return json.loads((out.parent / "log" / "sft_metrics.json").read_text())["loss_history"]
+
+
+def test_sft_stops_at_a_step_boundary_with_its_state_and_the_same_command_continues_it(tmp_path, monkeypatch, capsys):
+    """SIGTERM used to end `qarl-train sft` at once, the whole warm-up lost, and Ctrl-C promised a checkpoint and
+    a resume SFT did not have. Now the step finishes, the state is saved, exit 3; the same command continues it to
+    the very losses of an uninterrupted run, writes sft.out_checkpoint and drops the state."""
+    from megatron_qarl import sft as sft_module
+    from megatron_qarl.checkpointing import is_complete, verify_checkpoint
+    from megatron_qarl.cli import train_main
+    from megatron_qarl.lifecycle import EXIT_STOPPED
+
+    monkeypatch.delenv("QARL_STOP_FILE", raising=False)
+    reference, args = _sft(tmp_path, "reference")
+    assert train_main(args) == 0
+    out, args = _sft(tmp_path, "stopped")
+    real, steps = sft_module.train_step, [0]
+
+    def sigterm_in_step_2(*a, **k):  # a real signal, inside step 2: the run's handler records it
+        steps[0] += 1
+        if steps[0] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    monkeypatch.setattr(sft_module, "train_step", sigterm_in_step_2)
+    capsys.readouterr()
+    assert train_main(args) == EXIT_STOPPED
+    state = Path(f"{out}.resume")
+    line = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("qarl-train:")]
+    assert line == [f"qarl-train: stopped by SIGTERM after SFT step 2/4; its state is in {state}; exit status 3; run "
+                    "the same command again to continue from step 2"], line
+    assert is_complete(state) and verify_checkpoint(state) == [] and not out.exists()
+    monkeypatch.setattr(sft_module, "train_step", real)
+    assert train_main(args) == 0
+    assert f"[sft] resumed from {state} (step 2/4)" in capsys.readouterr().out
+    assert is_complete(out) and not state.exists()
+    assert _losses(out) == _losses(reference) and [s for s, _ in _losses(out)] == [1, 2, 3, 4]
+
+
+def test_a_second_sft_run_on_the_same_out_checkpoint_is_refused_or_moves_it_aside(tmp_path, capsys):
+    """Two SFT runs on one sft.out_checkpoint both exited 0, the second silently replacing the first (sft.overwrite
+    defaulted to true). Now refused in one line naming the choices; sft.overwrite=true moves it aside, deletes
+    nothing."""
+    from megatron_qarl.checkpointing import verify_checkpoint
+    from megatron_qarl.cli import train_main
+
+    out, args = _sft(tmp_path, "run", "sft.steps=2")
+    assert train_main(args) == 0
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    capsys.readouterr()
+    assert train_main(args) == 2
+    err = capsys.readouterr().err
+    assert f"qarl-train: error: sft.out_checkpoint={out} holds an earlier SFT run's checkpoint; choose one: write to " \
+           "a new sft.out_checkpoint, or set sft.overwrite=true to move it to checkpoint.old-<timestamp> (nothing is " \
+           "deleted)" in err and "Traceback" not in err, err
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert train_main([*args, "sft.overwrite=true"]) == 0
+    (moved,) = [p for p in out.parent.iterdir() if p.name.startswith("checkpoint.old-")]
+    assert {p.name: p.stat().st_mtime_ns for p in moved.iterdir()} == before and verify_checkpoint(moved) == []
+    assert verify_checkpoint(out) == []
+
+
+@pytest.mark.parametrize("held", ["logging.out_dir", "sft.out_checkpoint"])
+def test_a_second_sft_run_on_a_live_ones_directories_is_refused(tmp_path, capsys, held):
+    """SFT took no lock: two runs on one out dir or out checkpoint both ran, one replacing the other's output."""
+    from megatron_qarl.cli import train_main
+    from megatron_qarl.fileio import RunDirLock
+
+    out, args = _sft(tmp_path, "run")
+    lock = RunDirLock(out.parent / "log") if held == "logging.out_dir" else \
+        RunDirLock(out.parent, name=".checkpoint.qarl.lock")
+    with lock:  # the live run, held by this process at a known point
+        assert train_main(args) == 2
+    err = capsys.readouterr().err
+    assert "is in use by another run" in err and f"pid {os.getpid()}" in err and "Traceback" not in err, err
+    assert not out.exists()
+
+
+def test_a_second_ctrl_c_in_sft_promises_no_resume_that_does_not_exist(tmp_path, monkeypatch, capsys):
+    """It said 'the last complete checkpoint stands (checkpoint.resume=auto continues from it)': SFT had none."""
+    from megatron_qarl import sft as sft_module
+    from megatron_qarl.cli import train_main
+    from megatron_qarl.lifecycle import EXIT_INTERRUPTED
+
+    out, args = _sft(tmp_path, "run")
+
+    def second_ctrl_c(*a, **k):  # what StopRequest raises on a second Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sft_module, "train_step", second_ctrl_c)
+    assert train_main(args) == EXIT_INTERRUPTED
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("qarl-train:")]
+    assert lines == ["qarl-train: interrupted (Ctrl-C): stopped at once; nothing of this SFT run was saved: the same "
+                     "command starts it over"], lines
+    assert not out.exists() and not Path(f"{out}.resume").exists()
