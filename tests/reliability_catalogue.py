@@ -193,6 +193,55 @@ CASES = [
          "(train, sft, --dry-run)", "refused before the config is read, naming the file and the fix (remove it); it "
          "used to load the model and stop again at the first step, exit 3 'run again', a requeue loop", "2",
          "test_bad_inputs_round3.py::test_a_stop_file_left_from_an_earlier_stop_is_refused_before_anything_is_built"),
+    # issue 49 item 3 (data lost or put at risk) and item 6's safetensors headers: tests/test_reliability_round3.py
+    Case("run directory", "a second `qarl-train sft` on a live SFT run's logging.out_dir or sft.out_checkpoint",
+         "the lock held by the test process", "refused before anything is built, naming the holder's pid and host "
+         "(SFT took no lock)", "2", "test_reliability_round3.py::test_a_second_sft_run_on_a_live_ones_directories_is_refused"),
+    Case("run directory", "a second SFT run on an existing sft.out_checkpoint", "the same command twice",
+         "one line naming the choices (a new sft.out_checkpoint, or sft.overwrite=true: moved to "
+         "`<path>.old-<timestamp>`, nothing deleted); sft.overwrite defaulted to true and the second run silently "
+         "replaced the first", "2",
+         "test_reliability_round3.py::test_a_second_sft_run_on_the_same_out_checkpoint_is_refused_or_moves_it_aside"),
+    Case("run directory", "checkpoint.resume=auto on a checkpoint.dir shared with another run (another seed, lr or "
+         "out dir)", "two qarl-train, the second with train.seed=7", "one line naming that run's id and the keys "
+         "that differ; nothing of either run touched (it used to resume the other run, take its run id and prune its "
+         "steps); the same command again (a requeue) still resumes; resume=<path> or force continues it on purpose",
+         "2", "test_reliability_round3.py::test_a_second_run_on_a_shared_checkpoint_dir_does_not_take_over_the_first_ones"),
+    Case("run directory", "the run-dir lock `.qarl.lock` planted as a link (symbolic or hard) in a copied or shared "
+         "run dir", "a link to a file outside the run", "refused in one line naming the link; the file it points to "
+         "is untouched (it used to be truncated and overwritten with the lock's pid line)", "2",
+         "test_reliability_round3.py::test_a_planted_lock_file_link_is_refused_and_its_target_untouched"),
+    Case("run directory", "metrics.jsonl, samples.jsonl or eval_samples.jsonl planted as a symbolic link, at the "
+         "start or during the run", "a link to a file outside the run", "refused in one line (O_NOFOLLOW, no other "
+         "hard links); no row is written through it (a resumed run appended its rows to the link's target)", "2",
+         "test_reliability_round3.py::test_a_planted_metrics_file_link_gets_no_rows_through_it"),
+    Case("stopping", "SIGTERM / SIGUSR1 / Ctrl-C / the stop file during `qarl-train sft`", "a real SIGTERM inside "
+         "step 2 of 4", "the step finishes, the model, optimizer and histories go to `<sft.out_checkpoint>.resume`, "
+         "one line, exit 3; the same command continues it to the very losses of an uninterrupted run (it used to die "
+         "at once, the whole warm-up lost)", "3 / 0",
+         "test_reliability_round3.py::test_sft_stops_at_a_step_boundary_with_its_state_and_the_same_command_continues_it"),
+    Case("stopping", "a second Ctrl-C during `qarl-train sft`", "KeyboardInterrupt in a step",
+         "one line saying what a next run has (nothing, or the state of an earlier stop); it promised 'the last "
+         "complete checkpoint stands (checkpoint.resume=auto continues from it)', which SFT did not have", "130",
+         "test_reliability_round3.py::test_a_second_ctrl_c_in_sft_promises_no_resume_that_does_not_exist"),
+    Case("stopping", "SIGKILL during the per-step publish (after the step's checkpoint, before its row)",
+         "the publisher's third call SIGKILLs the process", "the checkpoint keeps the step's row; the resumed run logs "
+         "it (restored_from_checkpoint=1, without the publish metrics that never happened): metrics and samples "
+         "rows 0, 1, 2 (rows 0, 2 remained: a hole for good)", "-9 / 0",
+         "test_reliability_round3.py::test_a_sigkill_during_the_publish_leaves_no_hole_in_metrics_or_samples"),
+    Case("inputs", "a `model.safetensors.index.json` whose weight_map names a file outside the checkpoint (absolute, "
+         "`../`, empty) or is not {tensor: file}", "a valid safetensors file beside the checkpoint, named by the index",
+         "one line naming the index entry; nothing read from outside (it was read from there)", "2",
+         "test_reliability_round3.py::test_an_index_naming_a_file_outside_the_checkpoint_is_refused"),
+    Case("inputs", "a safetensors header that parses as JSON but is not what the format allows: a list or string, "
+         "non-UTF-8 or lone-surrogate names, overlapping / inverted / gapped offsets, bytes after the last tensor, no "
+         "data_offsets, nested `__metadata__`, dtype x shape not the offsets' size, an unknown dtype, a negative "
+         "dimension, a duplicate name", "one file per class (parametrised)", "one line naming the file and the "
+         "class, from the header check (it passed it, then crashed with a traceback or read the wrong bytes)", "2",
+         "test_reliability_round3.py::test_a_safetensors_header_the_format_does_not_allow_is_one_line"),
+    Case("inputs", "the same header as model.hf_path of a run", "a header that is a JSON list",
+         "refused before the model is built (the run used to build it first: minutes at 30B)", "2",
+         "test_reliability_round3.py::test_a_bad_header_is_refused_before_the_run_builds_the_model"),
 ]
 
 
