@@ -443,13 +443,14 @@ def write_error_log(cfg, err: BaseException, line: str | None):
     where = _error_log_path(cfg, rank)
     candidates = [where] if where is not None else []
     candidates.append(Path(tempfile.gettempdir()) / f"qarl-error-{os.getpid()}.log")
+    from megatron_qarl.fileio import RunFileLinkError, append_text
+
     for path in candidates:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)  # a run that failed before writing anything
-            with open(path, "a") as f:
-                f.write(text)
+            append_text(path, text)  # never through a link planted in the run dir (fileio.open_own_file)
             return path
-        except OSError:
+        except (OSError, RunFileLinkError):
             continue
     return None
 

@@ -215,6 +215,9 @@ CASES = [
          "start or during the run", "a link to a file outside the run", "refused in one line (O_NOFOLLOW, no other "
          "hard links); no row is written through it (a resumed run appended its rows to the link's target)", "2",
          "test_reliability_round3.py::test_a_planted_metrics_file_link_gets_no_rows_through_it"),
+    Case("run directory", "error.log planted as a symbolic link", "a link to a file outside the run, then a failure",
+         "the traceback goes to the temp-dir fallback (qarl-error-<pid>.log), the link's target untouched (it got "
+         "the traceback appended)", "-", "test_reliability_round3.py::test_a_planted_error_log_link_gets_no_traceback_through_it"),
     Case("stopping", "SIGTERM / SIGUSR1 / Ctrl-C / the stop file during `qarl-train sft`", "a real SIGTERM inside "
          "step 2 of 4", "the step finishes, the model, optimizer and histories go to `<sft.out_checkpoint>.resume`, "
          "one line, exit 3; the same command continues it to the very losses of an uninterrupted run (it used to die "

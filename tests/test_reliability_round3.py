@@ -421,3 +421,20 @@ def test_a_second_ctrl_c_in_sft_promises_no_resume_that_does_not_exist(tmp_path,
     assert lines == ["qarl-train: interrupted (Ctrl-C): stopped at once; nothing of this SFT run was saved: the same "
                      "command starts it over"], lines
     assert not out.exists() and not Path(f"{out}.resume").exists()
+
+
+def test_a_planted_error_log_link_gets_no_traceback_through_it(tmp_path, monkeypatch):
+    """qarl-train appends a failed run's traceback to <out_dir>/error.log: through a planted link it went to the
+    link's target. Now the traceback goes to the temp-dir fallback and the target is untouched."""
+    import types
+
+    from megatron_qarl.cli import write_error_log
+
+    victim, run = _victim(tmp_path), tmp_path / "run"
+    run.mkdir()
+    (run / "error.log").symlink_to(victim)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    cfg = types.SimpleNamespace(logging=types.SimpleNamespace(out_dir=str(run)))
+    where = write_error_log(cfg, RuntimeError("boom"), "boom")
+    assert where == tmp_path / f"qarl-error-{os.getpid()}.log" and "RuntimeError: boom" in where.read_text()
+    assert victim.read_text() == "a user's file outside the run\n" and (run / "error.log").is_symlink()
