@@ -15,6 +15,7 @@ import difflib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -549,14 +550,52 @@ def _merge_checked(base, layer):
     try:
         return OmegaConf.merge(base, layer)
     except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None) or "?"
-        message = str(getattr(err, "msg", err)).splitlines()[0]
+        key = getattr(err, "full_key", None) or None
+        message = str(getattr(err, "msg", None) or err).splitlines()[0]
+        if key is None or message in ("", "None"):  # OmegaConf lost the key (a tuple's length): find it
+            key, message = _failing_leaf(base, layer, err)
         if "DictConfig" in message or "ListConfig" in message:
             message += f"; {_QUOTE_HINT}"
         raise ConfigError(f"{key}: {message}") from err
     except TypeError as err:  # a mapping where the schema has a list (or the reverse), e.g. rollout.stop=a: b
         raise ConfigError(f"a value is a mapping or list where its key expects another type ({err}); "
                           f"{_QUOTE_HINT}") from err
+
+
+def _leaves(node, prefix: str = ""):
+    """(dotted key, value) of every leaf of a plain nested dict (lists and tuples are leaves)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1], node
+
+
+def _failing_leaf(base, layer, err) -> tuple[str, str]:
+    """The key of `layer` whose merge into `base` fails, and why in words, for an OmegaConf error that names
+    neither (e.g. a one-element list for a two-element tuple: "?: None")."""
+    for key, value in _leaves(OmegaConf.to_container(layer)):
+        single = OmegaConf.create({})
+        OmegaConf.update(single, key, value, force_add=True)
+        try:
+            OmegaConf.merge(base, single)
+        except OmegaConfBaseException as leaf_err:
+            cause = leaf_err
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            message = str(cause).splitlines()[0] if str(cause) not in ("", "None") else type(cause).__name__
+            match = re.search(r"length (\d+) does not match type hint length (\d+)", message)
+            if match:
+                message = f"give exactly {match.group(2)} values (got {match.group(1)}), e.g. {list(_base_value(base, key))}"
+            return f"{key}={value!r}", message
+    return "the config", str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def _base_value(base, key: str):
+    try:
+        return OmegaConf.to_container(OmegaConf.select(base, key)) or []
+    except Exception:  # noqa: BLE001 - only an example in a message
+        return []
 
 
 def _check_keys(schema_node, layer_node, prefix: str) -> None:
@@ -598,6 +637,7 @@ def validate_config(cfg: RunConfig, world_size: int | None = None) -> None:
     problems += _check_sub_configs(cfg)
     problems += _check_model_source(cfg.model)
     problems += _check_positive(cfg)
+    problems += _check_finite(cfg)
     problems += _check_engine_quant(cfg)
     if not any(p.startswith("model") for p in problems):  # shapes need a resolvable model
         problems += _check_shard_shapes(cfg)
@@ -690,6 +730,10 @@ def _check_positive(cfg: RunConfig) -> list[str]:
         "rollout.sglang.health_timeout_s": r.sglang.health_timeout_s,
     }
     out = [f"{k}={v} must be > 0" for k, v in must_be_positive.items() if not v > 0]
+    if r.n == 1:
+        out.append("rollout.n=1: a group of one sample has no baseline, so every advantage is 0 and nothing is "
+                   "learned (group-normalised advantages compare the samples of a prompt); use rollout.n >= 2, "
+                   "e.g. 8")
     if t.moe_aux_loss_coeff is not None and not t.moe_aux_loss_coeff >= 0:
         out.append(f"train.moe_aux_loss_coeff={t.moe_aux_loss_coeff} must be >= 0 (0: no load-balancing loss; "
                    "null: the model config's router_aux_loss_coef)")
@@ -722,6 +766,7 @@ def _check_positive(cfg: RunConfig) -> list[str]:
                        "`qarl-train sft` or `qarl-convert hf-to-mcore` writes it)")
     out += _check_data(cfg)
     out += _check_eval(cfg)
+    out += _check_out_dir(cfg)
     if cfg.logging.plot_every < 0 or cfg.logging.samples_per_step < 0:
         out.append(f"logging.plot_every={cfg.logging.plot_every} and logging.samples_per_step="
                    f"{cfg.logging.samples_per_step} must be >= 0 (0: plots only at the end / no samples.jsonl)")
@@ -734,6 +779,53 @@ def _check_positive(cfg: RunConfig) -> list[str]:
                    f"train.mini_batch_prompts={t.mini_batch_prompts}; choose a divisor, e.g. "
                    f"{_nearest_divisor(t.prompts_per_step, t.mini_batch_prompts)}")
     return out
+
+
+def _check_finite(node, prefix: str = "") -> list[str]:
+    """Every number of the config is finite: inf passes every `> 0` check (train.optim.lr=inf trained with an
+    infinite step), NaN fails them with a confusing line. One problem per key, whatever its section."""
+    out = []
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            out += _check_finite(value, f"{key}.")
+            continue
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            out.append(f"{key}={value!r} is not a finite number; give a finite value (see docs/config-reference.md)")
+    return out
+
+
+def _inside(path: Path, parent: Path) -> bool:
+    return path == parent or parent in path.parents
+
+
+def _check_out_dir(cfg: RunConfig) -> list[str]:
+    """The run dir a run may own: not a file, not the directory the command runs in (or one above it: its results,
+    error.log and checkpoints would mix with the user's files, and logging.overwrite would move the whole
+    directory aside), and not holding an init checkpoint that logging.overwrite would move before it is read."""
+    lg = cfg.logging
+    out = Path(os.path.expanduser(lg.out_dir)).absolute()
+    problems = []
+    if out.exists() and not out.is_dir():
+        problems.append(f"logging.out_dir={lg.out_dir!r} is a file, not a directory; point it at a directory of "
+                        "the run's own (it is made if missing), e.g. runs/<name>")
+    resolved, cwd = out.resolve(), Path.cwd().resolve()
+    if _inside(cwd, resolved) or resolved == Path.home().resolve():
+        where = "the current directory" if resolved == cwd else \
+            "the home directory" if resolved == Path.home().resolve() else "a directory above the current one"
+        problems.append(f"logging.out_dir={lg.out_dir!r} is {where} ({resolved}): a run writes its metrics, "
+                        "samples, checkpoints and error.log into its out dir and logging.overwrite=true moves the "
+                        "whole directory aside; give the run a directory of its own, e.g. logging.out_dir=runs/<name>")
+    elif lg.overwrite:
+        for key, ckpt in (("model.init_checkpoint", cfg.model.init_checkpoint),
+                          ("sft.init_checkpoint", cfg.sft.init_checkpoint)):
+            if ckpt and _inside(Path(os.path.expanduser(ckpt)).resolve(), resolved):
+                problems.append(
+                    f"{key}={ckpt!r} lies inside logging.out_dir={lg.out_dir!r}, which logging.overwrite=true moves "
+                    f"aside (to {out.name}.old-<timestamp>) when it holds an earlier run's results, before the "
+                    "checkpoint is read; move the checkpoint out of the run dir, or use another logging.out_dir")
+    return problems
 
 
 def _is_path_list(value) -> bool:

@@ -193,6 +193,23 @@ CASES = [
          "(train, sft, --dry-run)", "refused before the config is read, naming the file and the fix (remove it); it "
          "used to load the model and stop again at the first step, exit 3 'run again', a requeue loop", "2",
          "test_bad_inputs_round3.py::test_a_stop_file_left_from_an_earlier_stop_is_refused_before_anything_is_built"),
+    Case("bad inputs", "values out of range that passed: a non-finite number in any key (train.optim.lr=inf, "
+         "rollout.temperature=inf, ...), rollout.n=1, a one-element train.optim.betas",
+         "overrides", "one line per key, before anything is built: 'is not a finite number' (any section); n=1 'has no "
+         "baseline, every advantage is 0'; betas 'give exactly 2 values (got 1)' (it used to say 'error: ?: None')",
+         "2", "test_bad_inputs_round3.py::test_values_out_of_range_are_refused_naming_the_key"),
+    Case("bad inputs", "data rows past the JSON reader's limits: a 5,000-digit answer, a row nested 100,000 deep, "
+         "a .json array nested too deep", "rows written to .jsonl / .json",
+         "the long number is read as its digits (an answer); a row nested past 64 levels is a malformed row "
+         "(data.bad_rows: skipped, or one line naming the row); the .json file: one line naming it (each used to "
+         "crash the reader with a traceback)", "2 / 0",
+         "test_bad_inputs_round3.py::test_data_rows_past_the_json_readers_limits_are_read_or_reported"),
+    Case("bad inputs", "paths a run cannot use: a FIFO as data.path, logging.out_dir a regular file, the current "
+         "directory (logging.out_dir=.) or one above it, an init checkpoint inside an out dir that "
+         "logging.overwrite would move", "mkfifo; a file; `.` / `..`; model.init_checkpoint=<out_dir>/sft",
+         "one line naming the key and the fix, nothing written or moved (the FIFO used to hang the run; `.` let "
+         "logging.overwrite move the whole working directory aside; the init checkpoint was moved before it was "
+         "read)", "2", "test_bad_inputs_round3.py::test_paths_a_run_cannot_use_are_refused_before_anything_is_built"),
     # issue 49 item 3 (data lost or put at risk) and item 6's safetensors headers: tests/test_reliability_round3.py
     Case("run directory", "a second `qarl-train sft` on a live SFT run's logging.out_dir or sft.out_checkpoint",
          "the lock held by the test process", "refused before anything is built, naming the holder's pid and host "

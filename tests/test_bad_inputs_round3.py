@@ -43,3 +43,118 @@ def test_a_stop_file_that_does_not_exist_yet_is_no_problem(tmp_path):
     assert stale_stop_file({}) is None
     (tmp_path / "stop").write_text("")
     assert "stop file" in stale_stop_file({"QARL_STOP_FILE": str(tmp_path / "stop")})
+
+
+# ------------------------------------------------------------------------------------ item 6, by class
+
+CONFIG = "configs/tiny_qarl_w4a16_tbpo.yaml"
+
+
+def _train(capsys, *argv) -> tuple[int, str]:
+    """qarl-train in this process (cwd: the repo); (exit status, stderr). Every case here fails before a model."""
+    rc = cli.train_main(list(argv))
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return rc, err
+
+
+@pytest.mark.parametrize("override,says", [
+    ("train.optim.lr=inf", "train.optim.lr=inf is not a finite number"),  # passed every `> 0` check
+    ("rollout.temperature=inf", "rollout.temperature=inf is not a finite number"),
+    ("train.loss.clip_ratio_high=inf", "train.loss.clip_ratio_high=inf is not a finite number"),
+    ("rollout.n=1", "rollout.n=1: a group of one sample has no baseline, so every advantage is 0"),
+    ("train.optim.betas=[0.9]", "train.optim.betas=[0.9]: give exactly 2 values (got 1), e.g. [0.9, 0.999]"),
+])
+def test_values_out_of_range_are_refused_naming_the_key(tmp_path, capsys, monkeypatch, override, says):
+    """They used to pass (lr=inf trained with an infinite step; n=1 trained on zero advantages) or say
+    "error: ?: None" (a one-element betas)."""
+    monkeypatch.chdir(cli_repo())
+    out = tmp_path / "run"
+    rc, err = _train(capsys, "--config", CONFIG, f"logging.out_dir={out}", override)
+    assert rc == 2 and says in err, err
+    assert "?: None" not in err
+    assert not out.exists()
+
+
+def cli_repo():
+    from conftest import REPO
+
+    return REPO
+
+
+def _rows(n: int = 8) -> list[str]:
+    import json
+
+    return [json.dumps({"prompt": f"{i}+1", "answer": str(i + 1)}) for i in range(n)]
+
+
+@pytest.mark.parametrize("case", ["5000_digit_answer", "deep_row_skip", "deep_row_error", "deep_json_array"])
+def test_data_rows_past_the_json_readers_limits_are_read_or_reported(tmp_path, case):
+    """A 5,000-digit answer used to crash the reader (ValueError: int string conversion limit), a deeply nested row
+    too (RecursionError), whatever data.bad_rows said. Now: the long number is read as its digits (an answer); a row
+    nested past MAX_ROW_DEPTH is a malformed row (skipped, or one line under bad_rows=error); a .json array nested
+    too deep is one line naming the file."""
+    from megatron_qarl.rl.data import MAX_ROW_DEPTH, DatasetError, PromptDataConfig, load_prompt_examples
+
+    deep = "[" * 100_000 + "]" * 100_000
+    if case == "5000_digit_answer":
+        path = tmp_path / "rows.jsonl"
+        path.write_text("\n".join(_rows() + ['{"prompt": "big", "answer": ' + "9" * 5000 + "}"]) + "\n")
+        examples, report = load_prompt_examples(PromptDataConfig(path=str(path), bad_rows="error"))
+        assert examples[-1].answer == "9" * 5000 and report.malformed_rows == 0
+        return
+    if case == "deep_json_array":
+        path = tmp_path / "rows.json"
+        path.write_text("[" + ",".join(_rows()) + ',{"prompt": "x", "answer": ' + deep + "}]")
+        with pytest.raises(DatasetError, match=r"rows.json nests too deep for the JSON reader .*flatten its rows"):
+            load_prompt_examples(PromptDataConfig(path=str(path)))
+        return
+    path = tmp_path / "rows.jsonl"
+    just_too_deep = '{"prompt": "x", "answer": "1", "meta": ' + "[" * MAX_ROW_DEPTH + "]" * MAX_ROW_DEPTH + "}"
+    path.write_text("\n".join(_rows() + ['{"prompt": "x", "answer": ' + deep + "}", just_too_deep]) + "\n")
+    if case == "deep_row_skip":
+        examples, report = load_prompt_examples(PromptDataConfig(path=str(path), bad_rows="skip"))
+        assert len(examples) == 8 and report.malformed_rows == 2
+    else:
+        with pytest.raises(DatasetError, match=r"rows.jsonl:row 8: nested too deep for the JSON reader"):
+            load_prompt_examples(PromptDataConfig(path=str(path), bad_rows="error"))
+
+
+@pytest.mark.parametrize("case", ["fifo_as_data_path", "out_dir_is_a_file", "out_dir_is_the_cwd", "out_dir_above_cwd",
+                                  "init_checkpoint_inside_an_overwritten_out_dir"])
+def test_paths_a_run_cannot_use_are_refused_before_anything_is_built(tmp_path, capsys, monkeypatch, case):
+    """A FIFO as data.path used to hang the run; an out dir that is a file failed late with a traceback;
+    logging.out_dir=. wrote the run into the current directory and logging.overwrite=true moved that whole directory
+    aside; an init checkpoint inside the out dir was moved aside by logging.overwrite before it was read."""
+    import os
+
+    repo = cli_repo()
+    monkeypatch.chdir(repo)
+    out = tmp_path / "run"
+    args = ["--config", CONFIG]
+    if case == "fifo_as_data_path":
+        fifo = tmp_path / "rows.jsonl"
+        os.mkfifo(fifo)
+        args += ["--dry-run", f"logging.out_dir={out}", f"data.path={fifo}"]  # the dry run reads the data as a run
+        says = f"prompt dataset {fifo} is a FIFO (named pipe), not a file"
+    elif case == "out_dir_is_a_file":
+        out.write_text("mine")
+        args += [f"logging.out_dir={out}"]
+        says = f"logging.out_dir='{out}' is a file, not a directory"
+    elif case == "out_dir_is_the_cwd":
+        args += ["logging.out_dir=."]
+        says = f"logging.out_dir='.' is the current directory ({repo})"
+    elif case == "out_dir_above_cwd":
+        args += ["logging.out_dir=.."]
+        says = "logging.out_dir='..' is a directory above the current one"
+    else:
+        (out / "sft").mkdir(parents=True)
+        (out / "metrics.jsonl").write_text('{"step": 1}\n')
+        args += [f"logging.out_dir={out}", "logging.overwrite=true", f"model.init_checkpoint={out / 'sft'}"]
+        says = "lies inside logging.out_dir="
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    rc, err = _train(capsys, *args)
+    assert rc == 2 and says in err, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written, nothing moved
+    if case == "out_dir_is_a_file":
+        assert out.read_text() == "mine"

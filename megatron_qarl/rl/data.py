@@ -38,6 +38,7 @@ import datetime
 import glob as globlib
 import io
 import json
+import stat
 import logging
 import math
 import os
@@ -200,6 +201,13 @@ def _source(p: str, split: str, pattern: Optional[str] = None, section: str = "d
                            f"dataset_dict.json or state.json){hint}")
     if not q.exists():
         raise DatasetError(f"prompt dataset {p} does not exist{_cwd_note(p)}; fix {section}.path")
+    if not q.is_file():  # a FIFO would block the reader forever (no writer), and rows are read more than once
+        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(q.stat().st_mode) else
+                "a socket" if stat.S_ISSOCK(q.stat().st_mode) else "a device" if
+                stat.S_ISCHR(q.stat().st_mode) or stat.S_ISBLK(q.stat().st_mode) else "not a regular file")
+        raise DatasetError(f"prompt dataset {p} is {kind}, not a file: the rows are read whole before the run "
+                           f"starts and again by checks; write them to a .jsonl / .json / .parquet file and point "
+                           f"{section}.path at it")
     if q.suffix not in FILE_SUFFIXES:
         matched = f"; the pattern {pattern!r} matched it, narrow the pattern" if pattern else ""
         raise DatasetError(f"unsupported prompt dataset type {q.suffix!r} ({p}); use .jsonl, .json or .parquet "
@@ -234,6 +242,52 @@ def resolve_sources(path: Any, split: str = "train", section: str = "data") -> L
 RowIter = Iterator[Tuple[int, Any, Optional[str]]]
 
 
+MAX_ROW_DEPTH = 64  # nesting of a row's lists and objects: a prompt row needs 3 or 4; Python's JSON reader,
+# json.dumps and pickle (a plug-in's rows travel to its worker) each stop near 1000 with a RecursionError
+_MAX_INT_DIGITS = 4000  # Python refuses int <-> str of more than 4300 digits (sys.get_int_max_str_digits)
+
+
+def _parse_int(text: str) -> Any:
+    """A JSON integer; one too long for Python's int conversion stays its digits (a str): a 5,000-digit answer is
+    an answer, and `str()` of it, which every use of an answer does, would fail."""
+    return int(text) if len(text.lstrip("-")) <= _MAX_INT_DIGITS else text
+
+
+def _depth(value: Any) -> int:
+    """How deep a parsed JSON value nests (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        children = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, d)
+        if d > MAX_ROW_DEPTH:
+            break
+        todo.extend((c, d + 1) for c in children)
+    return deepest
+
+
+def _too_deep(value: Any) -> Optional[str]:
+    if _depth(value) > MAX_ROW_DEPTH:
+        return f"nested more than {MAX_ROW_DEPTH} levels deep (a prompt row needs a few); flatten it"
+    return None
+
+
+def _loads(text: str) -> Tuple[Any, Optional[str]]:
+    """(value, None), or (None, why it cannot be read) for invalid JSON and for JSON past the reader's limits."""
+    try:
+        value = json.loads(text, parse_int=_parse_int)
+    except json.JSONDecodeError as e:
+        return None, f"invalid JSON ({e.msg})"
+    except RecursionError:
+        return None, f"nested too deep for the JSON reader (more than {MAX_ROW_DEPTH} levels: a prompt row needs a few); flatten it"
+    except ValueError as e:  # a number past the reader's limits
+        return None, f"a value the JSON reader cannot hold ({' '.join(str(e).split())[:120]})"
+    problem = _too_deep(value)
+    return (None, problem) if problem else (value, None)
+
+
 def _read_jsonl_lines(lines: Iterable[bytes], replaced: Optional[List[int]]) -> RowIter:
     for i, raw in enumerate(lines):
         try:
@@ -244,10 +298,8 @@ def _read_jsonl_lines(lines: Iterable[bytes], replaced: Optional[List[int]]) -> 
                 replaced.append(i)
         if not line.strip():
             continue
-        try:
-            yield i, json.loads(line), None
-        except json.JSONDecodeError as e:
-            yield i, None, f"invalid JSON ({e.msg})"
+        value, problem = _loads(line)
+        yield i, value, problem
 
 
 def _read_jsonl(path: Path, replaced: Optional[List[int]]) -> RowIter:
@@ -263,7 +315,11 @@ def _read_json(path: Path, replaced: Optional[List[int]]) -> RowIter:
     except UnicodeDecodeError:
         text, lossy = data.decode("utf-8", errors="replace"), True
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_int=_parse_int)
+    except RecursionError:
+        raise DatasetError(f"{path} nests too deep for the JSON reader (a prompt row needs a few levels); flatten "
+                           "its rows, or write them as JSON Lines (one row per line: a bad row is then skipped or "
+                           "reported by data.bad_rows)") from None
     except json.JSONDecodeError as e:
         head = text.lstrip()
         first_line = head.splitlines()[0] if head else ""
@@ -274,17 +330,17 @@ def _read_json(path: Path, replaced: Optional[List[int]]) -> RowIter:
         return
     rows = value if isinstance(value, list) else [value]
     for i, row in enumerate(rows):
+        problem = _too_deep(row)
+        if problem:
+            yield i, None, problem
+            continue
         if lossy and replaced is not None and "\ufffd" in json.dumps(row, ensure_ascii=False):
             replaced.append(i)
         yield i, row, None
 
 
 def _parses(text: str) -> bool:
-    try:
-        json.loads(text)
-        return True
-    except json.JSONDecodeError:
-        return False
+    return _loads(text)[1] is None
 
 
 def _plain(value: Any) -> Any:
