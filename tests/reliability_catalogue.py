@@ -290,7 +290,13 @@ ships a checkpoint can rewrite the marker too, which is why the pickles are chec
 **A run owns its directory.** The logging rank holds an `fcntl` lock on `<out_dir>/.qarl.lock` (and on
 `checkpoint.dir` when it lies elsewhere) for the run's life; the kernel releases it however the run ends. Clean-up
 never removes a live writer's temp dir, and `checkpoint.keep_last` prunes only the checkpoints whose marker
-carries this run's id (a resumed run takes its checkpoint's).
+carries this run's id (a resumed run takes its checkpoint's). `checkpoint.resume=auto` continues only this run's
+own checkpoints: each records its run settings (`train.seed`, `train.optim`, and `logging.out_dir` when
+`checkpoint.dir` lies elsewhere), so the same command again (a requeue) resumes and another run on a shared
+`checkpoint.dir` is refused. The lock, metrics.jsonl, samples.jsonl, eval_samples.jsonl and error.log are opened
+with `O_NOFOLLOW` and refused when they are links (symbolic, or hard links to a file elsewhere): nothing a run
+writes follows a link out of its directory. `qarl-train sft` holds the same lock on its `logging.out_dir` and its
+`sft.out_checkpoint`, and refuses an existing `sft.out_checkpoint` (`sft.overwrite=true` moves it aside).
 
 ## Exit status
 
