@@ -188,8 +188,7 @@ def format_dry_run(cfg, world_size: int, gpu_gib: float = 79.0, gpus_per_node: i
     comms = timeline["communicators"]
     if comms:
         lines.append(f"NCCL communicators per trainer GPU (assumed {_human(NCCL_PER_COMMUNICATOR)} each, not "
-                     f"measured): {_human(nccl_bytes(comms))} for " + ", ".join(
-                         f"{k} x{v}" if k == "p2p" else f"{k}({v})" for k, v in comms.items()))
+                     f"measured): {_human(nccl_bytes(comms))} for " + ", ".join(f"{k}({v})" for k, v in comms.items()))
     lines.append(timeline_verdict(timeline))
     per_node = dry_run_gpus_per_node(world_size) if gpus_per_node is None else gpus_per_node
     lines += [""] + format_host_plan(host_plan(cfg, world_size, per_node, timeline), host)

@@ -276,8 +276,7 @@ def trainer_communicators(cfg, world_size: int) -> dict[str, int]:
     GPU (init_process_group without device_id, parallel.py:119: lazy), so every group of more than one rank that
     the run uses counts once, even when another group has the same ranks (megatron creates each group apart: dp_cp
     and dp at megatron/core/parallel_state.py:855-880 and 953-967 in 0.16.1):
-      world           the default group: memory_saver's barriers, deliver_samples' all_gather_object
-                      (rollout/dispatch.py:188), parallel.max_over_ranks
+      world           the default group: memory_saver's barriers, parallel.max_over_ranks
       tp              megatron's TP / SP collectives, logprobs' log-sum-exp, weights/sharding.py's gathers
       dp / dp_cp      the trainer's DP reductions (parallel.dp_group) / megatron DDP's gradient all-reduce
       model_parallel  TP x PP: the dense parameters' Muon and gradient norm (optim.py)
@@ -286,10 +285,8 @@ def trainer_communicators(cfg, world_size: int) -> dict[str, int]:
       expert_dp       DDP's expert-gradient all-reduce
       expert_mp       ETP x EP x PP: the experts' Muon and gradient norm (optim.py)
       pp              pipeline stages (when > 1)
-      p2p             deliver_samples' send_object_list / recv_object_list (rollout/dispatch.py:190-202): outside
-                      a batch_isend_irecv, ProcessGroupNCCL::pointToPoint keys a 2-rank communicator by the pair
-                      (getKeySendRecv(rank_, peer)); the rows a rollout-group leader made can be wanted by any
-                      rank, so a leader may pair with each of the world - 1 others (an upper bound)
+    None for deliver_samples: its point-to-point sends of the samples (ProcessGroupNCCL would key a 2-rank
+    communicator by each pair of ranks, up to world - 1 per leader) go over parallel.host_group(), gloo.
     Groups of one rank make no communicator. Multiplied by NCCL_PER_COMMUNICATOR (an assumption)."""
     lay = cfg.parallel
     tp, pp, ep = lay.tp, lay.pp, lay.ep
@@ -298,16 +295,12 @@ def trainer_communicators(cfg, world_size: int) -> dict[str, int]:
     expert_dp = max(world_size // (etp * ep * pp), 1)
     groups = {"world": world_size, "tp": tp, "dp": dp, "dp_cp": dp, "model_parallel": tp * pp, "ep": ep,
               "tp_ep": etp * ep, "etp": etp, "expert_dp": expert_dp, "expert_mp": etp * ep * pp, "pp": pp}
-    out = {name: ranks for name, ranks in groups.items() if ranks > 1}
-    if world_size > 1:
-        out["p2p"] = world_size - 1  # communicators of 2 ranks each, one per peer
-    return out
+    return {name: ranks for name, ranks in groups.items() if ranks > 1}
 
 
 def nccl_bytes(communicators: dict[str, int]) -> float:
-    """NCCL_PER_COMMUNICATOR per communicator: one per group, `p2p`'s value is its number of 2-rank ones."""
-    count = sum(v for k, v in communicators.items() if k == "p2p") + sum(1 for k in communicators if k != "p2p")
-    return count * NCCL_PER_COMMUNICATOR
+    """NCCL_PER_COMMUNICATOR per communicator (one per group)."""
+    return len(communicators) * NCCL_PER_COMMUNICATOR
 
 
 def engine_shares_gpu(cfg) -> bool:

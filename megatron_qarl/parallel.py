@@ -162,15 +162,39 @@ def init_distributed(
         distributed_timeout_minutes=max(1, math.ceil(layout.distributed_timeout_minutes)),
     )
     set_rank_wait(layout.rank_wait_timeout_minutes * 60.0, layout.rank_wait_log_interval_s)
+    _make_host_group(timeout)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return layout
+
+
+_HOST_GROUP: list = []  # [the world's gloo group] once init_distributed made it
+
+
+def _make_host_group(timeout: timedelta) -> None:
+    """COLLECTIVE. A gloo group of the whole world for objects that live on the host (the rollout's samples): on
+    NCCL, point-to-point sends of pickled objects would stage them on the GPU and make a 2-rank NCCL communicator
+    per pair of ranks (ProcessGroupNCCL keys send/recv communicators by the pair), each with its own buffers on
+    both GPUs (memory.trainer_communicators); gloo moves them host to host and holds no GPU memory."""
+    _HOST_GROUP.clear()
+    if dist.get_backend() == "gloo":
+        _HOST_GROUP.append(None)  # the default group already is gloo
+    else:
+        _HOST_GROUP.append(dist.new_group(backend="gloo", timeout=timeout))
+
+
+def host_group():
+    """The process group for host objects (gloo; None: the default group, when it is gloo itself)."""
+    if not _HOST_GROUP:
+        raise RuntimeError("parallel.init_distributed has not run: no host group")
+    return _HOST_GROUP[0]
 
 
 def destroy_distributed() -> None:
     """Tear down megatron's model-parallel groups and the default process group."""
     from megatron.core import parallel_state
 
+    _HOST_GROUP.clear()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from megatron_qarl.config import RunConfig
 from megatron_qarl.errors import DivergenceError, RunStopped
 from megatron_qarl.parallel import (
-    destroy_distributed, dp_group, dp_rank, dp_size, error_summary, max_over_ranks, sum_over_ranks, tp_size,
-    wait_for_ranks,
+    destroy_distributed, dp_group, dp_rank, dp_size, error_summary, host_group, max_over_ranks, sum_over_ranks,
+    tp_size, wait_for_ranks,
 )
 from megatron_qarl.rl.advantages import group_normalized_advantages
 from megatron_qarl.rl.batch import RolloutBatch, build_rollout_batch
@@ -194,7 +194,8 @@ def collect_rollouts(ctx, step: int, stop=None) -> tuple[RolloutBatch, dict]:
     rows_per_request = cfg.rollout.request_prompts * cfg.rollout.n
     per = num_rows // dp_size()
     mine = deliver_samples(owned, range(dp_rank() * per, (dp_rank() + 1) * per),
-                           lambda row: requests[row // rows_per_request].engine * group_size)
+                           lambda row: requests[row // rows_per_request].engine * group_size,
+                           group=host_group())  # host objects over gloo: no NCCL communicator per pair of ranks
     batch = build_rollout_batch(
         [s.prompt_ids for s in mine], [s.token_ids for s in mine], [s.logprobs for s in mine],
         torch.tensor([s.advantage for s in mine]), torch.tensor([s.reward for s in mine]), [s.group for s in mine],

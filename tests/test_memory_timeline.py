@@ -85,8 +85,8 @@ def test_kv_budget_and_verdict_for_the_w4a16_paper_arm():
     cfg = load_config(str(CONFIGS / "qwen3_30b_a3b_qarl_w4a16_tbpo.yaml"), [])
     timeline = memory_timeline(cfg, world_size=8, gpu_gib=79.0)
     engine_weights = 18_030_686_208 / 2  # test_memory.test_qwen3_30b_a3b_w4a16_engine_weights, per engine GPU
-    # 8 collective communicators and 7 point-to-point ones (test_nccl_is_counted_per_communicator)
-    free_at_start = 79 * GIB - CUDA_CONTEXT - 15 * NCCL_PER_COMMUNICATOR - CUDA_CONTEXT
+    # 8 collective communicators (test_nccl_is_counted_per_communicator)
+    free_at_start = 79 * GIB - CUDA_CONTEXT - 8 * NCCL_PER_COMMUNICATOR - CUDA_CONTEXT
     assert timeline["kv_budget"] == 0.6 * free_at_start - engine_weights
     # K and V of 48 layers, 4 KV heads over engine TP 2, head_dim 128, bf16: 49,152 B per token per GPU
     assert timeline["kv_sequences"] == pytest.approx(timeline["kv_budget"] / (18_432 * 49_152))
@@ -94,19 +94,18 @@ def test_kv_budget_and_verdict_for_the_w4a16_paper_arm():
 
 
 def test_nccl_is_counted_per_communicator():
-    """One communicator per NCCL group of > 1 ranks the trainer uses and one per point-to-point peer, named from
-    the layout. Qwen3-30B-A3B at TP 4 x EP 8 (ETP 1) on 8 GPUs: DP 8 / 4 = 2, expert-DP 8 / 8 = 1 (none), TP x PP
-    4, ETP x EP 8; deliver_samples' leader may send to each of the 7 other ranks. On 16: DP 4, expert-DP 2, 15
-    peers."""
+    """One communicator per NCCL group of > 1 ranks the trainer uses, named from the layout. Qwen3-30B-A3B at TP 4
+    x EP 8 (ETP 1) on 8 GPUs: DP 8 / 4 = 2, expert-DP 8 / 8 = 1 (none), TP x PP 4, ETP x EP 8. On 16: DP 4,
+    expert-DP 2. No point-to-point ones: deliver_samples sends over the gloo host group."""
     cfg = load_config(str(CONFIGS / "qwen3_30b_a3b_qarl_w4a16_tbpo.yaml"), [])
     comms = trainer_communicators(cfg, 8)
     assert comms == {"world": 8, "tp": 4, "dp": 2, "dp_cp": 2, "model_parallel": 4, "ep": 8, "tp_ep": 8,
-                     "expert_mp": 8, "p2p": 7}
+                     "expert_mp": 8}
     rows = _rows(memory_timeline(cfg, world_size=8, gpu_gib=79.0))
-    assert rows["train"]["terms"]["trainer_nccl"] == (8 + 7) * 128 * 2 ** 20 == 15 * NCCL_PER_COMMUNICATOR
+    assert rows["train"]["terms"]["trainer_nccl"] == 8 * 128 * 2 ** 20 == 8 * NCCL_PER_COMMUNICATOR
     assert rows["train"]["terms"]["engine_nccl"] == NCCL_PER_COMMUNICATOR  # the engine's TP 2 group
     assert trainer_communicators(cfg, 16) == {"world": 16, "tp": 4, "dp": 4, "dp_cp": 4, "model_parallel": 4,
-                                              "ep": 8, "tp_ep": 8, "expert_dp": 2, "expert_mp": 8, "p2p": 15}
+                                              "ep": 8, "tp_ep": 8, "expert_dp": 2, "expert_mp": 8}
     tiny = _tiny_colocated()
     assert trainer_communicators(tiny, 1) == {}  # world 1: no communicator at all
     assert _rows(memory_timeline(tiny, world_size=1, gpu_gib=2.0))["train"]["terms"]["trainer_nccl"] == 0

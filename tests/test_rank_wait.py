@@ -26,8 +26,9 @@ def test_a_rollout_longer_than_the_groups_timeout_no_longer_kills_the_ranks_that
     assert res["timeouts"]["default"] == TIMEOUT_S
     rank0, rank1 = res["ranks"]
     for rank in (rank0, rank1):
-        clean = rank["clean"]
-        assert clean["rows"] == 2 and clean["seconds"] >= WORK_S, clean  # each DP rank got its half of 4 rows
+        assert rank["clean"]["rows"] == 2, rank["clean"]  # each DP rank got its half of the 4 rows
+    assert rank0["clean"]["seconds"] >= WORK_S, rank0["clean"]  # the leader's request took 2x the groups' timeout
+    assert rank1["clean"]["seconds"] > TIMEOUT_S, rank1["clean"]  # and rank 1 waited past it (from its own start)
     # the waiting rank said so, at the configured interval (2 s) over a 12 s wait, naming the phase
     waits = [ln for ln in rank1["clean"]["log"].splitlines() if "waiting for 1 of 2 ranks to finish" in ln]
     assert 3 <= len(waits) <= 7 and all("step 1's rollout" in ln for ln in waits), rank1["clean"]["log"]
