@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -379,6 +380,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="also write the JSON report here")
     args = parser.parse_args(argv)
+    problem = _argument_problem(args)  # before any model is read: the probe takes minutes
+    if problem:
+        parser.error(problem)  # usage + "error: ...", exit status 2
 
     from megatron_qarl.weights.hf_io import read_hf_checkpoint
 
@@ -400,10 +404,42 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return report
 
 
+def _argument_problem(args) -> str | None:
+    """The first argument the probe could only fail on after running (minutes of sampling and scoring), or None."""
+    import os
+
+    hf = Path(args.hf)
+    if not (hf / "config.json").is_file():
+        return f"--hf {args.hf}: no config.json there; point it at a Hugging Face model directory"
+    prompts = Path(args.prompts)
+    if not prompts.is_file():
+        what = "does not exist" if not prompts.exists() else "is not a regular file"
+        return f"--prompts {args.prompts} {what}; give a JSONL file with prompt_token_ids or prompt per row"
+    for flag, value in (("--num-prompts", args.num_prompts), ("--samples-per-prompt", args.samples_per_prompt),
+                        ("--max-new-tokens", args.max_new_tokens), ("--group-size", args.group_size),
+                        ("--block-size", args.block_size)):
+        if value is not None and value < 1:
+            return f"{flag} {value}: must be >= 1"
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        return f"--temperature {args.temperature}: must be a finite number > 0 (e.g. 1.0)"
+    if args.out:
+        out = Path(args.out)
+        parent = out.parent if str(out.parent) else Path(".")
+        if out.is_dir():
+            return f"--out {args.out} is a directory; name the JSON file to write, e.g. {out / 'probe.json'}"
+        if not parent.is_dir():
+            return f"--out {args.out}: its directory {parent} does not exist; create it first (mkdir -p {parent})"
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return f"--out {args.out}: its directory {parent} is not writable; choose another --out"
+    return None
+
+
 def cli(argv: Sequence[str] | None = None) -> dict:
     """`main` for the command line: a refusal (bad input, a quantization / model config the learner or a GEMM
     backend refuses, an engine or backend this machine cannot run) ends the process with one
-    `probe: error: ...` line and exit code 1, not a traceback."""
+    `probe: error: ...` line and exit status 2 (the project's "a problem you can fix"), not a traceback; an argument
+    the probe could only fail on later (--out in a missing directory, a missing --prompts) is refused before it
+    starts (argparse's usage line and exit status 2)."""
     from megatron_qarl.models.family import UnsupportedModelError
     from megatron_qarl.quant import QuantizationError  # also QuantConfigError, BackendUnavailableError
     from megatron_qarl.rollout.protocol import RolloutEngineError
@@ -411,7 +447,8 @@ def cli(argv: Sequence[str] | None = None) -> dict:
     try:
         return main(argv)
     except (ProbeError, QuantizationError, UnsupportedModelError, RolloutEngineError) as err:
-        raise SystemExit(f"probe: error: {err}") from None
+        print(f"probe: error: {' '.join(str(err).split())}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

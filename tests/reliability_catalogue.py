@@ -210,6 +210,10 @@ CASES = [
          "one line naming the key and the fix, nothing written or moved (the FIFO used to hang the run; `.` let "
          "logging.overwrite move the whole working directory aside; the init checkpoint was moved before it was "
          "read)", "2", "test_bad_inputs_round3.py::test_paths_a_run_cannot_use_are_refused_before_anything_is_built"),
+    Case("bad inputs", "the probe's argument errors: --out in a missing directory or a directory, a missing --prompts, "
+         "--num-prompts 0, --temperature inf", "python -m megatron_qarl.probe ...", "refused before the model is read "
+         "(--out used to fail after the whole probe ran); usage + one line; the probe's refusals exit 2, not 1", "2",
+         "test_bad_inputs_round3.py::test_the_probes_argument_errors_are_refused_before_it_runs_with_exit_2"),
     # issue 49 item 3 (data lost or put at risk) and item 6's safetensors headers: tests/test_reliability_round3.py
     Case("run directory", "a second `qarl-train sft` on a live SFT run's logging.out_dir or sft.out_checkpoint",
          "the lock held by the test process", "refused before anything is built, naming the holder's pid and host "

@@ -158,3 +158,36 @@ def test_paths_a_run_cannot_use_are_refused_before_anything_is_built(tmp_path, c
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written, nothing moved
     if case == "out_dir_is_a_file":
         assert out.read_text() == "mine"
+
+
+@pytest.mark.parametrize("case", ["out_in_a_missing_dir", "out_is_a_dir", "prompts_missing", "num_prompts_0",
+                                  "temperature_inf"])
+def test_the_probes_argument_errors_are_refused_before_it_runs_with_exit_2(tmp_path, capsys, monkeypatch, case):
+    """`--out` in a missing directory used to fail only after the whole probe ran (minutes), and the probe's
+    refusals exited 1 where the project uses 2."""
+    import megatron_qarl.weights.hf_io as hf_io
+    from megatron_qarl import probe
+
+    def no_model(*a, **k):
+        raise AssertionError("the probe read the model before checking its arguments")
+
+    monkeypatch.setattr(hf_io, "read_hf_checkpoint", no_model)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt_token_ids": [1, 2]}\n')
+    args = {"hf": str(tmp_path / "hf"), "prompts": str(tmp_path / "prompts.jsonl")}
+    extra, says = {
+        "out_in_a_missing_dir": (["--out", str(tmp_path / "nope" / "r.json")],
+                                 f"its directory {tmp_path / 'nope'} does not exist; create it first"),
+        "out_is_a_dir": (["--out", str(tmp_path)], "is a directory; name the JSON file to write"),
+        "prompts_missing": ([], "prompts.jsonl does not exist"),
+        "num_prompts_0": (["--num-prompts", "0"], "--num-prompts 0: must be >= 1"),
+        "temperature_inf": (["--temperature", "inf"], "--temperature inf: must be a finite number > 0"),
+    }[case]
+    if case == "prompts_missing":
+        (tmp_path / "prompts.jsonl").unlink()
+    with pytest.raises(SystemExit) as exit_:
+        probe.cli(["--hf", args["hf"], "--prompts", args["prompts"], *extra])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err.splitlines()[-1] and "Traceback" not in err, err

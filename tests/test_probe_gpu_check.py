@@ -133,15 +133,15 @@ def tiny_dir(tmp_path_factory):
 def test_an_fp8_refusal_is_one_line_and_a_non_zero_exit(tiny_dir, extra, says):
     run = _run_probe("--hf", str(tiny_dir / "hf"), "--prompts", str(tiny_dir / "prompts.jsonl"), "--scheme", "fp8",
                      "--scope", "all-linears", "--max-new-tokens", "2", *extra)
-    assert run.returncode == 1, run.stderr
+    assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("probe: error: ") and says in lines[0], run.stderr
     assert "Traceback" not in run.stderr
 
 
-def test_a_quantization_error_in_the_probe_is_one_line_and_a_non_zero_exit(tiny_dir, monkeypatch):
+def test_a_quantization_error_in_the_probe_is_one_line_and_a_non_zero_exit(tiny_dir, monkeypatch, capsys):
     """Whatever raises it (here: the learner's forward, after sampling), a QuantizationError ends the
-    command-line probe with one line and exit code 1."""
+    command-line probe with one line and exit status 2."""
     from megatron_qarl import probe
     from megatron_qarl.quant import QuantizationError
 
@@ -152,6 +152,7 @@ def test_a_quantization_error_in_the_probe_is_one_line_and_a_non_zero_exit(tiny_
     with pytest.raises(SystemExit) as exit_:
         probe.cli(["--hf", str(tiny_dir / "hf"), "--prompts", str(tiny_dir / "prompts.jsonl"),
                    "--max-new-tokens", "2"])
-    message = exit_.value.code
-    assert isinstance(message, str) and "\n" not in message  # SystemExit(str): printed as is, exit status 1
+    assert exit_.value.code == 2  # the project's "a problem you can fix"
+    message = capsys.readouterr().err.strip()
+    assert "\n" not in message
     assert message == "probe: error: decoder.layers.0.self_attention.linear_qkv.weight: refused for the test"
