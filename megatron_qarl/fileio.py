@@ -172,26 +172,31 @@ def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
 # ------------------------------------------------------------------ a run's own files, never through a link
 
 def _link_problem(path: Path, fd: int | None = None) -> str | None:
+    """Why writing `path` (or the open `fd` of it) would write a file outside the run; None when it would not."""
     if fd is None and os.path.islink(path):
         try:
             target = os.readlink(path)
         except OSError:
             target = "?"
-        return f"{path} is a symbolic link (to {target})"
-    if fd is not None:
-        links = os.fstat(fd).st_nlink
-        if links > 1:
-            return f"{path} has {links} hard links (the same file is elsewhere too)"
+        return f"{path} is a symbolic link (to {target}): remove it (what it links to is not touched)"
+    try:
+        links = os.fstat(fd).st_nlink if fd is not None else os.lstat(path).st_nlink
+    except FileNotFoundError:
+        return None
+    if links > 1:
+        return (f"{path} has {links} hard links (the same file is elsewhere too, e.g. a backup made with hard links): "
+                f"make it a file of its own (cp {path} {path}.own && mv {path}.own {path})")
     return None
 
 
 def _refuse_link(problem: str) -> RunFileLinkError:
-    return RunFileLinkError(f"{problem}: a run writes its own files, never through a link out of its directory; "
-                            "remove it (what it links to is not touched) or use another directory")
+    return RunFileLinkError(f"{problem}; a run writes only its own files, never through a link out of its directory "
+                            "(or use another directory)")
 
 
 def check_own_file(path: str | os.PathLike) -> None:
-    """RunFileLinkError if `path` (a file the run will append to or rewrite) is a symbolic link."""
+    """RunFileLinkError if `path` (a file the run will append to or rewrite) is a symbolic link or has other hard
+    links."""
     problem = _link_problem(Path(path))
     if problem:
         raise _refuse_link(problem)

@@ -173,7 +173,8 @@ def test_a_planted_lock_file_link_is_refused_and_its_target_untouched(tmp_path, 
         RunDirLock(run, "logging.out_dir").acquire()
     assert isinstance(err.value, RunDirInUseError)  # qarl-train: one line, exit 2
     line = str(err.value)
-    assert "\n" not in line and str(lock) in line and "remove it" in line, line
+    fix = "remove it (what it links to is not touched)" if link == "symbolic" else "make it a file of its own"
+    assert "\n" not in line and str(lock) in line and fix in line, line
     assert victim.read_text() == "a user's file outside the run\n"
 
 
@@ -189,6 +190,10 @@ def test_a_planted_metrics_file_link_gets_no_rows_through_it(tmp_path, name):
     cfg = TrackerConfig(out_dir=str(run), wandb_mode="disabled", plots=False, total_steps=3)
     (run / name).symlink_to(victim)
     with pytest.raises(RunFileLinkError, match=f"{name} is a symbolic link"):
+        MetricsTracker(cfg, resume=True, start_step=1)
+    (run / name).unlink()
+    (run / name).hardlink_to(victim)
+    with pytest.raises(RunFileLinkError, match=f"{name} has 2 hard links"):
         MetricsTracker(cfg, resume=True, start_step=1)
     (run / name).unlink()
     tracker = MetricsTracker(cfg, resume=True, start_step=0)
