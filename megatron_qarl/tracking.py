@@ -374,6 +374,25 @@ def resolve_wandb_mode(requested: str) -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
+def _unreachable_wandb_server(timeout_s: float = 5.0) -> str | None:
+    """Why the wandb server ($WANDB_BASE_URL, else api.wandb.ai) cannot be reached, or None: one TCP connect, at
+    most `timeout_s`. Behind a proxy ($HTTPS_PROXY / $ALL_PROXY) nothing is tried (wandb goes through it)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY",
+                                       "http_proxy")):
+        return None
+    url = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    parts = urlsplit(url if "://" in url else f"https://{url}")
+    port = parts.port or (80 if parts.scheme == "http" else 443)
+    try:
+        socket.create_connection((parts.hostname or "", port), timeout=timeout_s).close()
+    except OSError as err:
+        return f"the server {url} cannot be reached ({err.strerror or type(err).__name__})"
+    return None
+
+
 def _init_wandb(cfg: TrackerConfig, out_dir: Path):
     mode = resolve_wandb_mode(cfg.wandb_mode)
     if mode == "disabled":
@@ -384,6 +403,11 @@ def _init_wandb(cfg: TrackerConfig, out_dir: Path):
         # never block on wandb's login prompt (nor start hours of training that cannot be logged as asked)
         raise TrackingError(f"wandb mode {mode!r} needs credentials and none were found: set WANDB_API_KEY or "
                            "run `wandb login`, or log offline (WANDB_MODE=offline, `wandb sync` later)")
+    unreachable = _unreachable_wandb_server() if mode in _ONLINE_MODES else None
+    if unreachable:  # wandb would retry for minutes, then raise: it is a view of metrics.jsonl, log it offline
+        print(f"[qarl] wandb: {unreachable}; logging offline to {out_dir}/wandb instead (`wandb sync` it later)",
+              flush=True)
+        mode = "offline"
     kw = dict(project=cfg.project, entity=cfg.entity, name=cfg.run_name, mode=mode, dir=str(out_dir),
               config=cfg.config or {}, settings=wandb.Settings(silent=True, console="off"))
     if cfg.wandb_run_id is None:

@@ -214,6 +214,10 @@ CASES = [
          "--num-prompts 0, --temperature inf", "python -m megatron_qarl.probe ...", "refused before the model is read "
          "(--out used to fail after the whole probe ran); usage + one line; the probe's refusals exit 2, not 1", "2",
          "test_bad_inputs_round3.py::test_the_probes_argument_errors_are_refused_before_it_runs_with_exit_2"),
+    Case("bad inputs", "WANDB_API_KEY set and no reachable wandb server", "WANDB_BASE_URL at a closed loopback port",
+         "one line ('the server ... cannot be reached; logging offline ... wandb sync it later') and the run logs "
+         "offline, in seconds (it used to end with a traceback after wandb's minutes of retries)", "0",
+         "test_bad_inputs_round3.py::test_a_wandb_key_with_no_reachable_server_logs_offline_with_one_line"),
     # issue 49 item 3 (data lost or put at risk) and item 6's safetensors headers: tests/test_reliability_round3.py
     Case("run directory", "a second `qarl-train sft` on a live SFT run's logging.out_dir or sft.out_checkpoint",
          "the lock held by the test process", "refused before anything is built, naming the holder's pid and host "

@@ -191,3 +191,34 @@ def test_the_probes_argument_errors_are_refused_before_it_runs_with_exit_2(tmp_p
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert says in err.splitlines()[-1] and "Traceback" not in err, err
+
+
+def test_a_wandb_key_with_no_reachable_server_logs_offline_with_one_line(tmp_path, monkeypatch, capsys):
+    """WANDB_API_KEY set and the server unreachable (here: a closed loopback port) used to end the run with a
+    traceback after wandb's minutes of retries; now one line, and the run logs offline (`wandb sync` later)."""
+    import socket
+    import time
+
+    from megatron_qarl.tracking import MetricsTracker, TrackerConfig
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    for var in ("WANDB_MODE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    for var in ("HOME", "WANDB_CONFIG_DIR", "WANDB_DIR"):
+        monkeypatch.setenv(var, str(tmp_path))
+    start = time.monotonic()
+    tracker = MetricsTracker(TrackerConfig(out_dir=str(tmp_path / "run"), wandb_mode="offline", plots=False))
+    try:
+        took = time.monotonic() - start
+        assert tracker._wandb is not None and tracker._wandb.settings.mode == "offline"
+        assert took < 60.0, took  # wandb's own init_timeout is 90 s, and it retries
+    finally:
+        tracker.finish()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[qarl] wandb:")]
+    assert len(lines) == 1 and f"the server http://127.0.0.1:{port} cannot be reached" in lines[0], lines
+    assert "logging offline to" in lines[0] and "wandb sync" in lines[0]
