@@ -24,6 +24,8 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from megatron_qarl.config import ConfigError, SFTConfigError
     from megatron_qarl.errors import CheckpointError, DivergenceError
     from megatron_qarl.fileio import RunDirInUseError
+    from megatron_qarl.memory import HostMemoryError
+    from megatron_qarl.memory_saver import MemorySaverError
     from megatron_qarl.quant.config import QuantConfigError
     from megatron_qarl.rl.data import DatasetError
     from megatron_qarl.tokenizer import TokenizerError
@@ -32,7 +34,8 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from megatron_qarl.weights.convert import ConversionError
 
     return (UserError, ConfigError, SFTConfigError, DatasetError, CheckpointError, QuantConfigError, ConversionError,
-            DivergenceError, TokenizerError, TrackingError, EngineSetupError, RunDirInUseError)
+            DivergenceError, TokenizerError, TrackingError, EngineSetupError, RunDirInUseError, HostMemoryError,
+            MemorySaverError)
 
 
 def _quiet_library_warnings() -> None:

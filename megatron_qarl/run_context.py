@@ -133,6 +133,7 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
     check_initial_weights(cfg)
     engine_kind(cfg.rollout.engine).check_machine(cfg)  # e.g. the vLLM venv / CPU features: before any process group
     layout = init_distributed(cfg.parallel, seed=cfg.train.seed)
+    check_host_memory(cfg)  # the node's RAM against the host plan: before anything is allocated or pinned
     locks = lock_run_dirs(cfg, held)  # one trainer per run dir: before anything there is read, moved or removed
     continuing = prepare_out_dir(cfg)  # before anything is written there: an earlier run's results are kept
     for lock in locks:
@@ -197,6 +198,27 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
         if ctx.resumed_row is not None:  # a run killed during the publish after its checkpoint: the row it lost
             ctx.tracker.restore_row(ctx.resumed_row)
     return ctx
+
+
+def check_host_memory(cfg: RunConfig) -> None:
+    """COLLECTIVE. Each node's first rank compares the node's host memory (Slurm's allocation, else its RAM capped
+    by a cgroup limit: memory.node_memory) with the host plan of its GPUs (memory.host_plan: the pinned backups of
+    the released trainer state, the trainer and engine processes); a plan that cannot fit ends every rank in one
+    line before any model is built, instead of an OOM kill or torch_memory_saver's bare exit(1) mid-run."""
+    import os
+
+    from megatron_qarl.memory import HostMemoryError, check_host_plan, host_plan, node_memory
+    from megatron_qarl.parallel import raise_if_any_rank_failed
+
+    world = torch.distributed.get_world_size()
+    error = None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        try:
+            check_host_plan(host_plan(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world))), *node_memory())
+        except HostMemoryError as err:
+            error = err
+    raise_if_any_rank_failed(error, HostMemoryError("another node's host memory cannot hold the plan (its first "
+                                                    "rank says why)"))
 
 
 @contextlib.contextmanager
