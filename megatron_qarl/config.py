@@ -923,6 +923,12 @@ def _check_shard_shapes(cfg: RunConfig) -> list[str]:
         shape = family.shape(hf_config)
     except (ValueError, OSError, KeyError) as err:
         return [f"model: {err}"]
+    except (ZeroDivisionError, TypeError) as err:  # a count of 0 or null the shape divides by
+        return [f"model: {_hf_config_name(cfg)} contradicts itself ({type(err).__name__}: {err}): a count it holds "
+                "(heads, layers, experts, sizes) is 0 or missing; fix it"]
+    contradictions = _shape_contradictions(shape)
+    if contradictions:
+        return [f"model: {_hf_config_name(cfg)} contradicts itself: {c}; fix it" for c in contradictions]
     layout = cfg.parallel
     tp, ep = layout.tp, layout.ep
     etp = layout.etp if layout.etp is not None else tp
@@ -966,6 +972,30 @@ def _check_shard_shapes(cfg: RunConfig) -> list[str]:
                    f"{block_rows}, so the fused QKV's {scheme.name} blocks would differ from the engine's "
                    f"per-projection blocks; {_unit_that_fits(cfg, scheme, head_dim, block_rows)}")
     out += _check_engine_expert_split(cfg, family, shape, scheme, what)
+    return out
+
+
+def _hf_config_name(cfg: RunConfig) -> str:
+    return f"{cfg.model.hf_path}/config.json" if cfg.model.hf_path else f"model.preset={cfg.model.preset!r}"
+
+
+def _shape_contradictions(shape) -> list[str]:
+    """What a model's HF config says that no model can be: a count of 0, more experts per token than experts,
+    attention heads that KV heads do not divide. Each would fail deep in the build or route nothing."""
+    out = [f"{name}={getattr(shape, name)} (must be >= 1)" for name in
+           ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+           if not getattr(shape, name) >= 1]
+    if shape.num_experts >= 1 and not 1 <= shape.num_experts_per_tok <= shape.num_experts:
+        out.append(f"num_experts_per_tok={shape.num_experts_per_tok} (each token is routed to 1 .. num_experts="
+                   f"{shape.num_experts} experts)")
+    if shape.num_experts >= 1 and not shape.moe_intermediate_size >= 1:
+        out.append(f"moe_intermediate_size={shape.moe_intermediate_size} (must be >= 1)")
+    if shape.num_key_value_heads >= 1 and shape.num_attention_heads % shape.num_key_value_heads:
+        out.append(f"num_attention_heads={shape.num_attention_heads} is not a multiple of num_key_value_heads="
+                   f"{shape.num_key_value_heads}")
+    if shape.dense_layers and not shape.intermediate_size >= 1:
+        out.append(f"intermediate_size={shape.intermediate_size} with dense MLP layers {list(shape.dense_layers)} "
+                   "(must be >= 1)")
     return out
 
 

@@ -60,6 +60,40 @@ def tokenizer_coverage(cfg, tokenizer) -> list[str]:
     return warnings
 
 
+def _model_vocab_size(cfg) -> int | None:
+    """The vocab_size of the HF config at model.hf_path (its text config's for a multimodal one); None for a preset
+    or an unreadable file (the config check reports that)."""
+    import json
+    from pathlib import Path
+
+    if not getattr(cfg.model, "hf_path", None):
+        return None
+    try:
+        hf = json.loads((Path(cfg.model.hf_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = hf.get("vocab_size", (hf.get("text_config") or {}).get("vocab_size"))
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def tokenizer_model_problem(cfg, tokenizer) -> None:
+    """TokenizerError when the tokenizer contradicts the model or the run: more tokens than the model's vocab_size
+    (their ids index past the embedding), or no EOS token and no stop (no response would end before
+    rollout.max_new_tokens, and SFT targets would have no end)."""
+    source = cfg.model.tokenizer or cfg.model.hf_path
+    vocab = _model_vocab_size(cfg)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise TokenizerError(
+            f"the tokenizer ({source}) has {len(tokenizer)} tokens but the model's vocab_size is {vocab} "
+            f"({cfg.model.hf_path}/config.json): ids {vocab}..{len(tokenizer) - 1} would index past its embedding; "
+            "use the model's own tokenizer (model.tokenizer=null), or a model whose vocab_size covers it")
+    if tokenizer.eos_token_id is None and not cfg.rollout.stop and not cfg.rollout.stop_token_ids:
+        raise TokenizerError(
+            f"the tokenizer ({source}) has no EOS token and the run sets no stop: no response would end before "
+            "rollout.max_new_tokens; set rollout.stop (e.g. ['<|im_end|>']) or rollout.stop_token_ids, or use a "
+            "tokenizer with an eos_token")
+
+
 def prompt_coverage(tokenizer, examples, section: str) -> str | None:
     """A warning when prompts hold characters the tokenizer lacks: how many, and the first such row."""
     unk_id = getattr(tokenizer, "unk_token_id", None)
@@ -104,6 +138,7 @@ def check_run_inputs(cfg, tokenizer, train_examples, eval_examples=None, reward_
     problem, returns the notes and warnings. `reward_fn` is a fresh reward function (the caller closes it); None
     skips the smoke call."""
     report = InputReport()
+    tokenizer_model_problem(cfg, tokenizer)
     report.warnings += tokenizer_coverage(cfg, tokenizer)
     for section, examples in (("data", train_examples), ("eval", eval_examples)):
         warning = prompt_coverage(tokenizer, examples or [], section)

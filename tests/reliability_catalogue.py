@@ -218,6 +218,12 @@ CASES = [
          "one line ('the server ... cannot be reached; logging offline ... wandb sync it later') and the run logs "
          "offline, in seconds (it used to end with a traceback after wandb's minutes of retries)", "0",
          "test_bad_inputs_round3.py::test_a_wandb_key_with_no_reachable_server_logs_offline_with_one_line"),
+    Case("bad inputs", "a model config that contradicts itself: num_experts_per_tok 0 (or above num_experts), heads "
+         "that KV heads do not divide, 0 layers; a tokenizer with more tokens than vocab_size; no EOS token and no stop",
+         "config.json / the saved tokenizer edited", "one line naming the file and the fix: the HF config's counts "
+         "at the config check, the tokenizer's where the run checks its inputs, before the model (they used to be "
+         "accepted until a traceback in the build, or responses that never end)", "2",
+         "test_bad_inputs_round3.py::test_a_model_config_that_contradicts_itself_is_refused_before_the_model"),
     # issue 49 item 3 (data lost or put at risk) and item 6's safetensors headers: tests/test_reliability_round3.py
     Case("run directory", "a second `qarl-train sft` on a live SFT run's logging.out_dir or sft.out_checkpoint",
          "the lock held by the test process", "refused before anything is built, naming the holder's pid and host "

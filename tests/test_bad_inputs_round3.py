@@ -222,3 +222,45 @@ def test_a_wandb_key_with_no_reachable_server_logs_offline_with_one_line(tmp_pat
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[qarl] wandb:")]
     assert len(lines) == 1 and f"the server http://127.0.0.1:{port} cannot be reached" in lines[0], lines
     assert "logging offline to" in lines[0] and "wandb sync" in lines[0]
+
+
+@pytest.mark.parametrize("case", ["num_experts_per_tok_0", "more_experts_per_tok_than_experts", "kv_heads_not_dividing",
+                                  "zero_layers", "tokenizer_larger_than_vocab_size", "no_eos_and_no_stop"])
+def test_a_model_config_that_contradicts_itself_is_refused_before_the_model(tmp_path, capsys, monkeypatch, case):
+    """A config.json with `num_experts_per_tok: 0` (or another count no model can have), a tokenizer with more
+    tokens than the model's vocab_size, a tokenizer without EOS and no stop: accepted until deep in the build or
+    the rollout (a traceback, or responses that never end). Each is one line naming the file and the fix; the
+    config ones before anything is read, the tokenizer ones where the run checks its inputs (--dry-run here)."""
+    import json
+
+    from megatron_qarl.models.qwen3_moe import tiny_hf_config
+    from megatron_qarl.tokenizer import build_char_tokenizer
+
+    monkeypatch.chdir(cli_repo())
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = tiny_hf_config().to_dict()
+    tokenizer = build_char_tokenizer()
+    edit, says, dry = {
+        "num_experts_per_tok_0": ({"num_experts_per_tok": 0}, "contradicts itself: num_experts_per_tok=0 (each "
+                                  "token is routed to 1 .. num_experts=8 experts)", False),
+        "more_experts_per_tok_than_experts": ({"num_experts_per_tok": 9}, "num_experts_per_tok=9", False),
+        "kv_heads_not_dividing": ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of "
+                                  "num_key_value_heads=3", False),
+        "zero_layers": ({"num_hidden_layers": 0}, "num_hidden_layers=0 (must be >= 1)", False),
+        "tokenizer_larger_than_vocab_size": ({"vocab_size": 64}, f"tokens but the model's vocab_size is 64", True),
+        "no_eos_and_no_stop": ({}, "has no EOS token and the run sets no stop", True),
+    }[case]
+    config.update(edit)
+    (hf / "config.json").write_text(json.dumps(config))
+    if case == "no_eos_and_no_stop":
+        tokenizer.eos_token = None
+        tokenizer.chat_template = tokenizer.chat_template.replace("{{ eos_token }}", "")
+    tokenizer.save_pretrained(hf)
+    out = tmp_path / "run"
+    args = ["--config", CONFIG, "model.preset=null", f"model.hf_path={hf}", "model.tokenizer=null",
+            f"logging.out_dir={out}", "rollout.stop=[]", "rollout.stop_token_ids=[]"]
+    rc, err = _train(capsys, *(["--dry-run"] if dry else []), *args)
+    assert rc == 2 and says in err, err
+    assert f"{hf}" in err
+    assert not out.exists()
