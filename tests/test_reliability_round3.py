@@ -37,6 +37,9 @@ def test_a_well_formed_file_passes_the_header_check(tmp_path):
     assert index.shapes == {"a": (3, 5), "b": (7,), "e": (0,)}
     _good(tmp_path / "model.safetensors")
     assert scan_hf_checkpoint(tmp_path).shapes == {"w": (2,)}
+    _safetensors(tmp_path / "model.safetensors", {"__metadata__": None, "w": {"dtype": "F4", "shape": [4],
+                                                                           "data_offsets": [0, 2]}}, bytes(2))
+    assert scan_hf_checkpoint(tmp_path).shapes == {"w": (4,)}  # null metadata and sub-byte dtypes are the format's
 
 
 F32x2 = {"dtype": "F32", "shape": [2]}

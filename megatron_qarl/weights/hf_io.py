@@ -94,7 +94,7 @@ def _header_problem(header, data_bytes: int) -> str | None:
         except UnicodeEncodeError:
             return f"tensor name {name!r} is not valid UTF-8"
         if name == "__metadata__":
-            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+            if info is not None and (not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values())):
                 return "__metadata__ is not a flat {string: string} object"
             continue
         if not isinstance(info, dict):
