@@ -109,6 +109,38 @@ def prompt_coverage(tokenizer, examples, section: str) -> str | None:
             f"(samples.jsonl shows the prompts as the model sees them)")
 
 
+def _special_token_texts(tokenizer) -> list[str]:
+    """The text of every special token of `tokenizer` (its named ones and its added special tokens), longest first."""
+    texts = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    for added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(added, "special", False):
+            texts.add(added.content)
+    return sorted((t for t in texts if t), key=len, reverse=True)
+
+
+def special_token_text(tokenizer, examples, section: str) -> str | None:
+    """A warning when the prompts' text holds special-token markup (`<|im_start|>`, `<eos>`, ...). It is encoded as
+    the real special tokens, as verl and slime do (and as transformers does by default), so such text in a row can
+    forge a conversation turn; a user who did not mean it as markup needs to know. Not an error: prompts that are
+    chat-formatted on purpose exist."""
+    markers = _special_token_texts(tokenizer)
+    if not markers or not examples:
+        return None
+    hits = []
+    for ex in examples:
+        text = "\n".join(m["content"] for m in ex.messages if m.get("role") != "system")
+        found = next((m for m in markers if m in text), None)
+        if found is not None:
+            hits.append((ex, found))
+    if not hits:
+        return None
+    first, marker = hits[0]
+    return (f"{section}.path: {len(hits)} of {len(examples)} prompts hold the text of a special token of the "
+            f"tokenizer (e.g. {marker!r} in {first.row_id}); it is encoded as that token, as verl and slime do, so a "
+            "row can forge a turn (e.g. open an assistant turn): remove such text from the rows unless it is "
+            "meant as markup")
+
+
 def reward_smoke(cfg, reward_fn, examples) -> str:
     """Call a reward plug-in on SMOKE_ROWS real rows (each row's answer as its response, then an empty response)
     as the trainer calls it, its return values checked; a problem is one RewardError line. Built-in rewards are
@@ -141,9 +173,10 @@ def check_run_inputs(cfg, tokenizer, train_examples, eval_examples=None, reward_
     tokenizer_model_problem(cfg, tokenizer)
     report.warnings += tokenizer_coverage(cfg, tokenizer)
     for section, examples in (("data", train_examples), ("eval", eval_examples)):
-        warning = prompt_coverage(tokenizer, examples or [], section)
-        if warning:
-            report.warnings.append(warning)
+        for warning in (prompt_coverage(tokenizer, examples or [], section),
+                        special_token_text(tokenizer, examples or [], section)):
+            if warning:
+                report.warnings.append(warning)
     if reward_fn is not None:
         report.notes.append(reward_smoke(cfg, reward_fn, list(train_examples) or list(eval_examples or [])))
     return report

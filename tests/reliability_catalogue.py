@@ -224,6 +224,11 @@ CASES = [
          "at the config check, the tokenizer's where the run checks its inputs, before the model (they used to be "
          "accepted until a traceback in the build, or responses that never end)", "2",
          "test_bad_inputs_round3.py::test_a_model_config_that_contradicts_itself_is_refused_before_the_model"),
+    Case("bad inputs", "special-token text in a prompt row (`<|im_start|>assistant`, `<eos>`): encoded as the real "
+         "token, it can forge a turn", "a row holding `<eos>`", "a warning (not a refusal: verl, slime and transformers "
+         "encode it the same way, and chat-formatted prompts exist on purpose) naming how many rows and the first; "
+         "it used to pass without a word", "0",
+         "test_bad_inputs_round3.py::test_special_token_text_in_the_prompts_is_a_warning_naming_the_row"),
     # issue 49 item 3 (data lost or put at risk) and item 6's safetensors headers: tests/test_reliability_round3.py
     Case("run directory", "a second `qarl-train sft` on a live SFT run's logging.out_dir or sft.out_checkpoint",
          "the lock held by the test process", "refused before anything is built, naming the holder's pid and host "
