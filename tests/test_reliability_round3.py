@@ -367,6 +367,9 @@ def test_sft_stops_at_a_step_boundary_with_its_state_and_the_same_command_contin
                     "the same command again to continue from step 2"], line
     assert is_complete(state) and verify_checkpoint(state) == [] and not out.exists()
     monkeypatch.setattr(sft_module, "train_step", real)
+    assert train_main([*args, "sft.seed=5", "sft.lr=0.01"]) == 2  # another run's settings: not continued
+    err = capsys.readouterr().err
+    assert f"{state} is the state of a stopped SFT run with other settings (sft.lr, sft.seed)" in err, err
     assert train_main(args) == 0
     assert f"[sft] resumed from {state} (step 2/4)" in capsys.readouterr().out
     assert is_complete(out) and not state.exists()
