@@ -257,7 +257,8 @@ CASES = [
     Case("stopping", "SIGTERM / SIGUSR1 / Ctrl-C / the stop file during `qarl-train sft`", "a real SIGTERM inside "
          "step 2 of 4", "the step finishes, the model, optimizer and histories go to `<sft.out_checkpoint>.resume`, "
          "one line, exit 3; the same command continues it to the very losses of an uninterrupted run (it used to die "
-         "at once, the whole warm-up lost)", "3 / 0",
+         "at once, the whole warm-up lost); a run of other settings (sft.seed, sft.lr, ...) is refused that state "
+         "in one line naming the keys", "3 / 0 / 2",
          "test_reliability_round3.py::test_sft_stops_at_a_step_boundary_with_its_state_and_the_same_command_continues_it"),
     Case("stopping", "a second Ctrl-C during `qarl-train sft`", "KeyboardInterrupt in a step",
          "one line saying what a next run has (nothing, or the state of an earlier stop); it promised 'the last "
