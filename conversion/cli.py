@@ -303,11 +303,59 @@ def main(argv=None) -> int:
             print(f"qarl-convert: error: {err}", file=sys.stderr)
             return 2
         raise
-    except Exception as err:  # noqa: BLE001 - the user-fixable ones become one line; the rest re-raise
+    except KeyboardInterrupt:
+        where = f" at --out {args.out} (its temp files were removed)" if getattr(args, "out", None) else ""
+        print(f"qarl-convert: interrupted (Ctrl-C): nothing was written{where}; run the same command again",
+              file=sys.stderr)
+        return 130
+    except BaseException as err:  # noqa: BLE001 - torch-DCP's CheckpointException (a failed write) is a BaseException
+        if isinstance(err, (SystemExit, GeneratorExit)):
+            raise
         if isinstance(err, _user_errors()):
             print(f"qarl-convert: error: {err}", file=sys.stderr)
             return 2
-        raise
+        line = _failed_write(args, err)
+        if line is None:
+            raise
+        print(f"qarl-convert: error: {line}", file=sys.stderr)
+        return 2
+
+
+def _causes(err: BaseException):
+    """`err`, what caused it, and the per-rank failures a torch-DCP CheckpointException carries, depth first."""
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:  # None, or a failure's stack (StackSummary)
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for f in failures.values():
+                todo.extend(f if isinstance(f, tuple) else [f])
+
+
+_FULL_DISK_TEXT = ("No space left on device", "File too large", "Disk quota exceeded", "inline_container.cc")
+
+
+def _failed_write(args, err: BaseException) -> str | None:
+    """One line for a write under --out that the file system refused (a full disk, a quota, a file-size limit),
+    however the writer reports it: an OSError, or torch-DCP's CheckpointException around a writer process's
+    error (torch.save says only 'unexpected pos ...' from inline_container.cc). None for anything else."""
+    if getattr(args, "out", None) is None:
+        return None
+    for e in _causes(err):
+        if isinstance(e, OSError) and e.errno in _WRITE_ERRNOS:
+            return _write_error(args, e)
+    for e in _causes(err):
+        text = next((ln.strip() for ln in str(e).splitlines() if any(k in ln for k in _FULL_DISK_TEXT)), None)
+        if text:
+            return (f"writing --out {args.out} failed ({text[:160]}): the disk is full, or a quota or a file-size "
+                    f"limit (ulimit -f) was reached; nothing was written there (its temp files were removed); free "
+                    "space, raise the limit or choose another --out, and rerun")
+    return None
 
 
 if __name__ == "__main__":

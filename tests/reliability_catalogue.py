@@ -229,6 +229,11 @@ CASES = [
          "encode it the same way, and chat-formatted prompts exist on purpose) naming how many rows and the first; "
          "it used to pass without a word", "0",
          "test_bad_inputs_round3.py::test_special_token_text_in_the_prompts_is_a_warning_naming_the_row"),
+    Case("writes", "qarl-convert hf-to-mcore on a full disk, or Ctrl-C while it writes", "RLIMIT_FSIZE in the child "
+         "(torch-DCP wraps the writer's error in a CheckpointException, a BaseException); KeyboardInterrupt from the "
+         "shard writer", "one line naming --out and the cause (or 'interrupted (Ctrl-C)'); nothing at --out, no temp "
+         "dir left (both used to be a traceback)", "2 / 130",
+         "test_bad_inputs_round3.py::test_hf_to_mcore_on_a_full_disk_or_interrupted_is_one_line_and_leaves_nothing"),
     # issue 49 item 3 (data lost or put at risk) and item 6's safetensors headers: tests/test_reliability_round3.py
     Case("run directory", "a second `qarl-train sft` on a live SFT run's logging.out_dir or sft.out_checkpoint",
          "the lock held by the test process", "refused before anything is built, naming the holder's pid and host "

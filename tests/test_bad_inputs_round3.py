@@ -3,6 +3,8 @@ each is one line naming the problem and the fix, exit status 2, nothing written,
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from megatron_qarl import cli
@@ -284,3 +286,60 @@ def test_special_token_text_in_the_prompts_is_a_warning_naming_the_row(tmp_path,
     assert len(warnings) == 1, out[-2000:]
     assert "1 of 9 prompts hold the text of a special token" in warnings[0] and "'<eos>'" in warnings[0]
     assert "rows.jsonl:row 8" in warnings[0] and "forge a turn" in warnings[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    import sys as _sys
+
+    from conftest import DIST_DIR
+
+    _sys.path.insert(0, str(DIST_DIR))
+    from aligned_common import seeded_hf_state
+
+    from megatron_qarl.models.qwen3_moe import tiny_hf_config
+    from megatron_qarl.weights.hf_io import write_hf_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny_hf") / "hf"
+    cfg = tiny_hf_config()
+    write_hf_checkpoint(out, cfg, seeded_hf_state(cfg))
+    return out
+
+
+@pytest.mark.parametrize("case", ["full_disk", "ctrl_c"])
+def test_hf_to_mcore_on_a_full_disk_or_interrupted_is_one_line_and_leaves_nothing(tiny_hf, tmp_path, capsys,
+                                                                                   monkeypatch, case):
+    """A full disk (RLIMIT_FSIZE, as the export tests simulate it: torch-DCP reports it as a CheckpointException, a
+    BaseException, around torch.save's 'unexpected pos') and Ctrl-C during the write used to end hf-to-mcore with a
+    traceback. Now one line (exit 2; Ctrl-C: 130), nothing at --out and no temp dir beside it."""
+    import resource
+    import subprocess
+    import sys as _sys
+
+    out = tmp_path / "mcore"
+    if case == "full_disk":
+        def limited():
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
+        proc = subprocess.run([_sys.executable, "-m", "conversion.cli", "hf-to-mcore", "--hf", str(tiny_hf), "--out",
+                               str(out)], cwd=cli_repo(), capture_output=True, text=True, timeout=300,
+                              preexec_fn=limited)
+        rc, err, says = proc.returncode, proc.stderr, f"writing --out {out} failed ("
+        assert "file-size limit (ulimit -f)" in err and "nothing was written there" in err, err
+    else:
+        from megatron.core import dist_checkpointing
+
+        from conversion.cli import main as convert
+
+        def interrupted(state, directory, *a, **k):  # Ctrl-C while the shards are being written
+            (Path(directory) / "__0_0.distcp").write_bytes(b"partial")
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(dist_checkpointing, "save", interrupted)
+        rc = convert(["hf-to-mcore", "--hf", str(tiny_hf), "--out", str(out)])
+        err, says = capsys.readouterr().err, f"interrupted (Ctrl-C): nothing was written at --out {out}"
+    assert rc == (2 if case == "full_disk" else 130), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("qarl-convert:")]
+    assert len(lines) == 1 and says in lines[0], err[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing at --out, no temp dir beside it
