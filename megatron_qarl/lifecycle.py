@@ -103,8 +103,13 @@ def end_group_with_this_process() -> None:
     Linux only (elsewhere: nothing)."""
     if not sys.platform.startswith("linux"):
         return
-    os.setpgid(0, 0)
     me = os.getpid()
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        return
+    if os.getpgid(0) != me:  # never a reaper for a group this process does not lead (it would kill its owner's)
+        return
     if os.fork() != 0:
         return
     try:  # the reaper: no Python-level cleanup, no file descriptors of its parent's (its pipes see EOF on time)

@@ -316,7 +316,7 @@ def _verify_in_worker(verify_fn: VerifyFn, response: str, gold: str, budget_s: f
         return "error", 0.0
 
 
-_LOAD_TIMEOUT_S = 120.0  # a plug-in's import and checks (its module may import torch, a tokenizer, ...)
+_LOAD_TIMEOUT_S = 600.0  # a plug-in's import and checks (its module may import torch, load a reward model...)
 _READY = "ready"
 
 
