@@ -246,7 +246,7 @@ def test_a_failed_checkpoint_write_is_the_one_error_close_run_reports(tmp_path, 
     no temp files; the engine and the reward workers are still stopped."""
     from megatron_qarl.trainer import close_run
 
-    ctx = SimpleNamespace(tracker=_tracker(tmp_path), engine=_Engine(), reward_fn=_Engine())
+    ctx = SimpleNamespace(tracker=_tracker(tmp_path), engine=_Engine(), reward_fn=_Engine(), no_gradient_steps=0)
     capsys.readouterr()
     monkeypatch.setattr(os, "fsync", _disk_full)  # the disk is full for every later write
     with pytest.raises(OSError) as info:
@@ -264,7 +264,7 @@ def test_a_failed_checkpoint_write_is_the_one_error_close_run_reports(tmp_path, 
 def test_plots_that_hit_a_full_disk_after_a_good_run_warn_once_and_leave_no_temp(tmp_path, capsys, monkeypatch):
     from megatron_qarl.trainer import close_run
 
-    ctx = SimpleNamespace(tracker=_tracker(tmp_path), engine=_Engine(), reward_fn=None)
+    ctx = SimpleNamespace(tracker=_tracker(tmp_path), engine=_Engine(), reward_fn=None, no_gradient_steps=0)
     capsys.readouterr()
     monkeypatch.setattr(os, "fsync", _disk_full)
     close_run(ctx)
