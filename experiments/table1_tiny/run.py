@@ -260,7 +260,10 @@ def warm_start(sweep: Sweep) -> Path:
         return checkpoint
     print(f"[table1] warm start ({sweep.task.name}): SFT to sampled accuracy 0.3 -> {checkpoint}", flush=True)
     home.mkdir(parents=True, exist_ok=True)
-    seconds = _qarl_train(sweep, warm_start_args(sweep), home / "sft.log")
+    # a checkpoint without its metrics is an SFT killed between the two: moved aside (sft.overwrite renames, never
+    # deletes) rather than refused, as qarl-train sft now refuses an existing sft.out_checkpoint by default
+    again = ["sft.overwrite=true"] if checkpoint.exists() else []
+    seconds = _qarl_train(sweep, warm_start_args(sweep) + again, home / "sft.log")
     print(f"[table1] warm start done in {seconds:.0f} s", flush=True)
     return checkpoint
 
