@@ -150,18 +150,20 @@ def check_dry_run_host(cfg, world_size: int, gpus_per_node: int, host: tuple[flo
 
 def format_dry_run(cfg, world_size: int, gpu_gib: float = 79.0, gpus_per_node: int | None = None,
                    host: tuple[float, str] | None = None) -> str:
-    """Resolved config + parallel layout + memory estimate + host plan, as `qarl-train --dry-run` prints it."""
+    """Parallel layout + memory estimate (the GPU timeline of a GPU run) + host plan, then the resolved config, as
+    `qarl-train --dry-run` prints it after the inputs."""
     from megatron_qarl.config import rollout_topology, to_yaml, validate_config
     from megatron_qarl.memory import (
-        NCCL_PER_COMMUNICATOR, engine_shares_gpu, host_plan, memory_timeline, nccl_bytes, timeline_verdict,
+        NCCL_PER_COMMUNICATOR, engine_shares_gpu, host_plan, memory_timeline, nccl_bytes, plan_on_gpu,
+        timeline_verdict,
     )
 
     validate_config(cfg, world_size=world_size)
     timeline = memory_timeline(cfg, world_size, gpu_gib)
     est = timeline["estimate"]
     lay, p, tr, eng = est["layout"], est["params"], est["trainer_per_gpu"], est["engine"]
-    lines = ["# resolved config", to_yaml(cfg).rstrip(), "",
-             "# parallel layout",
+    on_gpu = plan_on_gpu(cfg)
+    lines = ["# parallel layout",
              f"world {lay['world_size']} = TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']}; experts: "
              f"EP {lay['ep']} x ETP {lay['etp']} x expert-DP {lay['expert_dp']}; sequence parallel "
              f"{'on' if cfg.parallel.sequence_parallel else 'off'}",
@@ -173,12 +175,19 @@ def format_dry_run(cfg, world_size: int, gpu_gib: float = 79.0, gpus_per_node: i
              f"total {_count(p['total'])}, active per token {_count(p['active'])}, "
              f"held per GPU {_count(p['local_per_gpu'])}",
              "",
-             f"# trainer memory per GPU (micro-batch of {est['tokens_per_micro_batch']} tokens)"]
+             f"# trainer memory per {'GPU' if on_gpu else 'process'} (micro-batch of "
+             f"{est['tokens_per_micro_batch']} tokens)"]
     lines += [f"{k:<20}{_human(v):>14}" for k, v in tr.items()]
     lines += ["", "# rollout engine weights",
               f"published ({cfg.quant.scheme}) total {_human(eng['published_total'])}, bf16 would be "
               f"{_human(eng['bf16_total'])}; per engine GPU ({eng['engine_gpus']} GPUs per engine) "
               f"{_human(eng['per_engine_gpu'])}"]
+    per_node = dry_run_gpus_per_node(world_size) if gpus_per_node is None else gpus_per_node
+    host_lines = format_host_plan(host_plan(cfg, world_size, per_node, timeline), host)
+    if not on_gpu:  # no GPU timeline for a run that has no GPU: its memory is the host plan's
+        lines += ["", "# GPU memory: none (this run trains and generates on the CPU; the host plan counts it)", ""]
+        lines += host_lines + ["", "# resolved config", to_yaml(cfg).rstrip()]
+        return "\n".join(lines) + "\n"
     mode = "colocated: engine and trainer take turns" if engine_shares_gpu(cfg) else \
         "the engine is not on the trainer's GPUs"
     lines += ["", f"# memory timeline per GPU, one step ({mode})"] + format_timeline(timeline)
@@ -193,9 +202,22 @@ def format_dry_run(cfg, world_size: int, gpu_gib: float = 79.0, gpus_per_node: i
         lines.append(f"NCCL communicators per trainer GPU (assumed {_human(NCCL_PER_COMMUNICATOR)} each, not "
                      f"measured): {_human(nccl_bytes(comms))} for " + ", ".join(f"{k}({v})" for k, v in comms.items()))
     lines.append(timeline_verdict(timeline))
-    per_node = dry_run_gpus_per_node(world_size) if gpus_per_node is None else gpus_per_node
-    lines += [""] + format_host_plan(host_plan(cfg, world_size, per_node, timeline), host)
+    lines += [""] + host_lines + ["", "# resolved config", to_yaml(cfg).rstrip()]
     return "\n".join(lines) + "\n"
+
+
+def dry_run_summary(cfg, world_size: int, gpu_gib: float, gpus_per_node: int, host, inputs_checked: bool) -> str:
+    """The dry run's last line: what was checked and the verdicts, so neither the inputs at the top nor the plan
+    in the middle has to be searched for."""
+    from megatron_qarl.memory import GIB, host_plan, memory_timeline, plan_on_gpu
+
+    timeline = memory_timeline(cfg, world_size, gpu_gib)
+    parts = ["inputs checked" if inputs_checked else "inputs NOT checked (--skip-inputs)"]
+    if plan_on_gpu(cfg):
+        parts.append(("GPU plan FITS" if timeline["fits"] else "GPU plan does NOT fit") + f" a {gpu_gib:g} GiB GPU")
+    need = host_plan(cfg, world_size, gpus_per_node, timeline)["need"]
+    parts.append(f"host plan needs {need / GIB:.1f} GiB per node" + (" (not checked here)" if host is None else ""))
+    return f"dry run of {world_size} rank(s): " + "; ".join(parts)
 
 
 def check_inputs(cfg) -> list[str]:
@@ -295,14 +317,24 @@ def train_main(argv=None) -> int:
             raise UserError(stale)
         if args.dry_run:
             cfg = load_config(args.config, args.overrides)
-            # The plan first (config, layout, memory timeline: it needs no data), then the inputs: a problem there
-            # is one line on stderr and exit 2, after a plan the user can still read.
+            # The inputs first (what a user most needs to see checked: a problem there is one line on stderr and
+            # exit 2), then the plan (layout, memory, host) with the resolved config last, then one summary line.
             world = dry_run_world_size(cfg, args.world_size)
             per_node, host = dry_run_gpus_per_node(world, args.gpus_per_node), dry_run_host(cfg, args.host_gib)
+            inputs, input_error = [], None
+            if not args.skip_inputs:
+                try:
+                    inputs = check_inputs(cfg)
+                except errors as err:  # the plan needs no data: still printed (a login node without the data)
+                    input_error = err
+            while inputs and not inputs[0]:
+                inputs.pop(0)
+            print("".join(line + "\n" for line in inputs + ([""] if inputs else [])), end="")
             print(format_dry_run(cfg, world, args.gpu_gib, per_node, host), flush=True)
+            if input_error is not None:
+                raise input_error  # one line on stderr, exit 2, after the plan
             check_dry_run_host(cfg, world, per_node, host)  # after the plan: one line, exit 2
-            inputs = [] if args.skip_inputs else check_inputs(cfg)
-            print("".join(line + "\n" for line in inputs), end="")
+            print(dry_run_summary(cfg, world, args.gpu_gib, per_node, host, inputs_checked=not args.skip_inputs))
             return 0
         if args.skip_inputs:
             raise UserError("--skip-inputs is a --dry-run option; a run always checks its inputs")

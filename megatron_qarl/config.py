@@ -170,6 +170,8 @@ class RolloutConfig:
     # continuously over its KV cache); the rest start as these end. The results are used in request order,
     # so the batch does not depend on it. The embedded engine serves one request at a time whatever this is.
     max_inflight_requests: int = 32
+    # One request served alone; with k requests in flight sharing an engine, each is given k x this (SGLang's
+    # HTTP timeout: rollout.dispatch.shared_request_timeout_s), as k requests one after another were.
     request_timeout_s: float = 1800.0
     request_retries: int = 2
     engine_restarts: int = 1

@@ -234,12 +234,21 @@ def test_format_dry_run_reports_layout_params_and_memory():
 
 
 def test_dry_run_prints_the_timeline_and_a_verdict():
-    text = format_dry_run(_tiny(), world_size=1)
+    gpu = _tiny("rollout.engine=sglang", "rollout.sglang.model_path=/ckpt", "train.routing_telemetry=false")
+    text = format_dry_run(gpu, world_size=1)
     assert "# memory timeline per GPU, one step" in text
     for phase in ("rollout", "old-logprob", "train", "publish"):
         assert f"\n{phase:<14}" in text
     assert "FITS a 79 GiB GPU" in text
-    assert "does NOT fit a 0.1 GiB GPU" in format_dry_run(_tiny(), world_size=1, gpu_gib=0.1)
+    assert "does NOT fit a 0.1 GiB GPU" in format_dry_run(gpu, world_size=1, gpu_gib=0.1)
+
+
+def test_a_cpu_runs_dry_run_shows_no_gpu_plan():
+    """Issue 49 item 7: a CPU run's dry run printed a per-GPU timeline and a FITS verdict for GPUs it has none of."""
+    text = format_dry_run(_tiny(), world_size=1)
+    assert "# memory timeline per GPU" not in text and "GiB GPU" not in text
+    assert "# GPU memory: none (this run trains and generates on the CPU" in text and "# host memory" in text
+    assert text.index("# host memory") < text.index("# resolved config")  # the config last, not first
 
 
 def test_qwen3_30b_a3b_logits_transient_hand_count():

@@ -101,3 +101,20 @@ def test_megatrons_missing_te_and_apex_warnings_are_not_printed_on_every_command
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "not installed" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_dry_run_shows_the_input_checks_first_and_ends_with_its_verdicts():
+    """The input checks used to come after ~250 lines of resolved config and a GPU plan on a CPU run."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "megatron_qarl.cli", "--config",
+                           str(REPO / "configs" / "tiny_qarl_w4a16_tbpo.yaml"), "--dry-run"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.rstrip().splitlines()
+    assert lines[0].startswith("# inputs") and lines[1].startswith("prompts: ")
+    assert re.fullmatch(r"dry run of 1 rank\(s\): inputs checked; host plan needs \d+\.\d GiB per node", lines[-1])
+    assert "GiB GPU" not in proc.stdout

@@ -171,8 +171,8 @@ def test_dry_run_catches_data_eval_and_reward_mistakes(tmp_path, mistake, overri
     proc = _train("--dry-run", *overrides, env=_env(tmp_path))
     line = _one_error_line(proc, *expected)
     assert "data.bad_rows" not in line  # a wrong key is not a row to skip
-    # the plan (it needs no data) is printed first; the inputs report is not: the problem is the one line
-    assert "# memory timeline" in proc.stdout and "# inputs" not in proc.stdout
+    # the plan (it needs no data) is still printed; the inputs report is not: the problem is the one line
+    assert "# parallel layout" in proc.stdout and "# inputs" not in proc.stdout
 
 
 def test_dry_run_reports_the_inputs_it_checked(tmp_path):
