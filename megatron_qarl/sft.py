@@ -124,6 +124,20 @@ def collate(examples: Sequence[tuple[list[int], list[int], list[float]]], pad_id
     return SFTBatch(input_ids, labels, loss_mask, padding)
 
 
+def task_line(cfg) -> str:
+    """What the warm-up trains on, said at its start: always the built-in synthetic arithmetic task of the sft.*
+    keys, never the RL run's data.path (a user who set one would otherwise think the warm-up read it)."""
+    sft = cfg.sft
+    terms = f", {sft.terms} terms" if sft.terms != 2 else ""
+    line = (f"training on the built-in synthetic arithmetic task: {sft.min_digits}-{sft.max_digits} digit operands, "
+            f"operators {' '.join(sft.operators)}{terms}, style {sft.style}, digit order {sft.digit_order} (sft.*)")
+    data = getattr(cfg, "data", None)
+    if data is not None and data.source == "file":
+        line += (f"; data.path={data.path!r} is the RL run's prompts and is not read by the warm-up (SFT on your own "
+                 "data is not supported yet)")
+    return line
+
+
 class ProblemStream:
     """Fresh synthetic problems, deterministic in the seed, never one of the held-out prompts."""
 
@@ -528,6 +542,8 @@ def _train(cfg, sft: SFTConfig, layout, stop=None) -> dict[str, Any]:
         from megatron_qarl.checkpointing import load_checkpoint
 
         load_checkpoint(sft.init_checkpoint, ddp)
+    if is_logging_rank():
+        print(f"[sft] {task_line(cfg)}", flush=True)
     eval_set = held_out_problems(sft)
     stream = ProblemStream(sft.task_config(), seed=sft.seed * 1000 + dp_rank(),
                            held_out={p["prompt"] for p in eval_set})

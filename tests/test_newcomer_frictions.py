@@ -118,3 +118,14 @@ def test_the_dry_run_shows_the_input_checks_first_and_ends_with_its_verdicts():
     assert lines[0].startswith("# inputs") and lines[1].startswith("prompts: ")
     assert re.fullmatch(r"dry run of 1 rank\(s\): inputs checked; host plan needs \d+\.\d GiB per node", lines[-1])
     assert "GiB GPU" not in proc.stdout
+
+
+def test_the_sft_warm_up_says_which_task_it_trains_and_that_data_path_is_not_it():
+    from megatron_qarl.sft import task_line
+
+    cfg = load_config(None, ["data.path=/my/data.parquet", "sft.min_digits=2", "sft.max_digits=3"])
+    line = task_line(cfg)
+    assert line.startswith("training on the built-in synthetic arithmetic task: 2-3 digit operands"), line
+    assert "data.path='/my/data.parquet' is the RL run's prompts and is not read by the warm-up" in line
+    synthetic = load_config(None, ["data.source=synthetic"])
+    assert "data.path" not in task_line(synthetic)
