@@ -228,6 +228,26 @@ class stop_on_signals:
         self._previous = {}
 
 
+def ignore_stop_signals_here() -> None:
+    """In a helper process that runs code we do not control (a reward plug-in's worker): SIGTERM, SIGINT and SIGUSR1
+    do nothing to this process (Slurm signals every process of a job step; the trainer finishes its step and stops
+    its helpers itself), while the processes it starts keep the default actions, so that their own owner can still
+    `terminate()` them: a Python handler, unlike SIG_IGN or a blocked signal mask (ignore_stop_signals_from_others),
+    is reset by exec, and a fork hook resets it in forked children. The owner stops this process by other means
+    (a message, SIGKILL). Call it after any fork that must keep the defaults of this process's start."""
+    def ignore(signum, frame) -> None:
+        pass
+
+    def defaults_in_child() -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, ignore)
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=defaults_in_child)
+
+
 def ignore_stop_signals_from_others(owner_pid: int) -> None:
     """In a helper process (a reward worker): a stop signal is its owner's business. Slurm signals every process
     of a job step (preemption's SIGTERM, --signal's SIGUSR1) and a terminal's Ctrl-C reaches the whole

@@ -189,6 +189,10 @@ CASES = [
     Case("plug-ins", "the trainer SIGKILLed while a plug-in's child runs", "SIGKILL of the process holding the "
          "reward function", "the worker dies with the trainer, the child with the worker", "-",
          "test_plugin_endings.py::test_processes_a_plugin_starts_end_when_the_trainer_is_killed"),
+    Case("plug-ins", "a plug-in that stops a process it started (`terminate()`, a multiprocessing pool's exit)",
+         "Popen(sleep 300).terminate() in a call", "works: the worker ignores outside stop signals with a handler its "
+         "children do not inherit (they used to inherit a blocked SIGTERM: terminate() hung until the deadline)", "-",
+         "test_plugin_endings.py::test_processes_a_plugin_starts_keep_the_default_stop_signals"),
     Case("stale state", "a `$QARL_STOP_FILE` left from an earlier stop", "the file exists when qarl-train starts "
          "(train, sft, --dry-run)", "refused before the config is read, naming the file and the fix (remove it); it "
          "used to load the model and stop again at the first step, exit 3 'run again', a requeue loop", "2",

@@ -79,6 +79,12 @@ def starts_a_child_then_exits(responses, answers, rows):
     os._exit(0)
 
 
+def terminates_its_child(responses, answers, rows):
+    child = subprocess.Popen(["sleep", "300"])
+    child.terminate()  # SIGTERM: the worker ignores outside stop signals, its children must not
+    return [float(child.wait(timeout=20))] * len(responses)
+
+
 def starts_a_child_then_hangs(responses, answers, rows):
     _start_child(rows)
     while True:
@@ -242,3 +248,10 @@ def test_qarl_train_with_a_plugin_that_ends_its_process_is_one_line_and_exit_2(p
     assert says in problem, error
     assert "interrupted" not in proc.stderr and "stopped" not in proc.stderr
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_processes_a_plugin_starts_keep_the_default_stop_signals(plugin):
+    """The worker ignores SIGTERM / SIGINT / SIGUSR1 from outside (Slurm, a terminal); the processes the plug-in
+    starts must not inherit that, or its own terminate() hangs (it used to: they inherited a blocked SIGTERM)."""
+    with RewardFunction(RewardConfig(kind=f"{plugin}:terminates_its_child", timeout_s=30.0)) as fn:
+        assert fn(["a"], ["a"], [{}]) == [-float(signal.SIGTERM)]  # Popen's returncode: killed by SIGTERM

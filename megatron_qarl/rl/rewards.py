@@ -39,20 +39,25 @@ process of that group (what the plug-in starts, and theirs) is killed when the w
 (lifecycle.end_group_with_this_process), so nothing a plug-in starts outlives its worker.
 
 Stop signals: Slurm signals every process of a job step and Ctrl-C reaches the whole foreground group, but a
-worker must live until the trainer has finished its step; workers ignore SIGINT / SIGUSR1 and a SIGTERM that
-does not come from the trainer (lifecycle.ignore_stop_signals_from_others).
+worker must live until the trainer has finished its step; math_verify workers ignore SIGINT / SIGUSR1 and a SIGTERM
+that does not come from the trainer (lifecycle.ignore_stop_signals_from_others); a plug-in's worker ignores all
+three with a handler that the processes the plug-in starts do not inherit (lifecycle.ignore_stop_signals_here: their
+`terminate()` still works) and is stopped by a message or SIGKILL, at close() or at this process's exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import inspect
 import logging
 import math
 import multiprocessing as mp
+import multiprocessing.util  # noqa: F401 - its exit handler registers before ours
 import numbers
 import os
 import signal
+import weakref
 from concurrent.futures import TimeoutError as FuturesTimeoutError
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
@@ -60,7 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from megatron_qarl.lifecycle import (die_with_parent, end_group_with_this_process, ignore_stop_signals_from_others,
-                                     kill_process_group)
+                                     ignore_stop_signals_here, kill_process_group)
 
 VerifyFn = Callable[[str, str], float]  # (response, gold) -> reward; module level, run in the workers
 PluginFn = Callable[[List[str], List[Any], List[Mapping[str, Any]]], Sequence[float]]
@@ -339,7 +344,7 @@ def _plugin_worker_main(conn, owner_pid: int, spec: str) -> None:
     """The plug-in's worker process: load the plug-in, say so (or why not), then serve calls until told to stop."""
     die_with_parent(owner_pid)
     end_group_with_this_process()  # what the plug-in starts dies with this process (before any thread starts)
-    ignore_stop_signals_from_others(owner_pid)
+    ignore_stop_signals_here()  # outside stop signals do nothing here; the plug-in's own children keep the defaults
     try:  # a plug-in may use multiprocessing itself (a daemonic process may not have children)
         mp.current_process().daemon = False
     except (AssertionError, AttributeError):
@@ -372,6 +377,7 @@ class _PluginWorker:
         self.proc = ctx.Process(target=_plugin_worker_main, args=(child, os.getpid(), spec),
                                 name=f"qarl-reward-plugin {spec}", daemon=True)
         self.proc.start()
+        _LIVE_PLUGIN_WORKERS.add(self)
         child.close()
         try:
             status, value = self._reply(load_timeout_s, "while being loaded", "import it",
@@ -438,6 +444,21 @@ class _PluginWorker:
             self.proc.join()
         kill_process_group(self.proc.pid)
         self._conn.close()
+        _LIVE_PLUGIN_WORKERS.discard(self)
+
+
+# Plug-in workers not closed when this process exits are killed first: they ignore SIGTERM, which is how
+# multiprocessing's own exit handler (registered before this one, so run after it) would stop them.
+_LIVE_PLUGIN_WORKERS: "weakref.WeakSet[_PluginWorker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_plugin_workers() -> None:
+    for worker in list(_LIVE_PLUGIN_WORKERS):
+        try:
+            worker.close()
+        except Exception:  # noqa: BLE001 - at exit: best effort, the parent-death signal remains
+            pass
 
 
 @dataclass
