@@ -198,7 +198,6 @@ class VLLMEngine:
             raise VLLMSetupError(f"VLLMEngineConfig.model_path {cfg.model_path!r} is not a checkpoint dir "
                                  "(config.json missing)")
         self.cfg = cfg
-        self._call_lock = threading.Lock()
         self.python = check_vllm_venv(cfg.venv)
         self._proc: subprocess.Popen | None = None
         self._conn = None
@@ -293,7 +292,8 @@ class VLLMEngine:
 
     def _call(self, message: dict, payload: bytes | None = None) -> dict:
         # one message and its reply at a time on the pipe: the dispatcher calls generate from several threads
-        with self._call_lock:
+        # (setdefault: made once, atomically, also for an engine built without __init__, as some tests do)
+        with self.__dict__.setdefault("_call_lock", threading.Lock()):
             return self._call_locked(message, payload)
 
     def _call_locked(self, message: dict, payload: bytes | None = None) -> dict:
