@@ -363,3 +363,20 @@ def test_an_unloadable_tokenizer_option_fails_before_writing(hf_dir, tmp_path, c
     err = capsys.readouterr().err
     assert "qarl-convert: error:" in err and "nowhere" in err and "--tokenizer" in err, err
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_conversions_say_what_they_do_before_the_end(hf_dir, mcore_dir, tmp_path):
+    """Issue 49 item 7: a conversion printed only 'wrote' at its end (minutes at 30B); now each says what it reads /
+    writes when it starts (and draws a progress bar on a terminal)."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for argv, said in ((["hf-to-mcore", "--hf", hf_dir, "--out", tmp_path / "m"], "hf-to-mcore: reading "),
+                       (["mcore-to-hf", "--ckpt", mcore_dir, "--out", tmp_path / "h"], "mcore-to-hf: writing ")):
+        proc = subprocess.run([sys.executable, "-m", "conversion.cli", *map(str, argv)], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        err = proc.stderr
+        assert f"qarl-convert: {said}" in err and err.index(said) < err.index("qarl-convert: wrote"), err[-2000:]

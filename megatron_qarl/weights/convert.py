@@ -148,7 +148,15 @@ def checked(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, to
         yield name, tensor
 
 
-def progress(total_bytes: int, desc: str):
+def say(message: str) -> None:
+    """A conversion's progress line on stderr (rank 0): where it is, for minutes-long conversions at 30B."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"qarl-convert: {message}", file=sys.stderr, flush=True)
+
+
+def progress(total_bytes: int | None, desc: str):
     from tqdm import tqdm
 
     return tqdm(total=total_bytes, unit="B", unit_scale=True, desc=desc, file=sys.stderr,
@@ -433,12 +441,20 @@ def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *,
     layout = _init_world(tp, ep)
     remove_stale_outputs(out)
     model = _build_model(hf_config, layout)
+    say(f"hf-to-mcore: reading {len(index.location)} tensors ({index.total_bytes / 2 ** 30:.2f} GiB over all ranks) "
+        f"from {hf_dir}")
     problem = None
     try:
-        load_hf_checkpoint_into_model(model, hf_config, hf_dir, index=index, on_read=check_weight)
+        with progress(None, "hf-to-mcore read") as bar:  # this rank's shards: its total is known only as it reads
+            def read(name, tensor):
+                check_weight(name, tensor)
+                bar.update(_nbytes(tensor))
+
+            load_hf_checkpoint_into_model(model, hf_config, hf_dir, index=index, on_read=read)
     except ConversionError as exc:  # a non-finite weight in this rank's part
         problem = exc
     _stop_all_ranks_if_any(problem)
+    say(f"hf-to-mcore: saving the megatron checkpoint to {out}")
     dtypes = list(index.dtypes.values())
     most = max(set(dtypes), key=dtypes.count) if dtypes else "BF16"  # a few fp32 tensors do not make it fp32
     source_dtype = "fp32" if most == "F32" else "bf16"
@@ -607,6 +623,7 @@ def mcore_to_hf_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, d
     # streamed: a bad tensor is found mid-write; atomic_dir then drops the temp dir (nothing at --out)
     with atomic_dir(check_output(out, force, [ckpt])) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)
+        say(f"mcore-to-hf: writing {stream.total_bytes / 2 ** 30:.2f} GiB of safetensors from {ckpt}")
         with progress(stream.total_bytes, "mcore-to-hf") as bar:
             for name, tensor in checked(stream):
                 writer.add(name, tensor.to(torch.float32 if name in fp32_names else torch_dtype))
@@ -652,6 +669,8 @@ def write_engine_checkpoint(out: Path, hf_config, named: Iterable[tuple[str, tor
                                 tokenizer=tokenizer)
     sink.begin_weight_update()
     try:
+        say(f"export: writing the {quant_cfg.scheme} engine checkpoint ({total_bytes / 2 ** 30:.2f} GiB before "
+            "quantization)")
         with progress(total_bytes, f"export {quant_cfg.scheme}") as bar:
             def counted():
                 for name, tensor in named:
