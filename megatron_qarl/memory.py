@@ -517,16 +517,12 @@ def cgroup_memory_limit(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = 
     job's limit), or None when there is none."""
     import os
 
-    try:
-        lines = open(proc_cgroup).read().splitlines()
-        rel = next(line.split("::", 1)[1] for line in lines if line.startswith("0::")).strip("/")
-    except (OSError, StopIteration):
-        rel = ""
-    parts = [p for p in rel.split("/") if p]
+    from megatron_qarl.memory_saver import cgroup_levels
+
     limits = []
-    for depth in range(len(parts), -1, -1):
+    for level in cgroup_levels(cgroup_root, proc_cgroup):
         try:
-            value = open(os.path.join(cgroup_root, *parts[:depth], "memory.max")).read().strip()
+            value = open(os.path.join(level, "memory.max")).read().strip()
         except OSError:
             continue
         if value != "max":

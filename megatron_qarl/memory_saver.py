@@ -121,20 +121,25 @@ def torch_memory_saver_singleton() -> "GuardedSaver":
     return guarded
 
 
-def host_available_bytes(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
-    """Host memory this process can still take: psutil's available, capped by every cgroup v2 memory limit on the
-    way from this process's cgroup up to the root (a Slurm job's --mem, a container's limit: limit - current)."""
-    import psutil
-
-    available = psutil.virtual_memory().available
+def cgroup_levels(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> list[str]:
+    """The cgroup v2 directories from this process's cgroup up to the root (where a Slurm job's or a container's
+    memory.max sits); just the root when /proc/self/cgroup names none."""
     try:
         lines = open(proc_cgroup).read().splitlines()
         rel = next(line.split("::", 1)[1] for line in lines if line.startswith("0::")).strip("/")
     except (OSError, StopIteration):
         rel = ""
     parts = [p for p in rel.split("/") if p]
-    for depth in range(len(parts), -1, -1):
-        level = os.path.join(cgroup_root, *parts[:depth])
+    return [os.path.join(cgroup_root, *parts[:depth]) for depth in range(len(parts), -1, -1)]
+
+
+def host_available_bytes(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """Host memory this process can still take: psutil's available, capped by every cgroup v2 memory limit on the
+    way from this process's cgroup up to the root (a Slurm job's --mem, a container's limit: limit - current)."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    for level in cgroup_levels(cgroup_root, proc_cgroup):
         try:
             limit = open(os.path.join(level, "memory.max")).read().strip()
             if limit != "max":

@@ -575,16 +575,20 @@ def _load_initial_weights(cfg: RunConfig, model, hf_config, hf_index=None) -> No
 IDENTITY_SECTIONS = ("name", "model", "quant", "train.loss", "data")
 
 
-def config_identity(cfg: RunConfig) -> str:
-    """The experiment-defining sections of `cfg` (IDENTITY_SECTIONS) as canonical JSON."""
-    full = to_dict(cfg)
-    picked = {}
-    for section in IDENTITY_SECTIONS:
+def _sections(cfg: RunConfig, sections: tuple[str, ...]) -> dict:
+    """{dotted section: its value} of `cfg`'s dict form."""
+    full, picked = to_dict(cfg), {}
+    for section in sections:
         value = full
         for part in section.split("."):
             value = value[part]
         picked[section] = value
-    return json.dumps(picked, sort_keys=True, default=str)
+    return picked
+
+
+def config_identity(cfg: RunConfig) -> str:
+    """The experiment-defining sections of `cfg` (IDENTITY_SECTIONS) as canonical JSON."""
+    return json.dumps(_sections(cfg, IDENTITY_SECTIONS), sort_keys=True, default=str)
 
 
 # What makes another run of the same experiment (another seed, another learning rate or optimizer): resume=auto
@@ -595,13 +599,7 @@ RUN_SECTIONS = ("train.seed", "train.optim")
 def run_settings(cfg: RunConfig) -> str:
     """This run's RUN_SECTIONS and its logging.out_dir (absolute) as canonical JSON: recorded in its checkpoints
     (checkpoint_state), compared by check_own_checkpoint."""
-    full = to_dict(cfg)
-    picked = {}
-    for section in RUN_SECTIONS:
-        value = full
-        for part in section.split("."):
-            value = value[part]
-        picked[section] = value
+    picked = _sections(cfg, RUN_SECTIONS)
     picked["logging.out_dir"] = str(Path(cfg.logging.out_dir).absolute())
     return json.dumps(picked, sort_keys=True, default=str)
 

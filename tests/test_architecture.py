@@ -33,7 +33,8 @@ ALLOWED: dict[str, set[str]] = {
                               "megatron_qarl.quant", "megatron_qarl.models", "megatron_qarl.parallel",
                               "megatron_qarl.rollout", "megatron_qarl.checkpointing", "megatron_qarl.tokenizer"},
     "megatron_qarl.tracking": {"megatron_qarl.fileio"},
-    "megatron_qarl.memory": {"megatron_qarl.models", "megatron_qarl.quant", "megatron_qarl.rollout"},
+    "megatron_qarl.memory": {"megatron_qarl.models", "megatron_qarl.quant", "megatron_qarl.rollout",
+                             "megatron_qarl.memory_saver"},  # the saver's cgroup walk, for the host plan
     "megatron_qarl.memory_saver": set(),  # torch and torch_memory_saver only
     "megatron_qarl.probe": {"megatron_qarl.models", "megatron_qarl.parallel", "megatron_qarl.quant",
                             "megatron_qarl.rl", "megatron_qarl.rollout", "megatron_qarl.weights",
