@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_qarl.parallel import raise_if_any_rank_failed, sum_over_ranks
 from megatron_qarl.rl.repetition import is_repetitive
-from megatron_qarl.rollout.dispatch import generate_request, plan_requests
+from megatron_qarl.rollout.dispatch import generate_concurrently, plan_requests
 from megatron_qarl.rollout.protocol import RolloutEngineError
 
 
@@ -111,11 +111,11 @@ def _evaluate_share(ctx, samples: list | None = None) -> dict:
         else ctx.sampling.max_new_tokens)
     group = topo.group_of(dist.get_rank())
     out = {"prompts": 0.0, "rows": 0.0, "pass1": 0.0, "passk": 0.0, "reward": 0.0, "length": 0.0, "repetitive": 0.0}
-    for request in plan_requests(len(rows_prompt_ids), n, cfg.rollout.request_prompts, topo.engines):
-        if request.engine != group:
-            continue
-        results, _ = generate_request(ctx.engine, rows_prompt_ids, sampling, request,
-                                      retries=cfg.rollout.request_retries)
+    mine = [r for r in plan_requests(len(rows_prompt_ids), n, cfg.rollout.request_prompts, topo.engines)
+            if r.engine == group]
+    served = generate_concurrently(ctx.engine, rows_prompt_ids, sampling, mine, retries=cfg.rollout.request_retries,
+                                   max_inflight=cfg.rollout.max_inflight_requests)  # in flight together, as a step's
+    for request, results, _ in served:
         texts = ctx.tokenizer.batch_decode([res.token_ids for res in results], skip_special_tokens=True)
         owners = [examples[r // n] for r in request.rows]
         rewards = ctx.reward_fn(texts, [p.answer for p in owners], [p.row for p in owners])

@@ -727,7 +727,9 @@ def resume_run(ctx: RunContext) -> int:
     if ctx.quant is not None:
         ctx.quant.invalidate()  # masters replaced: the next forward re-quantizes
     ctx.wandb_run_id = state.get("wandb_run_id")  # None for checkpoints written before it was stored
-    if isinstance(state.get("logged_row"), str):
+    # the row a kill during the publish lost: only for this run's own checkpoints (a run resumed from another
+    # dir's checkpoint, checkpoint.resume=<path>, starts its files there; it has none of that run's rows)
+    if isinstance(state.get("logged_row"), str) and Path(path).resolve().parent == ctx.checkpoints.root.resolve():
         ctx.resumed_row = json.loads(state["logged_row"])
     if ctx.data is not None and state.get("data") is not None:
         ctx.data.load_state_dict(state["data"])

@@ -178,6 +178,9 @@ def collect_rollouts(ctx, step: int, stop=None) -> tuple[RolloutBatch, dict]:
         if status == ROLLOUT_OK:
             break
         if status == ROLLOUT_STOPPED:
+            if error is not None and not isinstance(error, RolloutStopRequested):  # the stop outranks it: say it
+                print(f"[qarl] rank {dist.get_rank()}: the rollout also failed while stopping: "
+                      f"{error_summary(error)}", flush=True)
             if data_before is not None:  # the resumed run reads these prompts again
                 ctx.data.load_state_dict(data_before)
             raise RolloutStopRequested(f"step {step + 1}'s rollout was abandoned on a stop request [{said}]")
@@ -515,6 +518,7 @@ def gather_dp(items: list) -> list:
 # -- 5. log, checkpoint (4, the publish, is the publisher's one call in the loop) ----------------------
 
 def log(ctx, step: int, metrics: dict) -> dict:
+    ctx.step_row = None  # logged: a later checkpoint (a stop during the next rollout) must not carry it again
     if ctx.tracker is not None:  # the logging rank
         warn_if_no_gradient(ctx, step, metrics)
         ctx.tracker.log(step, metrics)
@@ -559,6 +563,8 @@ def checkpoint_before_step(ctx, step: int):
     """COLLECTIVE. The state after the last complete step (`step` steps done), checkpointed for a run that
     stops during step `step + 1`'s rollout; the checkpoint's path, None when it already has one (the step the
     run started from, or one checkpoint.every saved) or no step ran."""
+    # the abandoned step's partial samples and its evaluation are not kept: the resumed run makes them again
+    ctx.step_row, ctx.step_samples, ctx.eval_samples = None, [], []
     every = ctx.cfg.checkpoint.every
     if step <= ctx.start_step or (every and step % every == 0):
         return None

@@ -343,8 +343,10 @@ SIGTERM, SIGUSR1, SIGINT (Ctrl-C) and the file named by `$QARL_STOP_FILE` only *
 next step boundary every rank agrees (a max over a flag), the finished step is checkpointed (whatever
 `checkpoint.every` says), the engines and reward workers are stopped, and qarl-train prints one line and exits
 with status 3. **A stop that arrives during a rollout** (on GPUs the longest phase by far, an hour and more)
-does not wait for it: the leader that sees it abandons its requests in flight within a poll (0.2 s; a reward
-call in progress finishes first), every rank learns it at the end of the rollout phase, the last complete step
+does not wait for it: the leader that sees it (within a poll, 0.2 s; a reward call in progress finishes first)
+starts and retries no request, has its engine abort the ones it serves (SGLang's /abort_request) and waits,
+at most 60 s, until the engine is idle (it must be, to give its memory back for the checkpoint); every rank learns
+it at the end of the rollout phase, the last complete step
 is checkpointed (unless `checkpoint.every` or the resume already saved it) and the run exits 3 ("after step
 N/M, during step N+1's rollout"). What is lost: the abandoned step's responses only (the engine's time on
 them); the data position goes back to before that step, so the resumed run samples the same prompts with the

@@ -17,9 +17,14 @@ class FakeServer:
     """A batching engine: every call sleeps `delay(prompts)` concurrently with the others; records how many calls
     overlap. Each row's tokens come from its own seed only (as SGLang / vLLM / the embedded engine sample)."""
 
-    def __init__(self, delay=lambda prompts: 0.05, fail_calls=(), fail_prompts=(), fail_with=1, healthy=True):
+    def __init__(self, delay=lambda prompts: 0.05, fail_calls=(), fail_prompts=(), fail_with=1, healthy=True,
+                 abortable=False):
         self.delay, self.fail_calls, self.fail_prompts = delay, set(fail_calls), set(fail_prompts)
         self.fail_with = fail_with
+        self.aborted = threading.Event()
+        self.aborts = 0
+        if abortable:  # a server that can abort what it serves (SGLang's /abort_request)
+            self.abort_requests = self._abort
         self.healthy = healthy
         self.lock = threading.Lock()
         self.inflight = self.most = self.calls = 0
@@ -36,7 +41,8 @@ class FakeServer:
                 while self.inflight < self.fail_with and time.monotonic() < deadline:
                     time.sleep(0.005)  # fail only once the others are in flight: no race with their start
                 raise RolloutEngineError(f"request of prompt {prompts[0][0]} failed")
-            time.sleep(self.delay(prompts))
+            if self.aborted.wait(self.delay(prompts)):
+                raise RolloutEngineError("aborted")
             if call in self.fail_calls:
                 raise RolloutEngineError(f"call {call} failed")
             return [GenerationResult(i, [s % 11, s % 13], [-0.1 * (s % 5), -0.2], "stop")
@@ -47,6 +53,10 @@ class FakeServer:
 
     def health(self):
         return self.healthy
+
+    def _abort(self):
+        self.aborts += 1
+        self.aborted.set()
 
 
 def _requests(prompts: int = 8, request_prompts: int = 1):
@@ -97,15 +107,35 @@ def test_after_a_failure_the_successes_in_flight_are_kept_and_only_the_failed_re
     assert got == [0, 1, 3] and engine.calls == 4
 
 
-def test_a_stop_abandons_the_requests_in_flight_at_once():
+def test_a_stop_aborts_the_requests_in_flight_and_waits_until_the_engine_is_idle():
+    """An engine must be idle before it releases its memory for the checkpoint that follows (SGLang asserts it):
+    the stop aborts what the server serves, retries nothing, and returns once the requests in flight ended."""
+    engine = FakeServer(delay=lambda prompts: 30.0, abortable=True)
+    rows, requests = _requests()
+    asked = time.monotonic() + 0.3
+    t0 = time.monotonic()
+    with pytest.raises(RolloutStopRequested, match="4 request\\(s\\) in flight \\(aborted\\) and 4 not started"):
+        list(generate_concurrently(engine, rows, SamplingParams(seed=5), requests, retries=3, max_inflight=4,
+                                   should_stop=lambda: time.monotonic() > asked, poll_s=0.05))
+    assert time.monotonic() - t0 < 5.0  # not the 30 s the requests in flight would take
+    assert engine.aborts == 1 and engine.inflight == 0 and engine.calls == 4  # idle, and no aborted one resent
+
+
+def test_a_stop_on_an_engine_that_cannot_abort_waits_a_bounded_time_for_it():
     engine = FakeServer(delay=lambda prompts: 30.0)
     rows, requests = _requests()
     asked = time.monotonic() + 0.3
     t0 = time.monotonic()
-    with pytest.raises(RolloutStopRequested, match="4 request\\(s\\) in flight and 4 not started"):
+    with pytest.raises(RolloutStopRequested, match="4 still running after 1 s"):
         list(generate_concurrently(engine, rows, SamplingParams(seed=5), requests, retries=0, max_inflight=4,
-                                   should_stop=lambda: time.monotonic() > asked, poll_s=0.05))
-    assert time.monotonic() - t0 < 5.0  # not the 30 s the requests in flight would take
+                                   should_stop=lambda: time.monotonic() > asked, poll_s=0.05, drain_s=1.0))
+    assert time.monotonic() - t0 < 5.0
+
+
+def test_an_engine_that_serves_one_request_at_a_time_gets_one_at_a_time():
+    engine = FakeServer(delay=lambda prompts: 0.1)
+    engine.max_concurrent_requests = 1  # the embedded engine, vLLM's pipe, SGLang in-process
+    assert [k for k, _, _ in _serve(engine, 8)] == list(range(8)) and engine.most == 1
 
 
 def test_the_bound_must_be_positive():
@@ -146,3 +176,5 @@ def test_a_request_that_shares_its_engine_with_others_in_flight_gets_their_share
                              "rollout.request_prompts=8", "rollout.max_inflight_requests=3",
                              "rollout.request_timeout_s=100"])
     assert SGLangEngineConfig.from_run(cfg).request_timeout_s == 300  # 4 requests a step, 3 in flight
+    # 2 engines share the step's 4 requests: 2 each
+    assert SGLangEngineConfig.from_run(cfg, world_size=2).request_timeout_s == 200

@@ -255,8 +255,9 @@ def test_from_run_places_each_rollout_group(tmp_path, monkeypatch):
     key = {"QARL_SGLANG_API_KEY": "k"}
     e1 = SGLangEngineConfig.from_run(cfg, group=1, base_gpu_id=2, run_dir=str(tmp_path), environ=key)
     assert (e1.mode, e1.url, e1.transport) == ("attach", "http://n1:30000", "distributed")
-    assert (cfg.train.prompts_per_step, cfg.rollout.request_prompts) == (16, 8)  # 2 requests a step, in flight together
-    assert (e1.base_gpu_id, e1.request_timeout_s, e1.deterministic_inference) == (2, 77 * 2, True)
+    # 16 prompts in requests of 8 over 2 engines: one request each, alone on its engine: the bound as given
+    assert (cfg.train.prompts_per_step, cfg.rollout.request_prompts) == (16, 8)
+    assert (e1.base_gpu_id, e1.request_timeout_s, e1.deterministic_inference) == (2, 77, True)
     assert (e1.master_address, e1.master_port, e1.group_name) == ("10.0.0.9", 29601, "qarl_weights_1")
     assert e1.log_path == str(tmp_path / "sglang_engine1.log")
     assert (e1.route_layers, e1.route_topk) == (2, 2)  # the tiny preset's num_hidden_layers / num_experts_per_tok

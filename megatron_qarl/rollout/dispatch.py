@@ -54,14 +54,21 @@ def plan_requests(num_rows: int, n: int, request_prompts: int, engines: int) -> 
             for k, start in enumerate(range(0, num_rows, step))]
 
 
+class RolloutStopRequested(Exception):
+    """A stop request arrived while requests were in flight: they were abandoned (the step is not done)."""
+
+
 def generate_request(engine, rows_prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams, request: Request,
-                     *, retries: int) -> tuple[list[GenerationResult], int]:
+                     *, retries: int, cancelled: threading.Event | None = None) -> tuple[list[GenerationResult], int]:
     """`request`'s rows from `engine` (each row its own seed), retried `retries` times while the engine is
-    healthy; (results, retries used). A failure that outlasts the retries raises RolloutEngineError."""
+    healthy; (results, retries used). A failure that outlasts the retries raises RolloutEngineError. Once
+    `cancelled` is set no attempt starts (RolloutStopRequested): an aborted request is not sent again."""
     seeded = dataclasses.replace(sampling, n=1, seeds=[row_seed(sampling.seed or 0, r) for r in request.rows])
     prompts = [list(rows_prompt_ids[r]) for r in request.rows]
     last: Exception | None = None
     for attempt in range(retries + 1):
+        if cancelled is not None and cancelled.is_set():
+            raise RolloutStopRequested(f"request {request.index} cancelled")
         try:
             results = engine.generate(prompts, seeded)
         except RolloutEngineError as err:
@@ -85,31 +92,34 @@ def shared_request_timeout_s(request_timeout_s: float, max_inflight: int, reques
     return float(request_timeout_s) * max(1, min(int(max_inflight), int(requests)))
 
 
-class RolloutStopRequested(Exception):
-    """A stop request arrived while requests were in flight: they were abandoned (the step is not done)."""
-
-
 def generate_concurrently(engine, rows_prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
                           requests: Sequence[Request], *, retries: int, max_inflight: int,
-                          should_stop: Callable[[], bool] | None = None,
-                          poll_s: float = 0.2) -> Iterator[tuple[Request, list[GenerationResult], int]]:
+                          should_stop: Callable[[], bool] | None = None, poll_s: float = 0.2,
+                          drain_s: float = 60.0) -> Iterator[tuple[Request, list[GenerationResult], int]]:
     """(request, results, retries used) for each of `requests`, in their order, while up to `max_inflight` of
     them are in flight on `engine` at once (each through `generate_request`: its own seeds, retries, bound).
+    An engine that serves fewer at a time says so (`max_concurrent_requests`: the embedded engine, vLLM's pipe,
+    SGLang in-process serve one): the bound is the smaller of the two.
 
     When a request fails for good, no new one starts; the ones in flight end (each within its own bound), the
     ones that succeeded are still handed back, in order, and then the first failure is raised, so the caller
-    reruns only the failed ones. `should_stop()` is asked every `poll_s`: when it says yes,
-    RolloutStopRequested is raised at once and the requests in flight are abandoned (their threads are
-    daemons: an engine call that never returns cannot hold the process past its end)."""
+    reruns only the failed ones. `should_stop()` is asked every `poll_s`: when it says yes, no request starts or
+    retries, the engine aborts what it is serving (`abort_requests`, where it has it: SGLang's /abort_request),
+    the requests in flight are waited for up to `drain_s` (an engine must be idle before it can release its
+    memory for the checkpoint that follows) and RolloutStopRequested is raised (the threads are daemons: an
+    engine call that never returns cannot hold the process past its end)."""
     if max_inflight < 1:
         raise ValueError(f"max_inflight={max_inflight} must be >= 1")
+    max_inflight = min(max_inflight, getattr(engine, "max_concurrent_requests", None) or max_inflight)
     done: dict[int, tuple[bool, Any]] = {}
     cond = threading.Condition()
     any_failed = threading.Event()  # no request starts once one has failed for good (the engine may be gone)
+    cancelled = threading.Event()
 
     def run(k: int, request: Request) -> None:
         try:
-            outcome = (True, generate_request(engine, rows_prompt_ids, sampling, request, retries=retries))
+            outcome = (True, generate_request(engine, rows_prompt_ids, sampling, request, retries=retries,
+                                              cancelled=cancelled))
         except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
             outcome = (False, err)
             any_failed.set()
@@ -127,8 +137,7 @@ def generate_concurrently(engine, rows_prompt_ids: Sequence[Sequence[int]], samp
             if handed not in done:
                 cond.wait(timeout=poll_s)
         if should_stop is not None and should_stop():
-            raise RolloutStopRequested(f"a stop was requested with {started - len(done)} request(s) in flight "
-                                       f"and {len(requests) - started} not started: abandoned")
+            raise _abandon(engine, cancelled, cond, done, started, len(requests), drain_s)
         with cond:
             if handed not in done:
                 if failed is not None and len(done) == started:
@@ -149,7 +158,7 @@ def generate_concurrently(engine, rows_prompt_ids: Sequence[Sequence[int]], samp
                     break
                 cond.wait(timeout=poll_s)
             if should_stop is not None and should_stop():
-                raise RolloutStopRequested("a stop was requested while the requests in flight ended after a failure")
+                raise _abandon(engine, cancelled, cond, done, started, len(requests), drain_s)
         for k in range(handed, started):
             ok, value = done[k]
             if ok:
@@ -157,6 +166,29 @@ def generate_concurrently(engine, rows_prompt_ids: Sequence[Sequence[int]], samp
             elif failed is None:
                 failed = value
         raise failed
+
+
+def _abandon(engine, cancelled: threading.Event, cond: threading.Condition, done: dict, started: int, total: int,
+             drain_s: float) -> RolloutStopRequested:
+    """Stop a rollout: nothing starts or retries, the engine aborts its requests, the ones in flight are waited for
+    up to `drain_s`; the RolloutStopRequested that says what was abandoned."""
+    cancelled.set()
+    with cond:
+        inflight = started - len(done)
+    abort = getattr(engine, "abort_requests", None)
+    if inflight and abort is not None:
+        try:
+            abort()
+        except Exception as err:  # noqa: BLE001 - the wait below is bounded either way
+            print(f"[qarl] aborting the engine's requests failed ({err}); waiting for them", flush=True)
+    deadline = time.monotonic() + drain_s
+    with cond:
+        while started - len(done) and time.monotonic() < deadline:
+            cond.wait(timeout=0.2)
+        left = started - len(done)
+    tail = f"; {left} still running after {drain_s:.0f} s" if left else ""
+    return RolloutStopRequested(f"a stop was requested with {inflight} request(s) in flight (aborted{tail}) and "
+                                f"{total - started} not started: abandoned")
 
 
 def _healthy(engine) -> bool:

@@ -457,6 +457,8 @@ class EmbeddedEngine:
         self._int4_modules.clear()
         self._version = 0
 
+    max_concurrent_requests = 1  # one batch at a time in this process (the dispatcher sends them one by one)
+
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:
         if self.model is None:

@@ -268,7 +268,7 @@ class SGLangEngineConfig:
     def from_run(cls, cfg: Any, *, group: int = 0, base_gpu_id: int = 0, model_path: str | None = None,
                  run_dir: str | None = None, route_layers: int | None = None, route_topk: int | None = None,
                  route_moe_layers: tuple[int, ...] | None = None,
-                 environ: Mapping[str, str] | None = None) -> SGLangEngineConfig:
+                 environ: Mapping[str, str] | None = None, world_size: int | None = None) -> SGLangEngineConfig:
         """The engine config of rollout group ``group`` of ``cfg``, a RunConfig (``rollout.sglang``,
         ``rollout.engine_tp``, ``rollout.request_timeout_s``, ``quant``, ``train`` routing, ``publish``).
 
@@ -326,7 +326,7 @@ class SGLangEngineConfig:
             # the requests in flight share the server (rollout.max_inflight_requests): each may wait behind the others
             request_timeout_s=shared_request_timeout_s(
                 cfg.rollout.request_timeout_s, cfg.rollout.max_inflight_requests,
-                -(-cfg.train.prompts_per_step // cfg.rollout.request_prompts)),
+                _requests_per_engine(cfg, world_size)),
             memory_saver=s.mode == "colocated",
             cuda_graph=s.cuda_graph,
             deterministic_inference=s.deterministic_inference,
@@ -908,6 +908,21 @@ class SGLangEngine:
             raise errors[0]
 
     # ------------------------------------------------------------------ generation
+    @property
+    def max_concurrent_requests(self) -> int | None:
+        """None: the HTTP server batches any number of requests; the in-process Engine serves one at a time."""
+        return 1 if self._inproc is not None else None
+
+    def abort_requests(self) -> None:
+        """Abort every request the server is serving (a stop during a rollout): SGLang's /abort_request with
+        abort_all (srt/entrypoints/http_server.py:1721-1731, io_struct.AbortReq.abort_all); the scheduler must be
+        idle before release_memory_occupation (scheduler_components/weight_updater.py:337-339 asserts it). The
+        in-process Engine: its tokenizer manager's abort_request(abort_all=True), the call the route makes."""
+        if self._inproc is not None:
+            self._inproc.tokenizer_manager.abort_request(abort_all=True)
+            return
+        self._http.request("/abort_request", {"rid": "", "abort_all": True}, timeout=30)
+
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:
         """One request: ``n`` samples of each prompt, bounded by ``request_timeout_s``. Raises
         EngineTimeoutError (server left running) or EngineCrashedError (server dead / unreachable)."""
@@ -931,6 +946,17 @@ class SGLangEngine:
             parse_generate_output(o, idx, len(p), self.cfg.route_layers, self.cfg.route_topk, self.cfg.route_moe_layers)
             for o, (idx, p) in zip(outs, rows)
         ]
+
+
+def _requests_per_engine(cfg: Any, world_size: int | None) -> int:
+    """A step's requests one engine serves (rollout.dispatch.plan_requests deals them round-robin)."""
+    from megatron_qarl.parallel import RolloutTopology
+
+    world = world_size or cfg.parallel.world_size or 1
+    r = cfg.rollout
+    engines = RolloutTopology.resolve(world, r.engines, r.engine_tp, r.sglang.mode == "colocated").engines or 1
+    requests = -(-cfg.train.prompts_per_step // r.request_prompts)
+    return -(-requests // max(engines, 1))
 
 
 def _sglang_serialize_bucket(bucket: FlattenedBucket) -> str:
@@ -1039,8 +1065,11 @@ class SGLangKind(EngineKind):
         if cfg.rollout.sglang.mode == "colocated" and base_gpu + tp > node_gpus:
             raise ConfigError(f"rollout group {group} would span two nodes (local GPUs {base_gpu}.."
                               f"{base_gpu + tp - 1} of {node_gpus}): rollout.engine_tp must divide the GPUs per node")
+        import torch.distributed as dist
+
         engine_cfg = SGLangEngineConfig.from_run(cfg, group=group, base_gpu_id=base_gpu, model_path=start_checkpoint,
-                                                 run_dir=cfg.logging.out_dir)
+                                                 run_dir=cfg.logging.out_dir,
+                                                 world_size=dist.get_world_size() if dist.is_initialized() else None)
         if hf_config is not None:  # the family's naming buckets raw named tensors (expert_names)
             from megatron_qarl.models.registry import family_of
 

@@ -290,6 +290,9 @@ class VLLMEngine:
             self._log_file.close()
             self._log_file = None
 
+    # the engine process answers one message at a time (vllm_server.py): the dispatcher sends one request at a time
+    max_concurrent_requests = 1
+
     def _call(self, message: dict, payload: bytes | None = None) -> dict:
         # one message and its reply at a time on the pipe: the dispatcher calls generate from several threads
         # (setdefault: made once, atomically, also for an engine built without __init__, as some tests do)
@@ -325,13 +328,17 @@ class VLLMEngine:
             return False
 
     def shutdown(self) -> None:
-        if self._conn is not None and self._proc is not None and self._proc.poll() is None:
+        lock = self.__dict__.setdefault("_call_lock", threading.Lock())
+        # a call abandoned by a stop may still wait on the pipe: no second reader then, the process is killed
+        if self._conn is not None and self._proc is not None and self._proc.poll() is None and lock.acquire(timeout=5):
             try:
                 send_json(self._conn, {"op": "shutdown"})
                 recv_json(self._conn)
                 self._proc.wait(timeout=30)
             except (EOFError, OSError, subprocess.TimeoutExpired):
                 pass
+            finally:
+                lock.release()
         clean = self._proc is not None and self._proc.poll() == 0
         self._kill()
         if clean and self._own_log and self.log_path:
