@@ -399,7 +399,12 @@ def _init_wandb(cfg: TrackerConfig, out_dir: Path):
         return None  # before any `import wandb`
     import wandb
 
-    if mode in _ONLINE_MODES and not wandb.login(prompt=False, verify=False):
+    try:
+        logged_in = mode not in _ONLINE_MODES or wandb.login(prompt=False, verify=False)
+    except Exception as exc:  # noqa: BLE001 - e.g. wandb's service process did not answer in time (a busy machine)
+        raise TrackingError(f"wandb mode {mode!r}: looking for credentials failed ({str(exc).splitlines()[0][:200]});"
+                            " set WANDB_API_KEY or run `wandb login`, or log offline (WANDB_MODE=offline)") from exc
+    if not logged_in:
         # never block on wandb's login prompt (nor start hours of training that cannot be logged as asked)
         raise TrackingError(f"wandb mode {mode!r} needs credentials and none were found: set WANDB_API_KEY or "
                            "run `wandb login`, or log offline (WANDB_MODE=offline, `wandb sync` later)")
