@@ -221,6 +221,9 @@ def test_a_wandb_key_with_no_reachable_server_logs_offline_with_one_line(tmp_pat
         assert took < 60.0, took  # wandb's own init_timeout is 90 s, and it retries
     finally:
         tracker.finish()
+        import wandb
+
+        wandb.teardown()  # its process-wide login (the key above) and service must not reach later tests
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[qarl] wandb:")]
     assert len(lines) == 1 and f"the server http://127.0.0.1:{port} cannot be reached" in lines[0], lines
     assert "logging offline to" in lines[0] and "wandb sync" in lines[0]

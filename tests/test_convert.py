@@ -379,4 +379,4 @@ def test_conversions_say_what_they_do_before_the_end(hf_dir, mcore_dir, tmp_path
                               text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         err = proc.stderr
-        assert f"qarl-convert: {said}" in err and err.index(said) < err.index("qarl-convert: wrote"), err[-2000:]
+        assert f"[qarl-convert] {said}" in err and err.index(said) < err.index("qarl-convert: wrote"), err[-2000:]

@@ -149,11 +149,12 @@ def checked(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, to
 
 
 def say(message: str) -> None:
-    """A conversion's progress line on stderr (rank 0): where it is, for minutes-long conversions at 30B."""
+    """A conversion's progress line on stderr (rank 0): where it is, for minutes-long conversions at 30B. Bracketed,
+    as the trainer's `[qarl]` lines: `qarl-convert:` starts the one line of a result or an error."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"qarl-convert: {message}", file=sys.stderr, flush=True)
+        print(f"[qarl-convert] {message}", file=sys.stderr, flush=True)
 
 
 def progress(total_bytes: int | None, desc: str):
