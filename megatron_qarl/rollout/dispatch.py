@@ -13,8 +13,8 @@ Every engine has all of its requests in flight at once, up to ``rollout.max_infl
 (`generate_concurrently`): SGLang's and vLLM's schedulers batch them continuously, so an engine serves
 hundreds of sequences instead of one request's rows, and a request's slowest row no longer holds back the
 next request. The results are handed back in request order, so scoring, metrics and the batch do not depend
-on how many requests were in flight. A stop request (`should_stop`) abandons the requests in flight at once
-(`RolloutStopRequested`).
+on how many requests were in flight. A stop request (`should_stop`) has the engine abort the requests in flight
+and waits until it is idle (`RolloutStopRequested`).
 
 After generation each rank needs only its data-parallel shard: `deliver_samples` sends every sample from
 the rank that owns it to the ranks that asked for it, point to point (routes as uint8 tensors), instead of
@@ -140,8 +140,6 @@ def generate_concurrently(engine, rows_prompt_ids: Sequence[Sequence[int]], samp
             raise _abandon(engine, cancelled, cond, done, started, len(requests), drain_s)
         with cond:
             if handed not in done:
-                if failed is not None and len(done) == started:
-                    break  # every started request has ended: hand back the successes after the failure
                 continue
             ok, value = done[handed]
         if ok:
@@ -150,21 +148,8 @@ def generate_concurrently(engine, rows_prompt_ids: Sequence[Sequence[int]], samp
             failed = value
         handed += 1
         if handed == started and any_failed.is_set():
-            break
-    if any_failed.is_set():
-        while True:  # the requests in flight when the failure came: wait for them, keep their results
-            with cond:
-                if len(done) == started:
-                    break
-                cond.wait(timeout=poll_s)
-            if should_stop is not None and should_stop():
-                raise _abandon(engine, cancelled, cond, done, started, len(requests), drain_s)
-        for k in range(handed, started):
-            ok, value = done[k]
-            if ok:
-                yield (requests[k], *value)
-            elif failed is None:
-                failed = value
+            break  # every request started before the failure has ended and been handed back, in order
+    if failed is not None:
         raise failed
 
 
