@@ -22,7 +22,7 @@ class UserError(Exception):
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from megatron_qarl.config import ConfigError, SFTConfigError
-    from megatron_qarl.errors import CheckpointError, DivergenceError
+    from megatron_qarl.errors import CheckpointError, DivergenceError, RefitError
     from megatron_qarl.fileio import RunDirInUseError
     from megatron_qarl.memory import HostMemoryError
     from megatron_qarl.memory_saver import MemorySaverError
@@ -35,7 +35,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
     return (UserError, ConfigError, SFTConfigError, DatasetError, CheckpointError, QuantConfigError, ConversionError,
             DivergenceError, TokenizerError, TrackingError, EngineSetupError, RunDirInUseError, HostMemoryError,
-            MemorySaverError)
+            MemorySaverError, RefitError)
 
 
 def _quiet_library_warnings() -> None:

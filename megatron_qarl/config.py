@@ -301,6 +301,14 @@ class PublishConfig:
     # and compares every code each publish: about as long as the rest of a cached publish). Delta mode always
     # reports it, from the diff its encoder makes anyway.
     code_flips: bool = False
+    # The refit canary (megatron_qarl/canary.py): after a publish every engine scores canary_sequences fixed
+    # sequences of canary_tokens tokens (a prefill) and the learner the same tokens; a gap beyond the derived
+    # bound stops the run (exit 2) before a rollout samples from those weights. Checked after each of the first
+    # canary_dense_publishes publishes (the first one included), then after every canary_every-th; 0 turns it off.
+    canary_every: int = 10
+    canary_dense_publishes: int = 10
+    canary_sequences: int = 4
+    canary_tokens: int = 32
 
     def __post_init__(self) -> None:
         # true / false (YAML's booleans, or their text from an override) are all / off
@@ -733,6 +741,13 @@ def _check_positive(cfg: RunConfig) -> list[str]:
     }
     out = [f"{k}={v} must be > 0" for k, v in must_be_positive.items() if not v > 0]
     if r.n == 1:
+    p = cfg.publish
+    if p.canary_every < 0 or p.canary_dense_publishes < 0:
+        out.append(f"publish.canary_every={p.canary_every} and publish.canary_dense_publishes="
+                   f"{p.canary_dense_publishes} must be >= 0 (canary_every=0 turns the refit canary off)")
+    if p.canary_every > 0 and (p.canary_sequences < 1 or p.canary_tokens < 2):
+        out.append(f"publish.canary_sequences={p.canary_sequences} must be >= 1 and publish.canary_tokens="
+                   f"{p.canary_tokens} >= 2 (a scored token needs one before it), or publish.canary_every=0")
         out.append("rollout.n=1: a group of one sample has no baseline, so every advantage is 0 and nothing is "
                    "learned (group-normalised advantages compare the samples of a prompt); use rollout.n >= 2, "
                    "e.g. 8")

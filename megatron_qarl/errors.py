@@ -17,6 +17,12 @@ class DivergenceError(RuntimeError):
     non-finite. Nothing non-finite was applied or checkpointed."""
 
 
+class RefitError(RuntimeError):
+    """After a publish the engine does not hold or compute what the trainer published (a checksum, a read-back or
+    the refit canary disagrees): the run stops before any rollout samples from those weights; qarl-train prints
+    the message as one line and exits 2."""
+
+
 class RunStopped(Exception):
     """The run stopped on request (SIGTERM, SIGUSR1, Ctrl-C or the stop file) at a step boundary, after writing
     a checkpoint of the finished step (or with none new, `checkpoint` None, when the step in flight failed

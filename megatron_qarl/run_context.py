@@ -100,6 +100,8 @@ class RunContext:
     # (step, metrics so far) of the step being checkpointed, and a resumed checkpoint's logged_row (checkpoint_state)
     step_row: tuple | None = None
     resumed_row: dict | None = None
+    publishes: int = 0  # publishes this process made (the refit canary's schedule counts them)
+    canary: Any = None  # canary.CanaryBound of this run's engine and format (None: no canary; trainer.canary_of)
 
 
 def learner_config_overrides(cfg: RunConfig) -> dict:

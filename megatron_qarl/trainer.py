@@ -31,8 +31,8 @@ import torch.distributed as dist
 from megatron_qarl.config import RunConfig
 from megatron_qarl.errors import DivergenceError, RunStopped
 from megatron_qarl.parallel import (
-    destroy_distributed, dp_group, dp_rank, dp_size, error_summary, host_group, max_over_ranks, sum_over_ranks,
-    tp_size, wait_for_ranks,
+    destroy_distributed, dp_group, dp_rank, dp_size, error_summary, host_group, max_over_ranks,
+    raise_if_any_rank_failed, sum_over_ranks, tp_size, wait_for_ranks,
 )
 from megatron_qarl.rl.advantages import group_normalized_advantages
 from megatron_qarl.rl.batch import RolloutBatch, build_rollout_batch
@@ -73,6 +73,7 @@ def train(cfg: RunConfig) -> dict:
 
 
 def _train(cfg: RunConfig, held, stop) -> dict:
+    from megatron_qarl.canary import run_canary_bound
     from megatron_qarl.evaluation import eval_due, evaluate
     from megatron_qarl.run_context import announce, build_run_context, start_engines
 
@@ -85,12 +86,14 @@ def _train(cfg: RunConfig, held, stop) -> dict:
         raise
     last: dict = {}
     step = ctx.start_step
+    ctx.canary = run_canary_bound(cfg, ctx.hf_config)  # announced once on the logging rank
     try:
         with announce(f"starting {ctx.topology.engines} {cfg.rollout.engine} engine(s)"):
             start_engines(ctx)  # on GPUs the trainer has released
         with announce("the first publish of the weights to the engines"):
             engine_sleep(ctx)
-            publish_weights(ctx)  # the engine must hold the (possibly resumed) weights before the first rollout
+            # the engine must hold the (possibly resumed) weights before the first rollout
+            publish_weights(ctx, f"after the first publish (the weights of step {ctx.start_step})")
         if stop_agreed(stop):  # asked before any step ran: nothing new to checkpoint
             raise RunStopped(stopped_line(stop, ctx, step, None))
         for step in range(ctx.start_step, cfg.train.steps):
@@ -116,7 +119,7 @@ def _train(cfg: RunConfig, held, stop) -> dict:
             ctx.step_row = (step, {**metrics, **timer.marks})  # kept in the checkpoint: a kill in the publish loses no row
             saved = maybe_checkpoint(ctx, step, force=stopping)  # before the publish releases the state it saves
             if not stopping:  # a stopping run publishes nothing: the resumed run publishes before its first rollout
-                metrics.update(publish_weights(ctx))
+                metrics.update(publish_weights(ctx, f"after step {step + 1}'s publish"))
                 timer.lap("publish")
             metrics.update(timer.marks)
             metrics["time/step_s"] = timer.total()
@@ -192,7 +195,8 @@ def collect_rollouts(ctx, step: int, stop=None) -> tuple[RolloutBatch, dict]:
         restart_failed_engine(ctx, error)
         wait_for_ranks("an engine's restart")  # a restart takes minutes (SGLang's start): not in a collective
         engine_sleep(ctx)  # colocated: the trainer's state comes back for the publish
-        publish_weights(ctx)  # collective: the restarted engine gets the current weights back
+        # collective: the restarted engine gets the current weights back, and the canary checks them
+        publish_weights(ctx, f"after an engine restart in step {step + 1}", canary=True)
     # Row r was served by the engine of request r // rows_per_request: its leader holds the sample.
     rows_per_request = cfg.rollout.request_prompts * cfg.rollout.n
     per = num_rows // dp_size()
@@ -332,21 +336,66 @@ def engine_wake(ctx, tags: tuple[str, ...]) -> None:
         ctx.engine.resume_memory(tags)
 
 
-def publish_weights(ctx) -> dict:
+def publish_weights(ctx, when: str, canary: bool | None = None) -> dict:
     """COLLECTIVE. Push this step's weights to every engine, in the colocated order (slime's): the trainer's grads
     dropped and its state resident, the engine's weights back, the publish, then the quant cache dropped and the
     trainer's state released, and only then the engine's KV cache back (memory.memory_timeline's 'publish' and
-    'engine wake' phases). Expects the engines asleep (engine_sleep)."""
+    'engine wake' phases). Expects the engines asleep (engine_sleep). Then the refit canary, when due (`canary`
+    None: publish.canary_*'s schedule) checks what the engines compute; `when` names the publish in its line."""
+    from megatron_qarl.canary import canary_due
     from megatron_qarl.memory_saver import TRAINER_GRADS, TRAINER_STATE
     from megatron_qarl.run_context import release_for_engines
 
+    p = ctx.cfg.publish
+    due = ctx.canary is not None and (canary or canary is None and canary_due(
+        ctx.publishes, p.canary_dense_publishes, p.canary_every))
     ctx.memory.restore((TRAINER_STATE,))
     ctx.memory.release((TRAINER_GRADS,))
+    reference = canary_reference(ctx) if due else None  # the learner's log-probs of what it is about to publish
     engine_wake(ctx, ("weights",))
     metrics = ctx.publisher.publish()
     release_for_engines(ctx.memory, ctx.quant)  # the quant cache and the state: the KV cache's memory
     engine_wake(ctx, ("kv_cache",))
+    ctx.publishes += 1
+    if reference is not None:
+        metrics.update(refit_canary(ctx, *reference, when))
     return metrics
+
+
+@torch.no_grad()
+def canary_reference(ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """COLLECTIVE. The canary's tokens and the learner's log-probs of them, on the weights about to be published."""
+    from megatron_qarl.canary import canary_sequences, learner_canary_logprobs
+
+    p, multiple = ctx.cfg.publish, ctx.cfg.parallel.pad_multiple
+    length = -(-p.canary_tokens // multiple) * multiple  # sequence parallel splits the sequence over TP
+    ids = canary_sequences(ctx.tokenizer, ctx.hf_config.vocab_size, p.canary_sequences, length)
+    device = next(ctx.model.parameters()).device
+    with ctx.publisher.engine_values():  # the values the engine gets: its unquantized weights in bf16
+        return ids, learner_canary_logprobs(ctx.model, ids.to(device))
+
+
+def refit_canary(ctx, ids: torch.Tensor, learner: torch.Tensor, when: str) -> dict:
+    """COLLECTIVE. Every leader's engine scores the canary and compares with the learner's log-probs; a breach on
+    any leader ends the run on every rank (CanaryBreach), before a rollout samples from those weights."""
+    from megatron_qarl.canary import CanaryBreach, breach_line, compare, engine_canary_logprobs, max_over_world
+
+    error, stats = None, [0.0, 0.0, 0.0, 0.0]
+    if ctx.engine is not None:
+        try:
+            scored, seconds = engine_canary_logprobs(ctx.engine, ids)
+            gap = compare(scored, learner, ctx.canary)
+            if gap.breaches(ctx.canary):
+                raise CanaryBreach(breach_line(ctx.cfg.rollout.engine, ctx.topology.group_of(dist.get_rank()), when,
+                                               gap, ctx.canary))
+            stats = [gap.max, gap.mean, float(gap.over), seconds]
+        except Exception as exc:  # every rank must hear of it
+            error = exc
+    raise_if_any_rank_failed(error, CanaryBreach(f"the refit canary failed {when} on another rollout group's "
+                                                 "leader"), phase="the refit canary")
+    worst, mean, over, seconds = max_over_world(stats)
+    return {"canary/max_gap": worst, "canary/mean_gap": mean, "canary/tokens_over_bound": over,
+            "canary/bound": ctx.canary.value, "time/canary_s": seconds}
 
 
 # -- 2. old log-probs, routing telemetry ---------------------------------------------------------------

@@ -44,6 +44,9 @@ ALLOWED: dict[str, set[str]] = {
                              "megatron_qarl.quant", "megatron_qarl.rl", "megatron_qarl.rollout"},
     # The run: builders (run_context) and the two loops (trainer for RL, sft for the warm-up) may use
     # every room below them; the CLIs sit on top.
+    # the refit canary: the engines' and the learner's log-probs of fixed tokens after a publish
+    "megatron_qarl.canary": {"megatron_qarl.errors", "megatron_qarl.parallel", "megatron_qarl.models",
+                             "megatron_qarl.quant", "megatron_qarl.rollout"},
     # held-out evaluation: a phase of the RL loop, over the engines and the collectives
     "megatron_qarl.evaluation": {"megatron_qarl.parallel", "megatron_qarl.rollout", "megatron_qarl.rl"},
     # what a run checks of its inputs before any model: prompt rows, the reward's smoke call, tokenizer coverage

@@ -313,6 +313,22 @@ def quantization_mismatch(learner: QuantConfig, served: Mapping[str, Any] | None
     if served and found is None:
         return (f"it serves a quantization_config no registered scheme reads (quant_method "
                 f"{served.get('quant_method')!r}, format {served.get('format')!r})")
+def substring_ignore_entries(ignore: Iterable[str], names: Iterable[str], quantized: set[str]
+                             ) -> list[tuple[str, list[str]]]:
+    """The plain (non-``re:``) ignore entries that name no linear exactly yet are a substring of linears the
+    learner quantizes (``mlp.gate`` inside ``mlp.gate_up_proj``), each with those linears: compressed-tensors
+    reads a plain entry as one exact name, an engine that matches by substring reads it as all of them."""
+    names = set(names)
+    found = []
+    for entry in ignore:
+        if entry.startswith("re:") or entry in names:
+            continue
+        hit = sorted(n for n in quantized if entry in n)
+        if hit:
+            found.append((entry, hit))
+    return found
+
+
     engine_scheme = found[0].name if found else NO_SCHEME
     # a variant's engine serves its checkpoint scheme's format (nested int grids: the plain width's)
     learner_format = (scheme_of(learner).checkpoint_scheme or learner.scheme) if learner.enabled else NO_SCHEME
@@ -336,3 +352,9 @@ def quantization_mismatch(learner: QuantConfig, served: Mapping[str, Any] | None
     if missing:
         said.append(f"keeps bf16 {len(missing)} the learner quantizes (e.g. {', '.join(missing[:2])})")
     return f"its {scheme.name} checkpoint {' and '.join(said)}: its ignore list is not quant.scope={learner.scope}'s"
+    loose = substring_ignore_entries(served.get("ignore") or [], names, learner_q)
+    if loose:
+        entry, hit = loose[0]
+        return (f"its ignore list has {entry!r}, which names no linear exactly but is part of {len(hit)} the learner "
+                f"quantizes (e.g. {hit[0]}): an engine that matches ignore entries by substring (verl's MXFP8 loader "
+                "did) keeps those bf16 while the learner quantizes them; write full names or 're:' patterns")

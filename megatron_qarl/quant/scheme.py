@@ -89,6 +89,7 @@ class QuantScheme:
     # a variant whose codes another scheme's format carries unmarked (nested int grids): the registered scheme
     # its checkpoints load as; its own `config_fields` then claims no quantization_config
     checkpoint_scheme: str | None = None
+    activation_dtype: torch.dtype | None = None  # quantizes_activations: the format its inputs are rounded to
 
     def int4_operands(self, hf_name: str, parts):
         """(int codes [N, K], scales [N, K / group]) of one linear's engine parts, for an int4 sampler kernel

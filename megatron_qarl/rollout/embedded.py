@@ -40,7 +40,7 @@ from megatron_qarl.quant.aten_int4 import (
 from megatron_qarl.quant.engine_layout import (
     PARTS, UNQUANTIZED, EngineLayoutError, dequantize_linear, engine_part, quantization_config_for)
 from megatron_qarl.quant.errors import QuantizationError
-from megatron_qarl.quant.schemes import scheme_of_kind, scheme_of_quantization_config
+from megatron_qarl.quant.schemes import scheme_of, scheme_of_kind, scheme_of_quantization_config
 from megatron_qarl.rollout.delta import DeltaBatch, apply_delta_batch
 from megatron_qarl.rollout.engine_kind import EngineKind
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
@@ -476,6 +476,24 @@ class EmbeddedEngine:
                 raise RolloutEngineError("engine was shut down")
             return _SamplingLoop(self, rows, sampling, gens).run()
 
+    @torch.no_grad()
+    def score_tokens(self, token_ids: list[list[int]]) -> list[list[float]]:
+        """Prompt log-probs on the weights held now (the refit canary): one unpadded forward per sequence, so no
+        pad token or attention mask enters the arithmetic the learner's forward of the same tokens does not have."""
+        if self.model is None:
+            raise RolloutEngineError("engine was shut down")
+        if self._in_update:
+            raise RolloutEngineError("score_tokens called during an open weight update")
+        if any(len(seq) < 2 for seq in token_ids):
+            raise ValueError("every scored sequence needs at least two tokens")
+        scored = []
+        with self._generate_lock:
+            for seq in token_ids:
+                ids = torch.tensor([seq], dtype=torch.long)
+                logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+                scored.append(torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].tolist())
+        return scored
+
 
 def _filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Mask (to -inf) tokens outside top-k and outside the top-p nucleus."""
@@ -601,6 +619,15 @@ class EmbeddedKind(EngineKind):
             return [f"rollout.engine_tp={r.engine_tp} with rollout.engine=embedded: the embedded engine runs in "
                     "one process; use rollout.engine_tp=1"]
         return []
+
+    def canary_dtype(self, cfg: Any) -> torch.dtype:
+        """Its dtype; PyTorch's int4 kernel multiplies code x scale without the spec's bf16 rounding of it
+        (quant/aten_int4.py), so its weights differ from the learner's by a bf16 rounding."""
+        kernel = cfg.rollout.embedded_w4a16_kernel
+        scheme = scheme_of(cfg.quant) if cfg.quant.enabled else None
+        if kernel != "dequantized" and scheme is not None and kernel in scheme.sampler_kernels:
+            return torch.bfloat16
+        return _resolve_dtype(cfg.rollout.embedded_dtype)
 
     def config_from_run(self, cfg: Any, *, group: int = 0, start_checkpoint: str | None = None, hf_config=None,
                         tokenizer=None) -> EmbeddedEngineConfig:

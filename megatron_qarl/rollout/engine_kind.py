@@ -89,6 +89,14 @@ class EngineKind:
 
     # ------------------------------------------------------------------ checks
     def check_config(self, cfg: Any) -> list[str]:
+    def canary_dtype(self, cfg: Any):
+        """The coarsest rounding its kernels apply to a token's values that the aligned learner's fp32 forward does
+        not (a torch dtype): what bounds the refit canary's gap (megatron_qarl/canary.py). Default bfloat16: a GPU
+        server's GEMMs accumulate in fp32 and round every output to bf16."""
+        import torch
+
+        return torch.bfloat16
+
         """The problems of a RunConfig that only this engine has, each one line naming the key and the fix."""
         return []
 

@@ -104,6 +104,11 @@ class RolloutEngine(Protocol):
 
     def end_weight_update(self) -> None: ...
 
+    def score_tokens(self, token_ids: list[list[int]]) -> list[list[float]]:
+        """Prompt log-probs of whole sequences (the refit canary, megatron_qarl/canary.py): for each sequence,
+        log_softmax(logits_t)[token_{t+1}] for t = 0..len-2 at temperature 1 (no sampling, a prefill only),
+        computed on the weights the engine holds now."""
+
     def health(self) -> bool: ...
 
     def restart(self) -> None:

@@ -40,6 +40,8 @@ work but the gathers and the copy into buckets (the count cost about half of it:
 from __future__ import annotations
 
 import functools
+import contextlib
+
 import math
 import time
 import zlib
@@ -60,18 +62,20 @@ from megatron_qarl.rollout.delta import (
     DeltaBatch, TensorDelta, WeightDeltaMismatch, supports_delta, tensor_crc32, tensor_delta, worth_a_delta,
 )
 from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, TensorMeta, iter_buckets, plan_buckets, tensor_sha256
+from megatron_qarl.errors import RefitError
 
 
 class PublishError(RuntimeError):
     """Publishing weights to the rollout engine failed."""
 
 
-class PublishVerificationError(PublishError):
-    """The engine does not hold what the trainer sent (a tensor missing or with different bytes)."""
+class PublishVerificationError(PublishError, RefitError):
+    """The engine does not hold what the trainer sent (a tensor missing or with different bytes): one line, exit 2."""
 
 
-class EngineQuantizationMismatch(PublishError):
-    """The engine serves another quantization (format, group size, quantized linears) than the learner's."""
+class EngineQuantizationMismatch(PublishError, RefitError):
+    """The engine serves another quantization (format, group size, quantized linears) than the learner's: one
+    line, exit 2, before the first rollout."""
 
 
 VERIFY_MODES = ("off", "all", "sampled")
@@ -627,6 +631,26 @@ class WeightPublisher:
             if me not in topo.ep_leaders:
                 return []
             return [FullParam(local_to_global_name(name, c.ep_rank, topo.n_local), kind, parts, shape)]
+    @contextlib.contextmanager
+    def engine_values(self):
+        """For the block, the model's unquantized parameters hold the values an engine gets (`_local`: bf16 unless
+        the family keeps them fp32), so a forward computes on what the engine holds (the refit canary); the
+        quantized linears already run on the codes it gets. Copies only what the rounding changes: an fp32
+        learner's unquantized weights (the CPU twin's); nothing for a bf16 learner."""
+        saved = {}
+        try:
+            with torch.no_grad():
+                for name, param in self.params.items():
+                    if name in self.sites or param.dtype != torch.float32 or self.family.param_layout(name).keep_fp32:
+                        continue
+                    saved[name] = param.detach().clone()
+                    param.copy_(param.to(torch.bfloat16))
+            yield
+        finally:
+            with torch.no_grad():
+                for name, value in saved.items():
+                    self.params[name].copy_(value)
+
         per_rank: dict[str, list[torch.Tensor]] = {}
         for key, part in parts.items():
             shards = _gather_to_leaders(part, topo.ep_group, c.ep_size, topo.ep_leaders)

@@ -58,6 +58,7 @@ class FP8(QuantScheme):
     why_scopes = "FP8 covers all linears except router/embeddings/output layer; set scope='all-linears'"
     default_scope = "all-linears"
     quantizes_activations = True
+    activation_dtype = torch.float8_e4m3fn
     engines = {"vllm": EngineSupport(refit=False, why_not="no FP8 refit verified against vLLM")}
 
     def scale_block(self, cfg) -> tuple[int, int]:
