@@ -80,6 +80,35 @@ CASES = [
          "one line: the marker, or the side-state file, 'is damaged' (not a UnicodeDecodeError traceback, not "
          "'holds objects other than tensors')", "2",
          "test_reliability_faults.py::test_random_bytes_named_like_checkpoint_files_are_one_line"),
+    # ------------------------------------------------------------ the refit: the engine computes what was published
+    Case("refit", "a refit that loses a bucket on the way (publish.verify off)",
+         "the engine drops the second bucket of the third publish (tests/dist/plant_refit_fault.py)",
+         "the refit canary: one line naming the engine, rollout group, the publish and the worst tokens; the "
+         "steps before it logged with canary/*; no rollout on those weights", "2",
+         "test_canary.py::test_a_refit_the_engine_mishandled_stops_the_run_before_a_rollout_samples_from_it"),
+    Case("refit", "a refit that skips a layer, or a derived tensor (the weights the engine computes with not "
+         "re-derived from the codes it keeps: a checksum of what it keeps matches)",
+         "the engine drops layer 1's tensors / skips its dequantize into the model at the third publish",
+         "the same canary line, exit 2, before the next rollout", "2",
+         "test_canary.py::test_a_refit_the_engine_mishandled_stops_the_run_before_a_rollout_samples_from_it"),
+    Case("refit", "a publish that lands on an engine whose weights were then restored from a stale copy",
+         "after the third publish the engine loads the state it held after the first",
+         "the same canary line, exit 2", "2",
+         "test_canary.py::test_a_refit_the_engine_mishandled_stops_the_run_before_a_rollout_samples_from_it"),
+    Case("refit", "the quantization switch that never reached the engine process (it would serve the codes as "
+         "bf16)", "the engine built without the run's quantization_config",
+         "one line before the first rollout: 'does not serve the learner's quantization: it serves "
+         "quant.scheme=none'", "2",
+         "test_canary.py::test_an_engine_started_without_the_runs_quantization_is_refused_at_start"),
+    Case("refit", "an engine quantization config that differs from the trainer's spec: group 64 vs 128, a "
+         "quantized router, an ignore regex swallowing a layer, another format or scale encoding",
+         "engine quantization_configs edited", "one line naming what differs (already so before issue 43)", "2",
+         "test_engine_quantization.py::test_what_peers_hit_is_each_named_in_one_line"),
+    Case("refit", "an engine ignore list with a plain entry that is a substring of quantized linears "
+         "(`mlp.gate` inside `gate_up_proj`: an engine matching by substring leaves them bf16)",
+         "a served quantization_config with 'mlp.experts.1' added (part of experts 1's linears)",
+         "one line naming the entry, how many linears it is part of, and the fix (full names or 're:')", "2",
+         "test_engine_quantization.py::test_a_plain_ignore_entry_inside_quantized_linear_names_is_refused"),
     # ------------------------------------------------------------ the run directory
     Case("run directory", "a second trainer started on a live run's directory", "two qarl-train on one out dir",
          "refused before it reads, moves or removes anything: one line naming the holder's pid and host; the "

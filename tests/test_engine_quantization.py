@@ -74,6 +74,21 @@ def test_what_peers_hit_is_each_named_in_one_line(cfg):
     assert "no registered scheme reads" in quantization_mismatch(W4A16, {"quant_method": "awq"}, names, naming=QWEN3)
 
 
+def test_a_plain_ignore_entry_inside_quantized_linear_names_is_refused(cfg):
+    """compressed-tensors reads a plain ignore entry as one exact module name; an engine that matched entries by
+    substring (verl's MXFP8 loader) kept 56 gate/up projections bf16 for 'mlp.gate'. Neither reading is ours to
+    pick, so an entry that names no linear exactly but is part of quantized ones is refused."""
+    names = engine_linear_names(cfg)
+    loose = served(ignore=served()["ignore"] + ["mlp.experts.1"])  # meant: expert 1; by substring: 1, 10-17, ...
+    said = quantization_mismatch(W4A16, loose, names, naming=QWEN3)
+    per_layer = sum(1 for n in names if ".layers.0.mlp.experts.1." in n)
+    assert said is not None and said.startswith(
+        f"its ignore list has 'mlp.experts.1', which names no linear exactly but is part of "
+        f"{per_layer * cfg.num_hidden_layers} the learner quantizes (e.g. model.layers.0.mlp.experts.1."), said
+    exact = served(ignore=served()["ignore"] + ["model.layers.0.mlp.gate"])  # an exact name: read one way only
+    assert quantization_mismatch(W4A16, exact, names, naming=QWEN3) is None
+
+
 def test_a_nested_learner_is_served_by_its_plain_widths_checkpoint(cfg):
     """w2a16_nested writes the plain 2-bit pack-quantized format: an engine serving w2a16 serves it; one serving
     w3a16 or w4a16 does not."""
