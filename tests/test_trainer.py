@@ -75,6 +75,8 @@ def _assert_healthy_run(out: Path, steps: int):
         assert row["publish/num_tensors"] > 0 and row["publish/bytes"] > 0  # published every step
         assert math.isfinite(row["mismatch/k3"]) and row["mismatch/k3"] >= 0
         assert row["count/seqs"] == 8  # 4 prompts x n 2, all DP ranks together
+        # the refit canary after every early publish: the engine computes what was published (canary.py's bound)
+        assert 0 <= row["canary/max_gap"] <= row["canary/bound"], row
     assert (out / "reward_mean.png").is_file() and (out / "mismatch_k3.png").is_file()
     assert (out / "config.yaml").is_file()
 
