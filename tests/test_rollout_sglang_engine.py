@@ -26,6 +26,8 @@ from megatron_qarl.rollout.sglang_engine import (
     default_master_address,
     generate_payload,
     parse_generate_output,
+    parse_score_output,
+    score_payload,
     scrubbed_environ,
     sglang_engine_kwargs,
     sglang_server_command,
@@ -82,6 +84,14 @@ FAKE_SERVER = textwrap.dedent('''
             if self.path == "/generate":
                 if mode == "slow":
                     time.sleep(arg)
+                if payload.get("logprob_start_len") == 0:  # a score request: SGLang's input_token_logprobs layout,
+                    # the first None, then -(t + 0.25 * id) at position t (tokenizer_manager.py:3098-3106)
+                    outs = [{"meta_info": {"input_token_logprobs": [[None if t == 0 else -(t + 0.25 * i), i, None]
+                                                                    for t, i in enumerate(ids)],
+                                           "output_token_logprobs": [],
+                                           "finish_reason": {"type": "length", "length": 0}}}
+                            for ids in payload["input_ids"]]
+                    return self._send(200, outs)
                 outs = [{"meta_info": {"output_token_logprobs": [[-0.5, 7, None], [-1.5, 2, None]],
                                        "finish_reason": {"type": "stop", "matched": 2}}}
                         for _ in payload["input_ids"]]
@@ -448,6 +458,69 @@ def test_generate_on_a_dead_server_is_a_crash(fake):
     engine._proc.wait()
     with pytest.raises(EngineCrashedError):
         engine.generate([[1]], SamplingParams(max_new_tokens=2))
+
+
+# ---------------------------------------------------------------------------------------------- scoring
+
+def test_score_tokens_sends_one_prefill_only_request_and_reads_the_input_logprobs(fake):
+    """What SGLang 0.5.23 itself accepts and answers is pinned by the contract test
+    (tests/contract/test_sglang_engine_contract.py::test_score_*)."""
+    make, calls = fake
+    engine = make()
+    seqs = [[3, 5, 7, 9], [11, 13]]
+    scores = engine.score_tokens(seqs)
+    assert scores == [[-(1 + 0.25 * 5), -(2 + 0.25 * 7), -(3 + 0.25 * 9)], [-(1 + 0.25 * 13)]]
+    (req,) = [c for c in calls() if c["path"] == "/generate"]
+    assert req["payload"] == {"input_ids": seqs, "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+                              "return_logprob": True, "logprob_start_len": 0}
+    assert engine.score_tokens([]) == [] and len([c for c in calls() if c["path"] == "/generate"]) == 1
+    with pytest.raises(ValueError, match="at least two tokens"):
+        engine.score_tokens([[1, 2], [3]])
+
+
+def test_score_tokens_keeps_generates_timeout_and_crash_errors(fake):
+    make, _ = fake
+    engine = make("slow", 5, request_timeout_s=1)
+    with pytest.raises(EngineTimeoutError, match="no answer within 1 s"):
+        engine.score_tokens([[1, 2, 3]])
+    assert engine._proc.poll() is None
+    engine._proc.kill()
+    engine._proc.wait()
+    with pytest.raises(EngineCrashedError):
+        engine.score_tokens([[1, 2, 3]])
+
+
+def test_score_tokens_is_refused_during_a_weight_update_and_runs_in_process():
+    engine = inproc_engine(generate=[{"meta_info": {"input_token_logprobs": [(None, 4, None), (-0.75, 6, None)]}}])
+    assert engine.score_tokens([[4, 6]]) == [[-0.75]]  # the in-process Engine answers tuples
+    assert engine._inproc.calls[-1] == ("generate", score_payload([[4, 6]]))
+    engine.begin_weight_update()
+    with pytest.raises(RolloutEngineError, match="open weight update"):
+        engine.score_tokens([[4, 6]])
+
+
+def _scored(entries, **meta):
+    return {"meta_info": {"input_token_logprobs": entries, **meta}}
+
+
+def test_score_answer_parsing_drops_the_first_none_and_accepts_sglangs_clipped_ids():
+    assert parse_score_output(_scored([[None, 8, None], [-0.5, 9, None], [-2.0, 0, None]]), [8, 9, 127]) == [-0.5, -2.0]
+
+
+@pytest.mark.parametrize("answer, says", [
+    ("not a dict", "no meta_info"),
+    ({"meta_info": {"finish_reason": {"type": "abort", "message": "out of memory"}}}, "aborted: out of memory"),
+    ({"meta_info": {"output_token_logprobs": []}}, "no input_token_logprobs list"),
+    (_scored([[None, 8, None], [-0.5, 9, None]]), "2 input_token_logprobs for 3 tokens"),
+    (_scored([[None, 8, None], -0.5, [-1.0, 10, None]]), "not \\[logprob, token_id, text\\]"),
+    (_scored([[-0.1, 8, None], [-0.5, 9, None], [-1.0, 10, None]]), "first input token has logprob -0.1"),
+    (_scored([[None, 8, None], [-0.5, 9, None], [-1.0, 11, None]]), "position 2 reports token 11, the sequence has 10"),
+    (_scored([[None, 8, None], [None, 9, None], [-1.0, 10, None]]), "position 1 has logprob None"),
+])
+def test_a_malformed_score_answer_is_one_clear_line(answer, says):
+    with pytest.raises(RolloutEngineError, match=says) as err:
+        parse_score_output(answer, [8, 9, 10])
+    assert "\n" not in str(err.value) and str(err.value).startswith("SGLang's score of a 3-token sequence: ")
 
 
 def test_routed_experts_are_decoded_from_base64_int32_to_uint8():

@@ -18,6 +18,10 @@ dispatcher bounds that request), with one ``sampling_seed`` per result row
 ``EngineCrashedError``. The engine never restarts itself: the caller retries, or calls ``restart()``
 (relaunch from ``model_path``, no weight push) and then publishes all weights again.
 
+Scoring (the refit canary): ``score_tokens`` sends ONE prefill-only ``/generate`` request for all its sequences
+(``score_payload``: ``max_new_tokens=0``, ``logprob_start_len=0``) under the same timeout and errors, and reads
+each sequence's input log-probs back (``parse_score_output``).
+
 SGLang honours ``sampling_seed`` only with ``--enable-deterministic-inference``
 (srt/sampling/sampling_batch_info.py:157-171: the per-request seed tensor is built only when deterministic
 inference is on, :170; otherwise the sampler draws from the global generator). Without
@@ -556,6 +560,70 @@ def parse_generate_output(out: dict, prompt_index: int, prompt_len: int, layers:
     return GenerationResult(prompt_index, token_ids, logprobs, "stop" if reason == "stop" else "length", routed)
 
 
+def score_payload(token_ids: list[list[int]]) -> dict:
+    """The ``/generate`` body that scores whole sequences (the refit canary), all in one batch request.
+
+    A prefill only: ``max_new_tokens=0`` makes a request ``Req.is_prefill_only`` (managers/schedule_batch.py:
+    1501-1506; ``SamplingParams.verify`` admits 0, sampling/sampling_params.py:285-289): no token is sampled
+    (managers/tp_worker.py:742-750), as SGLang's own /score sends it (managers/tokenizer_manager_score_mixin.py:
+    1192-1204). ``logprob_start_len=0``: the log-prob of every input token (scheduler.py:3260-3273), and it caps the
+    prefix-cache match at 0 tokens (schedule_batch.py:1774-1775), so every position is recomputed on the weights
+    the engine holds now, never read from a KV cache of older ones.
+
+    Temperature: input log-probs are log_softmax of the raw logits (layers/logprob_processor.py:734 and, on
+    SGLANG_ENABLE_FAST_INPUT_LOGPROBS's path, :774-782); no temperature reaches them, neither the request's nor
+    SGLANG_RETURN_ORIGINAL_LOGPROB's choice (which gates output log-probs only, layers/sampler.py:192,
+    layers/logprob_processor.py:417). ``temperature=1`` is sent to say what is asked, not to change it."""
+    return {
+        "input_ids": [[int(t) for t in seq] for seq in token_ids],
+        "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+
+
+def _score_problem(out: Any, sequence: list[int]) -> str | None:
+    """What is wrong with one answer to ``score_payload`` for `sequence` (None: nothing); see parse_score_output."""
+    meta = out.get("meta_info") if isinstance(out, dict) else None
+    if not isinstance(meta, dict):
+        return "no meta_info"
+    reason = meta.get("finish_reason")
+    if isinstance(reason, dict) and reason.get("type") == "abort":
+        return f"the request was aborted: {reason.get('message') or reason}"
+    entries = meta.get("input_token_logprobs")
+    if not isinstance(entries, list):
+        return "no input_token_logprobs list (was return_logprob with logprob_start_len=0 sent?)"
+    if len(entries) != len(sequence):
+        return f"{len(entries)} input_token_logprobs for {len(sequence)} tokens"
+    if any(not isinstance(e, (list, tuple)) or len(e) < 2 for e in entries):
+        return "an input_token_logprobs entry is not [logprob, token_id, text]"
+    if entries[0][0] is not None:
+        return f"the first input token has logprob {entries[0][0]!r}, expected None (nothing precedes it)"
+    for t, (entry, sent) in enumerate(zip(entries, sequence)):
+        if entry[1] != sent and entry[1] != 0:  # 0: an id SGLang clips, see parse_score_output
+            return f"position {t} reports token {entry[1]!r}, the sequence has {sent}"
+        if t and (isinstance(entry[0], bool) or not isinstance(entry[0], (int, float))):
+            return f"position {t} has logprob {entry[0]!r}, not a number"
+    return None
+
+
+def parse_score_output(out: Any, sequence: list[int]) -> list[float]:
+    """One answer to ``score_payload`` -> log_softmax(logits_t)[token_{t+1}] for t = 0..len-2.
+
+    ``meta_info.input_token_logprobs`` has one ``[logprob, token_id, text]`` per input token from position 0
+    (tuples built by TokenizerManager.detokenize_logprob_tokens, managers/tokenizer_manager.py:3098-3106, text None
+    without return_text_in_logprobs; put in meta_info at :2850-2868, JSON arrays on the wire). The first logprob is
+    None: the scheduler prepends None and drops the last position's, whose target is the (unsampled) next token
+    (managers/scheduler_components/logprob_result_processor.py:36-38, targets shifted by one at
+    schedule_batch.py:3026-3044), so entry t >= 1 is token t's log-prob given tokens < t. The reported ids are the
+    sequence's, except that one at or above the model's vocab_size - 1 is reported as 0
+    (logprob_result_processor.py:53-56): a 0 is accepted anywhere. Anything else raises RolloutEngineError, one line."""
+    problem = _score_problem(out, sequence)
+    if problem:
+        raise RolloutEngineError(f"SGLang's score of a {len(sequence)}-token sequence: {problem}")
+    return [float(entry[0]) for entry in out["meta_info"]["input_token_logprobs"][1:]]
+
+
 def distributed_update_payload(bucket: FlattenedBucket, group_name: str) -> dict:
     """``/update_weights_from_distributed`` body for one bucket (io_struct UpdateWeightsFromDistributedReqInput)."""
     return {
@@ -923,12 +991,10 @@ class SGLangEngine:
             return
         self._http.request("/abort_request", {"rid": "", "abort_all": True}, timeout=30)
 
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:
-        """One request: ``n`` samples of each prompt, bounded by ``request_timeout_s``. Raises
-        EngineTimeoutError (server left running) or EngineCrashedError (server dead / unreachable)."""
-        if self._in_update:
-            raise RolloutEngineError("generate called during an open weight update")
-        payload, rows = generate_payload(prompt_token_ids, sampling, self.cfg.return_routed_experts)
+    def _post_generate(self, payload: dict, expected: int) -> list:
+        """One ``/generate`` request (HTTP, or the in-process Engine's ``generate``) answered by `expected` results,
+        bounded by ``request_timeout_s``. Raises EngineTimeoutError (server left running) or EngineCrashedError
+        (server dead / unreachable)."""
         if self._inproc is not None:
             with self._inproc_lock:  # sglang.Engine runs its own event loop: one caller at a time
                 outs = self._inproc.generate(**payload)
@@ -939,13 +1005,33 @@ class SGLangEngine:
                 raise self._crashed_or(e) from e
         if isinstance(outs, dict):
             outs = [outs]
-        if not isinstance(outs, list) or len(outs) != len(rows):
+        if not isinstance(outs, list) or len(outs) != expected:
             got = len(outs) if isinstance(outs, list) else type(outs).__name__
-            raise RolloutEngineError(f"SGLang returned {got} results for {len(rows)} requests")
+            raise RolloutEngineError(f"SGLang returned {got} results for {expected} requests")
+        return outs
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:
+        """One request: ``n`` samples of each prompt (``_post_generate``)."""
+        if self._in_update:
+            raise RolloutEngineError("generate called during an open weight update")
+        payload, rows = generate_payload(prompt_token_ids, sampling, self.cfg.return_routed_experts)
+        outs = self._post_generate(payload, len(rows))
         return [
             parse_generate_output(o, idx, len(p), self.cfg.route_layers, self.cfg.route_topk, self.cfg.route_moe_layers)
             for o, (idx, p) in zip(outs, rows)
         ]
+
+    def score_tokens(self, token_ids: list[list[int]]) -> list[list[float]]:
+        """Prompt log-probs of whole sequences on the weights the server holds now (the refit canary): ONE prefill-only
+        ``/generate`` request for all of them (``score_payload``), under the same timeout and errors as ``generate``."""
+        if self._in_update:
+            raise RolloutEngineError("score_tokens called during an open weight update")
+        if any(len(seq) < 2 for seq in token_ids):
+            raise ValueError("every scored sequence needs at least two tokens")
+        if not token_ids:
+            return []
+        outs = self._post_generate(score_payload(token_ids), len(token_ids))
+        return [parse_score_output(o, seq) for o, seq in zip(outs, token_ids)]
 
 
 def _requests_per_engine(cfg: Any, world_size: int | None) -> int:

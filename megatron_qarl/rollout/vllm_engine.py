@@ -13,6 +13,8 @@ the ``RolloutEngine`` protocol:
   (vLLM would return the truncated distribution's log-probs). Multi-token stop strings are matched by
   vLLM's detokenizer (the start checkpoint carries the run's tokenizer); the tokens that completed them
   stay in the response.
+* ``score_tokens`` (the refit canary): vLLM's prompt log-probs (``prompt_logprobs=0``, one prefill, no temperature
+  reaches them), one ``score`` message for all the sequences.
 * refit: ``begin`` / ``update_weights`` (published ``FlattenedBucket``s, bytes sent as they are) /
   ``end`` (one in-place ``reload_weights`` of everything received); ``checksum`` reports the sha256 of
   each tensor as the engine received it.
@@ -188,6 +190,22 @@ def check_sampling(sampling: SamplingParams) -> None:
     if sampling.top_k > 0 or sampling.top_p < 1.0:
         raise RolloutEngineError("the vLLM engine returns log-probs of the top-k/top-p truncated distribution, not "
                                  "log_softmax(logits / T): set rollout.top_k=0 and rollout.top_p=1.0")
+
+
+def checked_score_rows(rows, sequences: list[list[int]]) -> list[list[float]]:
+    """The engine's ``score`` reply rows, one of len(sequence) - 1 log-probs per sequence; RolloutEngineError (one
+    line) for anything else."""
+    if not isinstance(rows, list) or len(rows) != len(sequences):
+        got = len(rows) if isinstance(rows, list) else type(rows).__name__
+        raise RolloutEngineError(f"the vLLM engine scored {got} rows for {len(sequences)} sequences")
+    for i, (row, seq) in enumerate(zip(rows, sequences)):
+        if not isinstance(row, list) or len(row) != len(seq) - 1:
+            got = len(row) if isinstance(row, list) else type(row).__name__
+            raise RolloutEngineError(f"the vLLM engine returned {got} log-probs for scored sequence {i} of "
+                                     f"{len(seq)} tokens (expected {len(seq) - 1})")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row):
+            raise RolloutEngineError(f"the vLLM engine returned a non-number log-prob for scored sequence {i}")
+    return [[float(v) for v in row] for row in rows]
 
 
 class VLLMEngine:
@@ -429,6 +447,16 @@ class VLLMEngine:
         })
         return [GenerationResult(i, r["token_ids"], r["logprobs"], r["finish_reason"])
                 for (i, _), r in zip(rows, reply["rows"])]
+
+    def score_tokens(self, token_ids: list[list[int]]) -> list[list[float]]:
+        """Prompt log-probs of whole sequences on the weights the engine holds now (the refit canary): one ``score``
+        message for all of them (``vllm_server.Server.score``: vLLM's prompt log-probs, one prefill each)."""
+        if any(len(seq) < 2 for seq in token_ids):
+            raise ValueError("every scored sequence needs at least two tokens")
+        if not token_ids:
+            return []
+        sequences = [[int(t) for t in seq] for seq in token_ids]
+        return checked_score_rows(self._call({"op": "score", "sequences": sequences}).get("rows"), sequences)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -31,6 +31,14 @@ the grouped-GEMM prepack (experts/cpu_moe.py:208-218), so a refit bf16 engine mu
 weights (measured: log-prob error 0.26 vs HF, 0 after the repair). The repair re-runs that step after
 every reload. The W4A16 method converts on every call (compressed_tensors_moe_wna16.py:379-481).
 
+Scoring (op ``score``, the refit canary): ``SamplingParams(prompt_logprobs=0, max_tokens=1, temperature=1)`` per
+sequence, and ``RequestOutput.prompt_logprobs`` read back (``prompt_token_logprobs``). vLLM computes prompt
+log-probs from the raw logits in fp32, apart from any sampling processor (temperature included), under
+``logprobs_mode`` raw_logprobs and processed_logprobs alike (v1/worker/gpu_model_runner.py:5382-5388, log_softmax in
+fp32 at v1/sample/sampler.py:308-309; only the ``*_logits`` modes return something else; the CPU runner is that
+class, v1/worker/cpu_model_runner.py:23), and a request asking for them skips the prefix cache
+(sampling_params.py:622-629), so every position is computed on the weights held now.
+
 On a GPU (``--device cuda``; the trainer side sets ``CUDA_VISIBLE_DEVICES`` to the rollout group's GPUs) the
 engine runs with ``gpu_memory_utilization`` as given (config/cache.py:102-111: the share of the GPU's total
 memory this instance may use; v1/worker/utils.py:724-726, 761-770: it asks for ``total x utilization`` and
@@ -135,6 +143,29 @@ def _repair_unquantized_moe(worker) -> int:
 
 
 MEMORY_TAGS = ("weights", "kv_cache")
+# EngineArgs.logprobs_mode (config/model.py:287): a *_logprobs mode, so that a prompt's scores are log-probs, not
+# logits (v1/worker/gpu_model_runner.py:5385-5388); processed: a sampled token's is log_softmax(logits / T)
+LOGPROBS_MODE = "processed_logprobs"
+
+
+def prompt_token_logprobs(sequence: list[int], prompt_logprobs) -> list[float]:
+    """log_softmax(logits_t)[token_{t+1}] for t = 0..len-2, from a ``RequestOutput.prompt_logprobs``: entry 0 is None
+    (nothing precedes the first token, vllm/logprobs.py:165-170), entry t a dict token id -> ``Logprob`` that holds
+    the prompt's own token t (its rank first, then the top ``prompt_logprobs`` ones, vllm/logprobs.py:178-206, filled
+    at v1/engine/logprobs.py:124-185; targets: the prompt shifted by one, v1/worker/gpu_model_runner.py:5377-5380).
+    ValueError (one line) for anything else."""
+    if prompt_logprobs is None or len(prompt_logprobs) != len(sequence):
+        got = "none" if prompt_logprobs is None else len(prompt_logprobs)
+        raise ValueError(f"vLLM returned {got} prompt log-prob entries for a {len(sequence)}-token sequence")
+    if prompt_logprobs[0] is not None:
+        raise ValueError("vLLM returned a log-prob for the first prompt token, which nothing precedes")
+    scores = []
+    for t in range(1, len(sequence)):
+        entry = prompt_logprobs[t]
+        if not hasattr(entry, "get") or entry.get(sequence[t]) is None:
+            raise ValueError(f"vLLM's prompt log-probs at position {t} do not hold the prompt's token {sequence[t]}")
+        scores.append(float(entry[sequence[t]].logprob))
+    return scores
 
 
 def llm_kwargs(args, has_tokenizer: bool = True) -> dict:
@@ -143,7 +174,7 @@ def llm_kwargs(args, has_tokenizer: bool = True) -> dict:
                   max_model_len=args.max_model_len, seed=args.seed, enforce_eager=True, tensor_parallel_size=args.tp,
                   # log_softmax(logits / temperature): the protocol's definition while top-k/top-p are
                   # off (the engine refuses them), v1/sample/sampler.py:247-305
-                  logprobs_mode="processed_logprobs")
+                  logprobs_mode=LOGPROBS_MODE)
     if args.device == "cuda":
         kwargs.update(gpu_memory_utilization=args.gpu_memory_utilization, enable_sleep_mode=args.enable_sleep_mode)
     return kwargs
@@ -197,6 +228,27 @@ class Server:
             rows.append({"token_ids": list(c.token_ids), "logprobs": logprobs,
                          "finish_reason": "stop" if c.finish_reason == "stop" else "length"})
         return {"ok": True, "rows": rows}
+
+    def score(self, msg: dict) -> dict:
+        """Prompt log-probs of each sequence (``prompt_token_logprobs``): one prefill, and the one token vLLM must
+        sample (max_tokens >= 1) is dropped. prompt_logprobs=0: the prompt token's own log-prob and no top ones."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sequences = msg["sequences"]
+        params = SamplingParams(n=1, seed=0, temperature=1.0, top_p=1.0, top_k=0, max_tokens=1, prompt_logprobs=0,
+                                detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=seq) for seq in sequences], params, use_tqdm=False)
+        rows = [prompt_token_logprobs(seq, out.prompt_logprobs) for seq, out in zip(sequences, outs)]
+        return {"ok": True, "rows": rows}
+
+    def serving_problem(self, what: str) -> str | None:
+        """Why `what` (generate, score) cannot run now, or None."""
+        if self.in_update:
+            return f"{what} during an open weight update"
+        if self.asleep:
+            return f"{what} while the engine's {sorted(self.asleep)} memory is released; resume_memory first"
+        return None
 
     def end_update(self) -> dict:
         start = time.perf_counter()
@@ -281,13 +333,11 @@ class Server:
         op = msg.get("op")
         if op == "health":
             return {"ok": True}
-        if op == "generate":
-            if self.in_update:
-                return {"ok": False, "error": "generate during an open weight update"}
-            if self.asleep:
-                return {"ok": False, "error": f"generate while the engine's {sorted(self.asleep)} memory is released; "
-                                              "resume_memory first"}
-            return self.generate(msg)
+        if op in ("generate", "score"):
+            problem = self.serving_problem(op)
+            if problem:
+                return {"ok": False, "error": problem}
+            return self.generate(msg) if op == "generate" else self.score(msg)
         if op == "sleep":
             return self.sleep(msg)
         if op == "wake":

@@ -5,6 +5,8 @@ SGLang's OWN Python code (CPU; the engine itself cannot start without a GPU):
   the in-process kwargs -> ``ServerArgs(**kwargs)``;
 * our /generate body -> ``GenerateReqInput.normalize_batch_and_arguments`` (managers/io_struct.py) and
   ``SamplingParams`` (sampling/sampling_params.py: ``sampling_seed``);
+* the refit canary's score request and its answer (``test_score_*``, whose docstrings say which steps of
+  SGLang's path run here and which cannot);
 * routed experts encoded by SGLang (detokenizer_manager.py:432-448; decoder state_capturer/routed_experts.py:
   166-173) -> our uint8 parser;
 * our flattened buckets -> ``FlattenedTensorBucket.reconstruct_tensors`` (IPC path) and, for the NCCL
@@ -44,10 +46,13 @@ from megatron_qarl.rollout.sglang_engine import (  # noqa: E402
     distributed_update_payload,
     generate_payload,
     parse_generate_output,
+    parse_score_output,
+    score_payload,
     sglang_engine_kwargs,
     sglang_server_command,
     write_key_file,
 )
+from sglang_stubs import sglang_runtime  # noqa: E402,F401 - the fixture
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3 = family_named("qwen3_moe")
@@ -143,24 +148,193 @@ def test_generate_payload_normalized_by_generate_req_input(srt):
     assert len({req[i].sampling_params["sampling_seed"] for i in range(6)}) == 6
 
 
+# ---------------------------------------------------------------------------------------------- score (the canary)
+
+SCORED = [[5, 6, 7, 8, 9], [31, 10, 11]]  # 31 = vocab_size - 1 below: an id SGLang reports as 0
+SCORE_VOCAB = 32
+
+
+def _score_request(srt):
+    """Our score body, as SGLang's HTTP route reads it (JSON), through its schema gate and request parsing."""
+    import json
+
+    from sglang.srt.entrypoints.api_contract import generate_contract_error
+
+    body = json.loads(json.dumps(score_payload(SCORED)))
+    assert generate_contract_error(body) is None  # the /generate route's gate (http_server.py:933-940)
+    req = srt.io_struct.GenerateReqInput(**body)  # an unknown field raises TypeError
+    req.normalize_batch_and_arguments()
+    return req
+
+
+def test_score_request_is_a_prefill_only_request_of_every_input_logprob(srt, sglang_runtime):
+    """Our body -> the /generate route's schema gate, GenerateReqInput's normalisation, the tokenizer manager's
+    SamplingParams normalize + verify (tokenizer_manager.py:1565-1567), and the scheduler's Req with the
+    logprob_start_len the scheduler gives it (scheduler.py:3260-3273): prefill-only (no token sampled), log-probs
+    from position 0, no prefix-cache reuse. Not run here: the scheduler's event loop (it needs a GPU worker)."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams as SglSamplingParams
+
+    req = _score_request(srt)
+    assert req.batch_size == len(SCORED) and req.is_single is False
+    for i, seq in enumerate(SCORED):
+        one = req[i]
+        assert one.input_ids == seq and one.return_logprob is True and one.logprob_start_len == 0
+        assert one.top_logprobs_num == 0 and one.token_ids_logprob is None and one.return_text_in_logprobs is False
+        params = SglSamplingParams(**one.sampling_params)
+        params.normalize(None)  # --skip-tokenizer-init: no tokenizer
+        params.verify(vocab_size=SCORE_VOCAB)
+        assert (params.max_new_tokens, params.temperature) == (0, 1.0)
+        r = Req(f"r{i}", "", array("q", one.input_ids), params, return_logprob=True)
+        r.logprob_start_len = one.logprob_start_len  # scheduler.py:3272
+        assert r.is_prefill_only  # schedule_batch.py:1501-1506
+        assert r._compute_max_prefix_len(len(seq)) == 0  # every position recomputed (schedule_batch.py:1774-1775)
+    with pytest.raises(TypeError):  # the check bites: a misspelled field is refused
+        srt.io_struct.GenerateReqInput(**{**score_payload(SCORED), "logprob_start": 0})
+
+
+def _tokenizer_manager_meta_info(obj, val: list, idx: list) -> dict:
+    """TokenizerManager's own code for one finished request (convert_logprob_style -> add_logprob_to_meta_info ->
+    detokenize_logprob_tokens, tokenizer_manager.py:2840-3110, on its ReqState, :268), called as its batch-output
+    handler calls it under --skip-tokenizer-init (:2520-2530); `val` / `idx` are what the scheduler's output streamer
+    sends for the request (output_streamer.py:566-580)."""
+    import asyncio
+    import dataclasses
+    import typing
+
+    ns = {"dataclasses": dataclasses, "asyncio": asyncio, **{n: getattr(typing, n) for n in typing.__all__}}
+    parts = _from_sglang_source("sglang.srt.managers.tokenizer_manager", (
+        "ReqState", "convert_logprob_style", "add_logprob_to_meta_info", "detokenize_logprob_tokens"), ns)
+    manager = type("TokenizerManagerLogprobs", (), {k: v for k, v in parts.items() if k != "ReqState"})()
+    manager.tokenizer, manager.skip_tokenizer_init = None, True
+    state = parts["ReqState"](out_list=[], finished=False, event=None, obj=obj, time_stats=None)
+    recv = types.SimpleNamespace(input_token_logprobs_val=[val], input_token_logprobs_idx=[idx],
+                                 output_token_logprobs_val=[[]], output_token_logprobs_idx=[[]])
+    meta_info = {}
+    manager.convert_logprob_style(meta_info, state, obj.top_logprobs_num, obj.token_ids_logprob,
+                                  obj.return_text_in_logprobs and not manager.skip_tokenizer_init, recv, 0,
+                                  finished=True)
+    return meta_info
+
+
+def _http_body(content) -> bytes:
+    """The /generate route's response bytes: SGLang's dumps_json (utils/json_response.py:12-17, orjson)."""
+    import orjson
+
+    return _from_sglang_source("sglang.srt.utils.json_response", ("ORJSON_RESPONSE_OPTIONS", "dumps_json"),
+                               {"orjson": orjson})["dumps_json"](content)
+
+
+@pytest.mark.parametrize("fast", ["1", "0"], ids=["fast-input-logprobs", "log-softmax"])
+def test_score_answer_built_by_sglangs_own_code_parses_to_the_prompt_logprobs(srt, sglang_runtime, monkeypatch,
+                                                                             fast):
+    """Given the logits of the prefill, SGLang's own code builds the answer: the logits processor's index pruning
+    (LogitsProcessor._get_pruned_states, layers/logits_processor.py:667-850) and its input log-probs
+    (InputLogprobProcessor, layers/logprob_processor.py:475-800, both its SGLANG_ENABLE_FAST_INPUT_LOGPROBS paths),
+    the scheduler's logprob bookkeeping (SchedulerLogprobResultProcessor, logprob_result_processor.py: the None
+    prepended, the last position dropped, ids >= vocab_size - 1 reported as 0), the tokenizer manager's meta_info
+    and the route's JSON; then our parser. Not run here, mirrored in three lines each: the model forward (GPU
+    kernels: the logits are given), ScheduleBatch.prepare_for_extend's target ids (schedule_batch.py:3026-3044:
+    input id t + 1, 0 past the end; it needs the KV pools of a running scheduler), the tuple() the batch result
+    processor makes of the tensor (batch_result_processor.py:548-550) and the output streamer's copy of the lists
+    (output_streamer.py:566-580)."""
+    import json
+    from array import array
+
+    from conftest import unit_roundoff
+    from sglang.srt.layers.logits_processor import LogitsMetadata, LogitsProcessor
+    from sglang.srt.layers.logprob_processor import InputLogprobProcessor
+    from sglang.srt.managers.schedule_batch import Req, compute_extend_logprob_start_len
+    from sglang.srt.managers.scheduler_components.logprob_result_processor import SchedulerLogprobResultProcessor
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.sampling.sampling_params import SamplingParams as SglSamplingParams
+
+    monkeypatch.setenv("SGLANG_ENABLE_FAST_INPUT_LOGPROBS", fast)
+    req = _score_request(srt)
+    reqs = []
+    for i, seq in enumerate(SCORED):
+        r = Req(f"r{i}", "", array("q", seq), SglSamplingParams(**req[i].sampling_params), return_logprob=True)
+        r.logprob_start_len = req[i].logprob_start_len  # scheduler.py:3272
+        reqs.append(r)
+    lens = [len(seq) for seq in SCORED]
+    starts = [compute_extend_logprob_start_len(logprob_start_len=r.logprob_start_len, prefix_len=0, extend_len=n,
+                                               full_untruncated_fill_len=n) for r, n in zip(reqs, lens)]
+    targets = [t for seq in SCORED for t in seq[1:] + [0]]  # prepare_for_extend's (mirrored, see the docstring)
+    logits = torch.randn(sum(lens), SCORE_VOCAB, generator=torch.Generator().manual_seed(3)) * 4
+    meta = LogitsMetadata(forward_mode=ForwardMode.EXTEND, extend_return_logprob=True, extend_seq_lens_cpu=lens,
+                          extend_logprob_start_lens_cpu=starts,
+                          extend_input_logprob_token_ids_gpu=torch.tensor(targets).clamp_(0, SCORE_VOCAB - 1))
+    pruned, _, _, sample_idx, logprob_idx, to_seq = LogitsProcessor._get_pruned_states(None, logits, None, None, meta)
+    processor = InputLogprobProcessor(vocab_size=SCORE_VOCAB)
+    assert processor.enable_fast_input_logprobs is (fast == "1")
+    result, _ = processor.forward(pruned, sample_idx, logprob_idx, to_seq, lm_head=None, logits_metadata=meta,
+                                  get_logits_fn=lambda states, lm_head, m, use_logits_buffer=True: states)
+    computed = torch.cat(result.token_logprobs) if isinstance(result.token_logprobs, list) else result.token_logprobs
+    output = types.SimpleNamespace(input_token_logprobs=tuple(computed.tolist()), next_token_logprobs=None)
+
+    bookkeeping = SchedulerLogprobResultProcessor(model_config=types.SimpleNamespace(vocab_size=SCORE_VOCAB))
+    pt, answers = 0, []
+    for i, (r, n, start) in enumerate(zip(reqs, lens, starts)):  # batch_result_processor.py:564-598
+        count = bookkeeping.calculate_num_input_logprobs(r, n, start)
+        bookkeeping.add_logprob_return_values(i, r, pt, [0] * len(reqs), count, output)
+        pt += count
+        meta_info = _tokenizer_manager_meta_info(req[i], r.logprob.input_token_logprobs_val,
+                                                 r.logprob.input_token_logprobs_idx)
+        answers.append(json.loads(_http_body([{"meta_info": meta_info}]))[0])  # what our HTTP client reads
+
+    assert answers[1]["meta_info"]["input_token_logprobs"][0][1] == 0  # SGLang's clip of id 31 = vocab_size - 1
+    scored = [parse_score_output(a, seq) for a, seq in zip(answers, SCORED)]
+    # transport: exactly the values SGLang computed, position t + 1 of sequence i at row offset + t
+    offsets = [sum(lens[:i]) for i in range(len(lens))]
+    assert scored == [computed[o:o + n - 1].tolist() for o, n in zip(offsets, lens)]
+    # meaning: log_softmax(logits_t)[token_{t+1}] at temperature 1, within fp32's summation-order bound for a
+    # reduction over the vocabulary (the fast path's logsumexp vs torch's log_softmax: 2 V u32, on values up to
+    # 2 max|logit|); the check bites: a temperature of 0.9 or the targets off by one are far outside it
+    def logprobs(t=1.0, shift=1):
+        lp = torch.log_softmax(logits / t, dim=-1)
+        return [lp[o + torch.arange(n - 1), torch.tensor(seq[shift:shift + n - 1] + [seq[0]] * (shift - 1))].tolist()
+                for o, n, seq in zip(offsets, lens, SCORED)]
+
+    bound = 2 * SCORE_VOCAB * unit_roundoff(torch.float32) * (1 + 2 * logits.abs().max().item())
+
+    def gap(want):
+        return max(abs(a - b) for row, ref in zip(scored, want) for a, b in zip(row, ref))
+
+    assert gap(logprobs()) <= bound
+    assert gap(logprobs(t=0.9)) > 100 * bound and gap(logprobs(shift=2)) > 100 * bound
 # ---------------------------------------------------------------------------------------------- routes
 
-def _sglang_route_encoder():
-    """``DetokenizerManager._b64_encode_per_request`` (detokenizer_manager.py:432-448), SGLang's own code,
-    compiled from the installed module's source: importing that module pulls the server stack (fastapi,
-    uvloop, zmq) this CPU venv does not carry."""
+def _from_sglang_source(module: str, names: tuple[str, ...], ns: dict) -> dict:
+    """The functions, classes and assignments called `names` in SGLang's installed `module` (the first of each name,
+    methods included, their decorators dropped but a class's), compiled from its source into `ns`: for modules whose
+    import pulls the server stack (fastapi, uvloop, zmq) this CPU venv does not carry. Runs SGLang's own code."""
     import ast
     import importlib.util
 
+    path = importlib.util.find_spec(module).origin
+    found = {}
+    for node in ast.walk(ast.parse(Path(path).read_text())):
+        name = node.targets[0].id if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) else \
+            getattr(node, "name", None) if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else None
+        if name in names and name not in found:
+            if isinstance(node, ast.FunctionDef):
+                node.decorator_list = []  # @staticmethod and the like
+            found[name] = node
+    assert set(found) == set(names), f"{module} has no {set(names) - set(found)}"
+    future = ast.parse("from __future__ import annotations").body  # the module's own: annotations stay strings
+    exec(compile(ast.Module(body=future + [found[n] for n in names], type_ignores=[]), path, "exec"), ns)
+    return {n: ns[n] for n in names}
+
+
+def _sglang_route_encoder():
+    """``DetokenizerManager._b64_encode_per_request`` (detokenizer_manager.py:432-448), SGLang's own code."""
     import pybase64
 
-    path = importlib.util.find_spec("sglang.srt.managers.detokenizer_manager").origin
-    tree = ast.parse(Path(path).read_text())
-    (fn,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_b64_encode_per_request"]
-    fn.decorator_list = []  # @staticmethod
     ns = {"pybase64": pybase64, "Optional": __import__("typing").Optional, "List": list, "torch": torch}
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), path, "exec"), ns)
-    return ns["_b64_encode_per_request"]
+    return _from_sglang_source("sglang.srt.managers.detokenizer_manager", ("_b64_encode_per_request",), ns)[
+        "_b64_encode_per_request"]
 
 
 def test_routes_encoded_by_sglang_decode_to_uint8(srt):

@@ -154,6 +154,39 @@ def test_logprobs_are_the_temperature_scaled_distribution_of_an_independent_hf_f
     assert (want - torch.tensor(res.logprobs)).abs().max().item() <= bound
 
 
+def test_scored_prompt_logprobs_are_an_independent_hf_forwards_log_softmax_at_temperature_1(bf16_engine):
+    """score_tokens (the refit canary) on the unquantized fp32 engine = transformers' Qwen3-MoE on the same weights:
+    log_softmax(logits_t)[token_{t+1}], no temperature. Within the fp32 bound the canary applies to an fp32 engine
+    (megatron_qarl/canary.py): eps32 x the longest reduction of a layer x the layers (the summation order of two
+    implementations, tests/test_deepseek_v3_rl.py); the check bites: the targets off by one, or the log-probs of
+    T = 0.9, are far outside it. A sequence that extends an earlier one still gets every position (vLLM skips its
+    prefix cache for prompt log-probs)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    seqs = [PROMPTS[2] + [20, 21, 22], PROMPTS[0], PROMPTS[2]]
+    scored = bf16_engine.score_tokens(seqs)
+    assert [len(row) for row in scored] == [len(s) - 1 for s in seqs]
+    assert bf16_engine.score_tokens(seqs) == scored  # nothing sampled enters a score
+    hf = Qwen3MoeForCausalLM.from_pretrained(bf16_engine.cfg.model_path, dtype=torch.float32).eval()
+    cfg = hf.config
+    bound = torch.finfo(torch.float32).eps * max(cfg.intermediate_size, cfg.moe_intermediate_size,
+                                                 cfg.hidden_size) * cfg.num_hidden_layers
+
+    def hf_logprobs(seq, temperature=1.0, shift=1):
+        with torch.no_grad():
+            logits = hf(torch.tensor([seq])).logits[0, :-1].float()
+        targets = torch.tensor(seq[shift:] + seq[:shift - 1])
+        return torch.log_softmax(logits / temperature, -1).gather(-1, targets[:, None])[:, 0]
+
+    def gap(**kw):
+        return max((hf_logprobs(seq, **kw) - torch.tensor(row)).abs().max().item() for seq, row in zip(seqs, scored))
+
+    assert gap() <= bound
+    assert gap(shift=2) > 10 * bound and gap(temperature=0.9) > 10 * bound
+    with pytest.raises(ValueError, match="at least two tokens"):
+        bf16_engine.score_tokens([[5]])
+
+
 def test_stop_token_ends_the_row_and_is_kept(bf16_engine):
     free = bf16_engine.generate(PROMPTS[:1], SamplingParams(temperature=1.0, max_new_tokens=8, seed=5))[0]
     stop_at = free.token_ids[2]
@@ -208,10 +241,12 @@ def test_restart_brings_back_the_start_weights_and_shutdown_ends_the_process(bf1
     sampling = SamplingParams(temperature=1.0, max_new_tokens=6, seed=9)
     try:
         want = engine.generate(PROMPTS, sampling)
+        scores = engine.score_tokens(PROMPTS)
         engine.begin_weight_update()
         engine.update_weights([("model.norm.weight", torch.full((256,), 3.0, dtype=torch.bfloat16))])
         engine.end_weight_update()
         assert rows(engine.generate(PROMPTS, sampling)) != rows(want)
+        assert engine.score_tokens(PROMPTS) != scores  # scored on the weights held now (the canary's premise)
         pid = engine._proc.pid
         engine.restart()
         assert engine._proc.pid != pid and engine.health()
