@@ -472,6 +472,12 @@ class VLLMKind(EngineKind):
     loads_start_checkpoint = True
     gpu_fraction_of_total = True  # rollout.sglang.mem_fraction_static is its gpu_memory_utilization
 
+    def canary_dtype(self, cfg: Any):
+        """Its compute dtype (rollout.vllm.dtype): an fp32 engine's GEMMs round nothing to bf16."""
+        import torch
+
+        return getattr(torch, cfg.rollout.vllm.dtype)
+
     def shares_trainer_gpus(self, cfg: Any) -> bool:
         return cfg.rollout.vllm.device == "cuda"  # each group's engine runs on the group's GPUs
 
