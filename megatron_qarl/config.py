@@ -977,9 +977,6 @@ def _check_shard_shapes(cfg: RunConfig) -> list[str]:
                 f"this model cannot use {what}"
             out.append(f"{layer}: {dim_name} {size} split over {axis} {parts} gives {size // parts} per rank, "
                        f"not a multiple of the {what}; {fix}")
-        elif scheme.tensor_wide_scale and parts > 1:
-            out.append(f"{layer}: {dim_name} {size} split over {axis} {parts}: {scheme.name}'s global scale spans "
-                       f"the whole weight, so every rank would compute its own; use {axis} 1 for quantized linears")
     head_dim = family.fused_qkv_head_dim(shape)  # None: the family's megatron build has no fused linear_qkv
     attention = "attention" in cfg.quant.quantized_groups
     if block_rows > 1 and attention and head_dim is not None and head_dim % block_rows:

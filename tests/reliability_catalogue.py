@@ -231,6 +231,11 @@ CASES = [
          "overrides", "one line per key, before anything is built: 'is not a finite number' (any section); n=1 'has no "
          "baseline, every advantage is 0'; betas 'give exactly 2 values (got 1)' (it used to say 'error: ?: None')",
          "2", "test_bad_inputs_round3.py::test_values_out_of_range_are_refused_naming_the_key"),
+    Case("bad inputs", "a low-bit format the chosen engine cannot refit in place: quant.scheme=nvfp4 with "
+         "rollout.engine=sglang (SGLang 0.5.23's NVFP4 methods delete the parameters they load into after loading)",
+         "overrides", "one line at the config check, before anything is built: why, and what runs instead "
+         "(quant.scheme=w4a16 / fp8 / none, or rollout.engine=embedded for nvfp4)", "2",
+         "test_quant_nvfp4.py::test_sglang_with_nvfp4_is_refused_in_one_line_naming_the_alternatives"),
     Case("bad inputs", "data rows past the JSON reader's limits: a 5,000-digit answer, a row nested 100,000 deep, "
          "a .json array nested too deep", "rows written to .jsonl / .json",
          "the long number is read as its digits (an answer); a row nested past 64 levels is a malformed row "

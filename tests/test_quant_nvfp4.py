@@ -311,10 +311,9 @@ def test_config_shard_and_engine_checks():
     assert QuantConfig(scheme="nvfp4").group_size == 16  # its own group by default (issue 49 item 7)
     with pytest.raises(QuantConfigError, match="fixed group of 16"):
         QuantConfig(scheme="nvfp4", group_size=128)
-    fc1 = SiteGeometry("l.linear_fc1.weight", (256, 256), row_parallel=False, parts=2, axis="expert-TP", glu=True)
-    with pytest.raises(QuantizationError, match="global scale spans the whole weight.*expert-TP=2"):
-        check_site_geometry(fc1, NVFP4)
-    check_site_geometry(SiteGeometry("l.linear_fc1.weight", (512, 256), False, 1, "expert-TP", glu=True), NVFP4)
+    # a split weight is fine (its global scale is reduced over the shards); a shard must hold whole groups
+    check_site_geometry(SiteGeometry("l.linear_fc1.weight", (256, 256), False, 2, "expert-TP", glu=True), NVFP4)
+    check_site_geometry(SiteGeometry("l.linear_fc2.weight", (256, 128), True, 2, "expert-TP"), NVFP4)
     with pytest.raises(QuantizationError, match="input dim 40"):
         check_site_geometry(SiteGeometry("l.linear_fc2.weight", (256, 40), True, 1, "expert-TP"), NVFP4)
 
@@ -322,9 +321,75 @@ def test_config_shard_and_engine_checks():
 
     base = ["quant.scheme=nvfp4", "quant.group_size=16"]
     load_config(None, base)
-    with pytest.raises(ConfigError, match="ETP 2: nvfp4's global scale spans the whole weight"):
-        load_config(None, base + ["parallel.etp=2"])
+    load_config(None, base + ["parallel.tp=2", "quant.scope=experts+attention"])  # TP 2, expert-TP 2
     with pytest.raises(ConfigError, match="rollout.engine=sglang with quant.scheme=nvfp4 is not built"):
         load_config(None, base + ["rollout.engine=sglang"])
     with pytest.raises(ConfigError, match="rollout.engine=vllm with quant.scheme=nvfp4 is not built"):
         load_config(None, base + ["rollout.engine=vllm", "train.routing_telemetry=false"])
+
+
+def test_sglang_with_nvfp4_is_refused_in_one_line_naming_the_alternatives(tmp_path, capsys, monkeypatch):
+    """SGLang 0.5.23 cannot refit NVFP4 in place (the scheme's module docstring, file:line): qarl-train stops at
+    the config check, exit 2, one line saying why and what runs instead; nothing is written."""
+    from conftest import REPO
+
+    from megatron_qarl import cli
+
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "run"
+    rc = cli.train_main(["--config", "configs/tiny_qarl_w4a16_tbpo.yaml", f"logging.out_dir={out}",
+                         "quant.scheme=nvfp4", "quant.group_size=16", "rollout.engine=sglang"])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "quant.scheme=nvfp4" in ln]
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "restore none before the next load" in lines[0]
+    assert "use quant.scheme=w4a16 or fp8 or none, or rollout.engine=embedded for nvfp4" in lines[0]
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------ TP > 1
+
+def test_a_shard_quantized_with_the_shards_max_is_the_slice_of_the_whole_weight():
+    """`quantize_shard`'s reduction on one process: shard_max stands in for the all-reduce over the other shard
+    (tests/dist/nvfp4_tp.py runs the real one at TP 2). Without it the shard holding the smaller magnitude
+    gets another global scale, and different codes."""
+    scheme = scheme_named("nvfp4")
+    gen = torch.Generator().manual_seed(3)
+    whole = torch.randn(64, 128, generator=gen) * 0.05
+    whole[40, 100] = 1.0  # the largest magnitude, in the second row half and the second column half
+    want, want_dequantized = quantize_nvfp4(whole)
+    for dim in (0, 1):  # column-parallel (rows split), row-parallel (K split)
+        first, second = whole.chunk(2, dim=dim)
+        other = second.to(torch.bfloat16).abs().max()
+        q, dequantized = scheme.quantize_shard(first, NVFP4, lambda t: torch.maximum(t, other))
+        assert torch.equal(q.global_scale, want.global_scale)
+        assert torch.equal(q.codes, want.codes.chunk(2, dim=dim)[0])
+        assert torch.equal(q.scales.view(torch.uint8), want.scales.view(torch.uint8).chunk(2, dim=dim)[0])
+        assert torch.equal(dequantized, want_dequantized.chunk(2, dim=dim)[0])
+        alone, _ = quantize_nvfp4(first)
+        assert not torch.equal(alone.global_scale, want.global_scale) and not torch.equal(alone.codes, q.codes)
+
+
+def test_engine_tensors_refuse_a_linear_whose_shards_were_quantized_apart():
+    from megatron_qarl.quant.errors import EngineLayoutError
+    from megatron_qarl.quant.engine_layout import engine_tensors, linear_parts
+
+    whole = torch.randn(32, 64, generator=torch.Generator().manual_seed(4))
+    top, bottom = (linear_parts(quantize_nvfp4(half, dequantize=False)[0]) for half in whole.chunk(2))
+    joined = {k: torch.cat([top[k].view(torch.uint8), bottom[k].view(torch.uint8)]).view(top[k].dtype) for k in top}
+    with pytest.raises(EngineLayoutError, match="different global scales.*quantized apart"):
+        dict(engine_tensors("l.weight", "nvfp4", joined, (32, 64)))
+
+
+@pytest.mark.dist
+def test_tp2_shards_are_slices_of_the_single_rank_codes(torchrun):
+    """At TP 2 (expert-TP 2) and TP 2 x EP 2, every rank's codes, group scales and global scale of every
+    quantized linear (column- and row-parallel, experts and attention) are bitwise the slice of the single-rank
+    quantization of the whole weight, also after an update re-quantized inside the publisher; the published
+    engine tensors are the TP 1 ones (the same digest) and the offline conversion's."""
+    res = torchrun(2, "nvfp4_tp.py", "1x1", "2x1", "2x2x1")
+    first = res["1x1"]
+    assert first["tensors"] > 0 and first["digest_aligned"] == first["digest_unaligned"]
+    for spec in ("2x1", "2x2x1"):
+        assert res[spec]["digest_aligned"] == res[spec]["digest_unaligned"] == first["digest_aligned"], spec
+        assert res[spec]["tensors"] == first["tensors"] and res[spec]["logits_max_abs_diff_vs_first"] <= 1e-4

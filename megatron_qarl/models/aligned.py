@@ -14,12 +14,15 @@ The numbers are the configured scheme's (quant/schemes/), e.g.
          dtype (exact FP8 arithmetic with fp32 activations, a bf16 GEMM with bf16 ones).
 
 Codes are computed per local shard. They equal the engine's codes (computed on the gathered HF weight)
-only if every shard holds whole groups / blocks (and, for a scale over the whole tensor, the whole tensor),
-so `apply_aligned_quantization` checks that for every site (the scheme's `check_shard`) and names the
-layer, the size and the parallel split that broke it.
+only if every shard holds whole groups / blocks, so `apply_aligned_quantization` checks that for every site
+(the scheme's `check_shard`) and names the layer, the size and the parallel split that broke it. A scale over
+the whole tensor (NVFP4's global scale) is computed from the max over the site's TP (expert-TP) group of each
+shard's statistic (`site_shard_max`: one scalar all-reduce per split site and step), so every shard is
+quantized with the whole weight's scale.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -29,7 +32,7 @@ from megatron_qarl.models.registry import family_of_model
 from megatron_qarl.quant.cache import CacheEntry, QuantCache
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.quant.errors import QuantizationError
-from megatron_qarl.quant.scheme import check_shard
+from megatron_qarl.quant.scheme import ShardMax, check_shard
 from megatron_qarl.quant.schemes import SCHEME_NAMES, scheme_of
 
 _WRAPPED_MARK = "_qarl_aligned_site"
@@ -123,7 +126,7 @@ class SiteGeometry:
 
 def check_site_geometry(geom: SiteGeometry, quant_cfg: QuantConfig) -> None:
     """Raise QuantizationError unless the local shard holds whole scale blocks of the configured scheme
-    (groups along K, FP8's square blocks, an unsplit weight for a tensor-wide scale: `quant.scheme.check_shard`)."""
+    (groups along K, FP8's square blocks: `quant.scheme.check_shard`)."""
     check_shard(scheme_of(quant_cfg), geom, quant_cfg)
 
 
@@ -140,6 +143,27 @@ def site_geometry(name: str, module: torch.nn.Module, family) -> SiteGeometry:
     head_dim = config.kv_channels if layout.fused_qkv else None
     return SiteGeometry(name=name, local_shape=tuple(module.weight.shape), row_parallel=isinstance(module, row),
                         parts=int(parts or 1), axis="expert-TP" if expert else "TP", glu=glu, head_dim=head_dim)
+
+
+# ------------------------------------------------------------------------------------- split tensor-wide scales
+
+def _max_over_group(t: torch.Tensor, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    out = t.to(torch.float32, copy=True)  # exact for a bf16 statistic; gloo's MAX may lack bf16
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out.to(t.dtype)
+
+
+def site_shard_max(module: torch.nn.Module, quant_cfg: QuantConfig) -> Optional[ShardMax]:
+    """The max over the ranks a site's weight is split across (its TP group; the expert-TP group for an
+    expert: megatron's `module.tp_group`), for a scheme whose scale spans the whole weight; None when nothing
+    needs reducing (scales local to each group, or a weight this rank holds whole)."""
+    group = getattr(module, "tp_group", None)
+    split = getattr(module.weight, "tensor_model_parallel", False) and group is not None and group.size() > 1
+    if not (split and scheme_of(quant_cfg).tensor_wide_scale):
+        return None
+    return functools.partial(_max_over_group, group=group)
 
 
 # ------------------------------------------------------------------------------------- wrapping
@@ -266,7 +290,8 @@ def apply_aligned_quantization(model: torch.nn.Module, quant_cfg: QuantConfig) -
     # Kept in the params (= activation) dtype, the GEMM's: W4A16 is exact in bf16; FP8 is exact in fp32
     # (the CPU twin) and rounds to bf16 on a bf16 learner (the fp8 scheme's reference_forward).
     dequant_dtype = _model_params_dtype(model)
-    cache = QuantCache(quant_cfg, dequant_dtype=dequant_dtype)
+    shard_max = {name: f for name, module in sites.items() if (f := site_shard_max(module, quant_cfg)) is not None}
+    cache = QuantCache(quant_cfg, dequant_dtype=dequant_dtype, shard_max=shard_max)
     for name, module in sites.items():
         _install(module, name, cache, quant_cfg)
     expert_layers = _install_whole_experts(model, sites, cache) if cache.runs_whole_experts else {}

@@ -37,6 +37,7 @@ from megatron_qarl.quant.backends import aligned_linear, get_backend
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.quant.engine_layout import QuantizedWeight, encode_linear, quantize_dequantize_weight
 from megatron_qarl.quant.errors import QuantizationError
+from megatron_qarl.quant.scheme import ShardMax
 from megatron_qarl.quant.schemes import scheme_of
 
 # The spec's first step: the engine stores bf16, so every quantization starts from the bf16 cast.
@@ -89,13 +90,16 @@ class QuantCache:
 
     `dequant_dtype` is the dtype of the cached dequantized weight; None keeps the spec's exact output
     (the scheme's: bf16 for int4, fp32 for FP8). `incremental`: requantize only the groups whose bf16 bits changed
-    (module docstring); may be switched at any time.
+    (module docstring); may be switched at any time. `shard_max`: key -> the reduction over the TP shards of a
+    weight split over ranks whose scheme needs one (models/aligned.py `site_shard_max`); quantizing such an entry
+    is then a collective of its TP group, which megatron's forward reaches on every rank of it in the same order.
     """
 
     quant_cfg: QuantConfig
     dequant_dtype: Optional[torch.dtype] = None
     counters: CacheCounters = field(default_factory=CacheCounters)
     incremental: bool = False
+    shard_max: dict[Any, ShardMax] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.quant_cfg.enabled:
@@ -160,38 +164,39 @@ class QuantCache:
         return fresh
 
     def _quantize(self, key, master: torch.Tensor, stale: Optional[CacheEntry]):
-        if not self.incremental:
+        # a scale reduced over shards moves every group, and every rank must reach that collective, changed or not
+        if not self.incremental or key in self.shard_max:
             self._previous.pop(key, None)
-            return self._from_scratch(master)
+            return self._from_scratch(key, master)
         weight = master.detach().to(_WEIGHT_DTYPE)
         previous = self._previous.get(key)
         if stale is None or previous is None or previous.shape != weight.shape:
-            result = self._from_scratch(weight)
+            result = self._from_scratch(key, weight)
             # for a bf16 master `weight` IS the master, which the optimizer updates in place: keep a copy
             self._previous[key] = weight.clone() if weight.data_ptr() == master.data_ptr() else weight
             return result
-        result = self._changed_only(weight, previous, stale)
+        result = self._changed_only(key, weight, previous, stale)
         previous.copy_(weight)
         return result
 
-    def _from_scratch(self, master: torch.Tensor):
-        qweight, dequantized = quantize_dequantize_weight(master, self.quant_cfg)
+    def _from_scratch(self, key, master: torch.Tensor):
+        qweight, dequantized = quantize_dequantize_weight(master, self.quant_cfg, self.shard_max.get(key))
         if self.dequant_dtype is not None:
             dequantized = dequantized.to(self.dequant_dtype)
         self.counters.requantized_groups += self._scheme.group_count(qweight)
         return qweight, dequantized
 
-    def _changed_only(self, weight: torch.Tensor, previous: torch.Tensor, stale: CacheEntry):
+    def _changed_only(self, key, weight: torch.Tensor, previous: torch.Tensor, stale: CacheEntry):
         """Requantize the groups of `weight` whose bits differ from `previous` (what `stale` was made from)."""
         changed = self._scheme.changed_groups(weight, previous, stale.qweight)
-        if changed is None:  # a shape (or a scheme) not tracked per group
-            return self._from_scratch(weight)
+        if changed is None:  # a shape (or a scheme) not tracked per group; a tensor-wide scale's (every group)
+            return self._from_scratch(key, weight)
         n_changed, n_groups = int(changed.sum()), changed.numel()
         if 3 * n_changed >= n_groups:
             # Same bits either way; only speed differs. A changed group costs ~3x its share of one fused
             # pass (gather, quantize, scatter) on top of copying the others: measured break-even on CPU
             # is about a third (int4 1024x1024: 1.2 ms from scratch, 1.24 ms with 30% of groups changed).
-            return self._from_scratch(weight)
+            return self._from_scratch(key, weight)
         self.counters.reused_groups += n_groups - n_changed
         if n_changed == 0:
             return stale.qweight, stale.dequantized

@@ -24,6 +24,7 @@ import torch
 
 from megatron_qarl.quant.config import SCOPE_GROUPS, SCOPES, LinearNaming, QuantConfig
 from megatron_qarl.quant.errors import EngineLayoutError, QuantizationError
+from megatron_qarl.quant.scheme import ShardMax
 from megatron_qarl.quant.schemes import (
     NO_SCHEME, SCHEMES, engine_part_names, scheme_of, scheme_of_kind, scheme_of_part,
     scheme_of_quantization_config, scheme_of_weight,
@@ -60,15 +61,25 @@ def kind_of(quant_cfg: QuantConfig) -> str:
     return _low_bit_scheme(quant_cfg, "kind_of").kind
 
 
-def quantize_weight(master_weight: torch.Tensor, quant_cfg: QuantConfig) -> QuantizedWeight:
-    """The one entry point from master weight to low-bit weight for a configured scheme."""
-    return _low_bit_scheme(quant_cfg, "quantize_weight").quantize(master_weight, quant_cfg)
+def quantize_weight(master_weight: torch.Tensor, quant_cfg: QuantConfig, shard_max: ShardMax | None = None
+                    ) -> QuantizedWeight:
+    """The one entry point from master weight to low-bit weight for a configured scheme (`shard_max`: the
+    weight is a TP shard, `quantize_dequantize_weight`)."""
+    scheme = _low_bit_scheme(quant_cfg, "quantize_weight")
+    if shard_max is None:
+        return scheme.quantize(master_weight, quant_cfg)
+    return scheme.quantize_shard(master_weight, quant_cfg, shard_max, dequantize=False)[0]
 
 
-def quantize_dequantize_weight(master_weight: torch.Tensor, quant_cfg: QuantConfig
+def quantize_dequantize_weight(master_weight: torch.Tensor, quant_cfg: QuantConfig, shard_max: ShardMax | None = None
                                ) -> tuple[QuantizedWeight, torch.Tensor]:
-    """`quantize_weight` and the spec-dequantized weight (in the entry's `exact_dtype`) from one fused pass."""
-    return _low_bit_scheme(quant_cfg, "quantize_dequantize_weight").quantize_dequantize(master_weight, quant_cfg)
+    """`quantize_weight` and the spec-dequantized weight (in the entry's `exact_dtype`) from one fused pass.
+    `shard_max`: `master_weight` is one TP shard of a split weight and this reduces over its shards (every
+    shard's codes are then the slice of the whole weight's, `QuantScheme.quantize_shard`)."""
+    scheme = _low_bit_scheme(quant_cfg, "quantize_dequantize_weight")
+    if shard_max is None:
+        return scheme.quantize_dequantize(master_weight, quant_cfg)
+    return scheme.quantize_shard(master_weight, quant_cfg, shard_max)
 
 
 # ---------------------------------------------------------------- encode

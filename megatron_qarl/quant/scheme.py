@@ -5,13 +5,14 @@ is registered by one line in ``quant/schemes/__init__.py``; the config's choice 
 forward and its cache, the publisher, the engines, the exporter and the memory model ask that object
 instead of comparing ``quant.scheme`` with a string. What a scheme answers:
 
-* numerics: `quantize` / `quantize_dequantize` (one fused pass), `quantize_fused` (linears an engine
-  fuses, when they share a tensor-wide scale), `reference_forward` (the learner's reference GEMM),
+* numerics: `quantize` / `quantize_dequantize` (one fused pass), `quantize_shard` (a TP shard of a split
+  weight, its tensor-wide scale reduced over the shards), `quantize_fused` (linears an engine fuses, when they
+  share a tensor-wide scale), `reference_forward` (the learner's reference GEMM),
   `quantized_input` (activation quantization, used by the forward and the straight-through backward),
   and the incremental cache's `changed_groups` / `requantize_groups`;
 * scale geometry: `scale_block` (rows x input columns one scale covers), `tensor_wide_scale`, and
-  `check_shard` (a TP / expert-TP shard must hold whole groups / blocks; a tensor-wide scale, an
-  unsplit weight);
+  `check_shard` (a TP / expert-TP shard must hold whole groups / blocks; a tensor-wide scale is reduced
+  over the shards instead: `quantize_shard`);
 * the engine format: `parts` (the engine tensors of one linear and their dtypes), `linear_parts` (the
   row-shardable ones the publisher gathers and splits), `engine_tensors`, `dequantize_parts`,
   `quantization_config` (config.json) and its inverse `config_fields`;
@@ -27,13 +28,17 @@ No megatron and no `QuantConfig` import: a config is read through its fields (``
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from megatron_qarl.quant.errors import QuantConfigError, QuantizationError
+
+# t -> its elementwise max over every TP shard of one weight (an all-reduce MAX the caller's room makes: quant/ holds
+# no process group)
+ShardMax = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class EngineSupport:
@@ -82,7 +87,7 @@ class QuantScheme:
     scopes: tuple[str, ...] | None = None  # the scopes it is defined on; None: every scope
     why_scopes: str = ""
     default_scope: str = "experts"  # what an export without --scope quantizes
-    tensor_wide_scale: bool = False  # a scale over the whole (fused) weight: shards must not split a weight
+    tensor_wide_scale: bool = False  # a scale over the whole (fused) weight: a shard's is reduced (`quantize_shard`)
     quantizes_activations: bool = False  # W8A8-like: the GEMM's input is quantized too
     engines: Mapping[str, EngineSupport] = {}  # rollout.engine name -> its support (names checked by rollout/engines)
     sampler_kernels: tuple[str, ...] = ("dequantized",)  # the embedded engine's GEMMs for this format
@@ -129,6 +134,13 @@ class QuantScheme:
     def quantize_dequantize(self, weight: torch.Tensor, cfg, dequantize: bool = True):
         """(quantized weight, the spec-dequantized weight in its `exact_dtype` or None) from one pass."""
         raise NotImplementedError
+
+    def quantize_shard(self, weight: torch.Tensor, cfg, shard_max: ShardMax, dequantize: bool = True):
+        """`quantize_dequantize` of one rank's shard of a weight split over a TP (expert-TP) group, so that its
+        codes and scales are the slice of the whole weight's. `shard_max(t)` is t's elementwise max over every
+        shard (the group's all-reduce MAX). Scales local to each group / block need nothing from the other
+        shards (a shard holds whole ones: `check_shard`); a tensor-wide scale reduces its statistic."""
+        return self.quantize_dequantize(weight, cfg, dequantize=dequantize)
 
     def quantize_fused(self, weights: list[torch.Tensor], cfg) -> list:
         """The quantized weights of linears an engine fuses (q/k/v, gate/up), as the learner's fused weight
@@ -237,7 +249,8 @@ def split_note(geom, dim_is_split: bool, local: int) -> str:
 
 
 def check_shard(scheme: QuantScheme, geom, cfg) -> None:
-    """Raise QuantizationError unless a local shard holds whole scale blocks of `scheme`.
+    """Raise QuantizationError unless a local shard holds whole scale blocks of `scheme` (a tensor-wide scale may
+    be split: each shard's is reduced over the others, `QuantScheme.quantize_shard`).
 
     `geom` (models.aligned.SiteGeometry) has: name, local_shape (out, in), row_parallel (the input dim is
     split, else the output dim), parts and axis (the split), glu (fc1: rows [gate; up]), head_dim (fused qkv:
@@ -261,8 +274,3 @@ def check_shard(scheme: QuantScheme, geom, cfg) -> None:
                 f"{geom.name}: head_dim={geom.head_dim} is not a multiple of {what}={rows}; {scheme.name} blocks of "
                 "the fused (per-group interleaved) qkv would mix k and v heads and differ from the engine's "
                 f"separately quantized q/k/v_proj. Use a {what} dividing head_dim or a scope without attention")
-    if scheme.tensor_wide_scale and geom.parts > 1:
-        raise QuantizationError(
-            f"{geom.name}: {scheme.name}'s global scale spans the whole weight (gate and up, q/k/v together, as the "
-            f"engine fuses them), but {geom.axis}={geom.parts} splits it over ranks, each of which would compute "
-            f"its own; use {geom.axis}=1 for the quantized linears (experts: parallel.etp=1)")

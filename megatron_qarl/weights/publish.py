@@ -22,7 +22,8 @@ Called after every optimizer step on EVERY rank (collective). Per parameter, in 
 Codes equal the offline conversion (gather masters -> ``mcore_to_hf`` -> ``engine_named_tensors``) because
   * a column-parallel shard's codes/scales are rows of the full ones; a row-parallel shard holds whole
     groups/blocks along K (``apply.check_site_geometry`` enforces it), so packed words and scales concatenate
-    along dim 1; GLU fc1 shards are [gate_r; up_r] for the codes exactly as for the weights;
+    along dim 1; GLU fc1 shards are [gate_r; up_r] for the codes exactly as for the weights; a tensor-wide scale
+    (NVFP4's global scale) is the whole weight's on every shard (the max over its TP group: `site_shard_max`);
   * the mcore qkv interleave is a row permutation and groups run along K, so int4 codes and scales permute
     like the weight rows. FP8 scale blocks are block_size rows tall: they permute with the rows only
     when head_dim is a multiple of the block; ``check_site_geometry`` refuses fused-qkv FP8 otherwise (choose a
@@ -593,8 +594,10 @@ class WeightPublisher:
         module = self.sites[name]
         if self.quant is not None:
             return self.quant.cache.entry(module.weight, name).qweight
-        with torch.no_grad():
-            return quantize_weight(module.weight.detach(), self.quant_cfg)
+        from megatron_qarl.models.aligned import site_shard_max
+
+        with torch.no_grad():  # a split tensor-wide scale: a collective of the site's TP group, as in the cache
+            return quantize_weight(module.weight.detach(), self.quant_cfg, site_shard_max(module, self.quant_cfg))
 
     def _local(self, name: str, param: torch.Tensor) -> tuple[str, dict[str, torch.Tensor]]:
         if name in self.sites:

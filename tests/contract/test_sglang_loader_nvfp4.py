@@ -162,11 +162,14 @@ def test_our_gate_and_up_global_scales_pass_sglangs_own_check(loaded, sglang_run
     assert post_process(bad.model.layers[0].mlp.experts) == "refused"
 
 
-def test_sglang_cannot_refit_nvfp4_in_place_which_the_config_refuses():
+def test_sglang_cannot_refit_nvfp4_in_place_which_the_config_refuses(sglang_runtime):
     """Why `rollout.engine=sglang quant.scheme=nvfp4` is refused: SGLang 0.5.23's NVFP4 MoE scheme deletes its
     checkpoint parameters in process_weights_after_loading (w13_weight_packed -> w13_weight, global scales ->
     weight_scale_2) and keeps the base class's no-op restore_weights_before_loading, so a second update finds
-    nothing to load into. If SGLang adds a restore, this fails: revisit NVFP4's EngineSupport."""
+    nothing to load into; the dense linears' method (CompressedTensorsW4A16Fp4 behind CompressedTensorsLinearMethod)
+    restores nothing either. If SGLang adds a restore, this fails: revisit NVFP4's EngineSupport."""
+    from sglang.srt.layers.quantization.base_config import QuantizeMethodBase
+    from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsLinearMethod
     from sglang.srt.layers.quantization.compressed_tensors.schemes import CompressedTensorsMoEScheme
     from sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_w4a16_nvfp4_moe import (
         CompressedTensorsW4A16Nvfp4MoE)
@@ -175,5 +178,7 @@ def test_sglang_cannot_refit_nvfp4_in_place_which_the_config_refuses():
 
     assert CompressedTensorsW4A16Nvfp4MoE.restore_weights_before_loading is \
         CompressedTensorsMoEScheme.restore_weights_before_loading
+    assert CompressedTensorsLinearMethod.restore_weights_before_loading is \
+        QuantizeMethodBase.restore_weights_before_loading
     with pytest.raises(ConfigError, match="rollout.engine=sglang with quant.scheme=nvfp4 is not built"):
         load_config(None, ["quant.scheme=nvfp4", "quant.group_size=16", "rollout.engine=sglang"])

