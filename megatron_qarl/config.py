@@ -740,7 +740,6 @@ def _check_positive(cfg: RunConfig) -> list[str]:
         "rollout.sglang.health_timeout_s": r.sglang.health_timeout_s,
     }
     out = [f"{k}={v} must be > 0" for k, v in must_be_positive.items() if not v > 0]
-    if r.n == 1:
     p = cfg.publish
     if p.canary_every < 0 or p.canary_dense_publishes < 0:
         out.append(f"publish.canary_every={p.canary_every} and publish.canary_dense_publishes="
@@ -748,6 +747,7 @@ def _check_positive(cfg: RunConfig) -> list[str]:
     if p.canary_every > 0 and (p.canary_sequences < 1 or p.canary_tokens < 2):
         out.append(f"publish.canary_sequences={p.canary_sequences} must be >= 1 and publish.canary_tokens="
                    f"{p.canary_tokens} >= 2 (a scored token needs one before it), or publish.canary_every=0")
+    if r.n == 1:
         out.append("rollout.n=1: a group of one sample has no baseline, so every advantage is 0 and nothing is "
                    "learned (group-normalised advantages compare the samples of a prompt); use rollout.n >= 2, "
                    "e.g. 8")

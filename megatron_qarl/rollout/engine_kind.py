@@ -87,8 +87,6 @@ class EngineKind:
         its MoE tensor parallelism is engine_tp / this)."""
         return 1
 
-    # ------------------------------------------------------------------ checks
-    def check_config(self, cfg: Any) -> list[str]:
     def canary_dtype(self, cfg: Any):
         """The coarsest rounding its kernels apply to a token's values that the aligned learner's fp32 forward does
         not (a torch dtype): what bounds the refit canary's gap (megatron_qarl/canary.py). Default bfloat16: a GPU
@@ -97,6 +95,8 @@ class EngineKind:
 
         return torch.bfloat16
 
+    # ------------------------------------------------------------------ checks
+    def check_config(self, cfg: Any) -> list[str]:
         """The problems of a RunConfig that only this engine has, each one line naming the key and the fix."""
         return []
 
