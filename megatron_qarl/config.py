@@ -692,8 +692,9 @@ def _check_choices(cfg: RunConfig) -> list[str]:
         takers = [n for n in ENGINES if engine_kind(n).applies_deltas]
         out.append(f"publish.mode=delta with rollout.engine={kind.name}: {kind.why_no_deltas}; use "
                    f"publish.mode=full, or the {' / '.join(takers)} engine")
-    if cfg.publish.verify in ("all", "sampled") and kind is not None and not kind.verifies_checksums:
-        auditors = [n for n in ENGINES if engine_kind(n).verifies_checksums]
+    audits = lambda k: k.verifies_checksums or k.reads_back_weights  # noqa: E731 - checksums or a read-back
+    if cfg.publish.verify in ("all", "sampled") and kind is not None and not audits(kind):
+        auditors = [n for n in ENGINES if audits(engine_kind(n))]
         out.append(f"publish.verify={cfg.publish.verify} with rollout.engine={kind.name}: the engine reports no "
                    f"checksum of the tensors it holds, so the first publish would fail its audit; use "
                    f"publish.verify=off, or the {' / '.join(auditors)} engine")

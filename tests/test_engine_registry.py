@@ -114,10 +114,13 @@ def test_flags_that_do_not_depend_on_the_config():
 
 @pytest.mark.parametrize("name", ["embedded", "sglang", "vllm"])
 def test_the_flags_match_what_the_engine_class_implements(name):
-    """What the publisher asks the engine object (weights.publish): checksum() for verify, apply_weight_deltas()
+    """What the publisher asks the engine object (weights.publish): checksum() for verify (or, reading back its own
+    layout, weight_read_back() and held_weight_checksums()), apply_weight_deltas()
     and weight_version() for a delta; a GPU-sharing engine releases and resumes its memory."""
     engine, kind = engine_class(name), engine_kind(name)
     assert kind.verifies_checksums == callable(getattr(engine, "checksum", None))
+    assert kind.reads_back_weights == (callable(getattr(engine, "weight_read_back", None))
+                                       and callable(getattr(engine, "held_weight_checksums", None)))
     assert kind.applies_deltas == (callable(getattr(engine, "apply_weight_deltas", None))
                                    and callable(getattr(engine, "weight_version", None)))
     can_share = callable(getattr(engine, "release_memory", None)) and callable(getattr(engine, "resume_memory", None))

@@ -109,24 +109,37 @@ def marlin_moe_permute_scales(scales: torch.Tensor, size_k: int, size_n: int, gr
     return torch.stack([marlin_permute_scales(s, size_k, size_n, group_size) for s in scales])
 
 
+def sglang_marlin_words(packed: torch.Tensor, num_bits: int = 4) -> torch.Tensor:
+    """Loaded [E, K/8, N] words (w13 or w2) -> what SGLang holds after its refit: K and N as SGLang passes them,
+    from the loaded shape (compressed_tensors_wNa16_moe.py:368-381)."""
+    return marlin_moe_repack(packed, packed.shape[1] * (32 // num_bits), packed.shape[2], num_bits)
+
+
+def sglang_marlin_scales(scales: torch.Tensor, which: str, group_size: int, num_bits: int = 4) -> torch.Tensor:
+    """Loaded [E, K/g, N] scales of `which` ("w13" or "w2") -> what SGLang holds after its refit, with SGLang's own
+    `size_k` (compressed_tensors_wNa16_moe.py:382-395): for w13 the REPACKED w13's last dim (N * bits/2), not the
+    hidden size; for w2 the scale rows x group. It only picks the perm, and SGLang's choice is what it holds."""
+    if which == "w13":
+        size_k = scales.shape[2] * (num_bits // 2)
+    elif which == "w2":
+        size_k = scales.shape[1] * group_size
+    else:
+        raise QuantizationError(f"Marlin MoE scales are w13 or w2, not {which!r}")
+    return marlin_moe_permute_scales(scales, size_k, scales.shape[2], group_size)
+
+
 def sglang_marlin_moe_state(layout: dict[str, torch.Tensor], group_size: int, num_bits: int = 4
                             ) -> dict[str, torch.Tensor]:
     """One MoE layer's experts as SGLang 0.5.23 holds them after `process_weights_after_loading` (symmetric,
-    no act-order), from the loaded layout (`backends.sglang_wna16_moe_layout`'s four tensors): the arguments are
-    SGLang's own (compressed_tensors_wNa16_moe.py:368-395), including the w13 scales' `size_k`, which it takes
-    from the REPACKED w13's last dim (2N * bits/2), not from the hidden size: it only picks the scale perm, and
-    SGLang's choice is what the engine holds. The g_idx / sort-index parameters become [E, 0] int32 (:340-355)."""
-    w13p, w2p = layout["w13_weight_packed"], layout["w2_weight_packed"]
-    w13s, w2s = layout["w13_weight_scale"], layout["w2_weight_scale"]
-    per_word = 32 // num_bits
-    w13 = marlin_moe_repack(w13p, w13p.shape[1] * per_word, w13p.shape[2], num_bits)
-    w2 = marlin_moe_repack(w2p, w2p.shape[1] * per_word, w2p.shape[2], num_bits)
-    empty = torch.empty((w13p.shape[0], 0), dtype=torch.int32, device=w13p.device)
+    no act-order), from the loaded layout (`backends.sglang_wna16_moe_layout`'s four tensors); the g_idx /
+    sort-index parameters become [E, 0] int32 (compressed_tensors_wNa16_moe.py:340-355)."""
+    n_experts = layout["w13_weight_packed"].shape[0]
+    empty = torch.empty((n_experts, 0), dtype=torch.int32, device=layout["w13_weight_packed"].device)
     return {
-        "w13_weight_packed": w13,
-        "w2_weight_packed": w2,
-        "w13_weight_scale": marlin_moe_permute_scales(w13s, w13.shape[2], w13s.shape[2], group_size),
-        "w2_weight_scale": marlin_moe_permute_scales(w2s, w2s.shape[1] * group_size, w2s.shape[2], group_size),
+        "w13_weight_packed": sglang_marlin_words(layout["w13_weight_packed"], num_bits),
+        "w2_weight_packed": sglang_marlin_words(layout["w2_weight_packed"], num_bits),
+        "w13_weight_scale": sglang_marlin_scales(layout["w13_weight_scale"], "w13", group_size, num_bits),
+        "w2_weight_scale": sglang_marlin_scales(layout["w2_weight_scale"], "w2", group_size, num_bits),
         "w13_weight_g_idx": empty, "w2_weight_g_idx": empty,
         "w13_g_idx_sort_indices": empty, "w2_g_idx_sort_indices": empty,
     }

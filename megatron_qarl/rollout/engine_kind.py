@@ -9,8 +9,8 @@ engine checks, the run's builder, the memory model and the probe ask that object
   `needs_start_checkpoint` / `configured_start_checkpoint` (it loads its weights from a checkpoint directory
   at start), `shares_trainer_gpus` (its weights and KV live on the trainer's GPUs, so the trainer releases its
   memory while it runs), `colocated` / `separate_engines` (its rollout topology), `supports_text_stops`,
-  `applies_deltas` (publish.mode=delta), `verifies_checksums` (publish.verify), `needs_real_weights`,
-  `chooses_w4a16_kernel`, `gpu_fraction_of_total`;
+  `applies_deltas` (publish.mode=delta), `verifies_checksums` / `reads_back_weights` (publish.verify),
+  `needs_real_weights`, `chooses_w4a16_kernel`, `gpu_fraction_of_total`;
 * checks: `check_config` (the config problems only this engine has, each one line naming the key and the fix),
   `check_world` (those that need the world size), `check_machine` (what this host must have, before any model);
 * building: `config_from_run` (its engine config dataclass for one rollout group of a run), `standalone_config`
@@ -50,6 +50,8 @@ class EngineKind:
     applies_deltas: bool = True  # takes publish.mode=delta (patches the compressed tensors it keeps)
     why_no_deltas: str = ""
     verifies_checksums: bool = True  # reports checksum(names) of what it holds (publish.verify)
+    # reads back what it holds in its own layout (weight_read_back + held_weight_checksums): publish.verify too
+    reads_back_weights: bool = False
     # Refuses a run on megatron's random init with the demo tokenizer unless model.random_init says so.
     needs_real_weights: bool = False
     chooses_w4a16_kernel: bool = False  # honours rollout.embedded_w4a16_kernel

@@ -73,6 +73,15 @@ def custom_process_group_init() -> Callable[..., Any]:
     return init_custom_process_group
 
 
+def check_weights_request(action: str) -> Any:
+    """SGLang's ``CheckWeightsReqInput`` (managers/io_struct.py:2217-2223) for the target model: what the in-process
+    Engine's tokenizer manager takes for its weight checker (the /weights_checker route builds the same)."""
+    require_sglang()
+    from sglang.srt.managers.io_struct import CheckWeightsReqInput
+
+    return CheckWeightsReqInput(action=action, selector="target")
+
+
 def sglang_bucket_dict(bucket) -> dict:
     """A ``payload.FlattenedBucket`` as ``{"flattened_tensor", "metadata"}``, what
     ``update_weights_from_tensor(load_format="flattened_bucket")`` expects. Metadata become SGLang's own dataclass

@@ -904,6 +904,33 @@ class SGLangEngine:
         self._call("/end_weight_update", {})
         self._call("/flush_cache", {})
 
+    # ------------------------------------------------------------------ read-back (publish.verify)
+    def held_weight_checksums(self) -> list[dict]:
+        """SGLang's checksum of every parameter it holds, one entry per engine rank (``{"checksums": {name: hex},
+        "parallelism_info": [...]}``): its weight checker's ``checksum`` action (/weights_checker,
+        entrypoints/http_server.py:1599-1618; the in-process Engine has no method for it, so its tokenizer manager's,
+        the call the route makes). What is hashed, and how: rollout/sglang_readback.py."""
+        if self._in_update:
+            raise RolloutEngineError("held_weight_checksums called during an open weight update")
+        if self._inproc is not None:
+            request = sglang_compat.check_weights_request("checksum")
+            with self._inproc_lock:
+                ok, message, ranks, _ = self._inproc.loop.run_until_complete(
+                    self._inproc.tokenizer_manager.check_weights(request, None))
+            _check_success((ok, message), "weights_checker")
+            return ranks or []
+        return (self._call("/weights_checker", {"action": "checksum", "selector": "target"}) or {}).get("ranks") or []
+
+    def weight_read_back(self, hf_config, quant_cfg, select: Callable[[str], bool]):
+        """One publish's read-back (rollout/sglang_readback.py): the published tensors of the SGLang parameters
+        `select` picks, built and hashed as this engine holds them after the refit, to compare with
+        `held_weight_checksums`. None when SGLang's layout of the model is not known here; that, and every tensor it
+        cannot read back, is logged once per run (per engine)."""
+        from megatron_qarl.rollout.sglang_readback import sglang_read_back
+
+        logged = self.__dict__.setdefault("_read_back_logged", set())
+        return sglang_read_back(hf_config, quant_cfg, select, device_type="cuda", logged=logged)
+
     def _serialize_per_rank(self, bucket: FlattenedBucket) -> list:
         """One serialization per engine TP rank (each rank deserializes only its own entry and drops its
         own CUDA-IPC reference: managers/tp_worker.py:194-201, entrypoints/engine.py:1743-1759)."""
@@ -1094,7 +1121,8 @@ class SGLangKind(EngineKind):
     why_no_text_stops = MULTI_TOKEN_STOP_UNSUPPORTED
     applies_deltas = False
     why_no_deltas = NO_DELTAS
-    verifies_checksums = False  # SGLangEngine has no checksum(names): publish.verify fails at the first publish
+    verifies_checksums = False  # SGLangEngine has no checksum(names) of what it received ...
+    reads_back_weights = True  # ... but reads back what it holds (held_weight_checksums): publish.verify
     needs_real_weights = True
     expert_parallel_key = "rollout.sglang.ep_size"
 

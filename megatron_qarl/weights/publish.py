@@ -192,7 +192,7 @@ def expert_names_of(family) -> Callable[[str], bool]:
 def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        is_expert: Callable[[str], bool], bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify=False,
                        live: LiveBytes | None = None, sent: dict[str, str] | None = None,
-                       load_together=None) -> PushStats:
+                       load_together=None, read_back=None) -> PushStats:
     """Stream engine-layout tensors into flattened buckets and send each to `engine` (None: count only).
     `is_expert`: which names are routed experts' (`expert_names_of(family)`), bucketed apart; `load_together`
     (`family.engine_load_group`): which names share one bucket, i.e. one engine update call.
@@ -201,6 +201,8 @@ def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]
     with what was sent afterwards (PublishVerificationError names the first bad tensor); `verify` may select
     the tensors to check (a callable of the name: a sampled verify). `sent`: sha256s of tensors the caller sent
     in the same update by other means (deltas) or that the engine holds already, verified with the rest.
+    `read_back` (an engine's `weight_read_back`): takes the tensors it wants as they stream, for the caller to
+    compare with what the engine reports holding afterwards (`verify_read_back`).
     """
     stats, sent = PushStats(), ({} if sent is None else sent)
     if engine is not None:
@@ -212,6 +214,8 @@ def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]]
             stats.bytes += bucket.nbytes
             stats.num_buckets += 1
             stats.num_tensors += len(bucket.metadata)
+            if read_back is not None:
+                _feed_read_back(read_back, bucket)
             if verify:
                 for entry in bucket.metadata:
                     if _selects(verify, entry.name):
@@ -235,6 +239,26 @@ def _close_quietly(engine) -> None:
         engine.end_weight_update()
     except Exception:  # the original error is the one to report
         pass
+
+
+def _feed_read_back(read_back, bucket) -> None:
+    for entry in bucket.metadata:
+        if read_back.wants(entry.name):
+            read_back.take(entry.name, bucket.flattened_tensor[entry.start_idx:entry.end_idx].reshape(entry.shape))
+
+
+def verify_read_back(engine, read_back, publish: int) -> int:
+    """Compare what an engine that reads back its own layout reports holding (`held_weight_checksums`, after the
+    update closed) with `read_back`'s checksums of what publish number `publish` sent, mapped to that layout: raise
+    PublishVerificationError, one line naming the engine, the publish, the parameter and both checksums, at the first
+    difference. Returns the parameters compared (none sampled: the engine is not asked)."""
+    if not read_back.expected:
+        return 0
+    compared, problem = read_back.compare(engine.held_weight_checksums())
+    if problem:
+        where = f"{type(engine).__name__} {getattr(engine, 'url', '')}".strip()
+        raise PublishVerificationError(f"{where} after publish {publish}: {problem}")
+    return compared
 
 
 def verify_engine_checksums(engine, sent: dict[str, str]) -> None:
@@ -552,6 +576,7 @@ class WeightPublisher:
             raise ValueError(f"verify_sample must be >= 1, got {verify_sample}")
         self.verify_sample = verify_sample
         self._tensors_last = 0  # engine tensors of the last publish (the sampled verify's rotation period)
+        self._read_back_params_last = 0  # engine parameters the last read-back fed (its rotation period)
         if mode not in ("full", "delta"):
             raise ValueError(f"publish mode must be 'full' or 'delta', got {mode!r}")
         if full_every < 1:
@@ -711,9 +736,7 @@ class WeightPublisher:
                     if dist.get_rank() == self.leaders[0]:  # every leader diffed the whole model: count one
                         flips[:] = [stats.codes_changed, stats.codes_compared]
                 else:
-                    stats = push_named_tensors(self.engine, stream, is_expert=self.is_expert,
-                                               bucket_bytes=self.bucket_bytes, verify=verify, live=live,
-                                               load_together=self.load_together)
+                    stats = self._push_full(stream, live, verify)
             except Exception as exc:  # other ranks must learn about it instead of hanging
                 error = exc
                 self.copy.version = None  # the engine holds who knows what: the next publish is full
@@ -755,18 +778,41 @@ class WeightPublisher:
             return f"every {self.full_every} publishes"
         return None
 
-    def _verify_selector(self):
+    def _verify_selector(self, last: int | None = None):
         """What this publish verifies: False, True (every tensor), or for `sampled` the first publish whole and
         then a rotating share: tensor `name` in publish p when crc32(name) % period == p % period, with period =
-        the last publish's tensors / verify_sample, so about verify_sample tensors per publish and every tensor
-        once every period publishes, whether it was sent whole, as a delta, or not at all (unchanged)."""
+        the last publish's tensors (or `last` units: a read-back's parameters) / verify_sample, so about
+        verify_sample per publish and each once every period publishes, whether it was sent whole, as a delta, or
+        not at all (unchanged)."""
+        last = self._tensors_last if last is None else last
         if self.verify != "sampled":
             return self.verify == "all"
-        if self.publishes == 0 or not self._tensors_last:
+        if self.publishes == 0 or not last:
             return True
-        period = max(1, -(-self._tensors_last // self.verify_sample))
+        period = max(1, -(-last // self.verify_sample))
         turn = self.publishes % period
         return lambda name: zlib.crc32(name.encode()) % period == turn
+
+    def _push_full(self, stream, live: LiveBytes, verify) -> PushStats:
+        """A full publish. An engine that reads back what it holds in its own layout (SGLang: `weight_read_back`) is
+        audited that way, on a rotating sample of its parameters, instead of by checksums of what it received."""
+        read_back = self._read_back()
+        stats = push_named_tensors(self.engine, stream, is_expert=self.is_expert, bucket_bytes=self.bucket_bytes,
+                                   verify=verify if read_back is None else False, live=live,
+                                   load_together=self.load_together, read_back=read_back)
+        if read_back is not None:
+            stats.verified = verify_read_back(self.engine, read_back, self.publishes + 1)
+            self._read_back_params_last = len(read_back.params_seen) or self._read_back_params_last
+        return stats
+
+    def _read_back(self):
+        """This publish's read-back of an engine that reads back its own layout, or None (verify off, or another
+        engine: None on the ranks without one, too)."""
+        make = getattr(self.engine, "weight_read_back", None)
+        if self.verify == "off" or not callable(make):
+            return None
+        select = self._verify_selector(self._read_back_params_last)
+        return make(self.hf_config, self.quant_cfg, select if callable(select) else (lambda name: bool(select)))
 
     def _push_delta(self, stream, live: LiveBytes, verify) -> tuple[PushStats, str | None, int]:
         reason = self._full_reason()
