@@ -313,17 +313,6 @@ def quant_config_from_quantization_config(qc: Mapping[str, Any] | None, *, namin
 
 
 
-def quantization_mismatch(learner: QuantConfig, served: Mapping[str, Any] | None, linear_names: Iterable[str],
-                          *, naming: LinearNaming) -> str | None:
-    """What differs between the learner's spec and the ``quantization_config`` an engine serves, in one line
-    (None: they agree): the format, its group / block size, and the linears one quantizes and the other keeps
-    bf16 (`linear_names`: the model's linears, HF names without ``.weight``; the engine's ignore list read with
-    its format's rule). Catches a quantized router, a group size that differs, an ignore pattern that swallows
-    a layer. `naming`: the model family (which of `linear_names` the learner quantizes)."""
-    found = scheme_of_quantization_config(served) if served else None
-    if served and found is None:
-        return (f"it serves a quantization_config no registered scheme reads (quant_method "
-                f"{served.get('quant_method')!r}, format {served.get('format')!r})")
 def substring_ignore_entries(ignore: Iterable[str], names: Iterable[str], quantized: set[str]
                              ) -> list[tuple[str, list[str]]]:
     """The plain (non-``re:``) ignore entries that name no linear exactly yet are a substring of linears the
@@ -340,6 +329,17 @@ def substring_ignore_entries(ignore: Iterable[str], names: Iterable[str], quanti
     return found
 
 
+def quantization_mismatch(learner: QuantConfig, served: Mapping[str, Any] | None, linear_names: Iterable[str],
+                          *, naming: LinearNaming) -> str | None:
+    """What differs between the learner's spec and the ``quantization_config`` an engine serves, in one line
+    (None: they agree): the format, its group / block size, and the linears one quantizes and the other keeps
+    bf16 (`linear_names`: the model's linears, HF names without ``.weight``; the engine's ignore list read with
+    its format's rule). Catches a quantized router, a group size that differs, an ignore pattern that swallows
+    a layer. `naming`: the model family (which of `linear_names` the learner quantizes)."""
+    found = scheme_of_quantization_config(served) if served else None
+    if served and found is None:
+        return (f"it serves a quantization_config no registered scheme reads (quant_method "
+                f"{served.get('quant_method')!r}, format {served.get('format')!r})")
     engine_scheme = found[0].name if found else NO_SCHEME
     # a variant's engine serves its checkpoint scheme's format (nested int grids: the plain width's)
     learner_format = (scheme_of(learner).checkpoint_scheme or learner.scheme) if learner.enabled else NO_SCHEME
@@ -354,6 +354,12 @@ def substring_ignore_entries(ignore: Iterable[str], names: Iterable[str], quanti
                 f"{scheme.unit(learner)} (codes and scales would differ in every {scheme.unit_name})")
     names = sorted(set(linear_names))
     engine_q, learner_q = scheme.quantized_linears(served, names), {n for n in names if learner.quantizes(n, naming)}
+    loose = substring_ignore_entries(served.get("ignore") or [], names, learner_q)
+    if loose:
+        entry, hit = loose[0]
+        return (f"its ignore list has {entry!r}, which names no linear exactly but is part of {len(hit)} the learner "
+                f"quantizes (e.g. {hit[0]}): an engine that matches ignore entries by substring (verl's MXFP8 loader "
+                "did) keeps those bf16 while the learner quantizes them; write full names or 're:' patterns")
     extra, missing = sorted(engine_q - learner_q), sorted(learner_q - engine_q)
     if not (extra or missing):
         return None
@@ -363,9 +369,3 @@ def substring_ignore_entries(ignore: Iterable[str], names: Iterable[str], quanti
     if missing:
         said.append(f"keeps bf16 {len(missing)} the learner quantizes (e.g. {', '.join(missing[:2])})")
     return f"its {scheme.name} checkpoint {' and '.join(said)}: its ignore list is not quant.scope={learner.scope}'s"
-    loose = substring_ignore_entries(served.get("ignore") or [], names, learner_q)
-    if loose:
-        entry, hit = loose[0]
-        return (f"its ignore list has {entry!r}, which names no linear exactly but is part of {len(hit)} the learner "
-                f"quantizes (e.g. {hit[0]}): an engine that matches ignore entries by substring (verl's MXFP8 loader "
-                "did) keeps those bf16 while the learner quantizes them; write full names or 're:' patterns")

@@ -89,12 +89,12 @@ class QuantScheme:
     default_scope: str = "experts"  # what an export without --scope quantizes
     tensor_wide_scale: bool = False  # a scale over the whole (fused) weight: a shard's is reduced (`quantize_shard`)
     quantizes_activations: bool = False  # W8A8-like: the GEMM's input is quantized too
+    activation_dtype: torch.dtype | None = None  # quantizes_activations: the format its inputs are rounded to
     engines: Mapping[str, EngineSupport] = {}  # rollout.engine name -> its support (names checked by rollout/engines)
     sampler_kernels: tuple[str, ...] = ("dequantized",)  # the embedded engine's GEMMs for this format
     # a variant whose codes another scheme's format carries unmarked (nested int grids): the registered scheme
     # its checkpoints load as; its own `config_fields` then claims no quantization_config
     checkpoint_scheme: str | None = None
-    activation_dtype: torch.dtype | None = None  # quantizes_activations: the format its inputs are rounded to
 
     def int4_operands(self, hf_name: str, parts):
         """(int codes [N, K], scales [N, K / group]) of one linear's engine parts, for an int4 sampler kernel

@@ -40,9 +40,9 @@ work but the gathers and the copy into buckets (the count cost about half of it:
 """
 from __future__ import annotations
 
-import functools
 import contextlib
 
+import functools
 import math
 import time
 import zlib
@@ -62,8 +62,8 @@ from megatron_qarl.quant.schemes import scheme_of_kind
 from megatron_qarl.rollout.delta import (
     DeltaBatch, TensorDelta, WeightDeltaMismatch, supports_delta, tensor_crc32, tensor_delta, worth_a_delta,
 )
-from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, TensorMeta, iter_buckets, plan_buckets, tensor_sha256
 from megatron_qarl.errors import RefitError
+from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, TensorMeta, iter_buckets, plan_buckets, tensor_sha256
 
 
 class PublishError(RuntimeError):
@@ -631,6 +631,26 @@ class WeightPublisher:
         return UNQUANTIZED, linear_parts(None, param, dtype=torch.float32 if keep_fp32 else torch.bfloat16)
 
     # -- gathering one parameter to the engine rank -------------------------------------------------
+    @contextlib.contextmanager
+    def engine_values(self):
+        """For the block, the model's unquantized parameters hold the values an engine gets (`_local`: bf16 unless
+        the family keeps them fp32), so a forward computes on what the engine holds (the refit canary); the
+        quantized linears already run on the codes it gets. Copies only what the rounding changes: an fp32
+        learner's unquantized weights (the CPU twin's); nothing for a bf16 learner."""
+        saved = {}
+        try:
+            with torch.no_grad():
+                for name, param in self.params.items():
+                    if name in self.sites or param.dtype != torch.float32 or self.family.param_layout(name).keep_fp32:
+                        continue
+                    saved[name] = param.detach().clone()
+                    param.copy_(param.to(torch.bfloat16))
+            yield
+        finally:
+            with torch.no_grad():
+                for name, value in saved.items():
+                    self.params[name].copy_(value)
+
     def _collect(self, topo: _Topology, name: str, param: torch.Tensor, flips: list) -> list[FullParam]:
         from megatron_qarl.weights.sharding import local_to_global_name, shard_rule
 
@@ -659,26 +679,6 @@ class WeightPublisher:
             if me not in topo.ep_leaders:
                 return []
             return [FullParam(local_to_global_name(name, c.ep_rank, topo.n_local), kind, parts, shape)]
-    @contextlib.contextmanager
-    def engine_values(self):
-        """For the block, the model's unquantized parameters hold the values an engine gets (`_local`: bf16 unless
-        the family keeps them fp32), so a forward computes on what the engine holds (the refit canary); the
-        quantized linears already run on the codes it gets. Copies only what the rounding changes: an fp32
-        learner's unquantized weights (the CPU twin's); nothing for a bf16 learner."""
-        saved = {}
-        try:
-            with torch.no_grad():
-                for name, param in self.params.items():
-                    if name in self.sites or param.dtype != torch.float32 or self.family.param_layout(name).keep_fp32:
-                        continue
-                    saved[name] = param.detach().clone()
-                    param.copy_(param.to(torch.bfloat16))
-            yield
-        finally:
-            with torch.no_grad():
-                for name, value in saved.items():
-                    self.params[name].copy_(value)
-
         per_rank: dict[str, list[torch.Tensor]] = {}
         for key, part in parts.items():
             shards = _gather_to_leaders(part, topo.ep_group, c.ep_size, topo.ep_leaders)
