@@ -164,8 +164,16 @@ def _activation_bytes(cfg, family, shape, tp: int, etp: int, aligned_attention: 
     vocab_local = shape.vocab_size // tp  # unpadded: the families' check_divisibility asks TP to divide it
     logits = logits_transient_bytes(b, seq, vocab_local, elem, grad=True)
     no_grad_logits = logits_transient_bytes(b, seq, vocab_local, elem, grad=False)
+    # the refit canary's no-grad forward after a publish (canary.py): its few sequences through every layer, kept
+    # one layer at a time as old-logprob's are, and their logits
+    p = cfg.publish
+    canary_tokens = p.canary_sequences * p.canary_tokens if p.canary_every > 0 else 0
+    canary = canary_tokens * per_layer_token + (
+        logits_transient_bytes(p.canary_sequences, p.canary_tokens, vocab_local, elem, grad=False)
+        if canary_tokens else 0.0)
     return {"tokens_per_micro_batch": t, "layers": layers, "attention_scores": scores, "logits": logits,
-            "no_grad_logits": no_grad_logits, "score_buffer": score_buffer, "no_grad_layer": t * per_layer_token}
+            "no_grad_logits": no_grad_logits, "score_buffer": score_buffer, "no_grad_layer": t * per_layer_token,
+            "canary": canary}
 
 
 def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
@@ -364,7 +372,7 @@ def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str
             ("train", {**residue, **state, **grads, "quant_cache": tr["quant_cache"], **train_act,
                        **reserve(train_act), **engine_idle}),
             ("publish", {**residue, **state, "quant_cache": tr["quant_cache"], **bucket, **reserve(bucket),
-                         **engine_weights}),
+                         **engine_weights, "canary_forward": act["canary"]}),
             ("engine wake", {**residue, **engine_full}),
         ]
     else:  # the engine is elsewhere (separate GPUs, the CPU): the trainer keeps everything all the time
@@ -373,7 +381,7 @@ def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str
         rows = [("rollout", dict(held)),
                 ("old-logprob", {**held, **old_act, **reserve(old_act)}),
                 ("train", {**held, **train_act, **reserve(train_act)}),
-                ("publish", {**held, **bucket, **reserve(bucket)})]
+                ("publish", {**held, **bucket, **reserve(bucket), "canary_forward": act["canary"]})]
     table = [{"phase": name, "terms": terms, "total": sum(terms.values()),
               "free": capacity - sum(terms.values())} for name, terms in rows]
     peak = max(table, key=lambda r: r["total"])

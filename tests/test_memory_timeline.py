@@ -38,7 +38,10 @@ def _rows(timeline) -> dict:
 #   gradient 2 x 4 B x 96 x 128 = 98,304 + one fp32 chunk of 23 rows x 128 = 11,776 + 16 B/token 1,536 + 32 B/chunk
 #   row 736 = 112,352; old log-probs the 2 copies (megatron's transpose) + 2,272 = 100,576; SDPA log-sum-exp
 #   4 x 4 x 24 x 4 x 2 = 3,072
+#   the refit canary's forward in the publish (4 sequences x 32 tokens = 128): one layer 128 x 7,744 = 991,232;
+#   logits the 2 copies 2 x 4 B x 128 x 128 = 131,072 + 16 B/token 2,048 + 32 B/chunk row x 31 rows = 992
 MASTER, GRADS, ADAM = 4 * TINY_TOTAL, 4 * TINY_TOTAL, 8 * TINY_TOTAL
+CANARY = 128 * 7_744 + 131_072 + 2_048 + 992
 CACHE = TINY_EXPERTS * (1 + 4 + 0.5) + 2 * TINY_EXPERTS / 128
 ENGINE_WEIGHTS = 2 * (TINY_TOTAL - TINY_EXPERTS) + TINY_EXPERTS / 2 + 2 * TINY_EXPERTS / 128
 TRAIN_ACT, OLD_ACT, LSE = 96 * 7_744 * 2, 96 * 7_744, 4 * 4 * 24 * 4 * 2
@@ -64,8 +67,11 @@ def test_tiny_colocated_phases_term_by_term():
     train = residue + state + GRADS + CACHE + (TRAIN_ACT + LSE + LOGITS) * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT
     assert rows["train"]["total"] == pytest.approx(train, rel=1e-12)
     bucket = 16 * 2 ** 20
-    publish = residue + state + CACHE + bucket * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT + ENGINE_WEIGHTS
+    assert CANARY == 1_125_344 and rows["publish"]["terms"]["canary_forward"] == CANARY
+    publish = residue + state + CACHE + bucket * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT + ENGINE_WEIGHTS + CANARY
     assert rows["publish"]["total"] == pytest.approx(publish, rel=1e-12)
+    off = _rows(memory_timeline(_tiny_colocated("publish.canary_every=0"), world_size=1, gpu_gib=2.0))
+    assert off["publish"]["terms"]["canary_forward"] == 0
     assert "grads_fp32" not in rows["publish"]["terms"]  # dropped before the engine's weights come back
     for row in timeline["rows"]:
         assert row["free"] == 2 * GIB - row["total"]
