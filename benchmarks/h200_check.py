@@ -33,7 +33,8 @@ p3  FP8 block W8A8 without TransformerEngine: the spec's codes (quantize_fp8_blo
     1x128) through torch's blockwise _scaled_mm on the 30B GEMM shapes (M 4096), against the exact fp32 product of
     the dequantized operands and the reference backend's bf16 GEMM; which scale layouts cuBLAS takes.
 p4  the tiny RL loop for two steps under torchrun --nproc_per_node 1 (NCCL world of one, dispatch, publish,
-    optimizer, checkpoint on CUDA), and whether it exits cleanly.
+    optimizer, checkpoint on CUDA), and whether it exits cleanly; its last row's canary/* gap and time/canary_s
+    (the refit canary's cost per step on this machine).
 
 Plain-Python dependencies only: torch, megatron-core, transformers, compressed-tensors, torch_memory_saver, psutil
 and this package (no SGLang, TransformerEngine, vLLM or pytest). docs/gpu-runs.md says how to carry them.
@@ -689,7 +690,8 @@ def part_p4(cuda: bool, out_dir: Path, timeout: int, overrides: list[str]) -> di
         rows = [json.loads(line) for line in metrics[0].read_text().splitlines() if line.strip()]
         out["metrics_rows"] = len(rows)
         out["last_metrics"] = {k: v for k, v in (rows[-1] if rows else {}).items()
-                               if isinstance(v, (int, float)) and k.split("/")[0] in ("step", "train", "time", "rollout")}
+                               if isinstance(v, (int, float)) and k.split("/")[0] in ("step", "train", "time", "rollout",
+                                                                                    "canary")}
     out["checkpoints"] = sorted(str(p.relative_to(run_dir)) for p in run_dir.glob("**/checkpoints/*") if p.is_dir())
     if rc != 0:
         raise RuntimeError(f"the tiny RL loop ended with {rc}: {text.strip().splitlines()[-1] if text.strip() else ''}")
