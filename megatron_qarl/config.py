@@ -906,30 +906,37 @@ def _check_engine_quant(cfg: RunConfig) -> list[str]:
                        f"int4 CPU kernel takes group sizes {ATEN_INT4_GROUP_SIZES}")
     if kind is None:  # an unregistered rollout.engine: _check_choices names it
         return out
-    out += _check_scheme_on_engine(cfg)
+    out += _check_scheme_on_engine(cfg, kind)
     out += kind.check_config(cfg)  # the engine's own keys (rollout.<engine>.*) and what it cannot run
     return out
 
 
-def _check_scheme_on_engine(cfg: RunConfig) -> list[str]:
-    """What the configured scheme says about the configured engine's refit (quant/scheme.py EngineSupport):
-    whether it refits the format at all, and for which scopes (the engine's own check_config adds what else it
-    needs, e.g. SGLang's MoE backend)."""
+def _check_scheme_on_engine(cfg: RunConfig, kind: EngineKind) -> list[str]:
+    """What the configured engine's kind says about the configured scheme's refit (its `refits`,
+    rollout/engine_kind.py): whether it refits the format at all, and for which scopes (the engine's own
+    check_config adds what else it needs, e.g. SGLang's MoE backend)."""
     q, r = cfg.quant, cfg.rollout
     if not q.enabled:
         return []
-    support = scheme_of(q).engine(r.engine)
+    support = kind.refit_support(scheme_of(q))
     run = f"rollout.engine={r.engine} with quant.scheme={q.scheme}"
     if not support.refit:
-        schemes = [n for n, s in SCHEMES.items() if s.engine(r.engine).refit]
-        engines = [e for e in ENGINES if scheme_of(q).engine(e).refit]
-        return [f"{run} is not built ({support.why_not}); use quant.scheme={' or '.join(schemes + ['none'])}, or "
-                f"rollout.engine={' or '.join(engines)} for {q.scheme}"]
+        return [f"{run} is not built ({support.why_not}); {_refit_alternatives(cfg, kind)}"]
     out = []
     if support.scopes is not None and q.scope not in support.scopes:
         out.append(f"{run} and quant.scope={q.scope!r}: {support.why_scopes}; use quant.scope="
                    f"{' or '.join(support.scopes)}")
     return out
+
+
+def _refit_alternatives(cfg: RunConfig, kind: EngineKind) -> str:
+    """The fix of a refused scheme x engine: the schemes this engine refits, and the engines that refit this
+    scheme (none for a format no engine lists yet)."""
+    scheme = scheme_of(cfg.quant)
+    schemes = [name for name, s in SCHEMES.items() if kind.refit_support(s).refit]
+    engines = [e for e in ENGINES if engine_kind(e).refit_support(scheme).refit]
+    fix = f"use quant.scheme={' or '.join(schemes + ['none'])}"
+    return fix + (f", or rollout.engine={' or '.join(engines)} for {cfg.quant.scheme}" if engines else "")
 
 
 def _check_shard_shapes(cfg: RunConfig) -> list[str]:

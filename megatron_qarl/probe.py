@@ -78,10 +78,11 @@ class ProbeSettings:
             *others, last = engine_names()
             raise ProbeError(f"engine {self.engine!r}: use --engine {', '.join(others)} or {last}")
         scheme = scheme_named(self.scheme) if self.scheme != NO_SCHEME else None
-        if scheme is not None and not scheme.engine(self.engine).refit:
-            able = [e for e in engine_names() if scheme.engine(e).refit]
-            raise ProbeError(f"--engine {self.engine} does not sample {self.scheme} here "
-                             f"({scheme.engine(self.engine).why_not}); use --engine {' or '.join(able)} for it")
+        support = engine_kind(self.engine).refit_support(scheme)
+        if not support.refit:
+            able = [e for e in engine_names() if engine_kind(e).refit_support(scheme).refit]
+            fix = f"; use --engine {' or '.join(able)} for it" if able else ""
+            raise ProbeError(f"--engine {self.engine} does not sample {self.scheme} here ({support.why_not}){fix}")
         if self.w4a16_kernel != "dequantized" and (not engine_kind(self.engine).chooses_w4a16_kernel
                                                    or scheme is None or self.w4a16_kernel not in scheme.sampler_kernels):
             runs_it = [n for n in SCHEME_NAMES if self.w4a16_kernel in scheme_named(n).sampler_kernels]

@@ -11,7 +11,7 @@ import pytest
 from megatron_qarl.config import ConfigError, load_config, rollout_topology
 from megatron_qarl.rollout.engine_kind import EngineKind
 from megatron_qarl.rollout.engines import (
-    ENGINE_MODULES, engine_kind, engine_names, make_engine, unknown_scheme_engines)
+    ENGINE_MODULES, engine_kind, engine_names, make_engine, unknown_refit_formats)
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLLOUT = ROOT / "megatron_qarl" / "rollout"
@@ -85,9 +85,127 @@ def test_an_unknown_engine_is_one_line_listing_the_registered_names():
         load_config(None, ["rollout.engine=tgi"], world_size=2)  # no topology of an unknown engine: no crash
 
 
-def test_every_scheme_names_only_registered_engines():
-    """quant/ keys its EngineSupport tables by engine name (it sits below rollout/): the registry checks them."""
-    assert unknown_scheme_engines() == []
+# ---------------------------------------------------------------- the formats each engine refits (its `refits`)
+
+def test_every_refit_table_names_only_registered_formats():
+    """Each kind keys its `refits` by format name (a scheme's `format_name`; a nested variant is its plain
+    format): the registry checks every key, so a misspelt or removed format cannot sit there unnoticed."""
+    assert unknown_refit_formats() == []
+
+
+# What every registered scheme x engine got before the tables moved out of quant/ (quant/scheme.py's
+# `scheme.engine(name)`, an EngineSupport; an engine a scheme did not list got EngineSupport()): the fields that
+# differed from that default, computed from the old code path at commit 2762dea and pinned here.
+OLD_SUPPORT_DEFAULTS = {"refit": True, "why_not": "", "scopes": None, "why_scopes": "", "moe_backend": None,
+                        "moe_backend_refusals": {}, "cuda_graphs": True, "why_no_cuda_graphs": "",
+                        "cpu_int4_kernel": False, "loads_checkpoint": True, "why_not_checkpoint": ""}
+_SGLANG_WNA16 = ("SGLang 0.5.23's compressed-tensors WNA16 MoE takes 4 or 8 bits only (WNA16_SUPPORTED_BITS, "
+                 "compressed_tensors_wNa16_moe.py:83-92)")
+_VLLM_WNA16 = ("vLLM-CPU's int MoE kernel (CPUExpertsInt4) is 4-bit, and no refit of a 2/3-bit format is verified "
+               "against vLLM")
+_EMBEDDED_WNA16 = ("transformers 5.19's load of a 2/3-bit pack-quantized checkpoint does not give the "
+                   "library-decompressed weights (the tiny Qwen3-MoE's logits differ by ~4e-2)")
+_LOW_BIT = {"sglang": {"refit": False, "why_not": _SGLANG_WNA16}, "vllm": {"refit": False, "why_not": _VLLM_WNA16},
+            "embedded": {"loads_checkpoint": False, "why_not_checkpoint": _EMBEDDED_WNA16}}
+OLD_SUPPORT = {
+    ("w4a16", "embedded"): {},
+    ("w4a16", "sglang"): {
+        "scopes": ("experts",),
+        "why_scopes": "SGLang replaces dense W4A16 (attention) parameters at its Marlin repack, so they cannot be "
+                      "refit in place between steps",
+        "moe_backend": "marlin",
+        "moe_backend_refusals": {
+            "triton": "SGLang's triton WNA16 MoE (CompressedTensorsWNA16TritonMoE) converts the weights to its own "
+                      "uint8 layout in new Parameters without weight_loader after loading, so in-place refit fails",
+            "*": "only 'marlin' (the Marlin WNA16 MoE path, the one that restores its packed weights before a "
+                 "reload; 'auto' is pinned to it) supports compressed-tensors W4A16 refit, not {backend!r}"},
+        "cuda_graphs": False,
+        "why_no_cuda_graphs": "the Marlin MoE workspace is reallocated at every refit while captured graphs keep the "
+                              "old pointer"},
+    ("w4a16", "vllm"): {"cpu_int4_kernel": True},
+    ("fp8", "embedded"): {},
+    ("fp8", "sglang"): {},
+    ("fp8", "vllm"): {"refit": False, "why_not": "no FP8 refit verified against vLLM"},
+    ("nvfp4", "embedded"): {"loads_checkpoint": False,
+                            "why_not_checkpoint": "transformers 5.19 loads the fused experts without weight_global_scale"},
+    ("nvfp4", "sglang"): {
+        "refit": False,
+        "why_not": "SGLang 0.5.23's NVFP4 methods (CompressedTensorsW4A16Nvfp4MoE, CompressedTensorsW4A16Fp4) "
+                   "delete the checkpoint parameters at process_weights_after_loading for Marlin's repacked ones "
+                   "and restore none before the next load, so a second weight update has nothing to load into"},
+    ("nvfp4", "vllm"): {"refit": False, "why_not": "vLLM-CPU has no NVFP4 MoE kernel and no NVFP4 refit is verified "
+                                                   "against vLLM on a GPU"},
+    **{(scheme, engine): fields for scheme in ("w3a16", "w2a16", "w3a16_nested", "w2a16_nested")
+       for engine, fields in _LOW_BIT.items()},
+}
+
+
+def test_every_registered_scheme_on_every_engine_gets_the_support_it_had_before():
+    """The move kept every fact: each field the old EngineSupport had reads the same on the engine's own support
+    type (a field that type lacks was at its default for every scheme on that engine), and bf16 refits with no
+    limits everywhere."""
+    from megatron_qarl.quant.schemes import SCHEMES
+
+    assert set(OLD_SUPPORT) == {(s, e) for s in SCHEMES for e in engine_names()}  # a new scheme: add its row
+    for (scheme, engine), changed in OLD_SUPPORT.items():
+        support = engine_kind(engine).refit_support(SCHEMES[scheme])
+        assert {f.name for f in dataclasses.fields(support)} <= set(OLD_SUPPORT_DEFAULTS), (scheme, engine)
+        now = {field: getattr(support, field, default) for field, default in OLD_SUPPORT_DEFAULTS.items()}
+        assert now == {**OLD_SUPPORT_DEFAULTS, **changed}, (scheme, engine)
+    for engine in engine_names():
+        bf16 = engine_kind(engine).refit_support(None)
+        assert {f: getattr(bf16, f, d) for f, d in OLD_SUPPORT_DEFAULTS.items()} == OLD_SUPPORT_DEFAULTS, engine
+
+
+def _toy_scheme():
+    """A low-bit format quant/ could register tomorrow and no engine has verified a refit of."""
+    from megatron_qarl.quant.scheme import QuantScheme
+
+    class Toy(QuantScheme):
+        name = "toy4"
+        kind = "toy4"
+        parts = {"weight_toy": None}
+        codes_part = "weight_toy"
+
+    return Toy()
+
+
+REFITS_TODAY = {"embedded": "w4a16, fp8, nvfp4, w3a16, w2a16", "sglang": "w4a16, fp8", "vllm": "w4a16"}
+SCHEMES_REFIT_TODAY = {"embedded": "w4a16 or fp8 or nvfp4 or w3a16 or w2a16 or w3a16_nested or w2a16_nested",
+                       "sglang": "w4a16 or fp8", "vllm": "w4a16"}
+
+
+@pytest.mark.parametrize("engine", ["embedded", "sglang", "vllm"])
+def test_a_format_no_engine_lists_is_refused_in_one_line(engine, monkeypatch):
+    """The default refuses: a format missing from an engine's `refits` is not refit (nor, on the embedded
+    engine, started from a checkpoint), one line naming the engine, the format and what the engine refits; the
+    config's line wraps it, with no engine to suggest."""
+    from megatron_qarl import config
+    from megatron_qarl.quant import schemes
+
+    toy = _toy_scheme()
+    support = engine_kind(engine).refit_support(toy)
+    assert support.refit is False and isinstance(support, engine_kind(engine).refit_type)
+    line = (f"the {engine} engine lists no in-place refit of toy4; the formats it refits: {REFITS_TODAY[engine]} "
+            "(a format is listed once its refit on the engine is verified)")
+    assert support.why_not == line and "\n" not in line
+    if engine == "embedded":
+        assert support.checkpoint_problem() == line
+    monkeypatch.setitem(schemes.SCHEMES, "toy4", toy)  # in the registry for this test only
+    cfg = tiny_run(engine)
+    cfg.quant.scheme = "toy4"  # past QuantConfig's choice list, which was fixed at import
+    [problem] = config._check_scheme_on_engine(cfg, engine_kind(engine))
+    assert problem == (f"rollout.engine={engine} with quant.scheme=toy4 is not built ({line}); use quant.scheme="
+                       f"{SCHEMES_REFIT_TODAY[engine]} or none")  # no engine refits toy4: none is suggested
+
+
+def test_a_nested_variant_is_its_plain_formats_entry():
+    """A variant that writes another scheme's format unmarked is that format to an engine (`format_name`), so
+    a refusal of an unlisted variant names both."""
+    toy = _toy_scheme()
+    toy.checkpoint_scheme = "toy8"
+    assert toy.format_name == "toy8"
+    assert "no in-place refit of toy4 (the toy8 format);" in engine_kind("vllm").refit_support(toy).why_not
 
 
 # ---------------------------------------------------------------- the flags, each as the old code decided it

@@ -406,7 +406,7 @@ def test_qarl_convert_exports_w3a16_that_the_library_decompresses_and_inspect_re
         assert torch.equal(library_decompress(parts, 3, 128).float(), state[name]), name
     from megatron_qarl.rollout.embedded import EmbeddedEngine, EngineWeightError
 
-    with pytest.raises(EngineWeightError, match="cannot start from a w3a16 checkpoint"):  # scheme.engines["embedded"]
+    with pytest.raises(EngineWeightError, match="cannot start from a w3a16 checkpoint"):  # EmbeddedKind.refits
         EmbeddedEngine.from_hf_checkpoint(str(out), dtype="float32")
 
 

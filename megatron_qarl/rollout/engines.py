@@ -48,10 +48,11 @@ def make_engine(name: str, engine_config: Any = None) -> RolloutEngine:
     return kind.build(engine_config)
 
 
-def unknown_scheme_engines() -> list[str]:
-    """`scheme: engine` for every engine a quantization scheme's EngineSupport table names that is not registered
-    here (quant/ sits below rollout/ and keys its tables by engine name; this is their check)."""
+def unknown_refit_formats() -> list[str]:
+    """`engine: format` for every key of a registered kind's `refits` that is no registered format (a scheme's
+    `format_name`): the tables spell formats by name, the one place outside quant/ that may; this is their check.
+    Imports every engine module (for tests and tools, not a run)."""
     from megatron_qarl.quant.schemes import SCHEMES
 
-    return [f"{scheme.name}: {engine}" for scheme in SCHEMES.values() for engine in scheme.engines
-            if engine not in ENGINE_MODULES]
+    formats = {scheme.format_name for scheme in SCHEMES.values()}
+    return [f"{name}: {fmt}" for name in ENGINE_MODULES for fmt in engine_kind(name).refits if fmt not in formats]

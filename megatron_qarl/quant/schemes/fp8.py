@@ -17,7 +17,7 @@ from megatron_qarl.quant.fp8 import (
     FP8_DTYPE, Fp8Weight, changed_fp8_blocks, dequantize_fp8_block, fp8_activation_values, quantize_dequantize_fp8,
     quantize_fp8_block, requantize_fp8_blocks,
 )
-from megatron_qarl.quant.scheme import EngineSupport, QuantScheme
+from megatron_qarl.quant.scheme import QuantScheme
 
 
 def fp8_block_size(hf_name: str, parts: Mapping[str, torch.Tensor]) -> int:
@@ -59,7 +59,6 @@ class FP8(QuantScheme):
     default_scope = "all-linears"
     quantizes_activations = True
     activation_dtype = torch.float8_e4m3fn
-    engines = {"vllm": EngineSupport(refit=False, why_not="no FP8 refit verified against vLLM")}
 
     def scale_block(self, cfg) -> tuple[int, int]:
         return cfg.block_size, cfg.block_size

