@@ -247,15 +247,19 @@ def _run(args) -> int:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from megatron_qarl.errors import CheckpointError
+    """What qarl-convert reports as one line, exit 2: every UserError (ConversionError, CheckpointError,
+    QuantConfigError, ...; the same base qarl-train catches), and the errors that are the user's here because the
+    input is the checkpoint and options the user handed the converter (a weight the model family cannot map, a
+    tensor the numerics spec or the engine layout cannot hold, a layout the ranks cannot split, an --out that
+    exists). qarl-train does not count those as the user's (it keeps their traceback), so they are no UserError
+    and are added here, for the converter only."""
+    from megatron_qarl.errors import UserError
     from megatron_qarl.models.family import UnsupportedModelError, WeightMappingError
     from megatron_qarl.parallel import ParallelLayoutError
-    from megatron_qarl.quant import QuantConfigError, QuantizationError
-    from megatron_qarl.quant.engine_layout import EngineLayoutError
-    from megatron_qarl.weights.convert import ConversionError
+    from megatron_qarl.quant import QuantizationError  # EngineLayoutError among them
 
-    return (ConversionError, CheckpointError, WeightMappingError, EngineLayoutError, QuantConfigError,
-            QuantizationError, ParallelLayoutError, UnsupportedModelError, FileExistsError)
+    return (UserError, WeightMappingError, QuantizationError, ParallelLayoutError, UnsupportedModelError,
+            FileExistsError)
 
 
 # A write the file system refuses (full disk, quota, read-only mount, permissions): the user's to fix.

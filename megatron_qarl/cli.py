@@ -15,27 +15,11 @@ import os
 import sys
 import warnings
 
-
-class UserError(Exception):
-    """Raised for problems the user can fix; the CLI prints the message without a traceback."""
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    from megatron_qarl.config import ConfigError, SFTConfigError
-    from megatron_qarl.errors import CheckpointError, DivergenceError, RefitError
-    from megatron_qarl.fileio import RunDirInUseError
-    from megatron_qarl.memory import HostMemoryError
-    from megatron_qarl.memory_saver import MemorySaverError
-    from megatron_qarl.quant.config import QuantConfigError
-    from megatron_qarl.rl.data import DatasetError
-    from megatron_qarl.tokenizer import TokenizerError
-    from megatron_qarl.rollout.protocol import EngineSetupError
-    from megatron_qarl.tracking import TrackingError
-    from megatron_qarl.weights.convert import ConversionError
-
-    return (UserError, ConfigError, SFTConfigError, DatasetError, CheckpointError, QuantConfigError, ConversionError,
-            DivergenceError, TokenizerError, TrackingError, EngineSetupError, RunDirInUseError, HostMemoryError,
-            MemorySaverError, RefitError)
+# A problem the user can fix: one line, exit 2. It is errors.UserError itself (not a subclass), so `cli.UserError`
+# keeps working for the CLI's own refusals (a bad flag, a stale stop file) and every room's user-facing error
+# (ConfigError, DatasetError, CheckpointError, RefitError, ...: each derives from it) is caught by this one class,
+# not a hand list a new error class would be missing from. errors.py imports nothing: --help stays torch-free.
+from megatron_qarl.errors import UserError
 
 
 def _quiet_library_warnings() -> None:
@@ -302,7 +286,6 @@ def train_main(argv=None) -> int:
     # `sft` as the first word selects the supervised warm-up; everything else is RL training.
     mode = argv.pop(0) if argv and argv[0] in ("sft", "rl") else "rl"
     args = _train_parser().parse_args(argv)
-    errors = _user_errors()
     from megatron_qarl.errors import RunStopped
     from megatron_qarl.lifecycle import EXIT_INTERRUPTED, EXIT_STOPPED
 
@@ -325,7 +308,7 @@ def train_main(argv=None) -> int:
             if not args.skip_inputs:
                 try:
                     inputs = check_inputs(cfg)
-                except errors as err:  # the plan needs no data: still printed (a login node without the data)
+                except UserError as err:  # the plan needs no data: still printed (a login node without the data)
                     input_error = err
             while inputs and not inputs[0]:
                 inputs.pop(0)
@@ -354,7 +337,7 @@ def train_main(argv=None) -> int:
 
             run_guarded(lambda: train(cfg), cfg)
         return 0
-    except errors as err:
+    except UserError as err:
         return print_error(err, cfg)
     except RunStopped as stopped:  # a graceful stop (SIGTERM, SIGUSR1, Ctrl-C, the stop file): docs/reliability.md
         if os.environ.get("RANK", "0") == "0":
@@ -505,7 +488,7 @@ def run_guarded(fn, cfg):
         import time
 
         err.failed_at = time.time()  # print_error: when the other ranks wait for rank 0's report
-        if isinstance(err, _user_errors()):  # its message says it all, and it changed nothing in the run dir;
+        if isinstance(err, UserError):  # its message says it all, and it changed nothing in the run dir;
             if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # but the ranks report through their logs (print_error)
                 write_error_log(cfg, err, str(err))
             raise
@@ -585,7 +568,7 @@ def convert_main(argv=None) -> int:
     try:
         return convert(argv)
     except Exception as err:  # noqa: BLE001 - user errors become one line; anything else re-raises
-        if isinstance(err, _user_errors()):
+        if isinstance(err, UserError):
             print(f"qarl-convert: error: {err}", file=sys.stderr)
             return 2
         raise

@@ -25,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megatron_qarl.models.registry import family_of, preset_names, resolve_hf_config
 from megatron_qarl.models.local_spec import CORE_ATTENTIONS, transformer_engine_problem
-from megatron_qarl.errors import ConfigError
+from megatron_qarl.errors import ConfigError, UserError
 from megatron_qarl.optim import OptimConfig
 from megatron_qarl.parallel import ParallelLayout, RolloutTopology
 from megatron_qarl.quant.aten_int4 import GROUP_SIZES as ATEN_INT4_GROUP_SIZES, SAMPLER_W4A16_KERNELS
@@ -39,7 +39,7 @@ from megatron_qarl.rollout.engine_kind import EngineKind, choice_problem
 from megatron_qarl.rollout.engines import engine_kind, engine_names
 
 
-class SFTConfigError(ValueError):
+class SFTConfigError(ValueError, UserError):
     """An SFT setting is invalid; the message names the setting and the fix."""
 
 

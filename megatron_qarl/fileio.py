@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from megatron_qarl.errors import UserError
+
 
 def current_umask() -> int:
     """The process umask, read without changing it where Linux allows (os.umask can only set it)."""
@@ -233,7 +235,7 @@ def append_text(path: str | os.PathLike, text: str) -> None:
 
 # ------------------------------------------------------------------ one writer per run directory
 
-class RunDirInUseError(RuntimeError):
+class RunDirInUseError(RuntimeError, UserError):
     """Another live process holds the run directory's lock (a second trainer on the same out dir)."""
 
 

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_qarl.errors import UserError
 from megatron_qarl.models import logprobs
 from megatron_qarl.models.registry import family_of, resolve_hf_config
 from megatron_qarl.quant.schemes import NO_SCHEME, scheme_of
@@ -441,7 +442,7 @@ ENGINE_HOST_RSS = 8.0 * GIB
 TRAINER_HOST_RSS_CPU = 1.0 * GIB
 
 
-class HostMemoryError(ValueError):
+class HostMemoryError(ValueError, UserError):
     """A plan whose host memory cannot fit the node (one line: the need, the have, the fix)."""
 
 

@@ -45,6 +45,8 @@ from typing import Iterator, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_qarl.errors import UserError
+
 TRAINER_STATE = "trainer_state"
 TRAINER_GRADS = "trainer_grads"
 REGIONS = {TRAINER_STATE: True, TRAINER_GRADS: False}  # tag -> keep a host copy while paused
@@ -73,7 +75,7 @@ class NoopSaver:
         pass
 
 
-class MemorySaverError(RuntimeError):
+class MemorySaverError(RuntimeError, UserError):
     """The release/restore path cannot run as configured (one line: the cause and the fix)."""
 
 

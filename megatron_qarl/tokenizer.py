@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import string
 
+from megatron_qarl.errors import UserError
+
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHARACTERS = string.digits + string.ascii_lowercase + string.ascii_uppercase + "+-*/=().,?!:{}\\^_$' \n"
 
@@ -57,7 +59,7 @@ def build_char_tokenizer():
     return tok
 
 
-class TokenizerError(ValueError):
+class TokenizerError(ValueError, UserError):
     """No usable tokenizer for the model a run names."""
 
 

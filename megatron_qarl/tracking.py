@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_qarl.errors import UserError
 from megatron_qarl.fileio import append_text, atomic_write_bytes, atomic_write_text, check_own_file
 
 # The curves a reader of a QaRL run looks at first: learning progress, response length, the
@@ -44,7 +45,7 @@ WANDB_MODES = ("offline", "online", "disabled", "dryrun", "run", "shared")
 _ONLINE_MODES = ("online", "run", "shared")
 
 
-class TrackingError(ValueError):
+class TrackingError(ValueError, UserError):
     """A metrics sink that cannot work as configured (e.g. online wandb without credentials)."""
 
 

@@ -13,15 +13,18 @@ PACKAGES = ("megatron_qarl", "conversion")
 # a top-level module (config, trainer, ...): a room is imported as a whole, there are no per-module exceptions.
 # Rooms are listed bottom-up; docs/ARCHITECTURE.md has one paragraph per room.
 ALLOWED: dict[str, set[str]] = {
+    # errors is the floor under the floor: it imports nothing, and a room that raises a user error (one line, exit 2)
+    # imports it for errors.UserError, that error's base
     "megatron_qarl.errors": set(),
-    "megatron_qarl.fileio": set(),
+    "megatron_qarl.fileio": {"megatron_qarl.errors"},
     "megatron_qarl.lifecycle": set(),
     "megatron_qarl.compat_cpu": set(),
-    "megatron_qarl.tokenizer": set(),  # transformers only: rl, weights (exports) and the run read it
+    "megatron_qarl.tokenizer": {"megatron_qarl.errors"},  # transformers only: rl, weights (exports) and the run read it
     "megatron_qarl.quant": {"megatron_qarl.errors"},
     "megatron_qarl.parallel": {"megatron_qarl.compat_cpu"},
     "megatron_qarl.models": {"megatron_qarl.errors", "megatron_qarl.quant", "megatron_qarl.parallel"},
-    "megatron_qarl.rl": {"megatron_qarl.fileio", "megatron_qarl.lifecycle", "megatron_qarl.parallel"},
+    "megatron_qarl.rl": {"megatron_qarl.errors", "megatron_qarl.fileio", "megatron_qarl.lifecycle",
+                         "megatron_qarl.parallel"},
     # telemetry reports rl's k3 estimator; rl's batch packs routes through the RouteGeometry it is handed
     "megatron_qarl.moe": {"megatron_qarl.models", "megatron_qarl.parallel", "megatron_qarl.rl"},
     "megatron_qarl.optim": {"megatron_qarl.parallel", "megatron_qarl.models"},
@@ -32,10 +35,11 @@ ALLOWED: dict[str, set[str]] = {
     "megatron_qarl.weights": {"megatron_qarl.errors", "megatron_qarl.fileio", "megatron_qarl.lifecycle",
                               "megatron_qarl.quant", "megatron_qarl.models", "megatron_qarl.parallel",
                               "megatron_qarl.rollout", "megatron_qarl.checkpointing", "megatron_qarl.tokenizer"},
-    "megatron_qarl.tracking": {"megatron_qarl.fileio"},
-    "megatron_qarl.memory": {"megatron_qarl.models", "megatron_qarl.quant", "megatron_qarl.rollout",
+    "megatron_qarl.tracking": {"megatron_qarl.errors", "megatron_qarl.fileio"},
+    "megatron_qarl.memory": {"megatron_qarl.errors", "megatron_qarl.models", "megatron_qarl.quant",
+                             "megatron_qarl.rollout",
                              "megatron_qarl.memory_saver"},  # the saver's cgroup walk, for the host plan
-    "megatron_qarl.memory_saver": set(),  # torch and torch_memory_saver only
+    "megatron_qarl.memory_saver": {"megatron_qarl.errors"},  # torch and torch_memory_saver only, and UserError
     "megatron_qarl.probe": {"megatron_qarl.models", "megatron_qarl.parallel", "megatron_qarl.quant",
                             "megatron_qarl.rl", "megatron_qarl.rollout", "megatron_qarl.weights",
                             "megatron_qarl.tokenizer"},

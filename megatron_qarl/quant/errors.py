@@ -1,4 +1,5 @@
 """Error type raised for invalid quantization input or configuration."""
+from megatron_qarl.errors import UserError
 
 
 class QuantizationError(ValueError):
@@ -8,7 +9,7 @@ class QuantizationError(ValueError):
     """
 
 
-class QuantConfigError(QuantizationError):
+class QuantConfigError(QuantizationError, UserError):
     """An invalid `QuantConfig` (unknown scheme/scope/backend, bad group size, scheme/scope mismatch)."""
 
 

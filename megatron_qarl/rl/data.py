@@ -48,6 +48,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
+from megatron_qarl.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -58,7 +60,7 @@ _RESERVED_CHAT_KWARGS = ("conversation", "tokenize", "add_generation_prompt")
 _SKIP_HINT = "set data.bad_rows=skip to drop such rows"
 
 
-class DatasetError(ValueError):
+class DatasetError(ValueError, UserError):
     """A prompt dataset that cannot be used."""
 
 

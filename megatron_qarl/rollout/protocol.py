@@ -11,6 +11,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from megatron_qarl.errors import UserError
 from megatron_qarl.rollout.payload import FlattenedBucket
 
 FINISH_REASONS = ("stop", "length")
@@ -20,7 +21,7 @@ class RolloutEngineError(RuntimeError):
     """An engine failed to start, answer, or accept weights."""
 
 
-class EngineSetupError(RolloutEngineError):
+class EngineSetupError(RolloutEngineError, UserError):
     """This host lacks what the configured engine needs (its venv, CPU features): the message names the fix, and
     the CLI prints it as one line (EngineKind.check_machine raises it before any model is built)."""
 

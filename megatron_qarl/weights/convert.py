@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_qarl.errors import UserError
 from megatron_qarl.fileio import atomic_dir
 from megatron_qarl.models.registry import family_of
 from megatron_qarl.quant.schemes import DEFAULT_LOW_BIT, SCHEME_NAMES, scheme_named
@@ -48,7 +49,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 NOT_TOKENIZER = ("generation_config.json",)  # stored with the tokenizer files, kept whichever tokenizer is written
 
 
-class ConversionError(ValueError):
+class ConversionError(ValueError, UserError):
     """A conversion the user asked for cannot be done as asked (bad input, existing output, bad option)."""
 
 
