@@ -51,7 +51,7 @@ def test_tiny_arms_resolve(name):
     assert cfg.model.preset == "tiny" and cfg.rollout.engine == "embedded"
     assert (ROOT / cfg.data.path).is_file()
     assert cfg.train.prompts_per_step * cfg.rollout.n == 256 and cfg.rollout.max_new_tokens == 8
-    assert 5e-5 <= cfg.train.optim.lr <= 2e-4
+    assert 5e-5 <= cfg.train.optim.lr <= 3e-4  # the demo arm's 3e-4: README's demo table (demo_robustness.py)
 
 
 @pytest.mark.parametrize("name", sorted(PAPER_ARMS))
