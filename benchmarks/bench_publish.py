@@ -36,7 +36,8 @@ from megatron_qarl.models.registry import build_model, family_of, preset_hf_conf
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed  # noqa: E402
 from megatron_qarl.quant import QuantConfig  # noqa: E402
 from megatron_qarl.models.aligned import apply_aligned_quantization  # noqa: E402
-from megatron_qarl.weights.publish import WeightPublisher, plan_publish  # noqa: E402
+from megatron_qarl.weights.publish import WeightPublisher  # noqa: E402
+from megatron_qarl.weights.publish_plan import plan_publish  # noqa: E402
 
 
 def p1() -> float:

@@ -269,7 +269,8 @@ def check_engines_serve_the_learners_quantization(ctx: RunContext) -> None:
     and the run stops, in one line on every rank, unless it is quant.*: a group size that differs, a quantized
     router, an ignore pattern that swallows a layer. An engine that cannot tell is warned about."""
     from megatron_qarl.parallel import raise_if_any_rank_failed
-    from megatron_qarl.weights.publish import EngineQuantizationMismatch, check_engine_quantization
+    from megatron_qarl.weights.engine_check import check_engine_quantization
+    from megatron_qarl.weights.publish_errors import EngineQuantizationMismatch
 
     error = None
     if ctx.engine is not None:

@@ -258,7 +258,8 @@ def test_publisher_sends_the_expert_bias_fp32_with_the_weights(world_of_one, hf_
     then holds exactly what an engine loaded from the HF state through the engine-layout encoder holds."""
     from megatron_qarl.quant import QuantConfig
     from megatron_qarl.quant.engine_layout import engine_named_tensors
-    from megatron_qarl.weights.publish import WeightPublisher, engine_tensor_metas
+    from megatron_qarl.weights.publish import WeightPublisher
+    from megatron_qarl.weights.publish_plan import engine_tensor_metas
 
     quant_cfg = QuantConfig(scheme="w4a16", scope="experts")
     published = EmbeddedEngine.from_hf_config(CFG, dtype="bfloat16", seed=2)

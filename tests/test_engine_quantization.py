@@ -27,9 +27,9 @@ from megatron_qarl.quant.engine_layout import (  # noqa: E402
     engine_named_tensors, quantization_config_for, quantization_mismatch)
 from megatron_qarl.rollout.embedded import EmbeddedEngine, EngineWeightError  # noqa: E402
 from megatron_qarl.models.registry import family_named  # noqa: E402
-from megatron_qarl.weights.publish import (  # noqa: E402
-    EngineQuantizationMismatch, PublishVerificationError, WeightPublisher, check_engine_quantization,
-    engine_linear_names)
+from megatron_qarl.weights.engine_check import check_engine_quantization, engine_linear_names  # noqa: E402
+from megatron_qarl.weights.publish import WeightPublisher  # noqa: E402
+from megatron_qarl.weights.publish_errors import EngineQuantizationMismatch, PublishVerificationError  # noqa: E402
 
 W4A16 = QuantConfig(scheme="w4a16", scope="experts")
 QWEN3 = family_named("qwen3_moe")

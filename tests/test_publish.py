@@ -22,9 +22,11 @@ from megatron_qarl.quant import QuantConfig, pack_int4_groupwise  # noqa: E402
 from megatron_qarl.models.aligned import apply_aligned_quantization  # noqa: E402
 from megatron_qarl.rollout.embedded import EmbeddedEngine  # noqa: E402
 from megatron_qarl.rollout.protocol import SamplingParams  # noqa: E402
-from megatron_qarl.weights.publish import (  # noqa: E402
-    PublishError, PublishVerificationError, WeightPublisher, _changed_codes, expert_names_of, plan_publish,
-    push_named_tensors)
+from megatron_qarl.weights.delta_push import changed_codes  # noqa: E402
+from megatron_qarl.weights.publish import WeightPublisher  # noqa: E402
+from megatron_qarl.weights.publish_errors import PublishError, PublishVerificationError  # noqa: E402
+from megatron_qarl.weights.publish_plan import expert_names_of, plan_publish  # noqa: E402
+from megatron_qarl.weights.push import push_named_tensors  # noqa: E402
 from megatron_qarl.models.registry import family_named  # noqa: E402
 
 IS_EXPERT = expert_names_of(family_named("qwen3_moe"))
@@ -133,10 +135,10 @@ def test_changed_codes_equals_a_hand_count_on_packed_words():
     prev = torch.tensor([[-8, 7, 0, 1, 2, 3, 4, 5, -1, -2, -3, -4, -5, -6, -7, 0]], dtype=torch.int8)
     cur = prev.clone()
     cur[0, 0], cur[0, 7], cur[0, 8], cur[0, 15] = 7, -8, -1, 1  # three codes changed (index 8 kept)
-    assert _changed_codes(pack_int4_groupwise(prev), pack_int4_groupwise(cur), "int4") == 3
+    assert changed_codes(pack_int4_groupwise(prev), pack_int4_groupwise(cur), "int4") == 3
     fp8_prev = torch.tensor([0.5, 1.0, -2.0, 448.0]).to(torch.float8_e4m3fn).view(torch.uint8)
     fp8_cur = torch.tensor([0.5, 1.125, -2.0, -448.0]).to(torch.float8_e4m3fn).view(torch.uint8)
-    assert _changed_codes(fp8_prev, fp8_cur, "fp8") == 2
+    assert changed_codes(fp8_prev, fp8_cur, "fp8") == 2
 
 
 # ------------------------------------------------------------------------------- buckets, empty, verification
@@ -271,7 +273,7 @@ def test_changed_codes_on_random_words_equals_an_elementwise_count():
     prev = torch.randint(-8, 8, (32, 128), generator=gen, dtype=torch.int8)
     cur = torch.where(torch.rand(prev.shape, generator=gen) < 0.3, torch.randint(-8, 8, prev.shape, generator=gen,
                                                                                   dtype=torch.int8), prev)
-    assert _changed_codes(pack_int4_groupwise(prev), pack_int4_groupwise(cur), "int4") == int((prev != cur).sum())
+    assert changed_codes(pack_int4_groupwise(prev), pack_int4_groupwise(cur), "int4") == int((prev != cur).sum())
 
 
 # ------------------------------------------------------------------------------- the engine's start checkpoint

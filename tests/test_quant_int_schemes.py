@@ -340,7 +340,8 @@ def test_publish_to_the_embedded_engine_holds_the_librarys_weights(cfg, quant, b
     (the one its checkpoint is) and holds what the library decompresses of the nested codes."""
     from megatron_qarl.quant.engine_layout import quantization_config_for
     from megatron_qarl.rollout.embedded import EmbeddedEngine
-    from megatron_qarl.weights.publish import WeightPublisher, plan_publish
+    from megatron_qarl.weights.publish import WeightPublisher
+    from megatron_qarl.weights.publish_plan import plan_publish
 
     model = build_model(ParallelLayout(), cfg)
     aligned = apply_aligned_quantization(model, quant)

@@ -199,7 +199,8 @@ def test_the_cache_quantizes_once_per_step_and_whole_weights_even_incrementally(
 def test_full_publish_is_bitwise_the_offline_conversion(cfg, aligned_on):
     model = build_model(ParallelLayout(), cfg)
     aligned = apply_aligned_quantization(model, NVFP4) if aligned_on else None
-    from megatron_qarl.weights.publish import WeightPublisher, plan_publish
+    from megatron_qarl.weights.publish import WeightPublisher
+    from megatron_qarl.weights.publish_plan import plan_publish
 
     engine = RecordingEngine()
     metrics = WeightPublisher(model, cfg, NVFP4, quant=aligned, engine=engine, bucket_bytes=200_000).publish()

@@ -17,8 +17,10 @@ from megatron_qarl.quant.marlin import sglang_marlin_moe_state
 from megatron_qarl.rollout.engines import engine_kind
 from megatron_qarl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 from megatron_qarl.rollout.sglang_readback import gpu_tensor_hash, sglang_tensor_hash
-from megatron_qarl.weights.publish import (
-    PublishVerificationError, WeightPublisher, expert_names_of, push_named_tensors, verify_read_back)
+from megatron_qarl.weights.publish import WeightPublisher
+from megatron_qarl.weights.publish_errors import PublishVerificationError
+from megatron_qarl.weights.publish_plan import expert_names_of
+from megatron_qarl.weights.push import push_named_tensors, verify_read_back
 
 QWEN3 = family_named("qwen3_moe")
 EXPERTS, HIDDEN, INTER = 2, 128, 128  # Marlin: N a multiple of 64, K of 16; one group along w2's K

@@ -118,6 +118,6 @@ class RolloutEngine(Protocol):
     def quantization_config(self) -> dict | None:
         """The config.json ``quantization_config`` of what the engine loaded (None: unquantized); the trainer
         refuses to train against an engine whose format, group size or quantized linears differ from its own
-        (weights.publish.check_engine_quantization). LookupError when the engine cannot tell."""
+        (weights.engine_check.check_engine_quantization). LookupError when the engine cannot tell."""
 
     def shutdown(self) -> None: ...

@@ -37,46 +37,33 @@ anyway (the first engine leader's count: every leader holds the whole model). Fu
 ``count_flips`` (``publish.code_flips``): every sending rank compares its LOCAL codes with its own previous
 ones (kept: 0.5 byte per int4 weight) and the counts are all-reduced; without it a cached publish does no
 work but the gathers and the copy into buckets (the count cost about half of it: docs/publish.md, P2).
+
+This module holds the `WeightPublisher` that drives one publish; its parts live next to it: the plan
+(`publish_plan`), the gathers (`gather`), the push to one engine (`push`), the delta push (`delta_push`), the
+engine check at start (`engine_check`) and the errors (`publish_errors`).
 """
 from __future__ import annotations
 
 import contextlib
-
-import functools
 import math
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterator
 
 import torch
 
 from megatron_qarl.models.registry import family_of
 from megatron_qarl.parallel import collective_device
-from megatron_qarl.quant.engine_layout import (
-    UNQUANTIZED, as_quant_config, engine_part, engine_tensors, is_expert_engine_name, kind_of, linear_parts,
-    meta_linear_parts, quantization_mismatch, quantize_weight,
-)
+from megatron_qarl.quant.engine_layout import UNQUANTIZED, as_quant_config, kind_of, linear_parts, quantize_weight
 from megatron_qarl.quant.schemes import scheme_of_kind
-from megatron_qarl.rollout.delta import (
-    DeltaBatch, TensorDelta, WeightDeltaMismatch, supports_delta, tensor_crc32, tensor_delta, worth_a_delta,
+from megatron_qarl.rollout.delta import WeightDeltaMismatch
+from megatron_qarl.weights.delta_push import (
+    EngineCopy, changed_codes, publish_from_copy, push_changes, supports_weight_deltas,
 )
-from megatron_qarl.errors import RefitError
-from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, TensorMeta, iter_buckets, plan_buckets, tensor_sha256
-
-
-class PublishError(RuntimeError):
-    """Publishing weights to the rollout engine failed."""
-
-
-class PublishVerificationError(PublishError, RefitError):
-    """The engine does not hold what the trainer sent (a tensor missing or with different bytes): one line, exit 2."""
-
-
-class EngineQuantizationMismatch(PublishError, RefitError):
-    """The engine serves another quantization (format, group size, quantized linears) than the learner's: one
-    line, exit 2, before the first rollout."""
+from megatron_qarl.weights.gather import GatherTopology, full_shape, gather_parts, gather_to_leaders
+from megatron_qarl.weights.publish_errors import PublishError
+from megatron_qarl.weights.publish_plan import FullParam, expert_names_of, full_param_engine_tensors
+from megatron_qarl.weights.push import LiveBytes, PushStats, push_named_tensors, verify_read_back
 
 
 VERIFY_MODES = ("off", "all", "sampled")
@@ -86,449 +73,6 @@ def verify_mode(verify) -> str:
     """publish.verify as one of VERIFY_MODES: true / false (a bool or YAML's text of one) mean all / off."""
     text = str(verify).strip().lower()
     return {"true": "all", "on": "all", "false": "off", "none": "off"}.get(text, text)
-
-
-# ----------------------------------------------------------------------------- the engine's quantization
-
-
-def engine_linear_names(hf_config) -> list[str]:
-    """The model's linears as the engines name them (HF names without `.weight`; the router and lm_head too)."""
-    shapes = family_of(hf_config).adapter.expected_hf_shapes(hf_config)
-    return [n[: -len(".weight")] for n, shape in shapes.items()
-            if n.endswith(".weight") and len(shape) == 2 and "embed_tokens" not in n]
-
-
-def check_engine_quantization(engine, hf_config, quant_cfg) -> str | None:
-    """Read back what the engine loaded (its `quantization_config`) and raise EngineQuantizationMismatch, in one
-    line, unless it is the learner's spec: format, group / block size, and the same quantized linears. Returns
-    a line to warn with when the engine cannot tell (None: they agree)."""
-    read = getattr(engine, "quantization_config", None)
-    if not callable(read):
-        return f"{type(engine).__name__} does not report its quantization: not verified"
-    try:
-        served = read()
-    except LookupError as err:
-        return f"not verified: {err}"
-    cfg = as_quant_config(quant_cfg)
-    problem = quantization_mismatch(cfg, served, engine_linear_names(hf_config), naming=family_of(hf_config))
-    if problem:
-        raise EngineQuantizationMismatch(
-            f"the rollout engine does not serve the learner's quantization: {problem}; start it from the trainer's "
-            "own export (leave rollout.sglang.model_path unset) or from a checkpoint made with the same quant.* "
-            "settings, or set quant.* to what it serves")
-    return None
-
-
-# ----------------------------------------------------------------------------- payloads
-
-
-@dataclass
-class FullParam:
-    """One full (gathered) mcore parameter in the form it is published: its engine ``kind`` ("bf16", or the
-    scheme's kind) and the `linear_parts` of that kind; ``shape`` is the weight's [N, K]."""
-
-    name: str
-    kind: str
-    parts: dict[str, torch.Tensor]
-    shape: tuple[int, ...]
-
-
-def full_param_engine_tensors(hf_config, param: FullParam) -> Iterator[tuple[str, torch.Tensor]]:
-    """Engine-layout named tensors of one full mcore parameter (the names ``engine_named_tensors`` uses)."""
-    for hf_name, parts, shape in family_of(hf_config).adapter.to_hf(hf_config, param.name, param.parts, param.shape):
-        yield from engine_tensors(hf_name, param.kind, parts, shape)
-
-
-# ----------------------------------------------------------------------------- pushing
-
-
-class LiveBytes:
-    """Bytes of the publish payload this rank holds right now, and the most it held at once: each held
-    object (a gathered FullParam, a flattened bucket) is counted until Python frees it (weakref.finalize),
-    so a reference kept too long shows up in `peak`."""
-
-    def __init__(self):
-        self.now = 0
-        self.peak = 0
-
-    def hold(self, obj, nbytes: int):
-        import weakref
-
-        self.now += nbytes
-        self.peak = max(self.peak, self.now)
-        weakref.finalize(obj, self._release, nbytes)
-        return obj
-
-    def _release(self, nbytes: int) -> None:
-        self.now -= nbytes
-
-
-@dataclass
-class PushStats:
-    bytes: int = 0  # everything sent: whole tensors' bytes + delta batches' bytes
-    num_tensors: int = 0  # tensors sent whole
-    num_buckets: int = 0
-    delta_bytes: int = 0
-    delta_tensors: int = 0
-    unchanged_tensors: int = 0
-    quantized_bytes: int = 0  # bytes sent for the quantized linears' tensors (whole or as deltas)
-    quantized_full_bytes: int = 0  # ... what sending them whole costs: the P5 denominator
-    codes_changed: int = 0  # int4 codes / fp8 bytes that differ from the engine's copy (delta mode)
-    codes_compared: int = 0  # ... of this many codes that had a copy to compare with
-    verified: int = 0  # tensors whose engine checksum was compared with what was sent
-
-
-def _selects(verify, name: str) -> bool:
-    """Whether `verify` (False, True, or a selector of names: a sampled verify) checks tensor `name`."""
-    return verify(name) if callable(verify) else bool(verify)
-
-
-def expert_names_of(family) -> Callable[[str], bool]:
-    """Whether an engine tensor name is a routed expert's, as model family `family` names them: what keeps
-    experts and the rest in separate buckets."""
-    return functools.partial(is_expert_engine_name, naming=family)
-
-
-def push_named_tensors(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                       is_expert: Callable[[str], bool], bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify=False,
-                       live: LiveBytes | None = None, sent: dict[str, str] | None = None,
-                       load_together=None, read_back=None) -> PushStats:
-    """Stream engine-layout tensors into flattened buckets and send each to `engine` (None: count only).
-    `is_expert`: which names are routed experts' (`expert_names_of(family)`), bucketed apart; `load_together`
-    (`family.engine_load_group`): which names share one bucket, i.e. one engine update call.
-
-    One begin/end update around all buckets; with `verify` the engine's per-tensor checksums are compared
-    with what was sent afterwards (PublishVerificationError names the first bad tensor); `verify` may select
-    the tensors to check (a callable of the name: a sampled verify). `sent`: sha256s of tensors the caller sent
-    in the same update by other means (deltas) or that the engine holds already, verified with the rest.
-    `read_back` (an engine's `weight_read_back`): takes the tensors it wants as they stream, for the caller to
-    compare with what the engine reports holding afterwards (`verify_read_back`).
-    """
-    stats, sent = PushStats(), ({} if sent is None else sent)
-    if engine is not None:
-        engine.begin_weight_update()
-    try:
-        for bucket in iter_buckets(named_tensors, bucket_bytes, is_expert=is_expert, load_together=load_together):
-            if live is not None:
-                live.hold(bucket, bucket.nbytes)
-            stats.bytes += bucket.nbytes
-            stats.num_buckets += 1
-            stats.num_tensors += len(bucket.metadata)
-            if read_back is not None:
-                _feed_read_back(read_back, bucket)
-            if verify:
-                for entry in bucket.metadata:
-                    if _selects(verify, entry.name):
-                        sent[entry.name] = tensor_sha256(bucket.flattened_tensor[entry.start_idx:entry.end_idx])
-            if engine is not None:
-                engine.update_weights(bucket)
-    except BaseException:
-        if engine is not None:
-            _close_quietly(engine)
-        raise
-    if engine is not None:
-        engine.end_weight_update()
-        if verify:
-            verify_engine_checksums(engine, sent)
-            stats.verified = len(sent)
-    return stats
-
-
-def _close_quietly(engine) -> None:
-    try:
-        engine.end_weight_update()
-    except Exception:  # the original error is the one to report
-        pass
-
-
-def _feed_read_back(read_back, bucket) -> None:
-    for entry in bucket.metadata:
-        if read_back.wants(entry.name):
-            read_back.take(entry.name, bucket.flattened_tensor[entry.start_idx:entry.end_idx].reshape(entry.shape))
-
-
-def verify_read_back(engine, read_back, publish: int) -> int:
-    """Compare what an engine that reads back its own layout reports holding (`held_weight_checksums`, after the
-    update closed) with `read_back`'s checksums of what publish number `publish` sent, mapped to that layout: raise
-    PublishVerificationError, one line naming the engine, the publish, the parameter and both checksums, at the first
-    difference. Returns the parameters compared (none sampled: the engine is not asked)."""
-    if not read_back.expected:
-        return 0
-    compared, problem = read_back.compare(engine.held_weight_checksums())
-    if problem:
-        where = f"{type(engine).__name__} {getattr(engine, 'url', '')}".strip()
-        raise PublishVerificationError(f"{where} after publish {publish}: {problem}")
-    return compared
-
-
-def verify_engine_checksums(engine, sent: dict[str, str]) -> None:
-    """Raise PublishVerificationError unless the engine holds exactly the sent bytes under every name."""
-    if not callable(getattr(engine, "checksum", None)):
-        raise PublishError(f"verify=True needs an engine with checksum(names); {type(engine).__name__} has none "
-                           "(use the embedded engine, or publish with verify=False)")
-    held = {}
-    for name in sent:
-        try:
-            held.update(engine.checksum([name]))
-        except KeyError:
-            raise PublishVerificationError(
-                f"the engine holds no tensor {name!r} after the update (dropped in transit or refused)") from None
-    for name, digest in sent.items():
-        if held.get(name) != digest:
-            raise PublishVerificationError(f"tensor {name!r}: engine checksum {held.get(name)} != sent {digest}")
-
-
-# ----------------------------------------------------------------------------- code-delta publish
-
-MAX_DELTA_UNITS = 1 << 22  # changed units per delta batch (one engine call): bounds the batch's memory
-
-
-def is_quantized_part(name: str, tensor: torch.Tensor) -> bool:
-    """The tensors of a quantized linear (its scheme's codes and scales): what deltas are for.
-    bf16 weights are always sent whole: Adam moves 70-90% of their elements every step (measured on the
-    tiny QaRL run), so a delta would not be smaller, and compressing GBs of them would cost seconds."""
-    return engine_part(name, tensor)[1] != UNQUANTIZED
-
-
-def code_units(name: str, tensor: torch.Tensor) -> tuple[int, bool]:
-    """(low-bit codes an engine tensor holds, whether they are packed 4-bit codes): its scheme's codes part
-    (8 per int4 word, 1 per fp8 byte, ...); (0, False) for scales and bf16 tensors."""
-    _, kind, part = engine_part(name, tensor)
-    scheme = scheme_of_kind(kind)
-    if scheme is None or part != scheme.codes_part:
-        return 0, False
-    return tensor.numel() * scheme.codes_per_element(tensor), scheme.packed_nibbles
-
-
-@dataclass
-class EngineCopy:
-    """What ONE engine holds, as its leader last sent it (delta mode): every engine tensor, its crc32, and
-    the engine's weight version after that publish (None: unknown -> the next publish is full)."""
-
-    held: dict[str, torch.Tensor]
-    crc: dict[str, int]
-    version: int | None = None
-    deltas_since_full: int = 0
-
-    @classmethod
-    def empty(cls) -> "EngineCopy":
-        return cls({}, {})
-
-    def keep(self, name: str, tensor: torch.Tensor, crc: int | None = None) -> None:
-        """`tensor` is what the engine holds under `name` now; its crc32 if known (else computed when a
-        delta first needs it: bf16 tensors, always sent whole, never pay for one)."""
-        self.held[name] = tensor
-        if crc is None:
-            self.crc.pop(name, None)
-        else:
-            self.crc[name] = crc
-
-    def crc_of(self, name: str) -> int:
-        if name not in self.crc:
-            self.crc[name] = tensor_crc32(self.held[name])
-        return self.crc[name]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.held.values())
-
-
-def push_changes(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], copy: EngineCopy, *, full: bool,
-                 is_expert: Callable[[str], bool], bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify=False,
-                 live: LiveBytes | None = None, load_together=None) -> PushStats:
-    """One begin/end update (`push_named_tensors`) that sends each tensor whole, as a delta against `copy`
-    (a quantized part whose delta is worth it), or not at all (unchanged); `copy` is updated to the new
-    tensors as they stream. `full`: send everything whole (and refill `copy`). A WeightDeltaMismatch from
-    the engine propagates with the update closed; the caller falls back to a full publish from `copy`
-    (`publish_from_copy`)."""
-    stats, delta_sent, pending = PushStats(), {}, []
-
-    def send_deltas() -> None:
-        batch = DeltaBatch.encode(pending, copy.version)
-        engine.apply_weight_deltas(batch)
-        stats.delta_bytes += batch.nbytes
-        stats.quantized_bytes += batch.nbytes
-        stats.delta_tensors += len(pending)
-        pending.clear()
-
-    def whole_tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        units = 0
-        for name, tensor in named_tensors:
-            new = tensor.detach().contiguous().clone()
-            quantized = is_quantized_part(name, new)
-            if quantized:
-                stats.quantized_full_bytes += new.nbytes
-            delta = _delta_against(copy, name, new) if not full and quantized else None
-            _count_code_changes(stats, copy, name, new, delta)
-            if delta is False:  # unchanged: the engine already holds these bytes
-                stats.unchanged_tensors += 1
-                if verify and callable(verify) and verify(name):  # sampled: audited like the rest
-                    delta_sent[name] = tensor_sha256(new)
-                continue
-            copy.keep(name, new, None if delta is None else delta.new_crc)
-            if delta is not None and worth_a_delta(delta):
-                if _selects(verify, name):
-                    delta_sent[name] = tensor_sha256(new)
-                pending.append(delta)
-                units += delta.positions.numel()
-                if units >= MAX_DELTA_UNITS:
-                    send_deltas()
-                    units = 0
-                continue
-            if quantized:
-                stats.quantized_bytes += new.nbytes
-            yield name, new
-        if pending:
-            send_deltas()
-
-    whole = push_named_tensors(engine, whole_tensors(), is_expert=is_expert, bucket_bytes=bucket_bytes, verify=verify,
-                               live=live, sent=delta_sent, load_together=load_together)
-    stats.bytes = whole.bytes + stats.delta_bytes
-    stats.num_tensors, stats.num_buckets, stats.verified = whole.num_tensors, whole.num_buckets, whole.verified
-    return stats
-
-
-def _count_code_changes(stats: PushStats, copy: EngineCopy, name: str, new: torch.Tensor,
-                        delta: TensorDelta | None | bool) -> None:
-    """Code flips of one engine tensor for ``publish/code_flip_frac``: a delta's units are its changed codes;
-    a tensor sent whole (a full publish) is compared with the copy here, once every `full_every` publishes."""
-    total, nibble = code_units(name, new)
-    old = copy.held.get(name)
-    if not total or old is None or old.shape != new.shape or old.dtype != new.dtype:
-        return
-    if delta is False:
-        changed = 0
-    elif delta is not None:
-        changed = delta.positions.numel()
-    else:  # bytes: packed words XOR bytewise alike
-        changed = _changed_codes(old.view(torch.uint8), new.view(torch.uint8), nibble)
-    stats.codes_changed += changed
-    stats.codes_compared += total
-
-
-def _delta_against(copy: EngineCopy, name: str, new: torch.Tensor) -> TensorDelta | None | bool:
-    """The delta of `new` against the engine's copy; False when unchanged, None when there is no base."""
-    old = copy.held.get(name)
-    if old is None or old.shape != new.shape or old.dtype != new.dtype or not supports_delta(new):
-        return None
-    delta = tensor_delta(name, old, new, base_crc=copy.crc_of(name), nibble=code_units(name, new)[1])
-    return False if delta is None else delta
-
-
-def publish_from_copy(engine, copy: EngineCopy, *, is_expert: Callable[[str], bool], bucket_bytes: int, verify,
-                      live: LiveBytes | None = None, load_together=None) -> PushStats:
-    """A full publish of what `copy` holds (the fallback after a mismatch: nothing is re-gathered)."""
-    stats = push_named_tensors(engine, list(copy.held.items()), is_expert=is_expert, bucket_bytes=bucket_bytes,
-                               verify=verify, live=live, load_together=load_together)
-    quantized = sum(t.nbytes for n, t in copy.held.items() if is_quantized_part(n, t))
-    stats.quantized_bytes = stats.quantized_full_bytes = quantized
-    return stats
-
-
-def supports_weight_deltas(engine) -> bool:
-    return callable(getattr(engine, "apply_weight_deltas", None)) and callable(getattr(engine, "weight_version", None))
-
-
-# ----------------------------------------------------------------------------- gathering
-
-
-def _to_wire(t: torch.Tensor) -> torch.Tensor:
-    """Bytes of `t` (gloo's gather knows neither bf16, fp8 nor int16; uint8 works on gloo and NCCL)."""
-    return t.detach().contiguous().view(torch.uint8)
-
-
-def _gather_to(tensor: torch.Tensor, group, dst: int, size: int) -> list[torch.Tensor] | None:
-    """dist.gather of one tensor (any dtype) to global rank `dst`; the shards on `dst`, None elsewhere."""
-    import torch.distributed as dist
-
-    wire = _to_wire(tensor)
-    is_dst = dist.get_rank() == dst
-    out = [torch.empty_like(wire) for _ in range(size)] if is_dst else None
-    dist.gather(wire, out, dst=dst, group=group)
-    return [t.view(tensor.dtype) for t in out] if is_dst else None
-
-
-def _all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
-    """dist.all_gather of one tensor (any dtype): every rank of `group` gets all shards."""
-    import torch.distributed as dist
-
-    wire = _to_wire(tensor)
-    out = [torch.empty_like(wire) for _ in range(size)]
-    dist.all_gather(out, wire, group=group)
-    return [t.view(tensor.dtype) for t in out]
-
-
-def _gather_to_leaders(tensor: torch.Tensor, group, size: int, leaders: list[int]) -> list[torch.Tensor] | None:
-    """The shards of `tensor` over `group` on the engine leaders in it (None on its other ranks): a gather
-    when one leader is in the group, an all-gather when several are."""
-    import torch.distributed as dist
-
-    if len(leaders) == 1:
-        return _gather_to(tensor, group, leaders[0], size)
-    shards = _all_gather(tensor, group, size)
-    return shards if dist.get_rank() in leaders else None
-
-
-@dataclass
-class _Topology:
-    """Who sends what to which engine leader. A dense parameter is gathered over every TP group that
-    holds a leader; an expert over the expert-TP group (all-gather) and then over every EP group that holds
-    a leader. Groups without a leader (DP replicas of a group that has one) send nothing."""
-
-    coords: Any
-    rank: int
-    n_local: int
-    tp_leaders: list[int]  # the engine leaders in this rank's TP group
-    ep_leaders: list[int]  # ... in this rank's EP group
-    expert_replica_has_leader: bool  # this rank's expert-TP x EP replica holds a leader
-    counts_dense: bool  # code flips are counted on one replica only (DP rank 0 / expert-DP rank 0)
-    counts_experts: bool
-    tp_group: Any = None
-    etp_group: Any = None
-    ep_group: Any = None
-
-    @classmethod
-    def current(cls, model, leaders: list[int]) -> "_Topology":
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        from megatron_qarl.weights.sharding import RankCoords, num_local_experts
-
-        def leaders_in(group) -> list[int]:
-            return [r for r in dist.get_process_group_ranks(group) if r in leaders]
-
-        tp, etp, ep = (ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
-                       ps.get_expert_model_parallel_group())
-        replica = ps.get_expert_tensor_and_model_parallel_group()  # etp x ep: one copy of the experts (pp=1)
-        return cls(coords=RankCoords.from_parallel_state(), rank=dist.get_rank(), n_local=num_local_experts(model),
-                   tp_leaders=leaders_in(tp), ep_leaders=leaders_in(ep),
-                   expert_replica_has_leader=bool(leaders_in(replica)),
-                   counts_dense=ps.get_data_parallel_rank(with_context_parallel=True) == 0,
-                   counts_experts=ps.get_expert_data_parallel_rank() == 0,
-                   tp_group=tp, etp_group=etp, ep_group=ep)
-
-
-def _gather_parts(parts: dict[str, torch.Tensor], rule, group, size: int,
-                  leaders: list[int] | None) -> dict[str, torch.Tensor] | None:
-    """Every part gathered and joined on the `leaders` of `group` (None: on every rank of it); None on
-    the ranks that do not receive it."""
-    from megatron_qarl.weights.sharding import join_shards
-
-    out = {}
-    for key, part in parts.items():  # every part's collective runs on every rank, receiver or not
-        shards = _all_gather(part, group, size) if leaders is None else _gather_to_leaders(part, group, size, leaders)
-        out[key] = None if shards is None else join_shards(shards, rule)
-    return None if any(v is None for v in out.values()) else out
-
-
-def _full_shape(local_shape, rule, size: int) -> tuple[int, ...]:
-    shape = list(local_shape)
-    if rule.partition_dim is not None:
-        shape[rule.partition_dim] *= size
-    return tuple(shape)
-
-
-# ----------------------------------------------------------------------------- the publisher
 
 
 class WeightPublisher:
@@ -651,7 +195,7 @@ class WeightPublisher:
                 for name, value in saved.items():
                     self.params[name].copy_(value)
 
-    def _collect(self, topo: _Topology, name: str, param: torch.Tensor, flips: list) -> list[FullParam]:
+    def _collect(self, topo: GatherTopology, name: str, param: torch.Tensor, flips: list) -> list[FullParam]:
         from megatron_qarl.weights.sharding import local_to_global_name, shard_rule
 
         rule = shard_rule(name, param, family=self.family, gated_linear_unit=bool(self.model.config.gated_linear_unit))
@@ -664,10 +208,10 @@ class WeightPublisher:
         shape = tuple(param.shape)
         if rule.partition_dim is not None and (c.etp_size if rule.expert else c.tp_size) > 1:
             if rule.expert:  # every expert-TP rank needs the whole local expert for the EP step
-                parts = _gather_parts(parts, rule, topo.etp_group, c.etp_size, None)
+                parts = gather_parts(parts, rule, topo.etp_group, c.etp_size, None)
             else:
-                parts = _gather_parts(parts, rule, topo.tp_group, c.tp_size, topo.tp_leaders)
-            shape = _full_shape(shape, rule, c.etp_size if rule.expert else c.tp_size)
+                parts = gather_parts(parts, rule, topo.tp_group, c.tp_size, topo.tp_leaders)
+            shape = full_shape(shape, rule, c.etp_size if rule.expert else c.tp_size)
             if parts is None:
                 return []
         me = topo.rank
@@ -681,7 +225,7 @@ class WeightPublisher:
             return [FullParam(local_to_global_name(name, c.ep_rank, topo.n_local), kind, parts, shape)]
         per_rank: dict[str, list[torch.Tensor]] = {}
         for key, part in parts.items():
-            shards = _gather_to_leaders(part, topo.ep_group, c.ep_size, topo.ep_leaders)
+            shards = gather_to_leaders(part, topo.ep_group, c.ep_size, topo.ep_leaders)
             if shards is not None:
                 per_rank[key] = shards
         if not per_rank:
@@ -696,13 +240,13 @@ class WeightPublisher:
         previous = self._previous_codes.get(name)
         total = codes.numel() * scheme.codes_per_element(codes)
         if previous is not None:
-            flips[0] += 0 if previous is current else _changed_codes(previous, current, scheme.packed_nibbles)
+            flips[0] += 0 if previous is current else changed_codes(previous, current, scheme.packed_nibbles)
             flips[1] += total
         # A reference, not a copy: the parts are new tensors of this step that nothing writes in place
         # (cache entries, `Int4Weight.packed()`, a fresh quantization); a new step makes new ones.
         self._previous_codes[name] = current
 
-    def _stream(self, topo: _Topology, flips: list, live: LiveBytes) -> Iterator[tuple[str, torch.Tensor]]:
+    def _stream(self, topo: GatherTopology, flips: list, live: LiveBytes) -> Iterator[tuple[str, torch.Tensor]]:
         """Engine-layout named tensors on the engine leaders (the other ranks only take part in gathers)."""
         for name, param in self.params.items():
             fulls = [live.hold(f, sum(t.nbytes for t in f.parts.values()))
@@ -720,7 +264,7 @@ class WeightPublisher:
         import torch.distributed as dist
 
         start = time.perf_counter()
-        topo = _Topology.current(self.model, self.leaders)
+        topo = GatherTopology.current(self.model, self.leaders)
         flips = [0, 0]  # changed codes, codes compared with a previous publish
         is_engine_rank = dist.get_rank() in self.leaders
         live = LiveBytes()
@@ -845,51 +389,3 @@ class WeightPublisher:
                                              if stats.quantized_full_bytes else math.nan),
             "publish/engine_copy_bytes": self.copy.nbytes,
         }
-
-
-def _changed_codes(previous: torch.Tensor, current: torch.Tensor, nibbles: bool | str) -> int:
-    """Codes that differ between two code tensors: packed 4-bit codes (`nibbles`; or a kind whose scheme
-    packs them) counted per nibble, other codes per element."""
-    if isinstance(nibbles, str):
-        nibbles = scheme_of_kind(nibbles).packed_nibbles
-    if not nibbles:
-        return int((previous != current).sum())
-    diff = (previous ^ current).view(-1)  # one pass; only the changed words (a few % per step) are looked into
-    changed_bytes = diff[diff != 0].view(torch.uint8)  # packed: 2 codes per byte
-    return int(_nibbles_changed(changed_bytes.device).index_select(0, changed_bytes.int()).sum(dtype=torch.int64))
-
-
-@functools.lru_cache(maxsize=None)
-def _nibbles_changed(device: torch.device) -> torch.Tensor:
-    """[256]: how many of a byte's two nibbles are non-zero (a changed byte of an XOR of packed codes)."""
-    byte = torch.arange(256, device=device)
-    return ((byte & 0xF) != 0).to(torch.uint8) + ((byte >> 4) != 0).to(torch.uint8)
-
-
-# ----------------------------------------------------------------------------- planning (meta shapes)
-
-
-def engine_tensor_metas(hf_config, quant_cfg) -> list[TensorMeta]:
-    """Engine-layout tensor metas of the whole model from the full mcore shapes (meta tensors, no data),
-    through the same per-parameter conversion the publisher uses."""
-    from megatron_qarl.models.aligned import site_in_scope
-
-    cfg = as_quant_config(quant_cfg)
-    family = family_of(hf_config)
-    metas = []
-    for name, shape in family.adapter.expected_mcore_shapes(hf_config).items():
-        quantized = len(shape) == 2 and site_in_scope(name[: -len(".weight")], cfg, family)
-        kind = kind_of(cfg) if quantized else UNQUANTIZED
-        dtype = torch.float32 if family.param_layout(name).keep_fp32 else torch.bfloat16
-        param = FullParam(name, kind, meta_linear_parts(kind, shape, cfg, dtype=dtype), shape)
-        metas.extend(TensorMeta.of(n, t) for n, t in full_param_engine_tensors(hf_config, param))
-    return metas
-
-
-def plan_publish(hf_config, quant_cfg, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
-    """Bytes / tensors / buckets one publish sends for this config (the publisher's own bucket plan)."""
-    family = family_of(hf_config)
-    buckets = plan_buckets(engine_tensor_metas(hf_config, quant_cfg), bucket_bytes, is_expert=expert_names_of(family),
-                           load_together=family.engine_load_group)
-    return {"bytes": sum(m.nbytes for b in buckets for m in b), "num_tensors": sum(len(b) for b in buckets),
-            "num_buckets": len(buckets)}

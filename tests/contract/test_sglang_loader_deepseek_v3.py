@@ -227,7 +227,7 @@ def test_refit_bucket_by_bucket_writes_the_fused_latent_down_projection(sglang_r
 
     from megatron_qarl.rollout.payload import iter_buckets
     from megatron_qarl.rollout.sglang_compat import sglang_bucket_dict
-    from megatron_qarl.weights.publish import expert_names_of
+    from megatron_qarl.weights.publish_plan import expert_names_of
 
     export = _source(tmp_path, 96, moe_layer_freq=1)
     payload = read_safetensors_dir(export)

@@ -226,7 +226,8 @@ def test_the_engine_reports_what_it_loaded_and_a_learner_of_another_format_is_re
     """What vLLM parsed from the checkpoint it started from (its model config's quantization_config): None for
     this bf16 checkpoint, so a W4A16 learner is refused in one line before any step."""
     from megatron_qarl.quant import QuantConfig
-    from megatron_qarl.weights.publish import EngineQuantizationMismatch, check_engine_quantization
+    from megatron_qarl.weights.engine_check import check_engine_quantization
+    from megatron_qarl.weights.publish_errors import EngineQuantizationMismatch
 
     assert bf16_engine.quantization_config() is None
     assert check_engine_quantization(bf16_engine, tiny_hf_config(), QuantConfig()) is None

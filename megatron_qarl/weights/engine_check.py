@@ -1,0 +1,40 @@
+"""The engine check at start: does the rollout engine serve the learner's quantization?
+
+Before the first rollout the run reads back what each engine loaded (its `quantization_config`) and compares
+it with the learner's spec (format, group / block size, which linears are quantized), so an engine started
+from another checkpoint fails in one line (`EngineQuantizationMismatch`) instead of sampling from weights the
+publisher's codes do not fit.
+"""
+from __future__ import annotations
+
+from megatron_qarl.models.registry import family_of
+from megatron_qarl.quant.engine_layout import as_quant_config, quantization_mismatch
+from megatron_qarl.weights.publish_errors import EngineQuantizationMismatch
+
+
+def engine_linear_names(hf_config) -> list[str]:
+    """The model's linears as the engines name them (HF names without `.weight`; the router and lm_head too)."""
+    shapes = family_of(hf_config).adapter.expected_hf_shapes(hf_config)
+    return [n[: -len(".weight")] for n, shape in shapes.items()
+            if n.endswith(".weight") and len(shape) == 2 and "embed_tokens" not in n]
+
+
+def check_engine_quantization(engine, hf_config, quant_cfg) -> str | None:
+    """Read back what the engine loaded (its `quantization_config`) and raise EngineQuantizationMismatch, in one
+    line, unless it is the learner's spec: format, group / block size, and the same quantized linears. Returns
+    a line to warn with when the engine cannot tell (None: they agree)."""
+    read = getattr(engine, "quantization_config", None)
+    if not callable(read):
+        return f"{type(engine).__name__} does not report its quantization: not verified"
+    try:
+        served = read()
+    except LookupError as err:
+        return f"not verified: {err}"
+    cfg = as_quant_config(quant_cfg)
+    problem = quantization_mismatch(cfg, served, engine_linear_names(hf_config), naming=family_of(hf_config))
+    if problem:
+        raise EngineQuantizationMismatch(
+            f"the rollout engine does not serve the learner's quantization: {problem}; start it from the trainer's "
+            "own export (leave rollout.sglang.model_path unset) or from a checkpoint made with the same quant.* "
+            "settings, or set quant.* to what it serves")
+    return None
