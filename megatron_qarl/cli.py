@@ -141,6 +141,7 @@ def format_dry_run(cfg, world_size: int, gpu_gib: float = 79.0, gpus_per_node: i
         NCCL_PER_COMMUNICATOR, engine_shares_gpu, host_plan, memory_timeline, nccl_bytes, plan_on_gpu,
         timeline_verdict,
     )
+    from megatron_qarl.rollout.engines import engine_kind
 
     validate_config(cfg, world_size=world_size)
     timeline = memory_timeline(cfg, world_size, gpu_gib)
@@ -176,9 +177,11 @@ def format_dry_run(cfg, world_size: int, gpu_gib: float = 79.0, gpus_per_node: i
         "the engine is not on the trainer's GPUs"
     lines += ["", f"# memory timeline per GPU, one step ({mode})"] + format_timeline(timeline)
     if timeline["kv_budget"] is not None:
-        lines.append(f"engine KV cache: {_human(timeline['kv_budget'])} per GPU = mem_fraction_static "
-                     f"{cfg.rollout.sglang.mem_fraction_static} x the GPU memory free at engine start - weights; "
-                     f"{timeline['kv_sequences']:.1f} full-length sequences per engine")
+        of = ("the GPU's total memory - weights - activations" if engine_kind(cfg.rollout.engine).gpu_fraction_of_total
+              else "the GPU memory free at engine start - weights")
+        lines.append(f"engine KV cache: {_human(timeline['kv_budget'])} per GPU = {timeline['memory_fraction_key']} "
+                     f"{timeline['memory_fraction']} x {of}; {timeline['kv_sequences']:.1f} full-length sequences "
+                     "per engine")
         lines.append(f"host memory for the released trainer state: {_human(timeline['host_backup_per_gpu'])} "
                      "pinned per GPU")
     comms = timeline["communicators"]

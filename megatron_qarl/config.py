@@ -48,7 +48,6 @@ class SFTConfigError(ValueError, UserError):
 # --------------------------------------------------------------------------------------------------
 
 COMPUTE_DTYPES = ("bfloat16", "float32")
-ENGINES = engine_names()  # the registered rollout engines (rollout/engines.py)
 SGLANG_MODES = ("colocated", "separate")
 SGLANG_LAUNCH = ("subprocess", "inprocess", "attach")
 DATA_SOURCES = ("file", "synthetic")
@@ -663,7 +662,7 @@ def _choice(key: str, value, allowed) -> list[str]:
 
 def _engine(cfg: RunConfig) -> EngineKind | None:
     """The kind of rollout.engine (None for an unregistered name, which _check_choices reports)."""
-    return engine_kind(cfg.rollout.engine) if cfg.rollout.engine in ENGINES else None
+    return engine_kind(cfg.rollout.engine) if cfg.rollout.engine in engine_names() else None
 
 
 def _check_choices(cfg: RunConfig) -> list[str]:
@@ -674,7 +673,7 @@ def _check_choices(cfg: RunConfig) -> list[str]:
     out += _choice("model.core_attention", cfg.model.core_attention, CORE_ATTENTIONS)
     if cfg.model.core_attention == "te" and (te_problem := transformer_engine_problem()):
         out.append(f"model.core_attention='te': {te_problem}, or set model.core_attention=sdpa")
-    out += _choice("rollout.engine", cfg.rollout.engine, ENGINES)
+    out += _choice("rollout.engine", cfg.rollout.engine, engine_names())
     out += _choice("rollout.embedded_dtype", cfg.rollout.embedded_dtype, COMPUTE_DTYPES)
     out += _choice("rollout.embedded_w4a16_kernel", cfg.rollout.embedded_w4a16_kernel, SAMPLER_W4A16_KERNELS)
     out += _choice("rollout.sglang.mode", cfg.rollout.sglang.mode, SGLANG_MODES)
@@ -689,12 +688,12 @@ def _check_choices(cfg: RunConfig) -> list[str]:
     out += _choice("publish.verify", cfg.publish.verify, PUBLISH_VERIFY)
     kind = _engine(cfg)
     if cfg.publish.mode == "delta" and kind is not None and not kind.applies_deltas:
-        takers = [n for n in ENGINES if engine_kind(n).applies_deltas]
+        takers = [n for n in engine_names() if engine_kind(n).applies_deltas]
         out.append(f"publish.mode=delta with rollout.engine={kind.name}: {kind.why_no_deltas}; use "
                    f"publish.mode=full, or the {' / '.join(takers)} engine")
     audits = lambda k: k.verifies_checksums or k.reads_back_weights  # noqa: E731 - checksums or a read-back
     if cfg.publish.verify in ("all", "sampled") and kind is not None and not audits(kind):
-        auditors = [n for n in ENGINES if audits(engine_kind(n))]
+        auditors = [n for n in engine_names() if audits(engine_kind(n))]
         out.append(f"publish.verify={cfg.publish.verify} with rollout.engine={kind.name}: the engine reports no "
                    f"checksum of the tensors it holds, so the first publish would fail its audit; use "
                    f"publish.verify=off, or the {' / '.join(auditors)} engine")
@@ -934,7 +933,7 @@ def _refit_alternatives(cfg: RunConfig, kind: EngineKind) -> str:
     scheme (none for a format no engine lists yet)."""
     scheme = scheme_of(cfg.quant)
     schemes = [name for name, s in SCHEMES.items() if kind.refit_support(s).refit]
-    engines = [e for e in ENGINES if engine_kind(e).refit_support(scheme).refit]
+    engines = [e for e in engine_names() if engine_kind(e).refit_support(scheme).refit]
     fix = f"use quant.scheme={' or '.join(schemes + ['none'])}"
     return fix + (f", or rollout.engine={' or '.join(engines)} for {cfg.quant.scheme}" if engines else "")
 

@@ -330,13 +330,16 @@ def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str
     weights and KV are released while the trainer computes old log-probs and trains; for the publish the
     trainer's grads are dropped and the engine's weights (not its KV) come back. SGLang sizes its weights + KV
     as `mem_fraction_static` x the GPU memory free when it starts (kv_cache_configurator.py:2990-3058 in
-    0.5.23), so the KV budget is that minus the weights. Without a GPU-sharing engine nothing is released.
-    Returns rows (phase, terms, total, free), the peak, the KV budget and a verdict."""
+    0.5.23), so the KV budget is that minus the weights; vLLM's share is of the total memory, its activations
+    included (the kind's `memory_fraction` and `gpu_fraction_of_total`). Without a GPU-sharing engine nothing is
+    released. Returns rows (phase, terms, total, free), the peak, the KV budget (and the engine's memory share and
+    its key, None without one) and a verdict."""
     from megatron_qarl.rollout.engines import engine_kind
 
     est = estimate_memory(cfg, world_size)
     tr, act, eng = est["trainer_per_gpu"], est["activation_detail"], est["engine"]
     capacity = gpu_gib * GIB
+    kind = engine_kind(cfg.rollout.engine)
     shares = engine_shares_gpu(cfg)
     nccl = nccl_bytes(trainer_communicators(cfg, world_size))
     residue = {"trainer_context": CUDA_CONTEXT, "trainer_nccl": nccl,
@@ -351,12 +354,12 @@ def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str
         return {"allocator_reserve": ALLOCATOR_RESERVE * sum(variable.values())}
 
     rows: list[tuple[str, dict]] = []
-    kv = None
+    kv = fraction = None
     if shares:
         # the engine's TP group: one communicator (SGLang's other groups and custom all-reduce buffers: not counted)
         engine_nccl = NCCL_PER_COMMUNICATOR if cfg.rollout.engine_tp > 1 else 0.0
-        fraction = cfg.rollout.sglang.mem_fraction_static  # vLLM reads it as gpu_memory_utilization
-        if engine_kind(cfg.rollout.engine).gpu_fraction_of_total:  # vLLM: of the TOTAL memory, activations included
+        fraction = kind.memory_fraction(cfg)
+        if kind.gpu_fraction_of_total:  # vLLM: of the TOTAL memory, activations included
             kv = fraction * capacity - eng["per_engine_gpu"] - ENGINE_ACTIVATIONS
         else:  # SGLang: a share of the memory free at start, for weights + KV only
             kv = fraction * (capacity - sum(residue.values()) - CUDA_CONTEXT) - eng["per_engine_gpu"]
@@ -390,15 +393,19 @@ def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str
     kv_sequences = kv / (seq * est["kv_bytes_per_token_per_gpu"]) if kv is not None else None
     fits = all(r["free"] >= MIN_FREE for r in table) and (kv_sequences is None or kv_sequences >= 1)
     return {"rows": table, "peak": peak, "capacity": capacity, "fits": fits, "kv_budget": kv,
-            "kv_sequences": kv_sequences, "host_backup_per_gpu": sum(state.values()) if shares else 0.0,
+            "kv_sequences": kv_sequences, "memory_fraction": fraction,
+            "memory_fraction_key": kind.memory_fraction_key if shares else None,
+            "host_backup_per_gpu": sum(state.values()) if shares else 0.0,
             "communicators": trainer_communicators(cfg, world_size), "estimate": est}
 
 
 def engine_kv_at_start(cfg, free_bytes: float) -> tuple[float, float]:
-    """(KV bytes per GPU, full-length sequences they hold) for a colocated SGLang engine starting with
-    `free_bytes` free on its GPUs: SGLang's own rule, mem_fraction_static x free - weights."""
+    """(KV bytes per GPU, full-length sequences they hold) for a colocated engine starting with `free_bytes` free
+    on its GPUs: SGLang's own rule, its kind's memory_fraction (mem_fraction_static) x free - weights."""
+    from megatron_qarl.rollout.engines import engine_kind
+
     est = estimate_memory(cfg)
-    kv = cfg.rollout.sglang.mem_fraction_static * free_bytes - est["engine"]["per_engine_gpu"]
+    kv = engine_kind(cfg.rollout.engine).memory_fraction(cfg) * free_bytes - est["engine"]["per_engine_gpu"]
     seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     return kv, kv / (seq * est["kv_bytes_per_token_per_gpu"])
 
@@ -412,7 +419,7 @@ def timeline_verdict(timeline: dict) -> str:
             f"least free {tight['free'] / GIB:.2f} GiB in '{tight['phase']}' (needs >= {MIN_FREE / GIB:g})")
     if timeline["kv_sequences"] is not None and timeline["kv_sequences"] < 1:
         text += (f"; the engine's KV cache ({timeline['kv_budget'] / GIB:.2f} GiB) holds no full-length sequence: "
-                 "raise rollout.sglang.mem_fraction_static")
+                 f"raise {timeline['memory_fraction_key']}")
     elif not timeline["fits"]:
         largest = sorted(((v, k) for k, v in tight["terms"].items()), reverse=True)[:3]
         text += "; largest terms there " + ", ".join(f"{k} {v / GIB:.2f} GiB" for v, k in largest)

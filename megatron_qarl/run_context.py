@@ -290,7 +290,9 @@ def check_engine_start_memory(cfg: RunConfig) -> None:
     from megatron_qarl.config import ConfigError
     from megatron_qarl.memory import GIB, engine_kv_at_start, memory_timeline, timeline_verdict
     from megatron_qarl.parallel import max_over_ranks
+    from megatron_qarl.rollout.engines import engine_kind
 
+    kind = engine_kind(cfg.rollout.engine)
     free = -max_over_ranks(-int(torch.cuda.mem_get_info()[0]))  # the tightest GPU of the world
     kv, sequences = engine_kv_at_start(cfg, free)
     if is_logging_rank():
@@ -300,9 +302,9 @@ def check_engine_start_memory(cfg: RunConfig) -> None:
               f"-> KV cache {kv / GIB:.2f} GiB per GPU ({sequences:.1f} full-length sequences)", flush=True)
     if sequences < 1:
         raise ConfigError(
-            f"the engines would start with {free / GIB:.2f} GiB free per GPU: mem_fraction_static "
-            f"{cfg.rollout.sglang.mem_fraction_static} of it leaves a {kv / GIB:.2f} GiB KV cache, less than one "
-            "full-length sequence; raise rollout.sglang.mem_fraction_static or free the GPUs (qarl-train --dry-run "
+            f"the engines would start with {free / GIB:.2f} GiB free per GPU: {kind.memory_fraction_key}="
+            f"{kind.memory_fraction(cfg)} of it leaves a {kv / GIB:.2f} GiB KV cache, less than one "
+            f"full-length sequence; raise {kind.memory_fraction_key} or free the GPUs (qarl-train --dry-run "
             "prints the plan)")
 
 
@@ -511,7 +513,7 @@ def check_initial_weights(cfg: RunConfig) -> None:
 
 
 def engine_start_checkpoint(cfg: RunConfig, model, hf_config, quant, tokenizer=None) -> str | None:
-    """COLLECTIVE. The checkpoint a launched SGLang or vLLM engine starts from: `rollout.sglang.model_path`
+    """COLLECTIVE. The checkpoint a launched SGLang or vLLM engine starts from: the one its config names
     when given, else the trainer's own initial weights written to <logging.out_dir>/engine_start by the
     publisher (the bytes every later publish sends) through qarl-convert export's writer, with the run's
     tokenizer (vLLM matches stop strings with it); reused when present (resume). None for engines that

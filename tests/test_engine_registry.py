@@ -387,3 +387,17 @@ def test_the_engine_grep_bites(tmp_path):
         "caller.py:7: compares with sglang",
         "caller.py:7: compares with embedded, vllm",
     ]
+
+
+@pytest.mark.parametrize("name, extra", [("sglang", []), ("vllm", ["rollout.vllm.device=cuda"])])
+def test_a_gpu_sharing_kind_answers_its_memory_share_from_its_key(name, extra):
+    """memory.py, run_context.py and cli.py ask the kind (EngineKind.memory_fraction), never rollout.sglang.*: vLLM
+    reads the same key as SGLang (its gpu_memory_utilization, as before the seam); the embedded engine has none."""
+    cfg = tiny_run(name, "rollout.sglang.mem_fraction_static=0.35", *extra, world_size=None)
+    kind = engine_kind(name)
+    assert kind.shares_trainer_gpus(cfg) and kind.memory_fraction(cfg) == 0.35
+    assert kind.memory_fraction_key == "rollout.sglang.mem_fraction_static"
+    with pytest.raises(NotImplementedError, match="takes no share"):
+        engine_kind("embedded").memory_fraction(cfg)
+    for module in ("memory.py", "run_context.py", "cli.py"):
+        assert "rollout.sglang" not in (ROOT / "megatron_qarl" / module).read_text(), module

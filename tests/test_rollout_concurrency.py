@@ -8,12 +8,12 @@ import time
 import pytest
 
 from megatron_qarl.rollout.dispatch import RolloutStopRequested, generate_concurrently, plan_requests
-from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
+from megatron_qarl.rollout.protocol import EngineBase, GenerationResult, RolloutEngineError, SamplingParams
 
 N = 2
 
 
-class FakeServer:
+class FakeServer(EngineBase):
     """A batching engine: every call sleeps `delay(prompts)` concurrently with the others; records how many calls
     overlap. Each row's tokens come from its own seed only (as SGLang / vLLM / the embedded engine sample)."""
 
@@ -23,7 +23,7 @@ class FakeServer:
         self.fail_with = fail_with
         self.aborted = threading.Event()
         self.aborts = 0
-        if abortable:  # a server that can abort what it serves (SGLang's /abort_request)
+        if abortable:  # a server that can abort what it serves (SGLang's /abort_request); else EngineBase's no-op
             self.abort_requests = self._abort
         self.healthy = healthy
         self.lock = threading.Lock()

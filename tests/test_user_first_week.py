@@ -209,6 +209,8 @@ def test_characters_the_tokenizer_lacks_are_a_warning_and_a_stop_it_cannot_spell
 class _Engine:
     """Returns response token ids that decode to the sample's row number's last digit."""
 
+    max_concurrent_requests = None  # rollout.protocol.EngineBase's default (this module imports lazily)
+
     def generate(self, prompts, sampling):
         from megatron_qarl.rollout.protocol import GenerationResult
 

@@ -98,19 +98,20 @@ def generate_concurrently(engine, rows_prompt_ids: Sequence[Sequence[int]], samp
                           drain_s: float = 60.0) -> Iterator[tuple[Request, list[GenerationResult], int]]:
     """(request, results, retries used) for each of `requests`, in their order, while up to `max_inflight` of
     them are in flight on `engine` at once (each through `generate_request`: its own seeds, retries, bound).
-    An engine that serves fewer at a time says so (`max_concurrent_requests`: the embedded engine, vLLM's pipe,
-    SGLang in-process serve one): the bound is the smaller of the two.
+    An engine that serves fewer at a time says so (`max_concurrent_requests`, protocol.EngineBase: the embedded
+    engine, vLLM's pipe, SGLang in-process serve one): the bound is the smaller of the two.
 
     When a request fails for good, no new one starts; the ones in flight end (each within its own bound), the
     ones that succeeded are still handed back, in order, and then the first failure is raised, so the caller
     reruns only the failed ones. `should_stop()` is asked every `poll_s`: when it says yes, no request starts or
-    retries, the engine aborts what it is serving (`abort_requests`, where it has it: SGLang's /abort_request),
+    retries, the engine aborts what it is serving (`abort_requests`: SGLang's /abort_request; a no-op elsewhere),
     the requests in flight are waited for up to `drain_s` (an engine must be idle before it can release its
     memory for the checkpoint that follows) and RolloutStopRequested is raised (the threads are daemons: an
     engine call that never returns cannot hold the process past its end)."""
     if max_inflight < 1:
         raise ValueError(f"max_inflight={max_inflight} must be >= 1")
-    max_inflight = min(max_inflight, getattr(engine, "max_concurrent_requests", None) or max_inflight)
+    if engine is not None:  # None: a rank that leads no rollout group, with no requests
+        max_inflight = min(max_inflight, engine.max_concurrent_requests or max_inflight)
     done: dict[int, tuple[bool, Any]] = {}
     cond = threading.Condition()
     any_failed = threading.Event()  # no request starts once one has failed for good (the engine may be gone)
@@ -160,10 +161,9 @@ def _abandon(engine, cancelled: threading.Event, cond: threading.Condition, done
     cancelled.set()
     with cond:
         inflight = started - len(done)
-    abort = getattr(engine, "abort_requests", None)
-    if inflight and abort is not None:
+    if inflight:
         try:
-            abort()
+            engine.abort_requests()
         except Exception as err:  # noqa: BLE001 - the wait below is bounded either way
             print(f"[qarl] aborting the engine's requests failed ({err}); waiting for them", flush=True)
     deadline = time.monotonic() + drain_s

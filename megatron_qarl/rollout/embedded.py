@@ -43,7 +43,7 @@ from megatron_qarl.quant.errors import QuantizationError
 from megatron_qarl.quant.schemes import scheme_of, scheme_of_kind, scheme_of_quantization_config
 from megatron_qarl.rollout.delta import DeltaBatch, apply_delta_batch
 from megatron_qarl.rollout.engine_kind import EngineKind, RefitSupport
-from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
+from megatron_qarl.rollout.protocol import EngineBase, GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.payload import tensor_sha256
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -183,7 +183,7 @@ def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-class EmbeddedEngine:
+class EmbeddedEngine(EngineBase):
     """A transformers model of a registered family (its `causal_lm_class`) held in-process; implements
     ``RolloutEngine``."""
 

@@ -10,7 +10,10 @@ engine checks, the run's builder, the memory model and the probe ask that object
   at start), `shares_trainer_gpus` (its weights and KV live on the trainer's GPUs, so the trainer releases its
   memory while it runs), `colocated` / `separate_engines` (its rollout topology), `supports_text_stops`,
   `applies_deltas` (publish.mode=delta), `verifies_checksums` / `reads_back_weights` (publish.verify),
-  `needs_real_weights`, `chooses_w4a16_kernel`, `gpu_fraction_of_total`;
+  `needs_real_weights`, `chooses_w4a16_kernel`;
+* memory: `memory_fraction` (the share of GPU memory an engine that `shares_trainer_gpus` takes, from its own config
+  key `memory_fraction_key`) and what it is a share of (`gpu_fraction_of_total`): the memory model, the run's start
+  check and the dry run read it here, never an engine's config section;
 * formats: `refits` (low-bit format -> its `RefitSupport`: whether it takes the format's per-step refit in place,
   for which scopes, and the engine's own knobs for it) and `refit_support(scheme)`, which refuses in one line a
   format the engine does not list;
@@ -75,9 +78,12 @@ class EngineKind:
     # Refuses a run on megatron's random init with the demo tokenizer unless model.random_init says so.
     needs_real_weights: bool = False
     chooses_w4a16_kernel: bool = False  # honours rollout.embedded_w4a16_kernel
-    # shares_trainer_gpus: rollout.sglang.mem_fraction_static is a share of the GPU's TOTAL memory, its forward's
-    # activations included (vLLM's gpu_memory_utilization), not of the memory free at start for weights + KV.
+    # shares_trainer_gpus: `memory_fraction` is a share of the GPU's TOTAL memory, its forward's activations
+    # included (vLLM's gpu_memory_utilization), not of the memory free at its start for weights + KV (SGLang's
+    # mem_fraction_static).
     gpu_fraction_of_total: bool = False
+    # the config key `memory_fraction` reads (named by the memory model's and the start check's refusals)
+    memory_fraction_key: str | None = None
     # The low-bit formats it refits: a registered format's name (a scheme's `format_name`) -> what it does with the
     # refit. A format missing here is refused (`refit_support`): a new format reaches an engine only once someone
     # verified its refit there and wrote the entry, never by default. The only place outside quant/ that spells a
@@ -107,6 +113,14 @@ class EngineKind:
     def separate_engines(self, cfg: Any) -> int:
         """Not colocated and rollout.engines=0: how many engines the run drives."""
         return 1
+
+    def memory_fraction(self, cfg: Any) -> float:
+        """The share of GPU memory it takes while it shares the trainer's GPUs (a RunConfig): of the memory free
+        when it starts, for its weights + KV, or, where `gpu_fraction_of_total`, of each GPU's total memory, its
+        activations included (memory.memory_timeline, memory.engine_kv_at_start). A kind that
+        `shares_trainer_gpus` implements it, reading `memory_fraction_key`."""
+        raise NotImplementedError(f"{type(self).__name__}.memory_fraction: the {self.name} engine takes no share of "
+                                  "the trainer's GPUs")
 
     expert_parallel_key: str | None = None  # the config key of its expert parallelism, where it has one
 

@@ -93,6 +93,25 @@ class GenerationResult:
             raise ValueError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} logprobs")
 
 
+class EngineBase:
+    """The optional capabilities of a rollout engine, typed, with the defaults of an engine that lacks them: an
+    engine class derives from it (besides implementing `RolloutEngine`) and overrides what it has, so the
+    dispatcher asks every engine the same attributes instead of probing for them.
+
+    What the publisher audits and patches (checksums, the read-back of its own layout, weight deltas) are the
+    kind's flags (EngineKind.verifies_checksums / reads_back_weights / applies_deltas, pinned against these
+    classes by tests/test_engine_registry.py); what a GPU-sharing engine must have (release_memory /
+    resume_memory) the trainer calls only on an engine whose kind `shares_trainer_gpus`."""
+
+    # How many requests it serves at once (the dispatcher sends no more): None, any number (SGLang's HTTP server
+    # batches them); 1: one at a time (the embedded engine, vLLM's pipe, SGLang in-process).
+    max_concurrent_requests: int | None = None
+
+    def abort_requests(self) -> None:
+        """Abort every request it is serving (a stop during a rollout, rollout.dispatch): SGLang's /abort_request.
+        Default: nothing to abort early; the requests in flight end within their own bounds."""
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:

@@ -88,7 +88,7 @@ from megatron_qarl.rollout import sglang_compat
 from megatron_qarl.rollout.dispatch import shared_request_timeout_s
 from megatron_qarl.rollout.engine_kind import EngineKind, RefitSupport, choice_problem
 from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES, FlattenedBucket, iter_buckets
-from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams
+from megatron_qarl.rollout.protocol import EngineBase, GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.sglang_compat import SGLangUnavailableError, require_sglang
 
 log = logging.getLogger(__name__)
@@ -680,7 +680,7 @@ def _tail(path: str | None, lines: int = LOG_TAIL_LINES) -> str:
     return "".join(b.decode(errors="replace") for b in last)
 
 
-class SGLangEngine:
+class SGLangEngine(EngineBase):
     """RolloutEngine over SGLang (see module doc)."""
 
     def __init__(
@@ -1151,6 +1151,8 @@ class SGLangKind(EngineKind):
     reads_back_weights = True  # ... but reads back what it holds (held_weight_checksums): publish.verify
     needs_real_weights = True
     expert_parallel_key = "rollout.sglang.ep_size"
+    # colocated: --mem-fraction-static, the share of the memory free at its start for its weights + KV cache
+    memory_fraction_key = "rollout.sglang.mem_fraction_static"
     refit_type = SGLangRefit
     # What SGLang 0.5.23 does with each format's in-place refit (the module docstring has the W4A16 evidence).
     # NVFP4: SGLang serves it with CompressedTensorsW4A16Nvfp4MoE (FP4 Marlin, sm80+) and CompressedTensorsW4A16Fp4;
@@ -1192,6 +1194,9 @@ class SGLangKind(EngineKind):
 
     def expert_parallel(self, cfg: Any) -> int:
         return cfg.rollout.sglang.ep_size
+
+    def memory_fraction(self, cfg: Any) -> float:
+        return cfg.rollout.sglang.mem_fraction_static
 
     def needs_start_checkpoint(self, cfg: Any) -> bool:
         return not _attaches(cfg.rollout.sglang)  # an attached server loaded its own

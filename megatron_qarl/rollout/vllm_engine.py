@@ -56,7 +56,9 @@ from megatron_qarl.quant.schemes import scheme_of
 from megatron_qarl.rollout.delta import DeltaBatch, WeightDeltaMismatch
 from megatron_qarl.rollout.engine_kind import EngineKind, RefitSupport, choice_problem
 from megatron_qarl.rollout.payload import FlattenedBucket, iter_buckets
-from megatron_qarl.rollout.protocol import EngineSetupError, GenerationResult, RolloutEngineError, SamplingParams
+from megatron_qarl.rollout.protocol import (
+    EngineBase, EngineSetupError, GenerationResult, RolloutEngineError, SamplingParams,
+)
 from megatron_qarl.rollout.vllm_server import (
     AUTHKEY_ENV, READY_LINE, bucket_header, cpu_w4a16_blocker, recv_json, send_json)
 
@@ -162,9 +164,9 @@ class VLLMEngineConfig:
     @classmethod
     def from_run(cls, cfg, *, model_path: str, group: int = 0, run_dir: str | None = None) -> "VLLMEngineConfig":
         """Group `group`'s engine, built on its leader: on a GPU it takes the group's GPUs (from this process's
-        LOCAL_RANK, through its CUDA_VISIBLE_DEVICES), `rollout.sglang.mem_fraction_static` as vLLM's
-        gpu_memory_utilization (the one GPU-memory share key of the rollout config; vLLM reads it as a share of
-        total memory) and sleep mode: the engine shares its GPUs with the trainer."""
+        LOCAL_RANK, through its CUDA_VISIBLE_DEVICES), its kind's `memory_fraction` as vLLM's
+        gpu_memory_utilization (`VLLMKind.memory_fraction_key`; vLLM reads it as a share of total memory) and sleep
+        mode: the engine shares its GPUs with the trainer."""
         v = cfg.rollout.vllm
         gpu = {}
         if v.device == "cuda":
@@ -172,7 +174,7 @@ class VLLMEngineConfig:
             gpu = dict(cuda_visible_devices=engine_cuda_devices(
                 int(os.environ.get("LOCAL_RANK", "0")), cfg.rollout.engine_tp, os.environ.get("CUDA_VISIBLE_DEVICES"),
                 int(node_gpus) if node_gpus else None),
-                gpu_memory_utilization=cfg.rollout.sglang.mem_fraction_static, sleep_mode=True)
+                gpu_memory_utilization=KIND.memory_fraction(cfg), sleep_mode=True)
         return cls(model_path=model_path, venv=v.venv, dtype=v.dtype, max_model_len=v.max_model_len,
                    tp_size=cfg.rollout.engine_tp, device=v.device, seed=cfg.train.seed + group, host=v.host,
                    kvcache_gb=v.kvcache_gb, startup_timeout_s=v.startup_timeout_s,
@@ -215,7 +217,7 @@ def checked_score_rows(rows, sequences: list[list[int]]) -> list[list[float]]:
     return [[float(v) for v in row] for row in rows]
 
 
-class VLLMEngine:
+class VLLMEngine(EngineBase):
     """``RolloutEngine`` over a ``vllm_server`` process."""
 
     def __init__(self, cfg: VLLMEngineConfig):
@@ -481,7 +483,11 @@ class VLLMKind(EngineKind):
     name = "vllm"
     config_type = VLLMEngineConfig
     loads_start_checkpoint = True
-    gpu_fraction_of_total = True  # rollout.sglang.mem_fraction_static is its gpu_memory_utilization
+    gpu_fraction_of_total = True  # its memory_fraction is gpu_memory_utilization, a share of the TOTAL memory
+    # The rollout config's one GPU-memory share key, read as vLLM's gpu_memory_utilization since the engine seam
+    # (VLLMEngineConfig.from_run): rollout.vllm has no key of its own, so a config written for either engine keeps
+    # its meaning.
+    memory_fraction_key = "rollout.sglang.mem_fraction_static"
     refit_type = VLLMRefit
     # What vLLM 0.32 does with each format's in-place refit. NVFP4: vLLM serves it with
     # CompressedTensorsW4A4Nvfp4MoEMethod(use_a16=True) / CompressedTensorsW4A4Fp4(use_a16=True) (Marlin FP4 on
@@ -505,6 +511,9 @@ class VLLMKind(EngineKind):
 
     def shares_trainer_gpus(self, cfg: Any) -> bool:
         return cfg.rollout.vllm.device == "cuda"  # each group's engine runs on the group's GPUs
+
+    def memory_fraction(self, cfg: Any) -> float:
+        return cfg.rollout.sglang.mem_fraction_static
 
     def colocated(self, cfg: Any) -> bool:
         # rollout.sglang.mode is the run's one placement key (config.SGLangConfig.mode), read as it was before

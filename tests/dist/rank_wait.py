@@ -26,13 +26,13 @@ from megatron_qarl.parallel import (
     ParallelLayout, RankWaitTimeout, RolloutTopology, group_timeout, init_distributed, max_over_ranks,
     set_rank_wait, wait_for_ranks,
 )
-from megatron_qarl.rollout.protocol import GenerationResult, SamplingParams
+from megatron_qarl.rollout.protocol import EngineBase, GenerationResult, SamplingParams
 
 TIMEOUT_MIN = 0.1  # 6 s
 WORK_S = 12.0  # the leader's request: 2x the process groups' timeout
 
 
-class SlowEngine:
+class SlowEngine(EngineBase):
     """A rollout engine whose every request takes WORK_S (a long-tailed GPU rollout, shrunk), answering each row
     with tokens derived from its seed; `fail` makes the request raise a non-engine error (after 1 s)."""
 
