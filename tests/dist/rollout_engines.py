@@ -111,6 +111,7 @@ def rollout_ctx(run_cfg, engine, publisher, tokenizer, reward_fn, rows_prompts, 
         data=SimpleNamespace(next_batch=lambda k: batch[:k]), reward_counts={}, tracker=None,
         sampling=SamplingParams(temperature=1.0, max_new_tokens=5, seed=11),
         memory=TrainerMemory.for_run(False), quant=None,  # no engine on the trainer's devices: nothing released
+        canary=None, publishes=0,  # the restart's re-publish runs no refit canary here (tests/test_canary.py does)
     )
 
 
