@@ -125,6 +125,9 @@ TRAIN_ACT, OLD_ACT, LSE = 96 * PER_LAYER_TOKEN * 3, 96 * PER_LAYER_TOKEN, 4 * 4 
 # logits, fp32: training 2 copies of 96 x 128 x 4 B + one fp32 chunk of 23 rows x 128 + 16 B/token + 32 B/chunk
 # row; old log-probs (no grad) the 2 copies only, + the small vectors (test_memory's tiny hand count)
 LOGITS, OLD_LOGITS = 98_304 + 11_776 + 1_536 + 736, 98_304 + 1_536 + 736
+# the refit canary's forward in the publish: 4 x 32 = 128 tokens through one layer, and their logits (2 copies of
+# 128 x 128 x 4 B + 16 B/token + 32 B/chunk row x 31 rows), as test_memory_timeline's tiny count
+CANARY = 128 * PER_LAYER_TOKEN + 131_072 + 2_048 + 992
 
 
 def test_tiny_dsv3_colocated_phases_term_by_term():
@@ -145,7 +148,8 @@ def test_tiny_dsv3_colocated_phases_term_by_term():
     train = residue + state + GRADS + CACHE + (TRAIN_ACT + LSE + LOGITS) * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT
     assert rows["train"]["total"] == pytest.approx(train, rel=1e-12)
     bucket = 16 * 2 ** 20
-    publish = residue + state + CACHE + bucket * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT + ENGINE_WEIGHTS
+    assert rows["publish"]["terms"]["canary_forward"] == CANARY == 1_031_136
+    publish = residue + state + CACHE + bucket * (1 + ALLOCATOR_RESERVE) + CUDA_CONTEXT + ENGINE_WEIGHTS + CANARY
     assert rows["publish"]["total"] == pytest.approx(publish, rel=1e-12)
     assert timeline["host_backup_per_gpu"] == state  # the state goes to host memory, not the grads
 

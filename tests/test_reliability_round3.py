@@ -227,11 +227,11 @@ KILL_IN_PUBLISH = '''
 import os, signal, sys
 import megatron_qarl.trainer as trainer
 real, calls = trainer.publish_weights, [0]
-def publish_weights(ctx):
+def publish_weights(ctx, *args, **kwargs):
     calls[0] += 1
     if calls[0] == int(os.environ["KILL_AT_PUBLISH"]):
         os.kill(os.getpid(), signal.SIGKILL)
-    return real(ctx)
+    return real(ctx, *args, **kwargs)
 trainer.publish_weights = publish_weights
 from megatron_qarl.cli import train_main as main
 sys.exit(main(sys.argv[1:]))

@@ -137,6 +137,10 @@ def served_quantization_config(hf_config, given: dict | None) -> dict | None:
     return qc.to_dict() if hasattr(qc, "to_dict") else None
 
 
+NON_FINITE_LOGITS = ("the engine's logits are not finite: the published weights have diverged (resume from an "
+                     "earlier checkpoint with a lower train.optim.lr)")
+
+
 class EngineWeightError(ValueError):
     """A pushed tensor has an unknown name, a wrong shape/dtype, or an incomplete quantized group."""
 
@@ -507,6 +511,8 @@ class EmbeddedEngine(EngineBase):
             for seq in token_ids:
                 ids = torch.tensor([seq], dtype=torch.long)
                 logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+                if not bool(torch.isfinite(logits).all()):  # as generate says it: the weights diverged, not the refit
+                    raise RolloutEngineError(NON_FINITE_LOGITS)
                 scored.append(torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].tolist())
         return scored
 
@@ -584,8 +590,7 @@ class _SamplingLoop:
         for step in range(sp.max_new_tokens):
             scaled = out.logits[:, -1].float() / sp.temperature
             if not bool(torch.isfinite(scaled).all()):
-                raise RolloutEngineError("the engine's logits are not finite: the published weights have diverged "
-                                         "(resume from an earlier checkpoint with a lower train.optim.lr)")
+                raise RolloutEngineError(NON_FINITE_LOGITS)
             logp = torch.log_softmax(scaled, dim=-1)
             probs = torch.softmax(_filter_logits(scaled, sp.top_k, sp.top_p), dim=-1)
             # one generator per row: a row's samples do not depend on the other rows of the batch
