@@ -127,3 +127,17 @@ def register_torch_moe_backend():
 
     register_backend("torch-moe", TorchMoeKernelBackend, schemes=("w4a16",))
     return get_backend("torch-moe")
+
+
+def compare_layouts(layouts: list[str], run_layout, tol: float) -> dict:
+    """Run `run_layout(tp, ep, etp or None)` for each "TPxEP[xETP]" spec; each layout's logits must be within `tol`
+    of the first's (its result gets "logits_max_abs_diff_vs_first"). Returns {spec: result}."""
+    results, reference = {}, None
+    for spec in layouts:
+        sizes = [int(v) for v in spec.split("x")]
+        logits, res = run_layout(sizes[0], sizes[1], sizes[2] if len(sizes) > 2 else None)
+        reference = logits if reference is None else reference
+        res["logits_max_abs_diff_vs_first"] = float((logits - reference).abs().max())
+        assert res["logits_max_abs_diff_vs_first"] <= tol, f"{spec}: logits differ from {layouts[0]}: {res}"
+        results[spec] = res
+    return results

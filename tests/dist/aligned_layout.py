@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from _common import write_result
-from aligned_common import (hf_grads_as_mcore, hf_model, mcore_logits, register_torch_moe_backend, seeded_hf_state, tokens,
+from aligned_common import (compare_layouts, hf_grads_as_mcore, hf_model, mcore_logits, register_torch_moe_backend, seeded_hf_state, tokens,
                             w4a16_dequantized_state)
 from megatron_qarl.models.registry import family_named
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
@@ -122,15 +122,7 @@ def run_layout(tp, ep, etp, scope, moe_kernel):
 
 
 def main(layouts, scope, moe_kernel):
-    results, reference = {}, None
-    for spec in layouts:
-        sizes = [int(v) for v in spec.split("x")]
-        logits, res = run_layout(sizes[0], sizes[1], sizes[2] if len(sizes) > 2 else None, scope, moe_kernel)
-        reference = logits if reference is None else reference
-        res["logits_max_abs_diff_vs_first"] = float((logits - reference).abs().max())
-        assert res["logits_max_abs_diff_vs_first"] <= TOL, f"{spec}: logits differ from {layouts[0]}: {res}"
-        results[spec] = res
-    write_result(results)
+    write_result(compare_layouts(layouts, lambda tp, ep, etp: run_layout(tp, ep, etp, scope, moe_kernel), TOL))
     destroy_distributed()
 
 

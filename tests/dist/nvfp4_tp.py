@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from _common import write_result
-from aligned_common import mcore_logits, seeded_hf_state, tokens
+from aligned_common import compare_layouts, mcore_logits, seeded_hf_state, tokens
 from publish_common import RecordingEngine, mismatches, offline_engine_tensors
 from megatron_qarl.models.aligned import apply_aligned_quantization
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
@@ -130,15 +130,7 @@ def run_layout(tp, ep, etp):
 
 
 def main(layouts):
-    results, reference = {}, None
-    for spec in layouts:
-        sizes = [int(v) for v in spec.split("x")]
-        logits, res = run_layout(sizes[0], sizes[1], sizes[2] if len(sizes) > 2 else None)
-        reference = logits if reference is None else reference
-        res["logits_max_abs_diff_vs_first"] = float((logits - reference).abs().max())
-        assert res["logits_max_abs_diff_vs_first"] <= TOL, f"{spec}: logits differ from {layouts[0]}: {res}"
-        results[spec] = res
-    write_result(results)
+    write_result(compare_layouts(layouts, run_layout, TOL))
     destroy_distributed()
 
 

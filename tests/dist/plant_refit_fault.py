@@ -4,9 +4,9 @@
 
 At the N-th publish (0: the one before the first rollout; k: the one after step k's update) the engine:
 
-* ``skip-bucket``:  drops the second bucket it is sent (a refit that lost a bucket on the way; the vLLM
-  engine's too, before its pipe);
+* ``skip-bucket``:  drops the second bucket it is sent (a refit that lost a bucket on the way);
 * ``skip-layer``:   drops every tensor of layer 1 (a refit that skipped a layer);
+  both also on the vLLM engine's trainer side, before its pipe;
 * ``skip-derived``: takes every tensor but does not re-derive the weights it computes with from the codes it
   holds (a stale derived tensor: what vLLM's reload RFCs describe);
 * ``stale-restore``: takes the publish, then has its weights restored from the copy it held after publish 0
@@ -27,28 +27,33 @@ def main() -> None:
     if fault not in FAULTS:
         raise SystemExit(f"unknown fault {fault!r}; one of {FAULTS}")
     from megatron_qarl.rollout.embedded import EmbeddedEngine
+    from megatron_qarl.rollout.vllm_engine import VLLMEngine
 
-    begin, update, end = (EmbeddedEngine.begin_weight_update, EmbeddedEngine.update_weights,
-                          EmbeddedEngine.end_weight_update)
-    derive = EmbeddedEngine._dequantize_into_model
+    end, derive = EmbeddedEngine.end_weight_update, EmbeddedEngine._dequantize_into_model
     state = {"publish": -1, "buckets": 0, "first": None}
 
     def planted(self) -> bool:
         return state["publish"] == at
 
-    def counting_begin(self):
-        state["publish"] += 1
-        state["buckets"] = 0
-        return begin(self)
+    def plant_in_publish(engine_class) -> None:
+        """Count `engine_class`'s publishes and buckets; at publish `at`, lose a bucket or layer 1 on the way in."""
+        begin, update = engine_class.begin_weight_update, engine_class.update_weights
 
-    def faulty_update(self, named_tensors):
-        state["buckets"] += 1
-        if planted(self) and fault == "skip-bucket" and state["buckets"] == 2:
-            print(f"[plant_refit_fault] publish {at}: bucket 2 dropped", flush=True)
-            return None
-        if planted(self) and fault == "skip-layer":
-            named_tensors = [(n, t) for n, t in _items(named_tensors) if ".layers.1." not in n]
-        return update(self, named_tensors)
+        def counting_begin(self):
+            state["publish"] += 1
+            state["buckets"] = 0
+            return begin(self)
+
+        def faulty_update(self, named_tensors):
+            state["buckets"] += 1
+            if planted(self) and fault == "skip-bucket" and state["buckets"] == 2:
+                print(f"[plant_refit_fault] publish {at}: bucket 2 dropped", flush=True)
+                return None
+            if planted(self) and fault == "skip-layer":
+                named_tensors = [(n, t) for n, t in _items(named_tensors) if ".layers.1." not in n]
+            return update(self, named_tensors)
+
+        engine_class.begin_weight_update, engine_class.update_weights = counting_begin, faulty_update
 
     def faulty_derive(self, prefix, kind):
         if planted(self) and fault == "skip-derived":
@@ -73,26 +78,9 @@ def main() -> None:
         config_from_run = EmbeddedKind.config_from_run
         EmbeddedKind.config_from_run = lambda self, *a, **kw: dataclasses.replace(config_from_run(self, *a, **kw),
                                                                                   quantization_config=None)
-    EmbeddedEngine.begin_weight_update, EmbeddedEngine.update_weights = counting_begin, faulty_update
+    plant_in_publish(EmbeddedEngine)
+    plant_in_publish(VLLMEngine)  # its trainer side: what is lost never reaches vLLM's pipe
     EmbeddedEngine.end_weight_update, EmbeddedEngine._dequantize_into_model = faulty_end, faulty_derive
-    if fault == "skip-bucket":  # the vLLM engine's trainer side loses the bucket before its pipe
-        from megatron_qarl.rollout.vllm_engine import VLLMEngine
-
-        vllm_begin, vllm_update = VLLMEngine.begin_weight_update, VLLMEngine.update_weights
-
-        def vllm_counting_begin(self):
-            state["publish"] += 1
-            state["buckets"] = 0
-            return vllm_begin(self)
-
-        def vllm_faulty_update(self, named_tensors):
-            state["buckets"] += 1
-            if planted(self) and state["buckets"] == 2:
-                print(f"[plant_refit_fault] publish {at}: bucket 2 dropped", flush=True)
-                return None
-            return vllm_update(self, named_tensors)
-
-        VLLMEngine.begin_weight_update, VLLMEngine.update_weights = vllm_counting_begin, vllm_faulty_update
     from megatron_qarl.cli import train_main
 
     sys.exit(train_main(sys.argv[3:]))
