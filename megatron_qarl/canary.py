@@ -160,18 +160,15 @@ def engine_canary_logprobs(engine, ids: torch.Tensor) -> tuple[torch.Tensor, flo
             from exc
 
 
-def max_over_world(values: list[float]) -> list[float]:
-    """COLLECTIVE (the world). Element-wise max of a few numbers (CPU tensors: any backend)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        from megatron_qarl.parallel import host_group
-
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=host_group())
-    return t.tolist()
+@dataclass(frozen=True)
+class RefitCanary:
+    """A run's canary: its bound and its tokens ([sequences, length], the same at every publish)."""
+    bound: CanaryBound
+    ids: torch.Tensor
 
 
-def run_canary_bound(cfg, hf_config) -> CanaryBound | None:
-    """The refit canary's bound for a run (a RunConfig), or None when it is off; says which once (logging rank)."""
+def run_canary(cfg, hf_config, tokenizer) -> RefitCanary | None:
+    """The refit canary of a run (a RunConfig), or None when it is off; says which once (logging rank)."""
     from megatron_qarl.quant.schemes import scheme_of
     from megatron_qarl.rollout.engines import engine_kind
 
@@ -189,7 +186,9 @@ def run_canary_bound(cfg, hf_config) -> CanaryBound | None:
     _say(f"[qarl] refit canary: {cfg.publish.canary_sequences} x {cfg.publish.canary_tokens} tokens after each of the "
          f"first {cfg.publish.canary_dense_publishes} publishes, then every {cfg.publish.canary_every}; bound "
          f"{bound.value:.3g} ({bound.why})")
-    return bound
+    multiple = cfg.parallel.pad_multiple
+    length = -(-cfg.publish.canary_tokens // multiple) * multiple  # sequence parallel splits the sequence over TP
+    return RefitCanary(bound, canary_sequences(tokenizer, hf_config.vocab_size, cfg.publish.canary_sequences, length))
 
 
 def _say(line: str) -> None:

@@ -361,6 +361,15 @@ def sum_over_ranks(partial: dict) -> dict:
     return total
 
 
+def max_over_ranks_host(values: list[float]) -> list[float]:
+    """COLLECTIVE. The element-wise largest of each rank's few floats, over the host group (gloo: no device
+    tensor, no NCCL communicator for a handful of numbers)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=host_group())
+    return t.tolist()
+
+
 def raise_if_any_rank_failed(error: BaseException | None, elsewhere: BaseException, *,
                              phase: str | None = None) -> None:
     """COLLECTIVE. Raise on every rank when any rank failed: this rank's own `error`, or `elsewhere` (which

@@ -101,7 +101,7 @@ class RunContext:
     step_row: tuple | None = None
     resumed_row: dict | None = None
     publishes: int = 0  # publishes this process made (the refit canary's schedule counts them)
-    canary: Any = None  # canary.CanaryBound of this run's engine and format (None: no canary; trainer.canary_of)
+    canary: Any = None  # canary.RefitCanary: this run's canary tokens and bound (None: off; canary.run_canary)
 
 
 def learner_config_overrides(cfg: RunConfig) -> dict:

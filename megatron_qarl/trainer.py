@@ -31,7 +31,7 @@ import torch.distributed as dist
 from megatron_qarl.config import RunConfig
 from megatron_qarl.errors import DivergenceError, RunStopped
 from megatron_qarl.parallel import (
-    destroy_distributed, dp_group, dp_rank, dp_size, error_summary, host_group, max_over_ranks,
+    destroy_distributed, dp_group, dp_rank, dp_size, error_summary, host_group, max_over_ranks, max_over_ranks_host,
     raise_if_any_rank_failed, sum_over_ranks, tp_size, wait_for_ranks,
 )
 from megatron_qarl.rl.advantages import group_normalized_advantages
@@ -73,7 +73,7 @@ def train(cfg: RunConfig) -> dict:
 
 
 def _train(cfg: RunConfig, held, stop) -> dict:
-    from megatron_qarl.canary import run_canary_bound
+    from megatron_qarl.canary import run_canary
     from megatron_qarl.evaluation import eval_due, evaluate
     from megatron_qarl.run_context import announce, build_run_context, start_engines
 
@@ -86,7 +86,7 @@ def _train(cfg: RunConfig, held, stop) -> dict:
         raise
     last: dict = {}
     step = ctx.start_step
-    ctx.canary = run_canary_bound(cfg, ctx.hf_config)  # announced once on the logging rank
+    ctx.canary = run_canary(cfg, ctx.hf_config, ctx.tokenizer)  # announced once on the logging rank
     try:
         with announce(f"starting {ctx.topology.engines} {cfg.rollout.engine} engine(s)"):
             start_engines(ctx)  # on GPUs the trainer has released
@@ -358,44 +358,40 @@ def publish_weights(ctx, when: str, canary: bool | None = None) -> dict:
     engine_wake(ctx, ("kv_cache",))
     ctx.publishes += 1
     if reference is not None:
-        metrics.update(refit_canary(ctx, *reference, when))
+        metrics.update(refit_canary(ctx, reference, when))
     return metrics
 
 
-@torch.no_grad()
-def canary_reference(ctx) -> tuple[torch.Tensor, torch.Tensor]:
-    """COLLECTIVE. The canary's tokens and the learner's log-probs of them, on the weights about to be published."""
-    from megatron_qarl.canary import canary_sequences, learner_canary_logprobs
+def canary_reference(ctx) -> torch.Tensor:
+    """COLLECTIVE. The learner's log-probs of the canary's tokens, on the weights about to be published."""
+    from megatron_qarl.canary import learner_canary_logprobs
 
-    p, multiple = ctx.cfg.publish, ctx.cfg.parallel.pad_multiple
-    length = -(-p.canary_tokens // multiple) * multiple  # sequence parallel splits the sequence over TP
-    ids = canary_sequences(ctx.tokenizer, ctx.hf_config.vocab_size, p.canary_sequences, length)
     device = next(ctx.model.parameters()).device
     with ctx.publisher.engine_values():  # the values the engine gets: its unquantized weights in bf16
-        return ids, learner_canary_logprobs(ctx.model, ids.to(device))
+        return learner_canary_logprobs(ctx.model, ctx.canary.ids.to(device))
 
 
-def refit_canary(ctx, ids: torch.Tensor, learner: torch.Tensor, when: str) -> dict:
+def refit_canary(ctx, learner: torch.Tensor, when: str) -> dict:
     """COLLECTIVE. Every leader's engine scores the canary and compares with the learner's log-probs; a breach on
     any leader ends the run on every rank (CanaryBreach), before a rollout samples from those weights."""
-    from megatron_qarl.canary import CanaryBreach, breach_line, compare, engine_canary_logprobs, max_over_world
+    from megatron_qarl.canary import CanaryBreach, breach_line, compare, engine_canary_logprobs
 
-    error, stats = None, [0.0, 0.0, 0.0, 0.0]
+    bound, error, stats = ctx.canary.bound, None, [0.0, 0.0, 0.0, 0.0]
     if ctx.engine is not None:
         try:
-            scored, seconds = engine_canary_logprobs(ctx.engine, ids)
-            gap = compare(scored, learner, ctx.canary)
-            if gap.breaches(ctx.canary):
+            scored, seconds = engine_canary_logprobs(ctx.engine, ctx.canary.ids)
+            gap = compare(scored, learner, bound)
+            if gap.breaches(bound):
                 raise CanaryBreach(breach_line(ctx.cfg.rollout.engine, ctx.topology.group_of(dist.get_rank()), when,
-                                               gap, ctx.canary))
+                                               gap, bound))
             stats = [gap.max, gap.mean, float(gap.over), seconds]
         except Exception as exc:  # every rank must hear of it
             error = exc
     raise_if_any_rank_failed(error, CanaryBreach(f"the refit canary failed {when} on another rollout group's "
                                                  "leader"), phase="the refit canary")
-    worst, mean, over, seconds = max_over_world(stats)
+    worst, mean, over, seconds = max_over_ranks_host(stats)
     return {"canary/max_gap": worst, "canary/mean_gap": mean, "canary/tokens_over_bound": over,
-            "canary/bound": ctx.canary.value, "time/canary_s": seconds}
+            "canary/bound": bound.value, "time/canary_s": seconds}
 
 
 # -- 2. old log-probs, routing telemetry ---------------------------------------------------------------

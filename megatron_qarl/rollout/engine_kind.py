@@ -32,6 +32,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from megatron_qarl.rollout.protocol import RolloutEngine
 
 if TYPE_CHECKING:
@@ -133,8 +135,6 @@ class EngineKind:
         """The coarsest rounding its kernels apply to a token's values that the aligned learner's fp32 forward does
         not (a torch dtype): what bounds the refit canary's gap (megatron_qarl/canary.py). Default bfloat16: a GPU
         server's GEMMs accumulate in fp32 and round every output to bf16."""
-        import torch
-
         return torch.bfloat16
 
     # ------------------------------------------------------------------ formats

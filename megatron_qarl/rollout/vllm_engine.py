@@ -505,8 +505,6 @@ class VLLMKind(EngineKind):
 
     def canary_dtype(self, cfg: Any):
         """Its compute dtype (rollout.vllm.dtype): an fp32 engine's GEMMs round nothing to bf16."""
-        import torch
-
         return getattr(torch, cfg.rollout.vllm.dtype)
 
     def shares_trainer_gpus(self, cfg: Any) -> bool:
