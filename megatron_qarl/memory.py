@@ -271,7 +271,7 @@ CUDA_CONTEXT = 0.5 * GIB        # per process per GPU: CUDA context + cuBLAS wor
 # names the communicators it is multiplied by.
 NCCL_PER_COMMUNICATOR = 128 * 2 ** 20
 ENGINE_ACTIVATIONS = 2.0 * GIB  # SGLang's forward outside mem_fraction_static (one chunked-prefill chunk,
-                                # the sampler's logits; CUDA graphs are off for W4A16, sglang_engine.py)
+                                # the sampler's logits; CUDA graphs are off for W4A16, sglang_refit.py)
 ALLOCATOR_RESERVE = 0.10        # the caching allocator's slack over variable-size allocations (activations,
                                 # logits, buckets): freed blocks stay reserved, split blocks waste
 MIN_FREE = 4.0 * GIB            # what every phase must leave free for FITS

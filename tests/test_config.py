@@ -250,7 +250,7 @@ def test_synthetic_task_options_compose_the_generator_config():
 
 
 def test_sglang_engine_config_from_run(monkeypatch):
-    from megatron_qarl.rollout.sglang_engine import SGLangEngineConfig
+    from megatron_qarl.rollout.sglang_engine_config import SGLangEngineConfig
 
     cfg = load_config(ROOT / "configs" / "qwen3_30b_a3b_qarl_w4a16_tbpo.yaml",
                       ["rollout.sglang.model_path=/ckpt/qwen3-30b-a3b-w4a16", "rollout.sglang.ep_size=2",

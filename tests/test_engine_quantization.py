@@ -122,7 +122,8 @@ def test_an_embedded_engine_started_from_another_group_size_is_refused(cfg, tmp_
 
 
 def test_an_sglang_server_is_read_back_from_the_checkpoint_it_loaded(cfg, tmp_path):
-    from megatron_qarl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from megatron_qarl.rollout.sglang_client import SGLangEngine
+    from megatron_qarl.rollout.sglang_engine_config import SGLangEngineConfig
 
     path = export(cfg, tmp_path, QuantConfig(scheme="w4a16", scope="experts+attention"))
     engine = SGLangEngine(SGLangEngineConfig(model_path=str(path), quant_scheme="w4a16"), start=False)

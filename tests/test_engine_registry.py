@@ -46,7 +46,7 @@ def test_the_registry_lists_one_kind_per_module():
 
 @pytest.mark.parametrize("name", ["embedded", "sglang", "vllm"])
 def test_every_kind_builds_its_engine_config_from_a_tiny_run_config(name, tmp_path, monkeypatch):
-    from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
+    from megatron_qarl.models.registry import resolve_hf_config
 
     for var in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(var, raising=False)
@@ -340,7 +340,7 @@ def _literals(node: ast.AST) -> list[str]:
 
 def engine_switches(path: Path, root: Path = ROOT) -> list[str]:
     """`file:line` of every comparison with an engine name (`engine == "sglang"`, `engine in ("vllm", ...)`) and of
-    every import of an engine module (rollout.embedded / sglang_engine / vllm_engine) in `path`."""
+    every import of an engine module (rollout.embedded / sglang_kind / vllm_engine) in `path`."""
     names = set(engine_names())
     tree = ast.parse(path.read_text(), str(path))
     out = []
@@ -373,7 +373,7 @@ def test_nothing_outside_rollout_switches_on_an_engine_name_or_imports_an_engine
 def test_the_engine_grep_bites(tmp_path):
     src = tmp_path / "caller.py"
     src.write_text('"""About sglang."""\n'
-                   'from megatron_qarl.rollout.sglang_engine import SGLangEngine\n'
+                   'from megatron_qarl.rollout.sglang_kind import SGLangKind\n'
                    'from megatron_qarl.rollout import vllm_engine\n'
                    'import megatron_qarl.rollout.embedded\n'
                    'from megatron_qarl.rollout.engines import engine_kind\n'
@@ -381,7 +381,7 @@ def test_the_engine_grep_bites(tmp_path):
                    '    if cfg.rollout.engine == "sglang" or cfg.rollout.engine in ("embedded", "vllm"):\n'
                    '        return "vllm"\n')
     assert engine_switches(src, root=tmp_path) == [
-        "caller.py:2: imports megatron_qarl.rollout.sglang_engine",
+        "caller.py:2: imports megatron_qarl.rollout.sglang_kind",
         "caller.py:3: imports megatron_qarl.rollout.vllm_engine",
         "caller.py:4: imports megatron_qarl.rollout.embedded",
         "caller.py:7: compares with sglang",

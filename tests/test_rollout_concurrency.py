@@ -166,7 +166,7 @@ def test_a_request_that_shares_its_engine_with_others_in_flight_gets_their_share
     scales with them, else a busy engine's queued requests would time out and restart from nothing."""
     from megatron_qarl.config import load_config
     from megatron_qarl.rollout.dispatch import shared_request_timeout_s
-    from megatron_qarl.rollout.sglang_engine import SGLangEngineConfig
+    from megatron_qarl.rollout.sglang_engine_config import SGLangEngineConfig
 
     assert shared_request_timeout_s(1800, 32, 16) == 1800 * 16  # all 16 of the step's requests in flight
     assert shared_request_timeout_s(1800, 4, 16) == 1800 * 4

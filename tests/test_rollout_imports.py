@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-ENGINES = ("megatron_qarl.rollout.embedded", "megatron_qarl.rollout.sglang_engine", "megatron_qarl.rollout.gpu_check")
+ENGINES = ("megatron_qarl.rollout.embedded", "megatron_qarl.rollout.sglang_kind", "megatron_qarl.rollout.sglang_client",
+           "megatron_qarl.rollout.sglang_launch", "megatron_qarl.rollout.gpu_check")
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,24 +13,18 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_qarl.models.family import MoEGeometry
 from megatron_qarl.rollout.payload import FlattenedBucket
 from megatron_qarl.rollout.protocol import RolloutEngineError, SamplingParams
-from megatron_qarl.rollout.sglang_engine import (
-    EngineCrashedError,
-    EngineTimeoutError,
-    SGLangEngine,
-    SGLangEngineConfig,
-    SGLangUnavailableError,
-    broadcast_bytes,
-    check_refit_backend,
-    default_master_address,
-    generate_payload,
-    parse_generate_output,
-    parse_score_output,
-    score_payload,
-    scrubbed_environ,
-    sglang_engine_kwargs,
-    sglang_server_command,
+from megatron_qarl.rollout.sglang_client import EngineCrashedError, EngineTimeoutError, SGLangEngine
+from megatron_qarl.rollout.sglang_compat import SGLangUnavailableError
+from megatron_qarl.rollout.sglang_engine_config import SGLangEngineConfig
+from megatron_qarl.rollout.sglang_launch import (
+    default_master_address, scrubbed_environ, sglang_engine_kwargs, sglang_server_command,
+)
+from megatron_qarl.rollout.sglang_refit import check_refit_backend
+from megatron_qarl.rollout.sglang_wire import (
+    broadcast_bytes, generate_payload, parse_generate_output, parse_score_output, score_payload,
 )
 
 FAKE_SERVER = textwrap.dedent('''
@@ -199,7 +193,7 @@ def test_scrubbed_environ_keeps_cuda_visible_devices():
 def test_server_command_flags():
     cmd = sglang_server_command(SGLangEngineConfig(
         model_path="/m", tp_size=2, base_gpu_id=4, quant_scheme="w4a16", return_routed_experts=True,
-        route_layers=48, route_topk=8, memory_saver=True, deterministic_inference=True), 30001, "/run/key.yaml")
+        route_geometry=MoEGeometry(num_layers=48, topk=8, num_experts=128), memory_saver=True, deterministic_inference=True), 30001, "/run/key.yaml")
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
 
     def arg(flag):
@@ -248,7 +242,7 @@ def test_w4a16_moe_backend_is_pinned_to_marlin_and_unsafe_ones_refused():
 
 
 def test_routes_need_their_geometry_at_construction():
-    with pytest.raises(ValueError, match="route_layers and route_topk"):
+    with pytest.raises(ValueError, match="return_routed_experts needs route_geometry"):
         SGLangEngineConfig(model_path="/m", return_routed_experts=True)
 
 
@@ -270,7 +264,7 @@ def test_from_run_places_each_rollout_group(tmp_path, monkeypatch):
     assert (e1.base_gpu_id, e1.request_timeout_s, e1.deterministic_inference) == (2, 77, True)
     assert (e1.master_address, e1.master_port, e1.group_name) == ("10.0.0.9", 29601, "qarl_weights_1")
     assert e1.log_path == str(tmp_path / "sglang_engine1.log")
-    assert (e1.route_layers, e1.route_topk) == (2, 2)  # the tiny preset's num_hidden_layers / num_experts_per_tok
+    assert (e1.route_geometry.engine_layers, e1.route_geometry.topk) == (2, 2)  # the tiny preset's num_hidden_layers / num_experts_per_tok
     assert e1.memory_saver is False
     e0 = SGLangEngineConfig.from_run(cfg, group=0, environ=key)
     assert (e0.url, e0.master_port) == ("http://n0:30000", 29600)
@@ -626,7 +620,7 @@ def test_non_loopback_host_needs_the_opt_in_and_warns(fake, caplog):
     with pytest.raises(ValueError, match="allow_remote_host"):
         SGLangEngineConfig(model_path="/m", host="0.0.0.0")
     make, _ = fake
-    with caplog.at_level("WARNING", logger="megatron_qarl.rollout.sglang_engine"):
+    with caplog.at_level("WARNING", logger="megatron_qarl.rollout.sglang_client"):
         make(host="0.0.0.0", allow_remote_host=True)
     assert any("0.0.0.0" in r.getMessage() and "network" in r.getMessage() for r in caplog.records)
 
@@ -644,7 +638,8 @@ def test_dense_layer_rows_are_dropped_before_the_routes_are_checked(monkeypatch)
     cfg = load_config(None, ["model.preset=tiny-deepseek-v3", "rollout.engine=sglang", "rollout.sglang.model_path=/m",
                              "train.routing_replay=replay"])
     e = SGLangEngineConfig.from_run(cfg, environ={})
-    assert (e.route_layers, e.route_topk, e.route_moe_layers) == (3, 2, (1, 2))
+    assert e.route_geometry == geometry
+    assert (e.route_geometry.engine_layers, e.route_geometry.topk, e.route_geometry.moe_layers) == (3, 2, (1, 2))
 
     prompt_len, response = 3, 2
     moe = np.stack([np.arange(4) % 8, (np.arange(4) + 3) % 8], axis=-1).astype(np.int32)  # [positions, topk]
@@ -653,17 +648,16 @@ def test_dense_layer_rows_are_dropped_before_the_routes_are_checked(monkeypatch)
     out = {"meta_info": {"output_token_logprobs": [[-1.0, 5, None], [-2.0, 6, None]],
                          "finish_reason": {"type": "length"},
                          "routed_experts": base64.b64encode(wire.tobytes()).decode()}}
-    r = parse_generate_output(out, 0, prompt_len, e.route_layers, e.route_topk, e.route_moe_layers)
+    r = parse_generate_output(out, 0, prompt_len, geometry.engine_layers, geometry.topk, geometry.moe_layers)
     assert r.routed_experts.shape == (4, 2, 2)
     assert torch.equal(r.routed_experts.long(), torch.from_numpy(wire[:, 1:]).long())
     assert torch.equal(geometry.moe_rows(torch.from_numpy(wire)), torch.from_numpy(wire[:, 1:]))
     check_routes(r.routed_experts, rows=4, **{k: getattr(geometry, k) for k in ("num_layers", "topk", "num_experts")})
     with pytest.raises(RouteLayoutError, match="same expert twice"):  # what keeping the dense row would do
         check_routes(torch.from_numpy(wire[:, :2]), rows=4, num_layers=2, topk=2, num_experts=8)
-    with pytest.raises(ValueError, match="route_moe_layers"):
-        SGLangEngineConfig(model_path="/m", return_routed_experts=True, route_layers=3, route_topk=2,
-                           route_moe_layers=(1, 3))
+    with pytest.raises(ValueError, match="moe_layer_indices"):  # rows outside the 3 layers SGLang returns
+        MoEGeometry(num_layers=2, topk=2, num_experts=8, moe_layer_indices=(1, 3), num_hidden_layers=3)
     # Qwen3-MoE (every layer routes): nothing dropped
     q = SGLangEngineConfig.from_run(load_config(None, ["rollout.engine=sglang", "rollout.sglang.model_path=/m",
                                                        "train.routing_replay=replay"]), environ={})
-    assert (q.route_layers, q.route_moe_layers) == (2, None)
+    assert (q.route_geometry.engine_layers, q.route_geometry.moe_layer_indices) == (2, ())

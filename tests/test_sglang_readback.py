@@ -15,7 +15,8 @@ from megatron_qarl.quant import QuantConfig
 from megatron_qarl.quant.engine_layout import engine_named_tensors
 from megatron_qarl.quant.marlin import sglang_marlin_moe_state
 from megatron_qarl.rollout.engines import engine_kind
-from megatron_qarl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+from megatron_qarl.rollout.sglang_client import SGLangEngine
+from megatron_qarl.rollout.sglang_engine_config import SGLangEngineConfig
 from megatron_qarl.rollout.sglang_readback import gpu_tensor_hash, sglang_tensor_hash
 from megatron_qarl.weights.publish import WeightPublisher
 from megatron_qarl.weights.publish_errors import PublishVerificationError

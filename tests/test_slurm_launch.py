@@ -267,7 +267,8 @@ def test_colocated_two_nodes(cluster):
 def _expected_server_argv(cluster, group: int, base_gpu_id: int, port: int, key_file: str) -> list[str]:
     """What the trainer would launch for the same config: sglang_server_command(SGLangEngineConfig.from_run)."""
     from megatron_qarl.config import load_config
-    from megatron_qarl.rollout.sglang_engine import SGLangEngineConfig, sglang_server_command
+    from megatron_qarl.rollout.sglang_engine_config import SGLangEngineConfig
+    from megatron_qarl.rollout.sglang_launch import sglang_server_command
 
     urls = ",".join(f"http://{NODES[1]}:{30000 + i}" for i in range(2))
     cfg = load_config(ROOT / CONFIG, OVERRIDES + [

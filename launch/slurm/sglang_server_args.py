@@ -2,8 +2,8 @@
 
 qarl_multinode.sbatch runs this on every engine node in separate mode (``SGLANG_MODE=separate``): the servers it
 starts get exactly the arguments the trainer gives its own servers for the same config and overrides
-(``SGLangEngineConfig.from_run`` + ``sglang_server_command`` in megatron_qarl/rollout/sglang_engine.py: MoE runner,
-CUDA graphs, routed experts, ``rollout.sglang.*``), bound to ``--host:--port``, with the API key in ``--key-file``
+(``SGLangEngineConfig.from_run`` + ``sglang_server_command``, megatron_qarl/rollout/sglang_engine_config.py and
+sglang_launch.py: MoE runner, CUDA graphs, routed experts, ``rollout.sglang.*``), bound to ``--host:--port``, with the API key in ``--key-file``
 (a 0600 YAML ``api-key: "<key>"`` passed as SGLang's ``--config``, never on the command line).
 
     python launch/slurm/sglang_server_args.py --config C --group G --host ADDR --port P [--base-gpu-id B]
@@ -38,7 +38,8 @@ def server_command(argv: list[str] | None = None) -> list[str]:
     args = p.parse_args(argv)
 
     from megatron_qarl.config import load_config
-    from megatron_qarl.rollout.sglang_engine import SGLangEngineConfig, sglang_server_command
+    from megatron_qarl.rollout.sglang_engine_config import SGLangEngineConfig
+    from megatron_qarl.rollout.sglang_launch import sglang_server_command
 
     cfg = load_config(args.config, args.overrides)
     engine = SGLangEngineConfig.from_run(cfg, group=args.group, base_gpu_id=args.base_gpu_id,

@@ -2,8 +2,9 @@
 
 Rooms: ``protocol`` (value types + the RolloutEngine protocol), ``payload`` (the weight buckets engines
 receive), ``engine_kind`` (the EngineKind seam each engine implements), ``engines`` (the registry:
-``engine_kind``, ``make_engine``), ``sglang_compat`` (every ``sglang`` import), and the engines ``embedded`` /
-``sglang_engine`` / ``vllm_engine`` plus ``gpu_check``. Engine modules import their heavy dependencies lazily and
+``engine_kind``, ``make_engine``), ``sglang_compat`` (every ``sglang`` import), and the engines ``embedded``,
+SGLang (``sglang_kind``, over ``sglang_config`` / ``sglang_refit`` / ``sglang_engine_config`` / ``sglang_launch`` /
+``sglang_wire`` / ``sglang_client``) and vLLM (``vllm_engine``, ``vllm_config``, ``vllm_server``) plus ``gpu_check``. Engine modules import their heavy dependencies lazily and
 are not imported here: outside rollout/ ask the registry (``engines.engine_kind`` / ``make_engine``).
 """
 

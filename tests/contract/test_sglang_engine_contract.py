@@ -1,4 +1,4 @@
-"""Contract: what megatron_qarl.rollout.sglang_engine sends SGLang 0.5.23 is accepted and read back by
+"""Contract: what the SGLang engine (megatron_qarl.rollout.sglang_*) sends SGLang 0.5.23 is accepted and read back by
 SGLang's OWN Python code (CPU; the engine itself cannot start without a GPU):
 
 * the 30B configs' server argv -> ``ServerArgs.add_cli_args`` / ``from_cli_args`` (server_args.py:351, 446);
@@ -40,17 +40,15 @@ from megatron_qarl.quant.engine_layout import is_expert_engine_name  # noqa: E40
 from megatron_qarl.rollout.payload import FlattenedBucket, iter_buckets  # noqa: E402
 from megatron_qarl.rollout.protocol import SamplingParams  # noqa: E402
 from megatron_qarl.rollout.sglang_compat import sglang_bucket_dict  # noqa: E402
-from megatron_qarl.rollout.sglang_engine import (  # noqa: E402
-    SGLangEngineConfig,
+from megatron_qarl.rollout.sglang_engine_config import SGLangEngineConfig  # noqa: E402
+from megatron_qarl.rollout.sglang_launch import sglang_engine_kwargs, sglang_server_command, write_key_file  # noqa: E402
+from megatron_qarl.rollout.sglang_wire import (  # noqa: E402
     broadcast_bytes,
     distributed_update_payload,
     generate_payload,
     parse_generate_output,
     parse_score_output,
     score_payload,
-    sglang_engine_kwargs,
-    sglang_server_command,
-    write_key_file,
 )
 from sglang_stubs import sglang_runtime  # noqa: E402,F401 - the fixture
 
