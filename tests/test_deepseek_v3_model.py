@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 from deepseek_v3_layout import hf_grads, random_hf_state  # noqa: E402 - the seeded random checkpoint the layouts use
 
 from megatron_qarl.models.deepseek_v3 import (
-    FAMILY, PRESETS, UnsupportedModelError, config_from_preset, tiny_hf_config, transformer_config_from_hf,
+    FAMILY, PRESETS, UnsupportedModelError, tiny_hf_config, transformer_config_from_hf,
 )
 from megatron_qarl.models.deepseek_v3 import state_dict_adapter as adapter
-from megatron_qarl.models.deepseek_v3.args import ModelShape, param_groups, read_hf_config
+from megatron_qarl.models.deepseek_v3.args import ModelShape
 from megatron_qarl.models.family import ParamLayout, WeightMappingError
 from megatron_qarl.parallel import ParallelLayout
 
@@ -36,7 +36,7 @@ Q_LORA = 96  # the tiny preset with a q_lora_rank: DeepSeek-V3 proper's q_a_proj
 # ------------------------------------------------------------------------------------------- presets, config
 
 def test_moonlight_preset_carries_the_published_numbers():
-    cfg = config_from_preset("moonlight-16b-a3b")
+    cfg = FAMILY.config_from_preset("moonlight-16b-a3b")
     assert cfg.model_type == "deepseek_v3"
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.first_k_dense_replace, cfg.n_routed_experts,
             cfg.n_shared_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.intermediate_size) == (
@@ -54,7 +54,7 @@ def test_moonlight_preset_carries_the_published_numbers():
     assert again.topk_method == "noaux_tc" and again.q_lora_rank is None and again.n_routed_experts == 64
     assert set(PRESETS) == {"moonlight-16b-a3b", "tiny-deepseek-v3"}
     with pytest.raises(ValueError, match="unknown DeepSeek-V3 preset"):
-        config_from_preset("deepseek-v3-671b")
+        FAMILY.config_from_preset("deepseek-v3-671b")
 
 
 def test_tiny_preset_has_group_limited_routing_and_a_dense_first_layer():
@@ -67,7 +67,7 @@ def test_tiny_preset_has_group_limited_routing_and_a_dense_first_layer():
 
 
 def test_transformer_config_fields():
-    tc = transformer_config_from_hf(config_from_preset("moonlight-16b-a3b"), ParallelLayout(tp=2, ep=2))
+    tc = transformer_config_from_hf(FAMILY.config_from_preset("moonlight-16b-a3b"), ParallelLayout(tp=2, ep=2))
     assert tc.multi_latent_attention and tc.q_lora_rank is None and tc.kv_lora_rank == 512
     assert (tc.qk_head_dim, tc.qk_pos_emb_head_dim, tc.v_head_dim, tc.kv_channels) == (128, 64, 128, 128)
     assert tc.rope_type == "rope" and tc.rotary_base == 50000 and tc.rotary_scaling_factor == 1.0
@@ -108,7 +108,7 @@ def test_layout_that_does_not_divide_lists_every_problem():
                     "vocab_size=128", "intermediate_size=512", "n_routed_experts=8 is not divisible by EP=3",
                     "moe_intermediate_size=128 is not divisible by ETP=3", "(shared experts)"):
         assert problem in message, (problem, message)
-    FAMILY.check_divisibility(config_from_preset("moonlight-16b-a3b"), 8, 8, 1)  # fits: no error
+    FAMILY.check_divisibility(FAMILY.config_from_preset("moonlight-16b-a3b"), 8, 8, 1)  # fits: no error
 
 
 def test_read_hf_config_takes_moonlight_json_and_refuses_other_models(tmp_path):
@@ -116,19 +116,20 @@ def test_read_hf_config_takes_moonlight_json_and_refuses_other_models(tmp_path):
             "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}, "seq_aux": True,
             "aux_loss_alpha": 0.001, "moe_layer_freq": 1, "ep_size": 1}
     (tmp_path / "config.json").write_text(json.dumps(moon))
-    cfg = read_hf_config(tmp_path)
+    cfg = FAMILY.read_hf_config(tmp_path)
     assert cfg.n_routed_experts == 64 and cfg.q_lora_rank is None and cfg.topk_method == "noaux_tc"
     assert FAMILY.adapter.hf_to_mcore is adapter.hf_to_mcore and FAMILY.moe_geometry(cfg).num_layers == 26
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v2",
                                                       "architectures": ["DeepseekV2ForCausalLM"]}))
     with pytest.raises(UnsupportedModelError, match="deepseek_v2"):
-        read_hf_config(tmp_path)
+        FAMILY.read_hf_config(tmp_path)
     with pytest.raises(UnsupportedModelError, match="qwen3_moe"):
         FAMILY.config_from_dict({"model_type": "qwen3_moe"})
 
 
 def test_moe_geometry_counts_only_the_routed_layers():
-    tiny, moon = FAMILY.moe_geometry(tiny_hf_config()), FAMILY.moe_geometry(config_from_preset("moonlight-16b-a3b"))
+    moonlight = FAMILY.config_from_preset("moonlight-16b-a3b")
+    tiny, moon = FAMILY.moe_geometry(tiny_hf_config()), FAMILY.moe_geometry(moonlight)
     assert (tiny.num_layers, tiny.topk, tiny.num_experts) == (2, 2, 8)
     assert (moon.num_layers, moon.topk, moon.num_experts) == (26, 6, 64)
 
@@ -165,10 +166,10 @@ def _hf_counts_by_group(model) -> dict[str, int]:
 def test_param_groups_equal_transformers_parameters(preset, overrides):
     from transformers import DeepseekV3ForCausalLM
 
-    cfg = config_from_preset(preset, **overrides)
+    cfg = FAMILY.config_from_preset(preset, **overrides)
     with torch.device("meta"):  # Moonlight's 16B parameters as shapes only
         model = DeepseekV3ForCausalLM(cfg)
-    groups = param_groups(ModelShape.from_hf(cfg))
+    groups = ModelShape.from_hf(cfg).param_groups()
     assert {k: getattr(groups, k) for k in _hf_counts_by_group(model)} == _hf_counts_by_group(model)
     if preset == "moonlight-16b-a3b":
         counts = FAMILY.parameter_counts(cfg)
@@ -185,7 +186,7 @@ def test_param_groups_equal_transformers_parameters(preset, overrides):
 
 
 def test_shape_maps_mla_onto_the_generic_names():
-    shape = FAMILY.shape(config_from_preset("moonlight-16b-a3b"))
+    shape = FAMILY.shape(FAMILY.config_from_preset("moonlight-16b-a3b"))
     assert (shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim) == (16, 16, 192)
     assert shape.dense_layers == (0,) and shape.moe_layers == 26 and shape.mla_kv_cache_dim == 576
     assert FAMILY.shape(PRESETS["tiny-deepseek-v3"] | {"rope_parameters": {"rope_type": "default",
@@ -314,7 +315,7 @@ def test_fused_linear_groups_are_the_gated_fc1_pairs():
 
 
 def test_quantized_dims_follow_the_local_spec_split():
-    shape = FAMILY.shape(config_from_preset("moonlight-16b-a3b"))
+    shape = FAMILY.shape(FAMILY.config_from_preset("moonlight-16b-a3b"))
     dims = {(d.linears, d.dim): d for d in FAMILY.quantized_dims(shape, ("experts", "attention", "dense_mlp"), 2, 1)}
     assert dims[("self_attn.q_proj", "output dim (heads*q_head_dim)")].parts == 2
     assert dims[("self_attn.o_proj", "input dim (heads*v_head_dim)")].size == 2048

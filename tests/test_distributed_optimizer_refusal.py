@@ -38,7 +38,7 @@ def _learner(use_distributed_optimizer: bool):
 
     from megatron_qarl.config import ModelConfig, OptimConfig
     from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model
-    from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
+    from megatron_qarl.models.registry import resolve_hf_config
     from megatron_qarl.optim import build_optimizer
 
     saver = RecordingSaver()

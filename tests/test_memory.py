@@ -6,11 +6,12 @@ import torch
 from megatron_qarl.cli import format_dry_run
 from megatron_qarl.config import load_config
 from megatron_qarl.memory import estimate_memory
-from megatron_qarl.models.qwen3_moe.args import ModelShape, parameter_counts, resolve_hf_config
+from megatron_qarl.models.qwen3_moe import FAMILY
+from megatron_qarl.models.registry import resolve_hf_config
 
 
 def count_params(hf) -> dict[str, int]:
-    counts = parameter_counts(hf)
+    counts = FAMILY.parameter_counts(hf)
     return {"total": counts["total"], "active": counts["active"]}
 
 
@@ -69,7 +70,7 @@ def test_qwen3_30b_a3b_known_totals():
 
 def test_presets_resolve_to_the_same_shapes():
     tiny = model_shape(load_config(None, ["model.preset=tiny"]).model)
-    assert ModelShape.from_hf(tiny) == ModelShape.from_hf(TINY)
+    assert FAMILY.shape(tiny) == FAMILY.shape(TINY)
     big = model_shape(load_config(None, ["model.preset=qwen3-30b-a3b"]).model)
     assert count_params(big)["total"] == Q30_TOTAL
 

@@ -87,7 +87,7 @@ def _tiny_optimizer(name: str):
 
     from megatron_qarl.config import OptimConfig
     from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model
-    from megatron_qarl.models.qwen3_moe.args import resolve_hf_config
+    from megatron_qarl.models.registry import resolve_hf_config
     from megatron_qarl.config import ModelConfig
     from megatron_qarl.optim import build_optimizer
     from megatron_qarl.parallel import init_distributed

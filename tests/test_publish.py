@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 from publish_common import (  # noqa: E402
     SCHEMES, RecordingEngine, build_model, mismatches, offline_engine_tensors, train_steps, write_engine_checkpoint)
 
-from megatron_qarl.models.qwen3_moe import preset_hf_config, tiny_hf_config  # noqa: E402
+from megatron_qarl.models.qwen3_moe import tiny_hf_config  # noqa: E402
+from megatron_qarl.models.registry import preset_hf_config  # noqa: E402
 from megatron_qarl.parallel import ParallelLayout  # noqa: E402
 from megatron_qarl.quant import QuantConfig, pack_int4_groupwise  # noqa: E402
 from megatron_qarl.models.aligned import apply_aligned_quantization  # noqa: E402

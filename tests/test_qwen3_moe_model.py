@@ -4,14 +4,13 @@ import pytest
 import torch
 
 from megatron_qarl.models.qwen3_moe import (
-    PRESETS, UnsupportedModelError, hf_rope_theta, parameter_counts, preset_hf_config, tiny_hf_config,
-    transformer_config_from_hf,
+    FAMILY, PRESETS, UnsupportedModelError, hf_rope_theta, tiny_hf_config, transformer_config_from_hf,
 )
 from megatron_qarl.parallel import ParallelLayout
 
 
 def test_30b_a3b_parameter_counts_from_real_shapes():
-    counts = parameter_counts(preset_hf_config("qwen3-30b-a3b"))
+    counts = FAMILY.parameter_counts(FAMILY.config_from_preset("qwen3-30b-a3b"))
     # Hand-derived: per layer attention 2048*(4096+512+512) + 4096*2048 + 2*128 = 18,874,624;
     # router 128*2048; norms 2*2048; experts 128 * 3*768*2048 = 603,979,776; 48 layers;
     # embed + lm_head 2*151936*2048 + final norm 2048.
@@ -25,7 +24,7 @@ def test_30b_a3b_parameter_counts_from_real_shapes():
 
 
 def test_presets_carry_the_published_numbers():
-    cfg = preset_hf_config("qwen3-30b-a3b")
+    cfg = FAMILY.config_from_preset("qwen3-30b-a3b")
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
             cfg.vocab_size, cfg.max_position_embeddings, cfg.intermediate_size) == (
@@ -34,7 +33,7 @@ def test_presets_carry_the_published_numbers():
     tiny = tiny_hf_config(num_hidden_layers=3)
     assert tiny.num_hidden_layers == 3 and tiny.hidden_size == 256 and tiny.num_experts == 8
     with pytest.raises(ValueError, match="unknown Qwen3-MoE preset"):
-        preset_hf_config("qwen3-7b")
+        FAMILY.config_from_preset("qwen3-7b")
     assert set(PRESETS) == {"qwen3-30b-a3b", "tiny"}
 
 

@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 from aligned_common import hf_model, seeded_hf_state, w4a16_dequantized_state  # noqa: E402
 
 from megatron_qarl.models.logprobs import token_logprobs  # noqa: E402
-from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, preset_hf_config, tiny_hf_config  # noqa: E402
+from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config  # noqa: E402
+from megatron_qarl.models.registry import preset_hf_config  # noqa: E402
 from megatron_qarl.moe.replay import (  # noqa: E402
     RouteGeometry, RouteLayoutError, check_replay_fits, pack_routes, replay_routing, route_bytes_per_token,
     router_token_order, sampler_routed_mask)

@@ -13,6 +13,8 @@ what is never quantized: router, norms, embeddings, lm_head), which linears an e
 """
 from __future__ import annotations
 
+import copy
+import importlib
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,6 +34,17 @@ def config_json_model_type(cfg_file: Path) -> tuple[Any, Any]:
     if not isinstance(raw, dict):
         raise CheckpointError(f"cannot parse {cfg_file}: the top level is a {type(raw).__name__}, not an object")
     return raw.get("model_type"), raw.get("architectures")
+
+
+def imported_class(module: str, name: str) -> Callable[[], type]:
+    """A function that imports `module` and returns its class `name` when called: a family's transformers classes,
+    imported only by what uses them (transformers imports slowly, and every run imports the family modules)."""
+
+    def load() -> type:
+        return getattr(importlib.import_module(module), name)
+
+    load.__qualname__ = f"imported_class({module!r}, {name!r})"
+    return load
 
 
 class UnsupportedModelError(ValueError):
@@ -103,72 +116,147 @@ class MoEGeometry:
         return routes[:, list(self.moe_layers)]
 
 
-@dataclass(frozen=True)
-class QuantizedDim:
-    """One dimension of a quantized linear's weight, as the shard checks ask it: is it split, over which axis,
-    and is it the input dim K (group-wise scales run along K)."""
-
-    linears: str  # HF names, for the message: "mlp.experts.*.down_proj"
-    dim: str  # "input dim (moe_intermediate_size)"
-    size: int
-    parts: int  # how many ranks split it
-    axis: str  # "TP" | "ETP"
-    along_k: bool
-
-
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: one object per family
 class ModelFamily:
-    """One model architecture. Every field is a plain value or function; see models/qwen3_moe for one."""
+    """One model architecture, declared: its names, presets, shape, naming, build and transformers classes. Every
+    other answer is a method derived from those (see models/qwen3_moe/__init__.py for one)."""
 
     model_type: str  # config.json's model_type
     architecture: str  # config.json's architectures[0] (the transformers class)
     presets: Mapping[str, Mapping[str, Any]]  # named HF config arguments (no download)
-
-    # config: HF configs from presets, files and dicts; refusals of what the build does not implement
-    config_from_preset: Callable[..., Any]  # (name, **overrides) -> HF config
-    config_from_dict: Callable[[Mapping[str, Any]], Any]
-    read_hf_config: Callable[[Any], Any]  # an HF model directory -> its HF config (checked)
-    check_divisibility: Callable[[Any, int, int, int], None]  # (hf_config, tp, ep, etp); ValueError
-    shape: Callable[[Any], Any]  # hf_config (or dict) -> its ModelShape (memory model, dry run, checks)
-    param_groups: Callable[..., Any]  # (shape, experts_per_layer=None) -> ParamGroups
-    quantized_dims: Callable[[Any, tuple[str, ...], int, int], list[QuantizedDim]]  # (shape, groups, tp, etp)
-
-    # the megatron build: (hf_config, layout=None, *, params_dtype, use_te, core_attention, ...) -> GPTModel
-    build_model: Callable[..., Any]
-
+    # its models.moe_shape.MoEShape subclass: the numbers (and their answers) the memory model, the dry run and the
+    # config checks read; `shape(hf_config)` is one
+    shape_class: type
     # THE naming, HF <-> megatron, both ways from one table (hf_to_mcore, mcore_to_hf, to_hf, from_hf,
     # hf_names, expected_hf_shapes, expected_mcore_shapes, validate_state, hf_linear_name, hf_state_from_model,
-    # transformers_tensor, load_hf_state_into_model, WeightMappingError)
+    # transformers_tensor, load_hf_state_into_model, param_layout, linear_group, fused_linear_group,
+    # compressed_tensors_ignore, and engine_load_group where an engine loads some names together)
     adapter: ModuleType
-
-    param_layout: Callable[[str], ParamLayout]  # full megatron parameter name -> its split
-    linear_group: Callable[[str], str | None]  # HF linear name (with or without .weight) -> quant group
-    fused_linear_group: Callable[[str], tuple[str, tuple[str, ...]] | None]
-    compressed_tensors_ignore: Callable[[tuple[str, ...]], list[str]]  # groups quantized -> ignore list
-    # engine tensor name -> every engine name that must arrive in the same update call (an engine's load_weights
-    # fuses them within one call: DeepSeek-V3's q_a_proj + kv_a_proj_with_mqa in SGLang), None for the others
-    engine_load_group: Callable[[str], tuple[str, ...] | None]
-
-    moe_geometry: Callable[[Any], MoEGeometry]
-
-    # the embedded engine: the transformers model class, its router module class, and the selected expert ids
-    # out of that router's forward output
+    # the megatron build: (hf_config, layout=None, *, params_dtype, use_te, core_attention, ...) -> GPTModel
+    build_model: Callable[..., Any]
+    # the transformers classes, imported when asked: the config, the model (the embedded engine's, the tests'
+    # reference) and its router module (whose forward output gives the embedded engine the selected experts)
+    config_class: Callable[[], type]
     causal_lm_class: Callable[[], type]
     router_class: Callable[[], type]
-    routed_experts_of: Callable[[Any], Any]
 
-    # the memory model (memory.py) and the config checks (config.py, probe.py): where attentions differ
-    kv_cache_bytes_per_token: Callable[[Any, int], float]  # (shape, engine_tp) -> bf16 KV cache bytes of one token,
-    #   every layer, on one engine GPU (GQA: K and V of the local KV heads; MLA: the replicated latent)
-    attention_activation_values: Callable[[Any], int]  # shape -> values one layer's attention saves per token for
-    #   its backward, before the TP / sequence-parallel split (layernorm in/out, projections, core attention io)
-    tp_replicated_params: Callable[[Any], Mapping[str, int]]  # shape -> {group: params of it NOT split over TP}
-    #   (never quantized: the aligned forward wraps only megatron's TP-split linears)
-    never_quantized_params: Callable[[Any], Mapping[str, int]]  # shape -> {group: TP-split params of it that no
-    #   scope quantizes (MLA's kv_b_proj, which SGLang needs bf16)}: the memory model's quantized count is a
-    #   group's params less these and the replicated ones
-    fused_qkv_head_dim: Callable[[Any], int | None]  # shape -> the head width of megatron's fused linear_qkv (q/k/v
-    #   rows interleaved per query group, ParamLayout.fused_qkv): scale blocks must tile it; None: no fused qkv
+    # ------------------------------------------------------------------------------------------ HF configs
+
+    def config_from_dict(self, hf_config: Mapping[str, Any]):
+        """The transformers config of a dict of its arguments (a config.json's contents)."""
+        raw = dict(hf_config)
+        model_type = raw.pop("model_type", self.model_type)
+        if model_type != self.model_type:
+            raise UnsupportedModelError(f"model_type {model_type!r} is not {self.model_type!r}")
+        return self.config_class().from_dict(raw)
+
+    def config_from_preset(self, name: str, **overrides):
+        """The transformers config of a named preset, with keyword overrides."""
+        if name not in self.presets:
+            raise ValueError(f"unknown {self.shape_class.title} preset {name!r}; choose one of "
+                             f"{sorted(self.presets)}")
+        kwargs = copy.deepcopy(dict(self.presets[name]))
+        kwargs.update(overrides)
+        rope_theta = kwargs.pop("rope_theta", None)
+        if rope_theta is not None:  # transformers 5 keeps rope settings in `rope_parameters`
+            kwargs.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": float(rope_theta)})
+        return self.config_from_dict(kwargs)
+
+    def read_hf_config(self, path):
+        """The transformers config of an HF model directory (`<path>/config.json`), read without remote code."""
+        cfg_file = Path(path) / "config.json"
+        if not cfg_file.is_file():
+            raise CheckpointError(f"{cfg_file} is missing; an HF checkpoint directory needs config.json")
+        self._refuse_another_architecture(cfg_file)
+        try:
+            raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+            raw.pop("auto_map", None)  # remote code (DeepSeek's configuration_deepseek): the native class reads
+            return self.config_from_dict(raw)  # the same fields
+        except Exception as exc:  # noqa: BLE001 - re-raised with the file named
+            raise CheckpointError(f"cannot parse {cfg_file}: {exc}") from exc
+
+    def _refuse_another_architecture(self, cfg_file: Path) -> None:
+        """Refuse a config.json of another architecture up front: transformers would read it as this family's
+        config with default settings and the weights would not map."""
+        model_type, archs = config_json_model_type(cfg_file)
+        wrong_type = model_type is not None and model_type != self.model_type
+        wrong_arch = isinstance(archs, list) and archs and self.architecture not in archs
+        if wrong_type or wrong_arch:
+            raise UnsupportedModelError(
+                f"{cfg_file}: model_type {model_type!r}, architectures {archs}; the {self.shape_class.title} "
+                f"family reads model_type '{self.model_type}' ({self.architecture})")
+
+    # ------------------------------------------------------------------------------------------ the shape
+
+    def shape(self, hf_config):
+        """The `shape_class` of an HF config (a transformers config or a dict of its arguments)."""
+        if isinstance(hf_config, Mapping):
+            hf_config = self.config_from_dict(hf_config)
+        return self.shape_class.from_hf(hf_config)
+
+    def check_divisibility(self, hf_config, tp: int, ep: int, etp: int) -> None:
+        """ValueError listing every dimension of `hf_config` the parallel layout does not divide."""
+        self.shape(hf_config).check_divisibility(tp, ep, etp)
+
+    def moe_geometry(self, hf_config) -> MoEGeometry:
+        return self.shape(hf_config).moe_geometry()
+
+    def parameter_counts(self, hf_config) -> dict[str, int]:
+        """Exact total / routed-expert / non-expert / active-per-token parameter counts."""
+        shape = self.shape(hf_config)
+        groups = shape.param_groups()
+        active = shape.param_groups(experts_per_layer=shape.num_experts_per_tok).total
+        return dict(total=groups.total, expert=groups.experts, non_expert=groups.total - groups.experts,
+                    active=active)
+
+    # The shape's own answers (moe_shape.MoEShape), asked through the family as the memory model (memory.py) and
+    # the config checks (config.py, probe.py) do: where attentions differ.
+
+    def param_groups(self, shape, experts_per_layer: int | None = None):
+        return shape.param_groups(experts_per_layer)
+
+    def quantized_dims(self, shape, groups: tuple[str, ...], tp: int, etp: int) -> list:
+        return shape.quantized_dims(groups, tp, etp)
+
+    def kv_cache_bytes_per_token(self, shape, engine_tp: int) -> float:
+        return shape.kv_cache_bytes_per_token(engine_tp)
+
+    def attention_activation_values(self, shape) -> int:
+        return shape.attention_activation_values()
+
+    def tp_replicated_params(self, shape) -> Mapping[str, int]:
+        return shape.tp_replicated_params()
+
+    def never_quantized_params(self, shape) -> Mapping[str, int]:
+        return shape.never_quantized_params()
+
+    def fused_qkv_head_dim(self, shape) -> int | None:
+        return shape.fused_qkv_head_dim()
+
+    # ------------------------------------------------------------------------------------------ the naming
+
+    def param_layout(self, mcore_name: str) -> ParamLayout:
+        """A full megatron parameter name -> its split."""
+        return self.adapter.param_layout(mcore_name)
+
+    def linear_group(self, hf_name: str) -> str | None:
+        """An HF linear name (with or without .weight) -> its quantization group."""
+        return self.adapter.linear_group(hf_name)
+
+    def fused_linear_group(self, hf_name: str) -> tuple[str, tuple[str, ...]] | None:
+        return self.adapter.fused_linear_group(hf_name)
+
+    def compressed_tensors_ignore(self, groups: tuple[str, ...]) -> list[str]:
+        """The groups quantized -> the compressed-tensors ignore list that keeps the others bf16."""
+        return self.adapter.compressed_tensors_ignore(groups)
+
+    def engine_load_group(self, engine_name: str) -> tuple[str, ...] | None:
+        """Every engine tensor name that must arrive in the same update call as `engine_name` (an engine's
+        load_weights fuses them within one call: DeepSeek-V3's q_a_proj + kv_a_proj_with_mqa in SGLang); None for
+        the others, and for every name of a family whose engines load shard by shard (an adapter without
+        engine_load_group: Qwen3-MoE's q/k/v and gate/up)."""
+        load_group = getattr(self.adapter, "engine_load_group", None)
+        return None if load_group is None else load_group(engine_name)
 
     def is_expert_param(self, mcore_name: str) -> bool:
         return self.param_layout(mcore_name).expert
@@ -176,10 +264,8 @@ class ModelFamily:
     def is_routed_expert(self, hf_name: str) -> bool:
         return self.linear_group(hf_name) == "experts"
 
-    def parameter_counts(self, hf_config) -> dict[str, int]:
-        """Exact total / routed-expert / non-expert / active-per-token parameter counts."""
-        shape = self.shape(hf_config)
-        groups = self.param_groups(shape)
-        active = self.param_groups(shape, experts_per_layer=shape.num_experts_per_tok).total
-        return dict(total=groups.total, expert=groups.experts, non_expert=groups.total - groups.experts,
-                    active=active)
+    @staticmethod
+    def routed_experts_of(router_output):
+        """The selected expert ids out of `router_class`'s forward output: every family's transformers router
+        returns (router_logits, topk_weights, topk_indices) (modeling_deepseek_v3.py:157, Qwen3MoeTopKRouter)."""
+        return router_output[2]

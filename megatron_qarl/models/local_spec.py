@@ -4,7 +4,6 @@ choice of core attention (``model.core_attention``)."""
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 
 class SequenceParallelTorchNorm:
@@ -80,34 +79,3 @@ def transformer_engine_problem() -> str | None:
         return (f"TransformerEngine does not import here ({type(err).__name__}: {err}); install it on a GPU "
                 "machine (pip install --no-build-isolation -r requirements/gpu-te.txt)")
     return None
-
-
-def layout_sizes(layout) -> dict[str, Any]:
-    """(tp, ep, etp, pp, sp) of a ParallelLayout (None = a single process)."""
-    from megatron_qarl.parallel import ParallelLayout
-
-    layout = layout or ParallelLayout()
-    return dict(tp=layout.tp, ep=layout.ep, etp=layout.expert_tp, pp=layout.pp, sp=layout.sequence_parallel)
-
-
-def gpt_model(config, block_spec, hf_config, *, rotary_base: float, model_family: str, pre_process: bool = True,
-              post_process: bool = True):
-    """megatron's GPTModel as every family builds it (rope, untied output layer, vocab-parallel logits), stamped
-    with its family's model_type (what models.registry.family_of_model reads)."""
-    from megatron.core.models.gpt import GPTModel
-
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=block_spec,
-        vocab_size=hf_config.vocab_size,
-        max_sequence_length=hf_config.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        parallel_output=True,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-        rotary_percent=1.0,
-        rotary_base=rotary_base,
-    )
-    model.model_family = model_family
-    return model

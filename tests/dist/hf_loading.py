@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from _common import write_result
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model
-from megatron_qarl.models.qwen3_moe.args import read_hf_config
+from megatron_qarl.models.registry import read_hf_config
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
 from megatron_qarl.weights.hf_io import load_hf_checkpoint_into_model, read_hf_state

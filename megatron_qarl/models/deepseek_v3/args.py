@@ -1,21 +1,18 @@
-"""DeepSeek-V3 architecture facts (Moonlight-16B-A3B is the flagship), no megatron: presets, the HF config a run
-trains, its shape, and the parameter counter (by sharding/quantization group) the memory estimate, the dry run
-and the converter use. docs/notes/deepseek-v3-family.md holds the measured facts cited here.
+"""DeepSeek-V3 architecture facts (Moonlight-16B-A3B is the flagship), no megatron: presets, the refusals of what
+the build does not compute as transformers does, and its shape (MLA over the shared MoE body, models/moe_shape.py):
+the parameter counter (by sharding/quantization group) the memory estimate, the dry run and the converter use.
+docs/notes/deepseek-v3-family.md holds the measured facts cited here.
 
 DeepSeek-V3 = Multi-head Latent Attention (MLA) + a sigmoid-scored MoE with an expert-bias ("noaux_tc") router,
 group-limited top-k, a routed scaling factor, shared experts, and `first_k_dense_replace` dense layers first.
 """
 from __future__ import annotations
 
-import copy
-import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from megatron_qarl.errors import CheckpointError
-from megatron_qarl.models.family import MoEGeometry, QuantizedDim, UnsupportedModelError, config_json_model_type
+from megatron_qarl.models.family import UnsupportedModelError
+from megatron_qarl.models.moe_shape import Divisor, MoEShape
 
 SUPPORTED_MODEL_TYPE = "deepseek_v3"
 SUPPORTED_ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -57,33 +54,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_nextn_predict_layers=0, bos_token_id=None, eos_token_id=None, **_ROUTER,
     ),
 }
-
-
-def config_from_preset(name: str, **overrides):
-    """A transformers `DeepseekV3Config` for a named preset, with keyword overrides."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown DeepSeek-V3 preset {name!r}; choose one of {sorted(PRESETS)}")
-    kwargs = copy.deepcopy(PRESETS[name])
-    kwargs.update(overrides)
-    rope_theta = kwargs.pop("rope_theta", None)
-    if rope_theta is not None:  # transformers 5 keeps rope settings in `rope_parameters`
-        kwargs.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": float(rope_theta)})
-    return config_from_dict(kwargs)
-
-
-def tiny_hf_config(**overrides):
-    return config_from_preset("tiny-deepseek-v3", **overrides)
-
-
-def config_from_dict(hf_config: Mapping[str, Any]):
-    """A transformers `DeepseekV3Config` from a dict of its arguments (a config.json's contents)."""
-    from transformers import DeepseekV3Config
-
-    raw = dict(hf_config)
-    model_type = raw.pop("model_type", SUPPORTED_MODEL_TYPE)
-    if model_type != SUPPORTED_MODEL_TYPE:
-        raise UnsupportedModelError(f"model_type {model_type!r} is not {SUPPORTED_MODEL_TYPE!r}")
-    return DeepseekV3Config.from_dict(raw)
 
 
 def _rope_parameters(hf_config) -> dict:
@@ -176,39 +146,8 @@ def check_supported(hf_config) -> None:
         raise UnsupportedModelError("unsupported DeepSeek-V3 config: " + "; ".join(problems))
 
 
-def check_divisibility(hf_config, tp: int, ep: int, etp: int) -> None:
-    """ValueError listing every dimension the parallel layout does not divide. The down-projections are
-    replicated in the model, but megatron's MLA constructor builds them column-parallel first (then replaced:
-    mla_attention.ReplicatedDownProjMLASelfAttention), so their rows must divide by TP as well."""
-    errs = []
-    heads = hf_config.num_attention_heads
-    if heads % tp:
-        errs.append(f"num_attention_heads={heads} is not divisible by TP={tp}")
-    kv_down = hf_config.kv_lora_rank + hf_config.qk_rope_head_dim
-    if kv_down % tp:
-        errs.append(f"kv_lora_rank + qk_rope_head_dim = {kv_down} (kv_a_proj_with_mqa rows) is not divisible by "
-                    f"TP={tp}")
-    if hf_config.q_lora_rank is not None and hf_config.q_lora_rank % tp:
-        errs.append(f"q_lora_rank={hf_config.q_lora_rank} (q_a_proj rows) is not divisible by TP={tp}")
-    if hf_config.vocab_size % tp:
-        errs.append(f"vocab_size={hf_config.vocab_size} is not divisible by TP={tp} (pad the vocab in the "
-                    "checkpoint or pick a TP that divides it)")
-    if hf_config.intermediate_size % tp:
-        errs.append(f"intermediate_size={hf_config.intermediate_size} (dense layers) is not divisible by TP={tp}")
-    shared = hf_config.n_shared_experts * hf_config.moe_intermediate_size
-    if shared % tp:
-        errs.append(f"n_shared_experts * moe_intermediate_size = {shared} (shared experts) is not divisible by "
-                    f"TP={tp}")
-    if hf_config.n_routed_experts % ep:
-        errs.append(f"n_routed_experts={hf_config.n_routed_experts} is not divisible by EP={ep}")
-    if hf_config.moe_intermediate_size % etp:
-        errs.append(f"moe_intermediate_size={hf_config.moe_intermediate_size} is not divisible by ETP={etp}")
-    if errs:
-        raise ValueError("parallel layout does not fit the model: " + "; ".join(errs))
-
-
 @dataclass(frozen=True)
-class ModelShape:
+class ModelShape(MoEShape):
     """The shape the memory model, dry run and config checks read (Qwen3's ModelShape attribute names), plus
     MLA's own dimensions.
 
@@ -224,18 +163,9 @@ class ModelShape:
     HF's own ``head_dim`` attribute is qk_rope_head_dim (64; configuration_deepseek_v3.py __post_init__): not used.
     """
 
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    vocab_size: int
-    intermediate_size: int = 0  # the dense layers' MLP
-    tie_word_embeddings: bool = False
-    dense_layers: tuple[int, ...] = field(default_factory=tuple)
+    title = "DeepSeek-V3"
+    num_experts_key = "n_routed_experts"
+
     # MLA and DeepSeek MoE specifics
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -245,10 +175,8 @@ class ModelShape:
     n_shared_experts: int = 0
 
     @classmethod
-    def from_hf(cls, hf: Any) -> "ModelShape":
-        """From a transformers DeepseekV3Config, or a dict of its constructor arguments."""
-        if isinstance(hf, Mapping):
-            hf = config_from_dict(hf)
+    def from_hf(cls, hf: Any) -> ModelShape:
+        """From a transformers DeepseekV3Config."""
         layers = int(hf.num_hidden_layers)
         heads = int(hf.num_attention_heads)
         n_dense = min(int(hf.first_k_dense_replace or 0), layers)
@@ -265,10 +193,6 @@ class ModelShape:
             n_shared_experts=int(hf.n_shared_experts or 0))
 
     @property
-    def moe_layers(self) -> int:
-        return self.num_hidden_layers - len(self.dense_layers)
-
-    @property
     def q_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
@@ -281,196 +205,100 @@ class ModelShape:
         """Values an MLA engine caches per layer and token (the compressed kv and the shared rope key)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    def router_params_per_layer(self) -> int:
+        return self.num_experts * self.hidden_size + self.num_experts  # and e_score_correction_bias (a buffer in
+        #   megatron)
 
-def check_model_type(cfg_file) -> None:
-    """Refuse a config.json of another architecture up front: transformers would read it as a DeepSeek-V3
-    config with default settings and the weights would not map."""
-    model_type, archs = config_json_model_type(cfg_file)
-    wrong_type = model_type is not None and model_type != SUPPORTED_MODEL_TYPE
-    wrong_arch = isinstance(archs, list) and archs and SUPPORTED_ARCHITECTURE not in archs
-    if wrong_type or wrong_arch:
-        v2 = " (DeepSeek-V2 routes with softmax and no expert bias: not this family)" \
-            if model_type == "deepseek_v2" else ""
-        raise UnsupportedModelError(
-            f"{cfg_file}: model_type {model_type!r}, architectures {archs}{v2}; the DeepSeek-V3 family reads "
-            f"model_type '{SUPPORTED_MODEL_TYPE}' ({SUPPORTED_ARCHITECTURE}), e.g. moonshotai/Moonlight-16B-A3B")
-
-
-def read_hf_config(path):
-    """The `DeepseekV3Config` of an HF model directory (`<path>/config.json`), read without remote code."""
-    cfg_file = Path(path) / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{cfg_file} is missing; an HF checkpoint directory needs config.json")
-    check_model_type(cfg_file)
-    try:
-        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
-        raw.pop("auto_map", None)  # the remote configuration_deepseek: the native class reads the same fields
-        return config_from_dict(raw)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
-        raise CheckpointError(f"cannot parse {cfg_file}: {exc}") from exc
-
-
-# --------------------------------------------------------------------------------------------------
-# Parameter counts
-# --------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ParamGroups:
-    """Parameter counts by how they are sharded and whether they can be quantized (Qwen3's groups)."""
-
-    attention: int  # MLA projections (TP-sharded) and the latent norms q_a/kv_a_layernorm (replicated)
-    dense_mlp: int  # gate/up/down of the dense layers and of the shared experts (TP-sharded)
-    experts: int  # routed expert weights (EP x ETP-sharded)
-    router: int  # router weight and its e_score_correction_bias (replicated; the bias is a buffer in megatron)
-    norms: int  # input/post-attention layernorms and the final norm (replicated)
-    embedding: int  # vocab-parallel
-    lm_head: int  # vocab-parallel (0 when tied)
-
-    @property
-    def total(self) -> int:
-        return (self.attention + self.dense_mlp + self.experts + self.router + self.norms + self.embedding
-                + self.lm_head)
-
-
-def attention_params_per_layer(shape: ModelShape) -> int:
-    h, heads = shape.hidden_size, shape.num_attention_heads
-    q_out = heads * shape.q_head_dim
-    if shape.q_lora_rank is None:
-        q = h * q_out  # q_proj
-    else:
-        q = h * shape.q_lora_rank + shape.q_lora_rank + shape.q_lora_rank * q_out  # q_a_proj, q_a_layernorm, q_b_proj
-    kv = (h * (shape.kv_lora_rank + shape.qk_rope_head_dim) + shape.kv_lora_rank  # kv_a_proj_with_mqa, kv_a_layernorm
-          + shape.kv_lora_rank * heads * (shape.qk_nope_head_dim + shape.v_head_dim))  # kv_b_proj
-    return q + kv + heads * shape.v_head_dim * h  # o_proj
-
-
-def param_groups(shape: ModelShape, experts_per_layer: int | None = None) -> ParamGroups:
-    """Counts for the whole model; `experts_per_layer` = top-k gives the parameters active per token."""
-    h = shape.hidden_size
-    e = shape.num_experts if experts_per_layer is None else experts_per_layer
-    embedding = shape.vocab_size * h
-    dense_layers = len(shape.dense_layers)
-    return ParamGroups(
-        attention=attention_params_per_layer(shape) * shape.num_hidden_layers,
-        dense_mlp=3 * h * (shape.intermediate_size * dense_layers
-                           + shape.shared_expert_intermediate_size * shape.moe_layers),
-        experts=3 * h * shape.moe_intermediate_size * e * shape.moe_layers,
-        router=(shape.num_experts * h + shape.num_experts) * shape.moe_layers,
-        norms=2 * h * shape.num_hidden_layers + h,
-        embedding=embedding,
-        lm_head=0 if shape.tie_word_embeddings else embedding,
-    )
-
-
-def parameter_counts(hf_config) -> dict[str, int]:
-    """Exact total / routed-expert / non-expert / active-per-token parameter counts of `hf_config`."""
-    shape = ModelShape.from_hf(hf_config)
-    groups = param_groups(shape)
-    active = param_groups(shape, experts_per_layer=shape.num_experts_per_tok).total
-    return dict(total=groups.total, expert=groups.experts, non_expert=groups.total - groups.experts, active=active)
-
-
-def moe_geometry(hf_config) -> MoEGeometry:
-    """Only the layers after the first `first_k_dense_replace` route (and have a megatron router). Engines that
-    record one row per decoder layer (SGLang: num_hidden_layers rows, the dense ones never written) must have
-    their first `first_k_dense_replace` rows dropped to fit this geometry."""
-    total = int(hf_config.num_hidden_layers)
-    dense = min(int(hf_config.first_k_dense_replace or 0), total)
-    return MoEGeometry(total - dense, int(hf_config.num_experts_per_tok), int(hf_config.n_routed_experts),
-                       moe_layer_indices=tuple(range(dense, total)), num_hidden_layers=total)
-
-
-def quantized_dims(shape: ModelShape, groups: tuple[str, ...], tp: int, etp: int) -> list[QuantizedDim]:
-    """Each dimension of a quantized linear in `groups`, and how the learner (local spec) splits it.
-
-    MLA's quantized linears: the projections into the heads (q_proj, q_b_proj), column-parallel (output dim split
-    over TP), and o_proj, row-parallel (input dim split). The down-projections q_a_proj / kv_a_proj_with_mqa
-    (replicated: mla_attention.ReplicatedDownProjMLASelfAttention) and kv_b_proj (SGLang needs it bf16) are never
-    quantized (state_dict_adapter.linear_group).
-    """
-    hidden, ffn, dense_ffn = shape.hidden_size, shape.moe_intermediate_size, shape.intermediate_size
-    heads = shape.num_attention_heads
-    q_out, o_in = heads * shape.q_head_dim, heads * shape.v_head_dim
-    shared = shape.shared_expert_intermediate_size
-    rows = []
-    if "experts" in groups:
-        rows += [("mlp.experts.*.gate_proj/up_proj", "input dim (hidden)", hidden, 1, "ETP", True),
-                 ("mlp.experts.*.down_proj", "input dim (moe_intermediate_size)", ffn, etp, "ETP", True),
-                 ("mlp.experts.*.gate_proj/up_proj", "output dim (moe_intermediate_size)", ffn, etp, "ETP", False),
-                 ("mlp.experts.*.down_proj", "output dim (hidden)", hidden, 1, "ETP", False)]
-    if "attention" in groups:
-        if shape.q_lora_rank is None:
-            rows += [("self_attn.q_proj", "input dim (hidden)", hidden, 1, "TP", True),
-                     ("self_attn.q_proj", "output dim (heads*q_head_dim)", q_out, tp, "TP", False)]
+    def attention_params_per_layer(self) -> int:
+        """MLA's projections and its latent norms q_a/kv_a_layernorm (in `attention`, not `norms`)."""
+        h, heads = self.hidden_size, self.num_attention_heads
+        q_out = heads * self.q_head_dim
+        if self.q_lora_rank is None:
+            q = h * q_out  # q_proj
         else:
-            rows += [("self_attn.q_b_proj", "input dim (q_lora_rank)", shape.q_lora_rank, 1, "TP", True),
-                     ("self_attn.q_b_proj", "output dim (heads*q_head_dim)", q_out, tp, "TP", False)]
-        rows += [("self_attn.o_proj", "input dim (heads*v_head_dim)", o_in, tp, "TP", True),
-                 ("self_attn.o_proj", "output dim (hidden)", hidden, 1, "TP", False)]
-    if "dense_mlp" in groups:
-        if shape.dense_layers:
-            rows += [("mlp.gate_proj/up_proj", "input dim (hidden)", hidden, 1, "TP", True),
-                     ("mlp.down_proj", "input dim (intermediate_size)", dense_ffn, tp, "TP", True),
-                     ("mlp.gate_proj/up_proj", "output dim (intermediate_size)", dense_ffn, tp, "TP", False)]
-        if shared:
-            rows += [("mlp.shared_experts.gate_proj/up_proj", "input dim (hidden)", hidden, 1, "TP", True),
-                     ("mlp.shared_experts.down_proj", "input dim (n_shared_experts*moe_intermediate_size)", shared,
-                      tp, "TP", True),
-                     ("mlp.shared_experts.gate_proj/up_proj", "output dim (n_shared_experts*moe_intermediate_size)",
-                      shared, tp, "TP", False)]
-    return [QuantizedDim(*row) for row in rows]
+            q = h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * q_out  # q_a_proj, q_a_layernorm, q_b_proj
+        kv = (h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank  # kv_a_proj_with_mqa, kv_a_layernorm
+              + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim))  # kv_b_proj
+        return q + kv + heads * self.v_head_dim * h  # o_proj
 
+    def attention_quantized_dims(self, tp: int) -> list[tuple]:
+        """MLA's quantized linears: the projections into the heads (q_proj, q_b_proj), column-parallel (output dim
+        split over TP), and o_proj, row-parallel (input dim split). The down-projections q_a_proj /
+        kv_a_proj_with_mqa (replicated: mla_attention.ReplicatedDownProjMLASelfAttention) and kv_b_proj (SGLang
+        needs it bf16) are never quantized (state_dict_adapter.linear_group)."""
+        hidden, heads = self.hidden_size, self.num_attention_heads
+        q_out, o_in = heads * self.q_head_dim, heads * self.v_head_dim
+        if self.q_lora_rank is None:
+            rows = [("self_attn.q_proj", "input dim (hidden)", hidden, 1, "TP", True),
+                    ("self_attn.q_proj", "output dim (heads*q_head_dim)", q_out, tp, "TP", False)]
+        else:
+            rows = [("self_attn.q_b_proj", "input dim (q_lora_rank)", self.q_lora_rank, 1, "TP", True),
+                    ("self_attn.q_b_proj", "output dim (heads*q_head_dim)", q_out, tp, "TP", False)]
+        return rows + [("self_attn.o_proj", "input dim (heads*v_head_dim)", o_in, tp, "TP", True),
+                       ("self_attn.o_proj", "output dim (hidden)", hidden, 1, "TP", False)]
 
-# --------------------------------------------------------------------------------------------------
-# The memory model's and the config checks' family terms (ModelFamily; memory.py, config.py)
-# --------------------------------------------------------------------------------------------------
+    def attention_divisors(self, tp: int) -> list[Divisor]:
+        """The down-projections are replicated in the model, but megatron's MLA constructor builds them
+        column-parallel first (then replaced: mla_attention.ReplicatedDownProjMLASelfAttention), so their rows must
+        divide by TP as well."""
+        kv_down = self.mla_kv_cache_dim
+        rows = [(kv_down, tp, f"kv_lora_rank + qk_rope_head_dim = {kv_down} (kv_a_proj_with_mqa rows) is not "
+                              f"divisible by TP={tp}")]
+        if self.q_lora_rank is not None:
+            rows.append((self.q_lora_rank, tp, f"q_lora_rank={self.q_lora_rank} (q_a_proj rows) is not divisible by "
+                                               f"TP={tp}"))
+        return rows
 
-def kv_cache_bytes_per_token(shape: ModelShape, engine_tp: int) -> float:
-    """bf16 bytes an MLA engine caches per token, every layer, on one engine GPU: the compressed latent
-    (kv_lora_rank) and the shared rope key (qk_rope_head_dim), ONE copy per layer, replicated on every engine TP
-    rank (not split over heads), so `engine_tp` does not divide it. Moonlight: 27 x 576 x 2 = 31,104 B.
+    def mlp_divisors(self, tp: int) -> list[Divisor]:
+        shared = self.shared_expert_intermediate_size
+        return [(self.intermediate_size, tp, f"intermediate_size={self.intermediate_size} (dense layers) is not "
+                                             f"divisible by TP={tp}"),
+                (shared, tp, f"n_shared_experts * moe_intermediate_size = {shared} (shared experts) is not divisible "
+                             f"by TP={tp}")]
 
-    SGLang 0.5.23: `MLATokenToKVPool.kv_cache_dim = kv_lora_rank + qk_rope_head_dim`
-    (srt/mem_cache/memory_pool.py:4793-4797), its buffers `[size + page_size, 1, kv_cache_dim]` per layer
-    (:4864-4871); the per-token cell size it budgets is `calculate_mla_kv_cache_dim x layers x element size`, no TP
-    divisor (srt/model_executor/pool_configurator.py:359-386, srt/mem_cache/kv_cache_configurator.py:3412-3423).
-    vLLM 0.32: `head_size = kv_lora_rank + qk_rope_head_dim` (model_executor/layers/attention/mla_attention.py:479),
-    an `MLAAttentionSpec` with num_kv_heads=1 and max_tp_shards=1 (:1350-1378)."""
-    return shape.num_hidden_layers * shape.mla_kv_cache_dim * 2.0
+    def kv_cache_bytes_per_token(self, engine_tp: int) -> float:
+        """bf16 bytes an MLA engine caches per token, every layer, on one engine GPU: the compressed latent
+        (kv_lora_rank) and the shared rope key (qk_rope_head_dim), ONE copy per layer, replicated on every engine TP
+        rank (not split over heads), so `engine_tp` does not divide it. Moonlight: 27 x 576 x 2 = 31,104 B.
 
+        SGLang 0.5.23: `MLATokenToKVPool.kv_cache_dim = kv_lora_rank + qk_rope_head_dim`
+        (srt/mem_cache/memory_pool.py:4793-4797), its buffers `[size + page_size, 1, kv_cache_dim]` per layer
+        (:4864-4871); the per-token cell size it budgets is `calculate_mla_kv_cache_dim x layers x element size`, no TP
+        divisor (srt/model_executor/pool_configurator.py:359-386, srt/mem_cache/kv_cache_configurator.py:3412-3423).
+        vLLM 0.32: `head_size = kv_lora_rank + qk_rope_head_dim` (model_executor/layers/attention/mla_attention.py:479),
+        an `MLAAttentionSpec` with num_kv_heads=1 and max_tp_shards=1 (:1350-1378)."""
+        return self.num_hidden_layers * self.mla_kv_cache_dim * 2.0
 
-def attention_activation_values(shape: ModelShape) -> int:
-    """Values one MLA layer saves per token for its backward, before the TP / sequence-parallel split (the latent
-    is computed on each rank's own tokens: mla_attention.ReplicatedDownProjMLASelfAttention): layernorm in/out
-    (2H); the latent kv_a_proj_with_mqa output (kv_lora_rank + qk_rope_head_dim) and its kv_a_layernorm output
-    (kv_lora_rank), and with a low-rank q the q_a_proj and q_a_layernorm outputs (2 x q_lora_rank); the core
-    attention's q and k (heads x (qk_nope + qk_rope) each), v and its output (heads x v_head_dim each).
-    Moonlight: 4,096 + 576 + 512 + 16 x (2 x 192 + 2 x 128) = 15,424."""
-    latent = shape.mla_kv_cache_dim + shape.kv_lora_rank + (2 * shape.q_lora_rank if shape.q_lora_rank else 0)
-    heads = shape.num_attention_heads * (2 * shape.q_head_dim + 2 * shape.v_head_dim)
-    return 2 * shape.hidden_size + latent + heads
+    def attention_activation_values(self) -> int:
+        """Values one MLA layer saves per token for its backward, before the TP / sequence-parallel split (the latent
+        is computed on each rank's own tokens: mla_attention.ReplicatedDownProjMLASelfAttention): layernorm in/out
+        (2H); the latent kv_a_proj_with_mqa output (kv_lora_rank + qk_rope_head_dim) and its kv_a_layernorm output
+        (kv_lora_rank), and with a low-rank q the q_a_proj and q_a_layernorm outputs (2 x q_lora_rank); the core
+        attention's q and k (heads x (qk_nope + qk_rope) each), v and its output (heads x v_head_dim each).
+        Moonlight: 4,096 + 576 + 512 + 16 x (2 x 192 + 2 x 128) = 15,424."""
+        latent = self.mla_kv_cache_dim + self.kv_lora_rank + (2 * self.q_lora_rank if self.q_lora_rank else 0)
+        heads = self.num_attention_heads * (2 * self.q_head_dim + 2 * self.v_head_dim)
+        return 2 * self.hidden_size + latent + heads
 
+    def tp_replicated_params(self) -> dict[str, int]:
+        """The attention group's parameters every TP rank holds whole: the down-projections kv_a_proj_with_mqa (and
+        q_a_proj) and the latent norms (mla_attention.ReplicatedDownProjMLASelfAttention, as SGLang / vLLM hold
+        them)."""
+        h = self.hidden_size
+        per_layer = h * self.mla_kv_cache_dim + self.kv_lora_rank
+        if self.q_lora_rank:
+            per_layer += h * self.q_lora_rank + self.q_lora_rank
+        return {"attention": per_layer * self.num_hidden_layers}
 
-def tp_replicated_params(shape: ModelShape) -> dict[str, int]:
-    """The attention group's parameters every TP rank holds whole: the down-projections kv_a_proj_with_mqa (and
-    q_a_proj) and the latent norms (mla_attention.ReplicatedDownProjMLASelfAttention, as SGLang / vLLM hold them)."""
-    h = shape.hidden_size
-    per_layer = h * shape.mla_kv_cache_dim + shape.kv_lora_rank
-    if shape.q_lora_rank:
-        per_layer += h * shape.q_lora_rank + shape.q_lora_rank
-    return {"attention": per_layer * shape.num_hidden_layers}
+    def fused_qkv_head_dim(self) -> None:
+        """MLA has no fused linear_qkv (its projections are separate linears: q_proj / q_a_proj + q_b_proj,
+        kv_a_proj_with_mqa, kv_b_proj): no head-interleaved rows for a scale block to straddle."""
+        return None
 
-
-def fused_qkv_head_dim(shape: ModelShape) -> None:
-    """MLA has no fused linear_qkv (its projections are separate linears: q_proj / q_a_proj + q_b_proj,
-    kv_a_proj_with_mqa, kv_b_proj): no head-interleaved rows for a scale block to straddle."""
-    return None
-
-
-def never_quantized_params(shape: ModelShape) -> dict[str, int]:
-    """TP-split parameters of a group that no scope quantizes: MLA's kv_b_proj (SGLang's post_load_weights re-derives
-    w_kc / w_vc from ``kv_b_proj.weight``, which a WNA16 linear does not have: state_dict_adapter). The down-
-    projections q_a_proj / kv_a_proj_with_mqa are never quantized either, and are TP-replicated
-    (`tp_replicated_params`)."""
-    kv_b = shape.kv_lora_rank * shape.num_attention_heads * (shape.qk_nope_head_dim + shape.v_head_dim)
-    return {"attention": kv_b * shape.num_hidden_layers}
+    def never_quantized_params(self) -> dict[str, int]:
+        """TP-split parameters of a group that no scope quantizes: MLA's kv_b_proj (SGLang's post_load_weights
+        re-derives w_kc / w_vc from ``kv_b_proj.weight``, which a WNA16 linear does not have: state_dict_adapter). The
+        down-projections q_a_proj / kv_a_proj_with_mqa are never quantized either, and are TP-replicated
+        (`tp_replicated_params`)."""
+        kv_b = self.kv_lora_rank * self.num_attention_heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return {"attention": kv_b * self.num_hidden_layers}

@@ -19,19 +19,16 @@ On CPU, MLA's rotary embedding calls ``torch.cuda.current_device()``: compat_cpu
 """
 from __future__ import annotations
 
-
 import torch
-import torch.nn.functional as F
 
 from megatron_qarl.models.deepseek_v3.args import (
-    SUPPORTED_MODEL_TYPE, check_divisibility, check_supported, hf_rope_theta, rope_yarn,
+    SUPPORTED_MODEL_TYPE, ModelShape, check_supported, hf_rope_theta, rope_yarn,
 )
 from megatron_qarl.models.deepseek_v3.mla_attention import (
     ReplicatedDownProjMLASelfAttention, mla_core_attention_class,
 )
-from megatron_qarl.models.local_spec import (
-    SequenceParallelTorchNorm, define_router_gemm_without_te, gpt_model, layout_sizes,
-)
+from megatron_qarl.models.local_spec import SequenceParallelTorchNorm, define_router_gemm_without_te
+from megatron_qarl.models.megatron_build import gpt_model, layout_sizes, moe_transformer_kwargs
 
 
 def moe_layer_pattern(hf_config) -> list[int]:
@@ -54,14 +51,11 @@ def transformer_config_from_hf(hf_config, layout=None, *, params_dtype=torch.flo
 
     check_supported(hf_config)
     sizes = layout_sizes(layout)
-    check_divisibility(hf_config, sizes["tp"], sizes["ep"], sizes["etp"])
+    ModelShape.from_hf(hf_config).check_divisibility(sizes["tp"], sizes["ep"], sizes["etp"])
     n_group = int(hf_config.n_group or 1)
     shared = int(hf_config.n_shared_experts or 0) * int(hf_config.moe_intermediate_size)
     kwargs = dict(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,  # the dense layers' MLP
-        num_attention_heads=hf_config.num_attention_heads,
+        moe_transformer_kwargs(hf_config, sizes, params_dtype),
         # MLA: kv_channels must be v_head_dim (DotProductAttention's output view, linear_proj's input)
         kv_channels=hf_config.v_head_dim,
         q_lora_rank=hf_config.q_lora_rank,  # megatron's default is 512: None (Moonlight) must be explicit
@@ -77,22 +71,11 @@ def transformer_config_from_hf(hf_config, layout=None, *, params_dtype=torch.flo
         **(dict(rope_type="yarn", **yarn) if (yarn := rope_yarn(hf_config)) else
            dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)),
         rotary_interleaved=False,
-        layernorm_epsilon=hf_config.rms_norm_eps,
-        normalization="RMSNorm",
-        qk_layernorm=True,  # MLA's latent norms; without it kv_layernorm silently becomes an IdentityOp
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        # MoE
+        # MoE: sigmoid scores, the frozen expert bias, group-limited top-k, shared experts, dense layers first
         num_moe_experts=hf_config.n_routed_experts,
         moe_layer_freq=moe_layer_pattern(hf_config),
-        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
         moe_shared_expert_intermediate_size=shared or None,
         moe_shared_expert_overlap=False,
-        moe_router_topk=hf_config.num_experts_per_tok,
         moe_router_score_function="sigmoid",
         moe_router_pre_softmax=False,
         moe_router_enable_expert_bias=True,
@@ -102,30 +85,6 @@ def transformer_config_from_hf(hf_config, layout=None, *, params_dtype=torch.flo
         moe_router_topk_scaling_factor=float(hf_config.routed_scaling_factor),
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False,
-        moe_router_dtype="fp32",
-        # fusions off: the local (non-TE) implementation on CPU, and bitwise-stable numerics
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        moe_permute_fusion=False,
-        moe_router_fusion=False,  # the fused router bypasses routing replay (moe_utils.py:652-666)
-        # parallelism
-        tensor_model_parallel_size=sizes["tp"],
-        expert_model_parallel_size=sizes["ep"],
-        expert_tensor_parallel_size=sizes["etp"],
-        pipeline_model_parallel_size=sizes["pp"],
-        sequence_parallel=sizes["sp"],
-        # numerics / init
-        params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        transformer_impl="local",
     )
     kwargs.update(overrides)
     if kwargs["moe_aux_loss_coeff"] > 0:  # asked for (train.moe_aux_loss_coeff): DeepSeek-V3's own sequence-wise

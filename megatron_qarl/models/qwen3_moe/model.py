@@ -5,16 +5,15 @@ The mcore model built here computes the same function as transformers' `Qwen3Moe
 """
 from __future__ import annotations
 
-
 import torch
-import torch.nn.functional as F
 
 from megatron_qarl.models.local_spec import (  # noqa: F401 - re-exported for the family's tests
-    CORE_ATTENTIONS, SequenceParallelTorchNorm, core_attention_class, define_router_gemm_without_te, gpt_model,
-    layout_sizes, transformer_engine_problem,
+    CORE_ATTENTIONS, SequenceParallelTorchNorm, core_attention_class, define_router_gemm_without_te,
+    transformer_engine_problem,
 )
+from megatron_qarl.models.megatron_build import gpt_model, layout_sizes, moe_transformer_kwargs
 from megatron_qarl.models.qwen3_moe.args import (
-    SUPPORTED_MODEL_TYPE, check_divisibility, check_supported, hf_head_dim, hf_rope_theta,
+    SUPPORTED_MODEL_TYPE, ModelShape, check_supported, hf_head_dim, hf_rope_theta,
 )
 
 
@@ -29,55 +28,16 @@ def transformer_config_from_hf(hf_config, layout=None, *, params_dtype=torch.flo
 
     check_supported(hf_config)
     sizes = layout_sizes(layout)
-    check_divisibility(hf_config, sizes["tp"], sizes["ep"], sizes["etp"])
+    ModelShape.from_hf(hf_config).check_divisibility(sizes["tp"], sizes["ep"], sizes["etp"])
     kwargs = dict(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
-        num_attention_heads=hf_config.num_attention_heads,
+        moe_transformer_kwargs(hf_config, sizes, params_dtype),
         num_query_groups=hf_config.num_key_value_heads,
         kv_channels=hf_head_dim(hf_config),
-        layernorm_epsilon=hf_config.rms_norm_eps,
-        normalization="RMSNorm",
-        qk_layernorm=True,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        # MoE
         num_moe_experts=hf_config.num_experts,
-        moe_ffn_hidden_size=hf_config.moe_intermediate_size,
-        moe_router_topk=hf_config.num_experts_per_tok,
         moe_router_pre_softmax=not hf_config.norm_topk_prob,
         moe_router_score_function="softmax",
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=float(hf_config.router_aux_loss_coef),
-        moe_token_dispatcher_type="alltoall",
-        moe_grouped_gemm=False,
-        moe_router_dtype="fp32",
-        # fusions off: the local (non-TE) implementation on CPU, and bitwise-stable numerics
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        moe_permute_fusion=False,
-        moe_router_fusion=False,
-        # parallelism
-        tensor_model_parallel_size=sizes["tp"],
-        expert_model_parallel_size=sizes["ep"],
-        expert_tensor_parallel_size=sizes["etp"],
-        pipeline_model_parallel_size=sizes["pp"],
-        sequence_parallel=sizes["sp"],
-        # numerics / init
-        params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16,
-        fp16=params_dtype == torch.float16,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        transformer_impl="local",
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
