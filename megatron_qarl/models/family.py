@@ -5,6 +5,11 @@ One object per family (``models/<family>/__init__.py`` ends in ``FAMILY = ModelF
 (``family_of(hf_config)`` once per run) and never import a family's modules: the naming, the megatron build,
 the parameter layout, the quantization groups and the route geometry of a model live in its folder only.
 
+A family is declared, not wired: a few fields (its names, presets, shape class, naming adapter, megatron build and
+transformers classes) and every other answer derived by a method here. The HF config side (presets, dicts,
+config.json) is the same for every family; the numbers' answers (parameter groups, quantized dims, divisibility,
+KV cache, MoE geometry) are its shape's (models/moe_shape.py's MoEShape, subclassed per attention).
+
 The quantization side asks a family three naming questions (``quant/`` holds no HF name pattern): which
 quantization group an HF linear belongs to (``linear_group``: "experts", "attention", "dense_mlp" or None for
 what is never quantized: router, norms, embeddings, lm_head), which linears an engine fuses into one

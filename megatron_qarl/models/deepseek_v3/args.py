@@ -148,7 +148,7 @@ def check_supported(hf_config) -> None:
 
 @dataclass(frozen=True)
 class ModelShape(MoEShape):
-    """The shape the memory model, dry run and config checks read (Qwen3's ModelShape attribute names), plus
+    """The shape the memory model, dry run and config checks read (MoEShape's shared names), plus
     MLA's own dimensions.
 
     MLA mapped onto the generic names (an approximation, documented for memory.py's estimates):
