@@ -1,4 +1,4 @@
-"""`qarl-convert`: argparse front of megatron_qarl.weights.convert.
+"""`qarl-convert`: argparse front of megatron_qarl.weights.convert (and weights.inspect).
 
     qarl-convert hf-to-mcore --hf DIR --out DIR [--tp N --ep N]       (torchrun for N>1)
     qarl-convert mcore-to-hf --ckpt DIR --out DIR [--dtype bf16|fp32] [--tokenizer PATH|char]
@@ -105,7 +105,7 @@ def run_info(path) -> dict:
     weights, and whether the optimizer state is in it."""
     from pathlib import Path
 
-    from megatron_qarl.checkpointing import read_extra_state
+    from megatron_qarl.checkpointing.trust import read_extra_state
 
     path = Path(path)
     if (path / "config.json").is_file():
@@ -129,7 +129,7 @@ def run_info(path) -> dict:
             info["run_quant"] = {k: quant.get(k) for k in ("scheme", "scope", "group_size", "block_size",
                                                           "learner_aligned")}
     try:  # never torch's FileSystemReader: its plain pickle.load runs whatever a planted .metadata holds
-        from megatron_qarl.checkpointing import read_dcp_metadata
+        from megatron_qarl.checkpointing.trust import read_dcp_metadata
 
         meta = read_dcp_metadata(path).state_dict_metadata
     except Exception:  # noqa: BLE001 - unreadable or refused metadata: inspect_checkpoint reports it
@@ -200,7 +200,8 @@ def export_format(args) -> tuple[str, str | None, int | None, int | None]:
                 group = group or q.get("group_size")
                 block = block or q.get("block_size")
     if fmt is None:
-        from megatron_qarl.weights.convert import FORMATS, ConversionError
+        from megatron_qarl.weights.convert import FORMATS
+        from megatron_qarl.weights.convert_errors import ConversionError
 
         where = f"{args.ckpt} records no training run (an SFT or hf-to-mcore checkpoint)" if args.ckpt else \
             "an HF source has no training run to read it from"
@@ -209,7 +210,7 @@ def export_format(args) -> tuple[str, str | None, int | None, int | None]:
 
 
 def _run(args) -> int:
-    from megatron_qarl.weights import convert
+    from megatron_qarl.weights import convert, inspect
 
     if args.command == "hf-to-mcore":
         out = convert.hf_to_mcore_checkpoint(args.hf, args.out, tp=args.tp, ep=args.ep, force=args.force)
@@ -224,12 +225,12 @@ def _run(args) -> int:
                                         max_shard_bytes=args.max_shard_bytes, force=args.force,
                                         tokenizer=args.tokenizer)
     else:
-        info = convert.inspect_checkpoint(args.path)
+        info = inspect.inspect_checkpoint(args.path)
         extra = run_info(args.path)
         if args.json:
             print(json.dumps({**info, **extra}, indent=2, default=str))
         else:
-            text = convert.format_inspection(info)
+            text = inspect.format_inspection(info)
             if "run_quant" in extra:  # the stored weights are masters, not quantized: say what the run trained
                 text = text.replace("\nquantization: none", "\nquantization: none stored")
             lines = text.splitlines()

@@ -173,7 +173,8 @@ def _exported_payload(hf_config, quant_cfg, payload):
     (what a server engine starts from); removed on exit."""
     import tempfile
 
-    from megatron_qarl.weights.convert import EngineCheckpointSink, hf_checkpoint_files
+    from megatron_qarl.weights.convert import EngineCheckpointSink
+    from megatron_qarl.weights.hf_io import hf_checkpoint_files
 
     with tempfile.TemporaryDirectory(prefix="qarl-probe-") as tmp:
         path = Path(tmp) / "engine"

@@ -124,7 +124,7 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
     the caller is done (trainer.train: at the run's end, or when building fails)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from megatron_qarl.checkpointing import RunCheckpoints
+    from megatron_qarl.checkpointing.run_checkpoints import RunCheckpoints
     from megatron_qarl.moe.replay import RouteGeometry
     from megatron_qarl.optim import build_optimizer
     from megatron_qarl.models.aligned import apply_aligned_quantization
@@ -460,7 +460,7 @@ def continues_out_dir(cfg: RunConfig) -> tuple[bool, str]:
     (checkpoint.resume=auto/force with a complete one, or a path), or it re-runs its own experiment's start
     (auto, no checkpoint yet, the dir's config.yaml has this run's identity: a run killed before its first
     checkpoint)."""
-    from megatron_qarl.checkpointing import RunCheckpoints
+    from megatron_qarl.checkpointing.run_checkpoints import RunCheckpoints
     from megatron_qarl.config import load_config
 
     mode = cfg.checkpoint.resume
@@ -521,7 +521,9 @@ def engine_start_checkpoint(cfg: RunConfig, model, hf_config, quant, tokenizer=N
     import torch.distributed as dist
 
     from megatron_qarl.rollout.engines import engine_kind
-    from megatron_qarl.weights.convert import EngineCheckpointSink, TokenizerPlan, hf_checkpoint_files
+    from megatron_qarl.weights.convert import EngineCheckpointSink
+    from megatron_qarl.weights.hf_io import hf_checkpoint_files
+    from megatron_qarl.weights.tokenizer_plan import TokenizerPlan
     from megatron_qarl.weights.publish import WeightPublisher
 
     kind = engine_kind(cfg.rollout.engine)
@@ -558,7 +560,7 @@ def scan_initial_hf_weights(cfg: RunConfig, hf_config):
 
 def _load_initial_weights(cfg: RunConfig, model, hf_config, hf_index=None) -> None:
     if cfg.model.init_checkpoint:
-        from megatron_qarl.checkpointing import load_checkpoint
+        from megatron_qarl.checkpointing.save_load import load_checkpoint
 
         load_checkpoint(cfg.model.init_checkpoint, model, fix="check model.init_checkpoint")
     elif cfg.model.hf_path:
@@ -676,10 +678,12 @@ def check_run_identity(cfg: RunConfig, path, state: dict | None) -> None:
 def checkpoint_state(ctx: RunContext) -> dict:
     """What a run checkpoint holds beside model and optimizer: the data position and RNG (an exact resume),
     the config identity (which experiment may resume it), and the HF config.json, so qarl-convert reads the
-    checkpoint without the run's config.yaml. Plain values and tensors only (checkpointing.check_plain_state)."""
+    checkpoint without the run's config.yaml. Plain values and tensors only (checkpointing.format.check_plain_state)."""
     import random
 
-    from megatron_qarl.weights.convert import HF_SIDECAR_KEY, TOKENIZER_SOURCE_KEY, hf_checkpoint_files, tokenizer_source
+    from megatron_qarl.checkpointing.format import HF_SIDECAR_KEY, TOKENIZER_SOURCE_KEY
+    from megatron_qarl.weights.hf_io import hf_checkpoint_files
+    from megatron_qarl.weights.tokenizer_plan import tokenizer_source
 
     return {
         "data": ctx.data.state_dict() if ctx.data is not None else None,
@@ -715,7 +719,7 @@ def resume_run(ctx: RunContext) -> int:
     the identity check."""
     import random
 
-    from megatron_qarl.checkpointing import read_extra_state
+    from megatron_qarl.checkpointing.trust import read_extra_state
 
     path = ctx.checkpoints.resume_path(ctx.cfg.checkpoint.resume)
     if path is not None and path.is_dir():

@@ -418,7 +418,7 @@ def run_sft(cfg, sft: SFTConfig | None = None) -> dict[str, Any]:
 
 
 def _interrupted_line(cfg, sft: SFTConfig) -> str:
-    from megatron_qarl.checkpointing import is_complete
+    from megatron_qarl.checkpointing.format import is_complete
 
     path = resume_dir(cfg, sft)
     if path is not None and is_complete(path):
@@ -502,7 +502,9 @@ SFT_RESUMABLE_CHANGES = ("steps", "stop_at_sampled_accuracy", "eval_every", "log
 def _resume(cfg, sft: SFTConfig, ddp, optimizer) -> dict[str, Any] | None:
     """COLLECTIVE. The state a stopped run left in resume_dir, loaded into the model and optimizer (its extra state:
     step, history); None when there is none. State of other settings is refused naming the keys."""
-    from megatron_qarl.checkpointing import is_complete, load_checkpoint, read_extra_state
+    from megatron_qarl.checkpointing.format import is_complete
+    from megatron_qarl.checkpointing.save_load import load_checkpoint
+    from megatron_qarl.checkpointing.trust import read_extra_state
     from megatron_qarl.fileio import remove_stale_temps
 
     path = resume_dir(cfg, sft)
@@ -539,7 +541,7 @@ def _train(cfg, sft: SFTConfig, layout, stop=None) -> dict[str, Any]:
     ddp, optimizer = build_sft_model(hf_config, layout, sft, core_attention=cfg.model.core_attention)
     resumed = _resume(cfg, sft, ddp, optimizer) or {}
     if sft.init_checkpoint and not resumed:
-        from megatron_qarl.checkpointing import load_checkpoint
+        from megatron_qarl.checkpointing.save_load import load_checkpoint
 
         load_checkpoint(sft.init_checkpoint, ddp)
     if is_logging_rank():
@@ -597,7 +599,7 @@ def _stop_agreed(stop) -> bool:
 def _stopped(cfg, sft: SFTConfig, ddp, optimizer, stop, step: int, history, progress):
     """COLLECTIVE. The RunStopped a stop request ends the run with, after saving its state to resume_dir (model,
     optimizer with its schedule, the step, the evaluation and loss histories)."""
-    from megatron_qarl.checkpointing import save_checkpoint
+    from megatron_qarl.checkpointing.save_load import save_checkpoint
     from megatron_qarl.errors import RunStopped
     from megatron_qarl.lifecycle import EXIT_STOPPED
 
@@ -635,8 +637,10 @@ def _write_metrics(cfg, result: dict[str, Any]) -> None:
 
 
 def _save(ddp, sft: SFTConfig, final: dict[str, Any], hf_config=None, model_cfg=None) -> str:
-    from megatron_qarl.checkpointing import save_checkpoint
-    from megatron_qarl.weights.convert import HF_SIDECAR_KEY, TOKENIZER_SOURCE_KEY, hf_checkpoint_files, tokenizer_source
+    from megatron_qarl.checkpointing.format import HF_SIDECAR_KEY, TOKENIZER_SOURCE_KEY
+    from megatron_qarl.checkpointing.save_load import save_checkpoint
+    from megatron_qarl.weights.hf_io import hf_checkpoint_files
+    from megatron_qarl.weights.tokenizer_plan import tokenizer_source
 
     path = Path(sft.out_checkpoint)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -340,7 +340,7 @@ sync. Edit the cases there, then run `python tests/reliability_catalogue.py`. --
 `sft.init_checkpoint`, `qarl-convert inspect / mcore-to-hf / export --ckpt`) may have been written by someone
 else. torch's FileSystemReader reads `.metadata` with plain `pickle.load`, its load planner unpickles the shards'
 byte entries with `weights_only=False`, and megatron reads `common.pt` with torch.load's default: each could run
-code. So before torch or megatron touches a checkpoint, `checkpointing.check_no_code` reads every pickle in it
+code. So before torch or megatron touches a checkpoint, `checkpointing.trust.check_no_code` reads every pickle in it
 the way it must be readable: `.metadata` with a restricted unpickler that builds only torch-DCP's metadata
 records, `torch.Size`, dtypes and plain containers; the byte entries, `common.pt` and `qarl_extra_state.pt` with
 torch's weights-only loader. Anything else is one line (`CheckpointError`, exit status 2) and nothing of it runs.

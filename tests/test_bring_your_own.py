@@ -150,7 +150,7 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
         proc = subprocess.run(base + [f"train.steps={steps}"], env=env, cwd=REPO, capture_output=True, text=True,
                               timeout=600)
         assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    from megatron_qarl.checkpointing import read_extra_state
+    from megatron_qarl.checkpointing.trust import read_extra_state
 
     ids = [read_extra_state(p)["wandb_run_id"] for p in sorted((out / "checkpoints").glob("step_*"))]
     assert len(ids) == 2 and ids[0] and ids[0] == ids[1], ids

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from megatron_qarl.models.qwen3_moe import tiny_hf_config
-from megatron_qarl.checkpointing import IncompleteCheckpointError, MARKER_NAME, load_checkpoint
+from megatron_qarl.checkpointing.format import MARKER_NAME, IncompleteCheckpointError
+from megatron_qarl.checkpointing.save_load import load_checkpoint
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import expected_hf_shapes, hf_state_from_model
 from megatron_qarl.weights.hf_io import CheckpointError, INDEX_NAME, read_hf_checkpoint, write_hf_checkpoint
 
@@ -106,10 +107,10 @@ def test_incomplete_dist_checkpoint_is_refused(tmp_path):
 
 
 def test_one_checkpoint_error_for_hf_and_megatron_checkpoints(tmp_path):
-    from megatron_qarl import checkpointing
+    from megatron_qarl.checkpointing import trust
     from megatron_qarl.weights import hf_io
 
-    assert hf_io.CheckpointError is checkpointing.CheckpointError is CheckpointError
+    assert hf_io.CheckpointError is trust.CheckpointError is CheckpointError
     assert issubclass(CheckpointError, ValueError) and issubclass(IncompleteCheckpointError, CheckpointError)
     with pytest.raises(CheckpointError, match="config.json is missing"):
         read_hf_checkpoint(tmp_path)

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_qarl.checkpointing import COMMON_STATE_NAME, DCP_METADATA_NAME, MARKER_NAME, RunCheckpoints
+from megatron_qarl.checkpointing.format import COMMON_STATE_NAME, DCP_METADATA_NAME, MARKER_NAME
+from megatron_qarl.checkpointing.run_checkpoints import RunCheckpoints
 
 from conftest import REPO
 
@@ -158,7 +159,7 @@ def plant_common(ckpt: Path, pwned: Path) -> None:
 def test_a_real_checkpoints_metadata_pickles_only_the_allowed_globals(base_run):
     """The globals a real run checkpoint's `.metadata` references (recorded by an unpickler that only lists them)
     are all in the restricted unpickler's table, and every pickle of the checkpoint passes check_no_code."""
-    from megatron_qarl.checkpointing import _DCP_METADATA_GLOBALS, check_no_code, read_dcp_metadata
+    from megatron_qarl.checkpointing.trust import _DCP_METADATA_GLOBALS, check_no_code, read_dcp_metadata
 
     seen = set()
 
@@ -185,7 +186,7 @@ def test_a_real_checkpoints_metadata_pickles_only_the_allowed_globals(base_run):
 @pytest.mark.parametrize("payload", [
     "os.system", "subprocess.Popen", "builtins.eval", "torch.load", "torch.serialization.load"])
 def test_the_restricted_unpickler_refuses_any_other_global(ckpt, tmp_path, payload):
-    from megatron_qarl.checkpointing import read_dcp_metadata
+    from megatron_qarl.checkpointing.trust import read_dcp_metadata
     from megatron_qarl.errors import CheckpointError
 
     module, _, name = payload.rpartition(".")
@@ -196,7 +197,7 @@ def test_the_restricted_unpickler_refuses_any_other_global(ckpt, tmp_path, paylo
 
 def test_the_restricted_unpickler_refuses_setting_attributes_of_an_allowed_class(ckpt):
     """BUILD on a class (rewiring an allowed class for later loads) is refused, not just unknown globals."""
-    from megatron_qarl.checkpointing import read_dcp_metadata
+    from megatron_qarl.checkpointing.trust import read_dcp_metadata
     from megatron_qarl.errors import CheckpointError
 
     # push the class StorageMeta, then BUILD with (None, {"__eq__": None}): setattr on the class

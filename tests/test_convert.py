@@ -292,10 +292,11 @@ def test_existing_output_is_refused_without_force_and_replaced_with_it(hf_dir, t
 
 TRAINING_STYLE_CKPT = """
 import sys, torch
-from megatron_qarl.checkpointing import save_checkpoint
+from megatron_qarl.checkpointing.save_load import save_checkpoint
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
 from megatron_qarl.parallel import ParallelLayout, init_distributed
-from megatron_qarl.weights.convert import HF_SIDECAR_KEY, TOKENIZER_SOURCE_KEY, hf_checkpoint_files
+from megatron_qarl.checkpointing.format import HF_SIDECAR_KEY, TOKENIZER_SOURCE_KEY
+from megatron_qarl.weights.hf_io import hf_checkpoint_files
 cfg, layout = tiny_hf_config(), init_distributed(ParallelLayout(), seed=0)
 model = build_qwen3_moe_model(cfg, layout, params_dtype=torch.float32)
 # what run_context.checkpoint_state stores for a preset run on the demo char tokenizer
@@ -336,8 +337,8 @@ def test_outputs_of_a_checkpoint_recording_the_char_tokenizer_carry_it(char_ckpt
 
 
 def test_hf_to_mcore_records_the_hf_dir_as_tokenizer_source(hf_dir, mcore_dir):
-    from megatron_qarl.checkpointing import read_extra_state
-    from megatron_qarl.weights.convert import TOKENIZER_SOURCE_KEY
+    from megatron_qarl.checkpointing.trust import read_extra_state
+    from megatron_qarl.checkpointing.format import TOKENIZER_SOURCE_KEY
 
     assert read_extra_state(mcore_dir)[TOKENIZER_SOURCE_KEY] == str(hf_dir.resolve())
 

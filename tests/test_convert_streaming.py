@@ -1,7 +1,7 @@
 """Streamed conversions from a megatron checkpoint (issue 17): `mcore-to-hf` and `export --ckpt` read the dist
-checkpoint a few parameters at a time (convert.McoreTensors over checkpointing.ModelTensorReader) and write the
-same bytes as the whole-model path they replaced (the fp32 model loaded, gathered and renamed at once, rebuilt
-here as the reference), also from a checkpoint saved at TP2 x EP2. No read exceeds its budget; a missing or
+checkpoint a few parameters at a time (convert.McoreTensors over checkpointing.tensor_reader.ModelTensorReader) and
+write the same bytes as the whole-model path they replaced (the fp32 model loaded, gathered and renamed at once,
+rebuilt here as the reference), also from a checkpoint saved at TP2 x EP2. No read exceeds its budget; a missing or
 damaged tensor is one clear error that leaves nothing at --out, even after shards were written."""
 import os
 import subprocess
@@ -16,7 +16,7 @@ from aligned_common import seeded_hf_state  # noqa: E402
 from convert_common import read_safetensors_dir as read_dir, run_convert_cli as run_cli  # noqa: E402
 
 from megatron_qarl.models.qwen3_moe import tiny_hf_config  # noqa: E402
-from megatron_qarl.weights import convert  # noqa: E402
+from megatron_qarl.weights import convert, hf_io  # noqa: E402
 from megatron_qarl.weights.hf_io import write_hf_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU world-of-one tests")
@@ -77,7 +77,7 @@ def mcore_dir(hf_dir):
 def whole_model_hf_state(ckpt: Path) -> dict[str, torch.Tensor]:
     """The path mcore-to-hf / export --ckpt took before streaming: the whole fp32 model built and loaded at
     TP1/EP1, gathered, renamed by the adapter."""
-    from megatron_qarl.checkpointing import load_checkpoint
+    from megatron_qarl.checkpointing.save_load import load_checkpoint
     from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model
     from megatron_qarl.models.qwen3_moe.state_dict_adapter import mcore_to_hf
     from megatron_qarl.parallel import ParallelLayout, init_distributed
@@ -104,7 +104,7 @@ def test_streamed_tensors_are_the_whole_model_loads_in_its_order(mcore_dir, refe
 
 
 def test_no_read_holds_more_than_its_budget(mcore_dir, monkeypatch):
-    from megatron_qarl.checkpointing import ModelTensorReader
+    from megatron_qarl.checkpointing.tensor_reader import ModelTensorReader
 
     reads, read = [], ModelTensorReader.read
 
@@ -126,7 +126,7 @@ def test_no_read_holds_more_than_its_budget(mcore_dir, monkeypatch):
 def reference_hf_dir(out: Path, state: dict, dtype: torch.dtype) -> Path:
     """mcore-to-hf's writing as it was: the whole state cast and added in order to one ShardWriter."""
     out.mkdir()
-    writer = convert.ShardWriter(out, SMALL_SHARDS)
+    writer = hf_io.ShardWriter(out, SMALL_SHARDS)
     for name, tensor in state.items():
         writer.add(name, tensor.to(dtype))
     writer.finish()
@@ -185,10 +185,11 @@ def test_a_tp2_ep2_checkpoint_streams_the_same_tensors_and_exports(hf_dir, refer
 
 WITHOUT_A_TENSOR = """
 import sys, torch
-from megatron_qarl.checkpointing import save_checkpoint
+from megatron_qarl.checkpointing.save_load import save_checkpoint
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
 from megatron_qarl.parallel import ParallelLayout, init_distributed
-from megatron_qarl.weights.convert import HF_SIDECAR_KEY, hf_checkpoint_files
+from megatron_qarl.checkpointing.format import HF_SIDECAR_KEY
+from megatron_qarl.weights.hf_io import hf_checkpoint_files
 cfg, layout = tiny_hf_config(), init_distributed(ParallelLayout(), seed=0)
 model = build_qwen3_moe_model(cfg, layout, params_dtype=torch.float32)
 full = model.sharded_state_dict
@@ -212,7 +213,7 @@ def test_a_checkpoint_missing_a_tensor_is_one_clear_error_and_no_output(tmp_path
 def damage_last_read_chunk(ckpt: Path) -> str:
     """Zero the head of the stored chunk of output_layer.weight (the last parameter read): every file keeps its
     size, so the load's size check passes and the damage is found mid-stream, after shards were written."""
-    from megatron_qarl.checkpointing import read_dcp_metadata
+    from megatron_qarl.checkpointing.trust import read_dcp_metadata
 
     storage = read_dcp_metadata(ckpt).storage_data
     (info,) = [info for index, info in storage.items() if index.fqn == "output_layer.weight"]
@@ -227,7 +228,7 @@ def test_a_chunk_damaged_after_save_fails_mid_stream_and_leaves_no_output(mcore_
     import json
     import shutil
 
-    from megatron_qarl.checkpointing import MARKER_NAME
+    from megatron_qarl.checkpointing.format import MARKER_NAME
     from megatron_qarl.errors import CheckpointError
 
     ckpt = tmp_path / "ckpt"
@@ -240,8 +241,8 @@ def test_a_chunk_damaged_after_save_fails_mid_stream_and_leaves_no_output(mcore_
         marker["files"][name]["sha256"] = hashlib.sha256((ckpt / name).read_bytes()).hexdigest()
     (ckpt / MARKER_NAME).write_text(json.dumps(marker))
     flushed = []
-    flush = convert.ShardWriter.flush
-    monkeypatch.setattr(convert.ShardWriter, "flush", lambda self: (flushed.append(len(self.pending)), flush(self)))
+    flush = hf_io.ShardWriter.flush
+    monkeypatch.setattr(hf_io.ShardWriter, "flush", lambda self: (flushed.append(len(self.pending)), flush(self)))
     monkeypatch.setattr(convert, "READ_BYTES", SMALL_READS)
     with pytest.raises(CheckpointError, match="is corrupted or does not match") as exc:
         convert.mcore_to_hf_checkpoint(ckpt, tmp_path / "out", max_shard_bytes=SMALL_SHARDS, tokenizer="char")

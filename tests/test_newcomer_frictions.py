@@ -25,7 +25,8 @@ def test_nvfp4_takes_its_own_group_size_by_default_and_every_other_format_keeps_
 
 
 def test_export_names_its_own_flags_when_it_refuses_a_size():
-    from megatron_qarl.weights.convert import ConversionError, export_quant_config
+    from megatron_qarl.weights.convert import export_quant_config
+    from megatron_qarl.weights.convert_errors import ConversionError
 
     assert export_quant_config("nvfp4", "all-linears").group_size == 16
     with pytest.raises(ConversionError) as err:

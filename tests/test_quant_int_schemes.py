@@ -385,7 +385,8 @@ def test_an_embedded_engine_that_serves_no_format_refuses_a_3_bit_push_loudly(cf
 def test_qarl_convert_exports_w3a16_that_the_library_decompresses_and_inspect_reads(cfg, tmp_path):
     from safetensors.torch import load_file
 
-    from megatron_qarl.weights.convert import export_checkpoint, inspect_checkpoint
+    from megatron_qarl.weights.convert import export_checkpoint
+    from megatron_qarl.weights.inspect import inspect_checkpoint
     from megatron_qarl.weights.hf_io import write_hf_checkpoint
 
     hf_state = seeded_hf_state(cfg)

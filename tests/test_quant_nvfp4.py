@@ -280,7 +280,8 @@ def test_qarl_convert_exports_nvfp4_that_the_library_decompresses_and_inspect_re
     from compressed_tensors.quantization import QuantizationConfig
     from safetensors.torch import load_file
 
-    from megatron_qarl.weights.convert import export_checkpoint, inspect_checkpoint
+    from megatron_qarl.weights.convert import export_checkpoint
+    from megatron_qarl.weights.inspect import inspect_checkpoint
     from megatron_qarl.weights.hf_io import write_hf_checkpoint
 
     hf_state = seeded_hf_state(cfg)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_qarl.checkpointing import EXTRA_STATE_NAME, MARKER_NAME, RunCheckpoints
+from megatron_qarl.checkpointing.format import EXTRA_STATE_NAME, MARKER_NAME
+from megatron_qarl.checkpointing.run_checkpoints import RunCheckpoints
 
 from conftest import REPO
 
@@ -85,7 +86,7 @@ def _plant_pickle(ckpt: Path, marker: Path) -> None:
 
 
 def test_crafted_side_state_runs_no_code_on_read(run_copy, tmp_path):
-    from megatron_qarl.checkpointing import read_extra_state
+    from megatron_qarl.checkpointing.trust import read_extra_state
     from megatron_qarl.errors import CheckpointError
 
     ckpt = run_copy / "checkpoints" / "step_00000002"
@@ -118,7 +119,7 @@ def test_side_state_of_a_real_checkpoint_reads_without_pickle_globals(base_run):
     reads it, and it restores the exact python/torch RNG state."""
     import torch
 
-    from megatron_qarl.checkpointing import read_extra_state
+    from megatron_qarl.checkpointing.trust import read_extra_state
 
     ckpt = base_run / "checkpoints" / "step_00000002"
     state = torch.load(ckpt / EXTRA_STATE_NAME, weights_only=True)  # independent reader
@@ -127,7 +128,7 @@ def test_side_state_of_a_real_checkpoint_reads_without_pickle_globals(base_run):
 
 
 def test_save_refuses_side_state_a_weights_only_reader_could_not_read(tmp_path):
-    from megatron_qarl.checkpointing import check_plain_state
+    from megatron_qarl.checkpointing.format import check_plain_state
 
     check_plain_state({"a": [1, 2.0, "x", b"y", None, (True,)], "t": __import__("torch").zeros(2)})
     with pytest.raises(TypeError, match="extra.bad"):

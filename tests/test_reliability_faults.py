@@ -24,7 +24,7 @@ from aligned_common import seeded_hf_state  # noqa: E402
 
 from conftest import REPO  # noqa: E402
 from conversion.cli import main as convert  # noqa: E402
-from megatron_qarl.checkpointing import MARKER_NAME  # noqa: E402
+from megatron_qarl.checkpointing.format import MARKER_NAME  # noqa: E402
 from megatron_qarl.models.qwen3_moe import tiny_hf_config  # noqa: E402
 from megatron_qarl.weights.hf_io import write_hf_checkpoint  # noqa: E402
 

@@ -342,7 +342,8 @@ def test_sft_stops_at_a_step_boundary_with_its_state_and_the_same_command_contin
     a resume SFT did not have. Now the step finishes, the state is saved, exit 3; the same command continues it to
     the very losses of an uninterrupted run, writes sft.out_checkpoint and drops the state."""
     from megatron_qarl import sft as sft_module
-    from megatron_qarl.checkpointing import is_complete, verify_checkpoint
+    from megatron_qarl.checkpointing.format import is_complete
+    from megatron_qarl.checkpointing.trust import verify_checkpoint
     from megatron_qarl.cli import train_main
     from megatron_qarl.lifecycle import EXIT_STOPPED
 
@@ -380,7 +381,7 @@ def test_a_second_sft_run_on_the_same_out_checkpoint_is_refused_or_moves_it_asid
     """Two SFT runs on one sft.out_checkpoint both exited 0, the second silently replacing the first (sft.overwrite
     defaulted to true). Now refused in one line naming the choices; sft.overwrite=true moves it aside, deletes
     nothing."""
-    from megatron_qarl.checkpointing import verify_checkpoint
+    from megatron_qarl.checkpointing.trust import verify_checkpoint
     from megatron_qarl.cli import train_main
 
     out, args = _sft(tmp_path, "run", "sft.steps=2")

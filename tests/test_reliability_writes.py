@@ -168,11 +168,12 @@ def test_hf_to_mcore_refuses_a_nan_weight(source_state, tmp_path):
 
 NAN_MCORE = """
 import sys, torch
-from megatron_qarl.checkpointing import save_checkpoint
+from megatron_qarl.checkpointing.save_load import save_checkpoint
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore
 from megatron_qarl.parallel import ParallelLayout, init_distributed
-from megatron_qarl.weights.convert import hf_checkpoint_files, HF_SIDECAR_KEY
+from megatron_qarl.checkpointing.format import HF_SIDECAR_KEY
+from megatron_qarl.weights.hf_io import hf_checkpoint_files
 from megatron_qarl.weights.hf_io import read_hf_state
 from megatron_qarl.weights.sharding import load_full_state_into_model
 cfg, layout = tiny_hf_config(), init_distributed(ParallelLayout(), seed=0)

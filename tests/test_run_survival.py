@@ -19,7 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_qarl.checkpointing import MARKER_NAME, RunCheckpoints, verify_checkpoint
+from megatron_qarl.checkpointing.format import MARKER_NAME
+from megatron_qarl.checkpointing.run_checkpoints import RunCheckpoints
+from megatron_qarl.checkpointing.trust import verify_checkpoint
 from megatron_qarl.lifecycle import EXIT_INTERRUPTED, EXIT_STOPPED, STOP_FILE_ENV
 
 from conftest import PROCESS_TAG_VAR, REPO, describe_and_kill, new_process_tag, surviving_processes, torchrun_cmd

@@ -148,8 +148,10 @@ def test_a_few_steps_reduce_the_loss_on_a_fixed_batch(tok):
 
 def test_run_sft_saves_a_checkpoint_that_reloads_with_identical_logits(tmp_path, tok):
     from megatron_qarl.config import RunConfig
-    from megatron_qarl.checkpointing import is_complete, load_checkpoint
-    from megatron_qarl.weights.convert import HF_SIDECAR_KEY, hf_config_from_json
+    from megatron_qarl.checkpointing.format import is_complete
+    from megatron_qarl.checkpointing.save_load import load_checkpoint
+    from megatron_qarl.checkpointing.format import HF_SIDECAR_KEY
+    from megatron_qarl.weights.hf_io import hf_config_from_json
 
     cfg = RunConfig()
     cfg.model.tokenizer = "char"
@@ -177,7 +179,7 @@ def test_run_sft_saves_a_checkpoint_that_reloads_with_identical_logits(tmp_path,
 
 
 def test_saved_weights_are_the_trained_weights(tmp_path, tok):
-    from megatron_qarl.checkpointing import load_checkpoint
+    from megatron_qarl.checkpointing.save_load import load_checkpoint
     from megatron_qarl.sft import _save
 
     trained, opt = _fresh_model(seed=21, lr=1e-3, lr_warmup_steps=0)
@@ -209,7 +211,7 @@ def test_tp2_sft_matches_world_one_and_its_checkpoint_loads_at_tp1(tmp_path, tor
     """TP=2 (+SP) trains on the same problems as one process (DP=1 in both): same losses, same weights."""
     import sys
 
-    from megatron_qarl.checkpointing import load_checkpoint
+    from megatron_qarl.checkpointing.save_load import load_checkpoint
     from megatron_qarl.config import RunConfig
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "dist"))

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_qarl.checkpointing import EXTRA_STATE_NAME, LEGACY_RUN_STATE, MARKER_NAME, RunCheckpoints
+from megatron_qarl.checkpointing.format import EXTRA_STATE_NAME, LEGACY_RUN_STATE, MARKER_NAME
+from megatron_qarl.checkpointing.run_checkpoints import RunCheckpoints
 
 from conftest import PROCESS_TAG_VAR, REPO, describe_and_kill, new_process_tag, surviving_processes, torchrun_cmd
 
@@ -247,7 +248,7 @@ def test_run_checkpoint_of_the_old_format_resumes_and_refuses_conversion_clearly
     import torch
 
     from conversion.cli import main as convert_main
-    from megatron_qarl.weights.convert import HF_SIDECAR_KEY
+    from megatron_qarl.checkpointing.format import HF_SIDECAR_KEY
 
     legacy = tmp_path / "checkpoints" / "step_00000003"
     shutil.copytree(world1_run / "checkpoints" / "step_00000003", legacy)
@@ -278,7 +279,9 @@ def test_a_diverging_run_stops_clearly_and_never_checkpoints_nan(tmp_path, aux_l
     Without it (aux 0, the default) Adam turns the tiny finite gradients into ~lr-sized updates that overflow
     the weights; the checkpoint due at that step is refused (or, where none is due, the next steps' losses
     go non-finite and are skipped)."""
-    from megatron_qarl.weights.convert import load_mcore_full_hf_state, open_mcore_checkpoint
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
+    from convert_common import load_mcore_full_hf_state
+    from megatron_qarl.weights.convert import open_mcore_checkpoint
 
     proc = _run(tmp_path, "train.steps=8", "checkpoint.every=1", "train.optim.lr=1e6", "train.optim.clip_grad=0",
                 "checkpoint.keep_last=10", f"train.moe_aux_loss_coeff={aux_loss}")

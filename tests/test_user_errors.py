@@ -18,7 +18,7 @@ FORMER_HAND_LIST = [
     ("megatron_qarl.rl.data", "DatasetError", ValueError),
     ("megatron_qarl.errors", "CheckpointError", ValueError),
     ("megatron_qarl.quant.config", "QuantConfigError", ValueError),
-    ("megatron_qarl.weights.convert", "ConversionError", ValueError),
+    ("megatron_qarl.weights.convert_errors", "ConversionError", ValueError),
     ("megatron_qarl.errors", "DivergenceError", RuntimeError),
     ("megatron_qarl.tokenizer", "TokenizerError", ValueError),
     ("megatron_qarl.tracking", "TrackingError", ValueError),
@@ -84,7 +84,7 @@ def test_run_guarded_passes_a_user_error_through_as_it_is(monkeypatch):
     assert raised.value is err  # not wrapped into RunFailed: its message is the report
 
 
-@pytest.mark.parametrize("module,name", [("megatron_qarl.weights.convert", "ConversionError"),
+@pytest.mark.parametrize("module,name", [("megatron_qarl.weights.convert_errors", "ConversionError"),
                                          ("megatron_qarl.errors", "CheckpointError"),
                                          ("megatron_qarl.quant.errors", "EngineLayoutError"),
                                          ("megatron_qarl.errors", "ConfigError")])

@@ -1,4 +1,4 @@
-"""Checkpoint conversion behind `qarl-convert`: HF <-> megatron dist checkpoint, engine export, inspect.
+"""Checkpoint conversion behind `qarl-convert`: HF <-> megatron dist checkpoint, engine export.
 
 * hf-to-mcore: HF dir -> megatron dist checkpoint at the current TP/EP (single process or torchrun).
   The HF config.json and tokenizer files travel inside the checkpoint's extra state, so every later
@@ -6,19 +6,18 @@
   checkpoint's tokenizer source (a training run records model.tokenizer / model.hf_path / "char").
 * mcore-to-hf: any-layout dist checkpoint (or a trainer run checkpoint step_XXXXXXXX/) -> HF safetensors.
 * export: HF dir or checkpoint -> engine-layout checkpoint (W4A16 compressed-tensors / FP8 block / bf16).
-* inspect: format, layout, parameter counts, quantization config, completeness.
+(inspect is weights/inspect.py; the HF side, config.json and tokenizer files, streamed reads and the sharded writer
+are hf_io.py's; which tokenizer an output gets is tokenizer_plan.py's.)
 
 mcore-to-hf and export stream, output shards flushed as they fill: from an HF dir one input tensor at a time,
 from a megatron checkpoint READ_BYTES of parameters per dist_checkpointing.load (McoreTensors); never the
 whole model in memory.
 
 Every output is written to a temp dir beside the target and renamed into place only when complete.
-Outputs carry the tokenizer next to the weights: `--tokenizer PATH|char`, else the checkpoint's recorded
-tokenizer source, else the tokenizer files it stores; with none of these, one warning line says how to add one.
+Outputs carry the tokenizer next to the weights (tokenizer_plan.plan_tokenizer).
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -27,30 +26,20 @@ from pathlib import Path
 
 import torch
 
-from megatron_qarl.errors import UserError
+from megatron_qarl.checkpointing.format import HF_SIDECAR_KEY, TOKENIZER_SOURCE_KEY
 from megatron_qarl.fileio import atomic_dir
 from megatron_qarl.models.registry import family_of
 from megatron_qarl.quant.schemes import DEFAULT_LOW_BIT, SCHEME_NAMES, scheme_named
-from megatron_qarl.weights.hf_io import CONFIG_NAME, INDEX_NAME, SINGLE_NAME, CheckpointError
+from megatron_qarl.weights.convert_errors import ConversionError
+from megatron_qarl.weights.hf_io import (
+    CONFIG_NAME, DEFAULT_SHARD_BYTES, TOKENIZER_FILES, HfSource, ShardWriter, checkpoint_config_json,
+    hf_checkpoint_files, hf_config_from_json, hf_side_files, tensor_nbytes)
+from megatron_qarl.weights.tokenizer_plan import TokenizerPlan, plan_tokenizer
 
 FORMATS = SCHEME_NAMES + ("bf16",)  # export --format: a registered low-bit scheme, or bf16
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-DEFAULT_SHARD_BYTES = 4 * 1024**3
-HF_SIDECAR_KEY = "hf_files"
-# extra state: where the tokenizer the checkpoint's model was trained with comes from (an HF tokenizer dir or
-# hub name, or "char" for the demo char tokenizer); exports write it next to the weights
-TOKENIZER_SOURCE_KEY = "tokenizer_source"
 # extra state: HF names a bf16 source checkpoint held in fp32 (mcore-to-hf writes them back fp32)
 SOURCE_FP32_KEY = "source_fp32_tensors"
-CHAR_TOKENIZER = "char"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                   "special_tokens_map.json", "generation_config.json", "added_tokens.json", "tokenizer.model",
-                   "chat_template.jinja", "chat_template.json")
-NOT_TOKENIZER = ("generation_config.json",)  # stored with the tokenizer files, kept whichever tokenizer is written
-
-
-class ConversionError(ValueError, UserError):
-    """A conversion the user asked for cannot be done as asked (bad input, existing output, bad option)."""
 
 
 # ------------------------------------------------------------------ output directories
@@ -165,238 +154,6 @@ def progress(total_bytes: int | None, desc: str):
                 disable=None, leave=False)  # None: off when not a tty
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-# ------------------------------------------------------------------ HF side files
-
-
-def hf_side_files(hf_dir: Path) -> dict[str, bytes]:
-    """config.json + tokenizer files of an HF dir, as bytes (stored with a dist checkpoint)."""
-    return {name: (hf_dir / name).read_bytes() for name in (CONFIG_NAME, *TOKENIZER_FILES)
-            if (hf_dir / name).is_file()}
-
-
-def hf_checkpoint_files(hf_config, hf_dir: str | os.PathLike | None = None) -> dict[str, bytes]:
-    """The `extra[HF_SIDECAR_KEY]` of a megatron checkpoint (hf-to-mcore, sft, run checkpoints): the HF dir's
-    own config.json + tokenizer files when the model came from one, else the config's config.json."""
-    if hf_dir is not None:
-        return hf_side_files(Path(hf_dir))
-    return {CONFIG_NAME: hf_config.to_json_string().encode()}
-
-
-def copy_tokenizer_files(files: dict[str, bytes], out: Path) -> None:
-    for name, data in files.items():
-        if name != CONFIG_NAME:
-            (out / name).write_bytes(data)
-
-
-def tokenizer_source(model_cfg) -> str:
-    """What a run records under TOKENIZER_SOURCE_KEY: the tokenizer `tokenizer.load_tokenizer` loads for
-    `model_cfg` (model.tokenizer, else model.hf_path, else the char tokenizer), a local path made absolute."""
-    source = model_cfg.tokenizer or model_cfg.hf_path or CHAR_TOKENIZER
-    if source != CHAR_TOKENIZER and Path(source).exists():
-        return str(Path(source).resolve())
-    return source
-
-
-TOKENIZER_FIX = (f"pass --tokenizer PATH (an HF dir with tokenizer.json / tokenizer_config.json) or --tokenizer "
-                 f"{CHAR_TOKENIZER} (the demo char tokenizer)")
-
-
-class TokenizerLoadError(ConversionError):
-    """A tokenizer source that does not load; `reason` says why, without the fix."""
-
-    def __init__(self, what: str, source: str, reason: str):
-        self.reason = f"{what} {source} {reason}"
-        super().__init__(f"{self.reason}; {TOKENIZER_FIX}")
-
-
-def load_tokenizer_source(source: str, what: str):
-    """The HF tokenizer `source` names: "char" (the demo char tokenizer) or an HF tokenizer dir / hub name."""
-    if source == CHAR_TOKENIZER:
-        from megatron_qarl.tokenizer import build_char_tokenizer
-
-        return build_char_tokenizer()
-    if (os.path.isabs(source) or source.startswith((".", "~"))) and not Path(source).expanduser().is_dir():
-        raise TokenizerLoadError(what, source, "does not exist")
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(source)
-    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for an unloadable tokenizer
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise TokenizerLoadError(what, source, f"cannot be loaded as a tokenizer ({type(exc).__name__}: {first})"
-                                 ) from exc
-
-
-@dataclass
-class TokenizerPlan:
-    """The tokenizer an output gets: `tokenizer` saved with save_pretrained (None: none to save) and `files`
-    copied as they are (stored tokenizer files, generation_config.json)."""
-
-    tokenizer: object | None
-    files: dict[str, bytes]
-
-    @classmethod
-    def saving(cls, tokenizer, side_files: dict[str, bytes]) -> "TokenizerPlan":
-        """Save `tokenizer`, and copy only the side files kept whichever tokenizer is written."""
-        return cls(tokenizer, {n: b for n, b in side_files.items() if n in NOT_TOKENIZER})
-
-    def write(self, out: Path) -> None:
-        copy_tokenizer_files(self.files, out)
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(str(out))
-
-
-def plan_tokenizer(side_files: dict[str, bytes], *, explicit: str | None = None, recorded: str | None = None,
-                   out: str | os.PathLike | None = None) -> TokenizerPlan:
-    """Which tokenizer an export writes: `explicit` (--tokenizer) if given, else the checkpoint's `recorded`
-    source, else the tokenizer files stored in `side_files`. A recorded source that no longer loads falls back
-    to the stored files with a warning (an error when there are none); nothing at all is one warning line."""
-    stored = {n: b for n, b in side_files.items() if n in TOKENIZER_FILES}
-    has_stored = any(n not in NOT_TOKENIZER for n in stored)
-    if explicit:
-        return TokenizerPlan.saving(load_tokenizer_source(explicit, "--tokenizer"), stored)
-    if recorded:
-        try:
-            return TokenizerPlan.saving(load_tokenizer_source(recorded, "the checkpoint's tokenizer source"), stored)
-        except TokenizerLoadError as exc:
-            if not has_stored:
-                raise
-            _warn(f"{exc.reason}; writing the tokenizer files stored in the checkpoint instead (--tokenizer "
-                  "PATH|char chooses another)")
-    if not has_stored:
-        _warn(f"{out or 'the output'} gets no tokenizer: the source records none and no --tokenizer was given, and "
-              f"SGLang / vLLM / transformers need one; {TOKENIZER_FIX}")
-    return TokenizerPlan(None, stored)
-
-
-def _warn(message: str) -> None:
-    if _is_rank0():
-        print(f"qarl-convert: warning: {message}", file=sys.stderr)
-
-
-def hf_config_from_json(text: str | bytes):
-    """The HF config of a config.json text, built by the family its model_type names."""
-    from megatron_qarl.models.registry import config_from_dict
-
-    return config_from_dict(json.loads(text))
-
-
-def checkpoint_config_json(hf_config, dtype: torch.dtype, quantization_config: dict | None,
-                           side_files: dict[str, bytes] | None = None) -> str:
-    """config.json for a written checkpoint: the source's own config.json when known (so a round trip
-    keeps it), else the config's non-default fields; dtype and quantization_config set for the output."""
-    side_files = side_files or {}
-    config = json.loads(side_files[CONFIG_NAME]) if CONFIG_NAME in side_files else hf_config.to_diff_dict()
-    name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
-    family = family_of(hf_config)
-    config.update(architectures=[family.architecture], model_type=family.model_type, torch_dtype=name)
-    if "dtype" in config:
-        config["dtype"] = name
-    config.pop("quantization_config", None)
-    if quantization_config is not None:
-        config["quantization_config"] = quantization_config
-    return json.dumps(config, indent=2, sort_keys=True)
-
-
-# ------------------------------------------------------------------ streaming HF reads
-
-
-@dataclass
-class HfSource:
-    """An HF checkpoint dir opened lazily: tensor name -> shard file, shapes from the headers only."""
-
-    path: Path
-    config: object
-    files: dict[str, list[str]]
-    shapes: dict[str, tuple[int, ...]]
-    total_bytes: int
-
-    @classmethod
-    def open(cls, path: str | os.PathLike) -> "HfSource":
-        from megatron_qarl.models.registry import read_hf_config
-        from megatron_qarl.weights.hf_io import scan_hf_checkpoint
-
-        path = Path(path)
-        if not path.is_dir():
-            raise ConversionError(f"HF checkpoint directory {path} does not exist")
-        config = read_hf_config(path)
-        index = scan_hf_checkpoint(path)
-        return cls(path, config, index.files, index.shapes, index.total_bytes)
-
-    def validate(self) -> None:
-        from megatron_qarl.weights.hf_io import HfIndex, validate_hf_index
-
-        validate_hf_index(HfIndex(self.path, self.files, {}, self.shapes, self.total_bytes), self.config)
-
-    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from safetensors import safe_open
-
-        for file_name, names in self.files.items():
-            with safe_open(str(self.path / file_name), framework="pt") as fh:
-                for name in names:
-                    yield name, fh.get_tensor(name)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-# ------------------------------------------------------------------ sharded safetensors writer
-
-
-class ShardWriter:
-    """Writes named tensors into numbered safetensors shards as they fill; `finish` names and indexes them."""
-
-    def __init__(self, out: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES):
-        if max_shard_bytes <= 0:
-            raise ConversionError(f"--max-shard-bytes must be positive, got {max_shard_bytes}")
-        self.out, self.max_shard_bytes = out, max_shard_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[tuple[str, list[str]]] = []
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = _nbytes(tensor)
-        if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
-            self.flush()
-        self.pending[name] = tensor.detach().contiguous().cpu()
-        self.pending_bytes += nbytes
-        self.total_bytes += nbytes
-
-    def flush(self) -> None:
-        from megatron_qarl.weights.hf_io import save_safetensors
-
-        if not self.pending:
-            return
-        file_name = f"part-{len(self.shards):05d}.safetensors"
-        save_safetensors(self.pending, self.out / file_name, metadata={"format": "pt"})
-        self.shards.append((file_name, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
-
-    def finish(self) -> list[str]:
-        self.flush()
-        if len(self.shards) == 1:
-            os.rename(self.out / self.shards[0][0], self.out / SINGLE_NAME)
-            return [SINGLE_NAME]
-        weight_map, files = {}, []
-        for i, (part, names) in enumerate(self.shards):
-            final = f"model-{i + 1:05d}-of-{len(self.shards):05d}.safetensors"
-            os.rename(self.out / part, self.out / final)
-            files.append(final)
-            weight_map.update({n: final for n in names})
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.out / INDEX_NAME).write_text(json.dumps(index, indent=2))
-        return files
-
-
 # ------------------------------------------------------------------ megatron side
 
 
@@ -430,7 +187,7 @@ def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *,
     with tp=ep=1). fp32 masters; the source dtype is recorded so mcore-to-hf writes it back bit-exactly.
     Each rank reads only its own shards (load_hf_checkpoint_into_model) and checks what it reads; a bad
     weight on any rank stops every rank before anything is written."""
-    from megatron_qarl.checkpointing import save_checkpoint
+    from megatron_qarl.checkpointing.save_load import save_checkpoint
     from megatron_qarl.models.registry import read_hf_config
     from megatron_qarl.weights.hf_io import load_hf_checkpoint_into_model, scan_hf_checkpoint, validate_hf_index
 
@@ -450,7 +207,7 @@ def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *,
         with progress(None, "hf-to-mcore read") as bar:  # this rank's shards: its total is known only as it reads
             def read(name, tensor):
                 check_weight(name, tensor)
-                bar.update(_nbytes(tensor))
+                bar.update(tensor_nbytes(tensor))
 
             load_hf_checkpoint_into_model(model, hf_config, hf_dir, index=index, on_read=read)
     except ConversionError as exc:  # a non-finite weight in this rank's part
@@ -501,7 +258,7 @@ def _stop_all_ranks_if_any(problem: Exception | None) -> None:
 
 @dataclass
 class McoreSource:
-    """A megatron checkpoint to read (checkpointing.py's format): model-only (hf-to-mcore, sft) or a trainer
+    """A megatron checkpoint to read (checkpointing's format): model-only (hf-to-mcore, sft) or a trainer
     run checkpoint step_XXXXXXXX/ (with optimizer state); either carries its HF config.json."""
 
     path: Path
@@ -514,8 +271,8 @@ class McoreSource:
 
 
 def open_mcore_checkpoint(path: str | os.PathLike) -> McoreSource:
-    from megatron_qarl.checkpointing import (
-        EXTRA_STATE_NAME, LEGACY_RUN_STATE, MARKER_NAME, is_complete, read_extra_state, read_marker)
+    from megatron_qarl.checkpointing.format import EXTRA_STATE_NAME, LEGACY_RUN_STATE, MARKER_NAME, is_complete
+    from megatron_qarl.checkpointing.trust import read_extra_state, read_marker
 
     path = Path(path)
     if not path.is_dir():
@@ -555,14 +312,14 @@ class McoreTensors:
     the whole-model load did. Reads are this process's alone (no collective): under torchrun only rank 0 reads."""
 
     hf_config: object
-    reader: object  # checkpointing.ModelTensorReader
+    reader: object  # checkpointing.tensor_reader.ModelTensorReader
     names: list[str]
     read_bytes: int = READ_BYTES
 
     @classmethod
     def open(cls, src: McoreSource, read_bytes: int | None = None) -> "McoreTensors":
         """Checks the checkpoint (complete, file sizes) and locates every parameter; reads no weight yet."""
-        from megatron_qarl.checkpointing import ModelTensorReader
+        from megatron_qarl.checkpointing.tensor_reader import ModelTensorReader
         from megatron_qarl.weights.sharding import _natural_key, state_buffers
 
         # TP1/EP1: the meta model's parameter names are the full (global expert id) names the adapter maps, and
@@ -600,11 +357,6 @@ def _read_groups(names: list[str], nbytes, budget: int) -> Iterator[list[str]]:
         yield group
 
 
-def load_mcore_full_hf_state(src: McoreSource) -> dict[str, torch.Tensor]:
-    """Full HF-named fp32 state of a checkpoint in memory (small models, tests); conversions stream McoreTensors."""
-    return dict(McoreTensors.open(src))
-
-
 def mcore_to_hf_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str | None = None,
                            max_shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False,
                            tokenizer: str | None = None) -> Path:
@@ -629,7 +381,7 @@ def mcore_to_hf_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, d
         with progress(stream.total_bytes, "mcore-to-hf") as bar:
             for name, tensor in checked(stream):
                 writer.add(name, tensor.to(torch.float32 if name in fp32_names else torch_dtype))
-                bar.update(_nbytes(tensor))
+                bar.update(tensor_nbytes(tensor))
         writer.finish()
         tok.write(tmp)
         (tmp / CONFIG_NAME).write_text(checkpoint_config_json(src.hf_config, torch_dtype, None, src.side_files))
@@ -677,7 +429,7 @@ def write_engine_checkpoint(out: Path, hf_config, named: Iterable[tuple[str, tor
             def counted():
                 for name, tensor in named:
                     yield name, tensor
-                    bar.update(_nbytes(tensor))
+                    bar.update(tensor_nbytes(tensor))
             sink.update_weights(engine_named_tensors(counted(), quant_cfg, naming=family_of(hf_config)))
     except BaseException:
         sink.abort()
@@ -787,120 +539,3 @@ def _check_quantizable(hf_config, quant_cfg) -> None:
                 quant_cfg.check_divisible(shape, name)
             except ValueError as exc:
                 raise ConversionError(f"cannot export {quant_cfg.scheme}: {exc}") from exc
-
-
-# ------------------------------------------------------------------ inspect
-
-
-def quant_config_from_checkpoint(qc: dict | None, family):
-    """The QuantConfig an exported checkpoint's `quantization_config` describes (bf16: QuantConfig()) and its
-    format name; `family`: the checkpoint's model family (which reads its ignore list)."""
-    from megatron_qarl.quant.engine_layout import quant_config_from_quantization_config
-    from megatron_qarl.quant.errors import EngineLayoutError
-
-    try:
-        quant_cfg = quant_config_from_quantization_config(qc, naming=family)
-    except EngineLayoutError as err:
-        raise ConversionError(f"unsupported quantization_config: {err}") from None
-    return quant_cfg, quant_cfg.scheme if quant_cfg.enabled else "bf16"
-
-
-def inspect_checkpoint(path: str | os.PathLike) -> dict:
-    """Describe a checkpoint dir (HF / exported / megatron) and verify it holds every tensor it should."""
-    path = Path(path)
-    if not path.is_dir():
-        raise ConversionError(f"{path} does not exist or is not a directory")
-    if (path / CONFIG_NAME).is_file():
-        return _inspect_hf(path)
-    return _inspect_mcore(path)
-
-
-def _inspect_hf(path: Path) -> dict:
-    from megatron_qarl.weights.hf_io import _check_safetensors_complete, _shard_files
-
-    raw = json.loads((path / CONFIG_NAME).read_text())
-    config = hf_config_from_json(json.dumps({k: v for k, v in raw.items() if k != "quantization_config"}))
-    family = family_of(config)
-    quant_cfg, fmt = quant_config_from_checkpoint(raw.get("quantization_config"), family)
-    from safetensors import safe_open
-
-    names, nbytes = set(), 0
-    files = _shard_files(path)
-    for file_name in files:
-        _check_safetensors_complete(path / file_name)
-        nbytes += (path / file_name).stat().st_size
-        with safe_open(str(path / file_name), framework="pt") as fh:
-            names.update(fh.keys())
-    from megatron_qarl.quant.engine_layout import expected_engine_names
-
-    expected = expected_engine_names(family.adapter.expected_hf_shapes(config), quant_cfg, naming=family)
-    missing, unexpected = sorted(expected - names), sorted(names - expected)
-    return {"path": str(path), "format": f"hf-{fmt}", **_model_info(family),
-            "layout": f"{len(files)} safetensors file(s)",
-            "bytes": nbytes, "tensors": len(names), "parameters": family.parameter_counts(config),
-            "quantization_config": raw.get("quantization_config"),
-            "complete": not missing and not unexpected, "missing": missing[:16], "unexpected": unexpected[:16]}
-
-
-def _inspect_mcore(path: Path) -> dict:
-    """A megatron checkpoint (qarl-convert hf-to-mcore, sft, or a trainer step_* dir): every file checked against
-    the size and sha256 its completion marker recorded, then the stored parameters against the config's. No pickle
-    of it is read but by checkpointing's restricted loaders (check_no_code, read_dcp_metadata): a file that would
-    run code is a CheckpointError."""
-    from megatron_qarl.checkpointing import check_no_code, is_complete, read_dcp_metadata, read_marker, verify_checkpoint
-
-    recorded = read_marker(path).get("files") or {}
-    problems = verify_checkpoint(path) if is_complete(path) else []
-    files_info = {"files": len(recorded), "verified": len(recorded) - len(problems) if recorded else 0}
-    nbytes = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    try:
-        src = open_mcore_checkpoint(path)
-        check_no_code(path)
-        meta = read_dcp_metadata(path).state_dict_metadata
-    except (ConversionError, CheckpointError) as exc:
-        if not problems:
-            raise
-        # damaged files: report what verification found along with the read error
-        return {"path": str(path), "format": "megatron", "layout": "torch_dist", "bytes": nbytes, "tensors": 0,
-                "parameters": None, "quantization_config": None, "complete": False,
-                "missing": [*problems[:15], str(exc)], "unexpected": [], **files_info}
-    # Model tensors keep their own names; a run checkpoint's optimizer state is stored under "optimizer.".
-    weights = {k: m.size for k, m in meta.items()
-               if not k.startswith("optimizer.") and "_extra_state" not in k and hasattr(m, "size")}
-    stored_params = sum(_numel(size) for size in weights.values())
-    expected_params = family_of(src.hf_config).parameter_counts(src.hf_config)["total"]
-    missing = list(problems) + ([] if stored_params == expected_params else [
-        f"stored tensors hold {stored_params:,} parameters, the config needs {expected_params:,}"])
-    marker = read_marker(path)
-    return {"path": str(path), "format": f"megatron-{src.kind}", **_model_info(family_of(src.hf_config)),
-            "layout": f"torch_dist, saved by "
-            f"{marker.get('world_size', '?')} rank(s); loads at any TP/EP",
-            "bytes": nbytes, "tensors": len(weights), "parameters": family_of(src.hf_config).parameter_counts(src.hf_config),
-            "quantization_config": None, "complete": not missing, "missing": missing[:16], "unexpected": [],
-            **files_info}
-
-
-def _model_info(family) -> dict:
-    """The model family a checkpoint holds: config.json's model_type and the transformers architecture."""
-    return {"model_type": family.model_type, "architecture": family.architecture}
-
-
-def format_inspection(info: dict) -> str:
-    p = info["parameters"]
-    lines = [f"path:        {info['path']}", f"format:      {info['format']}"]
-    if info.get("model_type"):
-        lines.append(f"model:       {info['model_type']} ({info['architecture']})")
-    lines += [f"layout:      {info['layout']}",
-              f"size:        {info['bytes'] / 1e6:.1f} MB in {info['tensors']} tensors",
-              f"parameters:  total {p['total']:,}  active {p['active']:,}  experts {p['expert']:,}" if p else
-              "parameters:  unknown (the checkpoint's side state could not be read)",
-              f"quantization: {json.dumps(info['quantization_config']) if info['quantization_config'] else 'none'}"]
-    if "files" in info:
-        lines.append(f"files:       {info['verified']} of {info['files']} match the size and sha256 recorded at save"
-                     if info["files"] else "files:       no sizes/digests recorded (written before qarl recorded them)")
-    lines.append(f"complete:    {'yes' if info['complete'] else 'NO'}")
-    if info["missing"]:
-        lines.append(f"missing:     {info['missing']}")
-    if info["unexpected"]:
-        lines.append(f"unexpected:  {info['unexpected']}")
-    return "\n".join(lines)

@@ -1,4 +1,6 @@
-"""Read and write HF checkpoints (config.json + safetensors, single or sharded) of any registered model family."""
+"""Read and write HF checkpoints (config.json + safetensors, single or sharded) of any registered model family: whole
+states, a rank's local shards, the side files (config.json, tokenizer files) a megatron checkpoint stores, and the
+converter's streamed reads (HfSource) and sharded writes (ShardWriter)."""
 from __future__ import annotations
 
 import json
@@ -6,6 +8,7 @@ import math
 import os
 import struct
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +20,16 @@ from megatron_qarl.errors import CheckpointError
 from megatron_qarl.fileio import atomic_dir
 from megatron_qarl.models.family import WeightMappingError
 from megatron_qarl.models.registry import family_of, read_hf_config
+from megatron_qarl.weights.convert_errors import ConversionError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+DEFAULT_SHARD_BYTES = 4 * 1024**3  # the converter's outputs' safetensors shard size (--max-shard-bytes)
+# the tokenizer files an HF dir may hold beside its weights (generation_config.json with them: it travels along)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "generation_config.json", "added_tokens.json", "tokenizer.model",
+                   "chat_template.jinja", "chat_template.json")
 
 
 # ---------------------------------------------------------------- reading
@@ -476,3 +485,125 @@ def write_hf_checkpoint(path: str | os.PathLike, hf_config, state: Mapping[str, 
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
         hf_config.to_json_file(str(tmp / CONFIG_NAME))
     return path
+
+
+# ---------------------------------------------------------------- side files: config.json and the tokenizer's
+
+def hf_side_files(hf_dir: Path) -> dict[str, bytes]:
+    """config.json + tokenizer files of an HF dir, as bytes (stored with a dist checkpoint)."""
+    return {name: (hf_dir / name).read_bytes() for name in (CONFIG_NAME, *TOKENIZER_FILES)
+            if (hf_dir / name).is_file()}
+
+
+def hf_checkpoint_files(hf_config, hf_dir: str | os.PathLike | None = None) -> dict[str, bytes]:
+    """The `extra[checkpointing.format.HF_SIDECAR_KEY]` of a megatron checkpoint (hf-to-mcore, sft, run
+    checkpoints): the HF dir's own config.json + tokenizer files when the model came from one, else the config's
+    config.json."""
+    if hf_dir is not None:
+        return hf_side_files(Path(hf_dir))
+    return {CONFIG_NAME: hf_config.to_json_string().encode()}
+
+
+def hf_config_from_json(text: str | bytes):
+    """The HF config of a config.json text, built by the family its model_type names."""
+    from megatron_qarl.models.registry import config_from_dict
+
+    return config_from_dict(json.loads(text))
+
+
+def checkpoint_config_json(hf_config, dtype: torch.dtype, quantization_config: dict | None,
+                           side_files: dict[str, bytes] | None = None) -> str:
+    """config.json for a written checkpoint: the source's own config.json when known (so a round trip
+    keeps it), else the config's non-default fields; dtype and quantization_config set for the output."""
+    side_files = side_files or {}
+    config = json.loads(side_files[CONFIG_NAME]) if CONFIG_NAME in side_files else hf_config.to_diff_dict()
+    name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}[dtype]
+    family = family_of(hf_config)
+    config.update(architectures=[family.architecture], model_type=family.model_type, torch_dtype=name)
+    if "dtype" in config:
+        config["dtype"] = name
+    config.pop("quantization_config", None)
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    return json.dumps(config, indent=2, sort_keys=True)
+
+
+# ---------------------------------------------------------------- streamed reads and writes (the converter's)
+
+@dataclass
+class HfSource:
+    """An HF checkpoint dir opened lazily: tensor name -> shard file, shapes from the headers only."""
+
+    path: Path
+    config: object
+    files: dict[str, list[str]]
+    shapes: dict[str, tuple[int, ...]]
+    total_bytes: int
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> "HfSource":
+        path = Path(path)
+        if not path.is_dir():
+            raise ConversionError(f"HF checkpoint directory {path} does not exist")
+        config = read_hf_config(path)
+        index = scan_hf_checkpoint(path)
+        return cls(path, config, index.files, index.shapes, index.total_bytes)
+
+    def validate(self) -> None:
+        validate_hf_index(HfIndex(self.path, self.files, {}, self.shapes, self.total_bytes), self.config)
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for file_name, names in self.files.items():
+            with safe_open(str(self.path / file_name), framework="pt") as fh:
+                for name in names:
+                    yield name, fh.get_tensor(name)
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class ShardWriter:
+    """Writes named tensors into numbered safetensors shards as they fill; `finish` names and indexes them."""
+
+    def __init__(self, out: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES):
+        if max_shard_bytes <= 0:
+            raise ConversionError(f"--max-shard-bytes must be positive, got {max_shard_bytes}")
+        self.out, self.max_shard_bytes = out, max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[tuple[str, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor_nbytes(tensor)
+        if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
+            self.flush()
+        self.pending[name] = tensor.detach().contiguous().cpu()
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        file_name = f"part-{len(self.shards):05d}.safetensors"
+        save_safetensors(self.pending, self.out / file_name, metadata={"format": "pt"})
+        self.shards.append((file_name, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        self.flush()
+        if len(self.shards) == 1:
+            os.rename(self.out / self.shards[0][0], self.out / SINGLE_NAME)
+            return [SINGLE_NAME]
+        weight_map, files = {}, []
+        for i, (part, names) in enumerate(self.shards):
+            final = f"model-{i + 1:05d}-of-{len(self.shards):05d}.safetensors"
+            os.rename(self.out / part, self.out / final)
+            files.append(final)
+            weight_map.update({n: final for n in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out / INDEX_NAME).write_text(json.dumps(index, indent=2))
+        return files

@@ -1,4 +1,5 @@
-"""Helpers the qarl-convert tests share: the CLI in its own process, and an output directory read back."""
+"""Helpers the qarl-convert tests share: the CLI in its own process, an output directory read back, and a megatron
+checkpoint read whole."""
 import os
 import subprocess
 import sys
@@ -27,3 +28,11 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(file), framework="pt") as fh:
             out.update({n: fh.get_tensor(n) for n in fh.keys()})
     return out
+
+
+def load_mcore_full_hf_state(src) -> dict[str, torch.Tensor]:
+    """Full HF-named fp32 state of a megatron checkpoint (convert.open_mcore_checkpoint's McoreSource) in memory, for
+    small models in tests; conversions stream convert.McoreTensors."""
+    from megatron_qarl.weights.convert import McoreTensors
+
+    return dict(McoreTensors.open(src))

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from conversion.cli import main
-from megatron_qarl.checkpointing import MARKER_NAME
+from megatron_qarl.checkpointing.format import MARKER_NAME
 from _common import write_result
 
 

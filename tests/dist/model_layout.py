@@ -16,7 +16,7 @@ from _common import write_result
 from megatron_qarl.models.registry import family_named
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
-from megatron_qarl.checkpointing import load_checkpoint, save_checkpoint
+from megatron_qarl.checkpointing.save_load import load_checkpoint, save_checkpoint
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_state_from_model, load_hf_state_into_model
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore, mcore_to_hf
 from megatron_qarl.parallel import unwrap_model
