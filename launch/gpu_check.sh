@@ -2,7 +2,7 @@
 # One-command GPU check. Runs every step the machine can run and says which ones it skipped and why:
 #   1. the GPU-marked tests (marlin W4A16 / TransformerEngine FP8 backends against the reference numerics):
 #      needs pytest (in the [gpu] extra; the backends' own tests skip without sgl_kernel / TE);
-#   2. the SGLang engine check per scheme (python -m megatron_qarl.rollout.gpu_check): a tiny Qwen3-MoE exported
+#   2. the SGLang engine check per scheme (python launch/gpu_check.py): a tiny Qwen3-MoE exported
 #      with our code, served by SGLang, refit through the real update path, its logprobs compared with a
 #      transformers recompute: needs sglang==0.5.23;
 #   3. the QaRL claim on this GPU (python -m megatron_qarl.probe): the megatron learner (TP1, bf16) scores a
@@ -77,7 +77,7 @@ fi
 # --- 2. the SGLang engine check ---
 if [ "$have_sglang" = 1 ] && [ "$device" = cuda ]; then
   for s in "${schemes[@]}"; do
-    step "SGLang engine check, scheme=$s" "$PY" -m megatron_qarl.rollout.gpu_check --scheme "$s" "$@"
+    step "SGLang engine check, scheme=$s" "$PY" launch/gpu_check.py --scheme "$s" "$@"
   done
 elif [ "$have_sglang" = 1 ]; then
   skip "SGLang engine check: SGLang serves only on CUDA"
@@ -93,9 +93,10 @@ work="$(mktemp -d -t qarl_gpu_learner_XXXX)"
 trap 'rm -rf "$work"' EXIT
 "$PY" - "$work" "$PROMPTS" <<'PYEOF'
 import json, sys
-from megatron_qarl.models.qwen3_moe.args import tiny_hf_config
+from megatron_qarl.models.qwen3_moe import tiny_hf_config
 from megatron_qarl.rollout.embedded import EmbeddedEngine
-from megatron_qarl.rollout.gpu_check import random_prompts
+sys.path.insert(0, "launch")  # gpu_check.py, step 2's script: the same prompts
+from gpu_check import random_prompts
 from megatron_qarl.weights.hf_io import write_hf_checkpoint
 out, prompts = sys.argv[1], int(sys.argv[2])
 for name, head_dim in (("hf", 64), ("hf_head128", 128)):

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 ENGINES = ("megatron_qarl.rollout.embedded", "megatron_qarl.rollout.sglang_kind", "megatron_qarl.rollout.sglang_client",
-           "megatron_qarl.rollout.sglang_launch", "megatron_qarl.rollout.gpu_check")
+           "megatron_qarl.rollout.sglang_launch")
 
 
 @functools.lru_cache(maxsize=None)

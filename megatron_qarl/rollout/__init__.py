@@ -4,8 +4,9 @@ Rooms: ``protocol`` (value types + the RolloutEngine protocol), ``payload`` (the
 receive), ``engine_kind`` (the EngineKind seam each engine implements), ``engines`` (the registry:
 ``engine_kind``, ``make_engine``), ``sglang_compat`` (every ``sglang`` import), and the engines ``embedded``,
 SGLang (``sglang_kind``, over ``sglang_config`` / ``sglang_refit`` / ``sglang_engine_config`` / ``sglang_launch`` /
-``sglang_wire`` / ``sglang_client``) and vLLM (``vllm_engine``, ``vllm_config``, ``vllm_server``) plus ``gpu_check``. Engine modules import their heavy dependencies lazily and
-are not imported here: outside rollout/ ask the registry (``engines.engine_kind`` / ``make_engine``).
+``sglang_wire`` / ``sglang_client``) and vLLM (``vllm_engine``, ``vllm_config``, ``vllm_server``). Engine modules
+import their heavy dependencies lazily and are not imported here: outside rollout/ ask the registry
+(``engines.engine_kind`` / ``make_engine``). The GPU check of the SGLang engine is a script, launch/gpu_check.py.
 """
 
 from megatron_qarl.rollout.engines import make_engine

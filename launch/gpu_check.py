@@ -1,5 +1,10 @@
-"""End-to-end SGLang check for GPU users (launch/gpu_check.sh): export -> serve -> refit -> generate ->
+"""End-to-end SGLang check for GPU users (step 2 of launch/gpu_check.sh): export -> serve -> refit -> generate ->
 compare sampler logprobs with a transformers recompute on the same (dequantized) weights.
+
+    python launch/gpu_check.py [--scheme none|w4a16|fp8] [--workdir DIR] ...
+
+A script beside the shell script that runs it, not a module of the package: nothing in megatron_qarl imports it.
+Its CPU-side logic is tested with the embedded engine standing in for SGLang (tests/test_gpu_check_script.py).
 
 1. Export a tiny Qwen3-MoE checkpoint (weights A) in engine layout with our code (bf16 / W4A16 experts /
    FP8) plus the matching ``quantization_config``.
@@ -23,8 +28,11 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 
 def tiny_hf_config():
