@@ -86,7 +86,7 @@ class RunContext:
     checkpoints: Any
     sampling: Any  # step 0's SamplingParams; each step offsets the seed
     start_step: int
-    route_geometry: Any = None  # RouteGeometry: what the engine's routed experts must fit
+    route_geometry: Any = None  # the family's MoEGeometry: what the engine's routed experts must fit
     topology: RolloutTopology = field(default_factory=RolloutTopology)  # engines and the ranks driving them
     # The reward pool's cumulative counters when last logged: each step logs its own share.
     reward_counts: dict = field(default_factory=dict)
@@ -125,7 +125,6 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from megatron_qarl.checkpointing.run_checkpoints import RunCheckpoints
-    from megatron_qarl.moe.replay import RouteGeometry
     from megatron_qarl.optim import build_optimizer
     from megatron_qarl.models.aligned import apply_aligned_quantization
     from megatron_qarl.memory import engine_shares_gpu
@@ -187,7 +186,7 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
                                    keep_last=cfg.checkpoint.keep_last),
         sampling=sampling,
         start_step=0,
-        route_geometry=RouteGeometry.from_hf_config(hf_config),
+        route_geometry=family_of(hf_config).moe_geometry(hf_config),
         topology=topology,
         memory=memory,
         start_checkpoint=engine_start_checkpoint(cfg, model, hf_config, quant, tokenizer),

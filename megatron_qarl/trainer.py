@@ -406,7 +406,8 @@ def forward_logprobs(ctx, micro: RolloutBatch) -> torch.Tensor:
 
 def routing_replay(ctx, micro: RolloutBatch):
     """Context in which the learner's routers replay the sampler's experts (train.routing_replay)."""
-    from megatron_qarl.moe.replay import RouteLayoutError, replay_routing
+    from megatron_qarl.models.routes import RouteLayoutError
+    from megatron_qarl.moe.replay import replay_routing
 
     if ctx.cfg.train.routing_replay != "replay":
         return contextlib.nullcontext()

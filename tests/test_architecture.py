@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "megatron_qarl.models": {"megatron_qarl.errors", "megatron_qarl.quant", "megatron_qarl.parallel"},
     "megatron_qarl.rl": {"megatron_qarl.errors", "megatron_qarl.fileio", "megatron_qarl.lifecycle",
                          "megatron_qarl.parallel"},
-    # telemetry reports rl's k3 estimator; rl's batch packs routes through the RouteGeometry it is handed
+    # telemetry reports rl's k3 estimator; routes are laid out by models (models/routes.py, the family's MoEGeometry)
     "megatron_qarl.moe": {"megatron_qarl.models", "megatron_qarl.parallel", "megatron_qarl.rl"},
     "megatron_qarl.optim": {"megatron_qarl.parallel", "megatron_qarl.models"},
     "megatron_qarl.rollout": {"megatron_qarl.errors", "megatron_qarl.lifecycle", "megatron_qarl.quant",

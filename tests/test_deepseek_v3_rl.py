@@ -22,7 +22,7 @@ from deepseek_v3_layout import random_hf_state  # noqa: E402 - the seeded random
 
 from megatron_qarl.models.deepseek_v3 import FAMILY, tiny_hf_config
 from megatron_qarl.models.logprobs import token_logprobs
-from megatron_qarl.moe.replay import RouteGeometry, replay_routing, router_token_order, sampler_routed_mask
+from megatron_qarl.moe.replay import replay_routing, router_token_order, sampler_routed_mask
 from megatron_qarl.moe.telemetry import measure_replay_telemetry, observe_routers, routes_as_map
 from megatron_qarl.parallel import ParallelLayout
 from megatron_qarl.rl.batch import build_rollout_batch
@@ -31,7 +31,7 @@ from megatron_qarl.rollout.protocol import SamplingParams
 from megatron_qarl.weights.sharding import load_full_state_into_model
 
 CFG = tiny_hf_config()  # 3 layers (layer 0 dense), 8 experts in 2 groups (1 chosen), top-2, a shared expert
-GEOM = RouteGeometry.from_hf_config(CFG)
+GEOM = FAMILY.moe_geometry(CFG)
 EXPERTS, GROUP = 8, 4
 
 

@@ -630,7 +630,7 @@ def test_dense_layer_rows_are_dropped_before_the_routes_are_checked(monkeypatch)
     written (zeros); the engine keeps the MoE layers' rows only, which fit the family's geometry and check_routes."""
     from megatron_qarl.config import load_config
     from megatron_qarl.models.registry import family_of, preset_hf_config
-    from megatron_qarl.moe.replay import RouteLayoutError, check_routes
+    from megatron_qarl.models.routes import RouteLayoutError, check_routes
 
     hf = preset_hf_config("tiny-deepseek-v3")  # 3 decoder layers, the first dense; top-2 of 8 experts
     geometry = family_of(hf).moe_geometry(hf)

@@ -15,10 +15,11 @@ from aligned_common import hf_model, seeded_hf_state, w4a16_dequantized_state  #
 
 from megatron_qarl.models.logprobs import token_logprobs  # noqa: E402
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config  # noqa: E402
-from megatron_qarl.models.registry import preset_hf_config  # noqa: E402
+from megatron_qarl.models.family import MoEGeometry  # noqa: E402
+from megatron_qarl.models.registry import family_of, preset_hf_config  # noqa: E402
+from megatron_qarl.models.routes import RouteLayoutError, pack_routes, route_bytes_per_token  # noqa: E402
 from megatron_qarl.moe.replay import (  # noqa: E402
-    RouteGeometry, RouteLayoutError, check_replay_fits, pack_routes, replay_routing, route_bytes_per_token,
-    router_token_order, sampler_routed_mask)
+    check_replay_fits, replay_routing, router_token_order, sampler_routed_mask)
 from megatron_qarl.moe.telemetry import measure_replay_telemetry, observe_routers, routes_as_map  # noqa: E402
 from megatron_qarl.parallel import ParallelLayout  # noqa: E402
 from megatron_qarl.quant import QuantConfig  # noqa: E402
@@ -30,7 +31,7 @@ from megatron_qarl.weights.sharding import load_full_state_into_model  # noqa: E
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU world-of-one tests")
 
-GEOM = RouteGeometry(num_layers=2, topk=2, num_experts=8)
+GEOM = MoEGeometry(num_layers=2, topk=2, num_experts=8)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,7 +74,8 @@ def logp_of(model, batch):
 # ---------------------------------------------------------------------------------------- layout
 
 def test_30b_a3b_routes_take_384_bytes_per_token():
-    geom = RouteGeometry.from_hf_config(preset_hf_config("qwen3-30b-a3b"))
+    hf = preset_hf_config("qwen3-30b-a3b")
+    geom = family_of(hf).moe_geometry(hf)
     assert (geom.num_layers, geom.topk, geom.num_experts) == (48, 8, 128)
     assert geom.bytes_per_token == route_bytes_per_token(48, 8) == 384
 
@@ -81,7 +83,7 @@ def test_30b_a3b_routes_take_384_bytes_per_token():
 def test_pack_routes_places_rows_on_positions_and_fills_the_rest_with_valid_ids():
     r0 = torch.tensor([[[3, 5], [1, 2]], [[7, 0], [4, 6]]], dtype=torch.int32)  # length 3 -> 2 rows
     r1 = torch.tensor([[[6, 1], [2, 3]]], dtype=torch.int32)  # length 2 -> 1 row
-    out = pack_routes([r0, r1], [3, 2], 4, **GEOM.as_kwargs())
+    out = GEOM.pack([r0, r1], [3, 2], 4)
     assert out.dtype == torch.uint8 and out.shape == (2, 4, 2, 2)
     assert out[0, :2].tolist() == r0.tolist() and out[1, 0].tolist() == r1[0].tolist()
     filler = [[0, 1], [0, 1]]
@@ -112,7 +114,7 @@ def test_router_token_order_is_megatrons_s_major_sp_slice():
 ])
 def test_bad_routes_raise_clear_errors(routes, message):
     with pytest.raises(RouteLayoutError, match=message):
-        pack_routes([routes], [3], 4, **GEOM.as_kwargs())
+        GEOM.pack([routes], [3], 4)
 
 
 def test_batch_with_routes_needs_geometry_and_too_many_experts_rejected():

@@ -120,6 +120,22 @@ class MoEGeometry:
             return routes
         return routes[:, list(self.moe_layers)]
 
+    def pack(self, routes, lengths, seq_len: int):
+        """Per-sample engine routes ([len-1, num_layers, topk] each) -> [N, seq_len, num_layers, topk] uint8 aligned
+        with input_ids (models.routes.pack_routes, checked against this geometry); rl's batch builder calls it on
+        the geometry the run hands it."""
+        from megatron_qarl.models.routes import pack_routes  # torch: the family itself is read without it
+
+        return pack_routes(routes, lengths, seq_len, num_layers=self.num_layers, topk=self.topk,
+                           num_experts=self.num_experts)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token's routes take in a rollout batch (uint8: one per MoE layer and expert slot)."""
+        from megatron_qarl.models.routes import route_bytes_per_token
+
+        return route_bytes_per_token(self.num_layers, self.topk)
+
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: one object per family
 class ModelFamily:

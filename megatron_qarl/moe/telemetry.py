@@ -17,8 +17,9 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from megatron_qarl.models.routes import RouteLayoutError
 from megatron_qarl.moe.replay import (
-    RouteLayoutError, moe_routers, replay_routing, router_token_order, router_token_routes, sampler_routed_mask,
+    moe_routers, replay_routing, router_token_order, router_token_routes, sampler_routed_mask,
     sequence_parallel_coords,
 )
 from megatron_qarl.rl.metrics import k3

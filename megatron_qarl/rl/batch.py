@@ -70,8 +70,8 @@ def build_rollout_batch(
     """Right-pad prompt+response rows and lay the sampler's log-probs on the response positions.
 
     `routed_experts`: the engine's per-sample routes ([prompt+response-1, layers, topk] each), checked
-    against `route_geometry` (a `megatron_qarl.moe.replay.RouteGeometry`) and packed to
-    [N, S, layers, topk] uint8 by the geometry (`RouteGeometry.pack`).
+    against `route_geometry` (the model family's `megatron_qarl.models.family.MoEGeometry`, handed in: rl does not
+    import models) and packed to [N, S, layers, topk] uint8 by the geometry (`MoEGeometry.pack`).
     """
     if not (len(prompt_ids) == len(response_ids) == len(response_logprobs) == len(group_ids)):
         raise ValueError("prompt_ids, response_ids, response_logprobs and group_ids must have the same length")

@@ -21,7 +21,8 @@ from _common import write_result
 from aligned_common import hf_model, seeded_hf_state
 from megatron_qarl.models.logprobs import token_logprobs
 from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
-from megatron_qarl.moe.replay import RouteGeometry, replay_routing, sampler_routed_mask
+from megatron_qarl.models.registry import family_of
+from megatron_qarl.moe.replay import replay_routing, sampler_routed_mask
 from megatron_qarl.moe.telemetry import measure_replay_telemetry, observe_routers, routes_as_map
 from megatron_qarl.parallel import ParallelLayout, destroy_distributed, init_distributed
 from megatron_qarl.rl.batch import build_rollout_batch
@@ -87,7 +88,7 @@ def global_batch(state):
     return build_rollout_batch(prompts, responses, [[0.0] * len(r) for r in responses], torch.zeros(ROWS),
                                torch.zeros(ROWS), list(range(ROWS)), pad_token_id=0, pad_multiple=2,
                                routed_experts=engine_routes,
-                               route_geometry=RouteGeometry.from_hf_config(tiny_hf_config()))
+                               route_geometry=family_of(tiny_hf_config()).moe_geometry(tiny_hf_config()))
 
 
 def gather_sequence(local: torch.Tensor, batch: int, tp: int, sp: bool) -> torch.Tensor:

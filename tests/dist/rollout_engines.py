@@ -27,7 +27,7 @@ from megatron_qarl.config import load_config
 from megatron_qarl.memory_saver import TrainerMemory
 from megatron_qarl.models.aligned import apply_aligned_quantization
 from megatron_qarl.models.qwen3_moe import tiny_hf_config
-from megatron_qarl.moe.replay import RouteGeometry
+from megatron_qarl.models.registry import family_of
 from megatron_qarl.parallel import ParallelLayout, RolloutTopology, init_distributed
 from megatron_qarl.rollout.dispatch import Sample, deliver_samples, generate_request, plan_requests
 from megatron_qarl.rollout.embedded import EmbeddedEngine
@@ -107,7 +107,7 @@ def rollout_ctx(run_cfg, engine, publisher, tokenizer, reward_fn, rows_prompts, 
     batch = [SimpleNamespace(prompt_ids=p, answer="1", row={"answer": "1"}) for p in rows_prompts[::N]]
     return SimpleNamespace(
         cfg=run_cfg, topology=RolloutTopology(2, 2, 1, True), engine=engine, publisher=publisher,
-        tokenizer=tokenizer, reward_fn=reward_fn, route_geometry=RouteGeometry.from_hf_config(cfg),
+        tokenizer=tokenizer, reward_fn=reward_fn, route_geometry=family_of(cfg).moe_geometry(cfg),
         data=SimpleNamespace(next_batch=lambda k: batch[:k]), reward_counts={}, tracker=None,
         sampling=SamplingParams(temperature=1.0, max_new_tokens=5, seed=11),
         memory=TrainerMemory.for_run(False), quant=None,  # no engine on the trainer's devices: nothing released
