@@ -28,6 +28,7 @@ model with a bf16 embedded engine: mean gap 1.9e-3 against a bound of 2.3e-2.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_qarl.errors import RefitError
+
+log = logging.getLogger(__name__)
 
 CANARY_SEED = 20261202  # the canary's tokens: fixed for every run, so its history compares across runs
 WORST_SHOWN = 3  # tokens named in a breach's line
@@ -176,14 +179,14 @@ def run_canary(cfg, hf_config, tokenizer) -> RefitCanary | None:
         return None
     if cfg.quant.enabled and not cfg.quant.learner_aligned:
         # an unaligned learner computes another function than the engine's quantized one, by design
-        _say("[qarl] refit canary off: quant.learner_aligned=false (the learner's forward is not the engine's "
+        _say("refit canary off: quant.learner_aligned=false (the learner's forward is not the engine's "
              "arithmetic; publish.verify checks what the engine keeps)")
         return None
     scheme = scheme_of(cfg.quant) if cfg.quant.enabled else None
     activation = scheme.activation_dtype if scheme is not None and scheme.quantizes_activations else None
     learner = getattr(torch, cfg.model.dtype)
     bound = canary_bound(engine_kind(cfg.rollout.engine).canary_dtype(cfg), learner, activation, hf_config)
-    _say(f"[qarl] refit canary: {cfg.publish.canary_sequences} x {cfg.publish.canary_tokens} tokens after each of the "
+    _say(f"refit canary: {cfg.publish.canary_sequences} x {cfg.publish.canary_tokens} tokens after each of the "
          f"first {cfg.publish.canary_dense_publishes} publishes, then every {cfg.publish.canary_every}; bound "
          f"{bound.value:.3g} ({bound.why})")
     multiple = cfg.parallel.pad_multiple
@@ -193,4 +196,4 @@ def run_canary(cfg, hf_config, tokenizer) -> RefitCanary | None:
 
 def _say(line: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(line, flush=True)
+        log.info(line)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import ipaddress
+import logging
 import math
 import os
 import shutil
@@ -18,6 +19,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 class ParallelLayoutError(ValueError):
@@ -444,8 +447,8 @@ def wait_for_ranks(phase: str, status: int = 0, note: str = "", *, poll_s: float
                 f"parallel.rank_wait_timeout_minutes={_RANK_WAIT['timeout_s'] / 60:g} (waited {waited:.0f} s); their "
                 "logs say where they are; raise it if the phase legitimately takes longer")
         if time.monotonic() >= next_log:
-            print(f"[qarl] rank {me}: waiting for {world - arrived} of {world} ranks to finish {phase} "
-                  f"({waited:.0f} s so far, at most {_RANK_WAIT['timeout_s']:.0f} s)", flush=True)
+            log.info(f"rank {me}: waiting for {world - arrived} of {world} ranks to finish {phase} "
+                     f"({waited:.0f} s so far, at most {_RANK_WAIT['timeout_s']:.0f} s)")
             next_log += _RANK_WAIT["log_s"]
         time.sleep(pause)
         pause = min(pause * 2, poll_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -18,6 +19,9 @@ from typing import Any
 
 from megatron_qarl.errors import UserError
 from megatron_qarl.fileio import append_text, atomic_write_bytes, atomic_write_text, check_own_file
+
+log = logging.getLogger(__name__)
+progress_log = logging.getLogger(f"{__name__}.progress")  # printed as the line alone
 
 # The curves a reader of a QaRL run looks at first: learning progress, response length, the
 # sampler<->learner mismatch, how much the trust band masks, and cost. Every metric under one of
@@ -113,8 +117,7 @@ def prepare_run_dir(out_dir, checkpoint_dir=None, *, continuing: bool, overwrite
             dest = moved_aside_name(d)
             d.rename(dest)
             moved.append(dest)
-            print(f"[qarl] logging.overwrite=true: moved the earlier run's {d} to {dest} (nothing deleted)",
-                  flush=True)
+            log.info(f"logging.overwrite=true: moved the earlier run's {d} to {dest} (nothing deleted)")
     return moved
 
 
@@ -201,7 +204,7 @@ class MetricsTracker:
         last = self.cfg.total_steps is not None and step + 1 == self.cfg.total_steps
         has_eval = any(k.startswith("eval/") for k in metrics)
         if (step + 1) % self.cfg.log_every == 0 or last or has_eval:
-            print(progress_line(step, self.cfg.total_steps, metrics), flush=True)
+            progress_log.info(progress_line(step, self.cfg.total_steps, metrics))
         every = self.cfg.plot_every
         if self.cfg.plots and every and (step + 1) % every == 0 and not last:  # the last step's: finish()
             self._plot()
@@ -231,8 +234,8 @@ class MetricsTracker:
                 write(step, rows)
                 restored.append(path.name)
         if restored:
-            print(f"[qarl] step {step}'s row was checkpointed but never logged (the run was killed during the publish "
-                  f"after its checkpoint): restored to {', '.join(restored)} from the checkpoint", flush=True)
+            log.info(f"step {step}'s row was checkpointed but never logged (the run was killed during the publish "
+                     f"after its checkpoint): restored to {', '.join(restored)} from the checkpoint")
         return restored
 
     def rows(self) -> list[dict]:
@@ -258,7 +261,7 @@ class MetricsTracker:
             written = plot_metrics(self.rows(), self.out_dir)
         except Exception as exc:  # noqa: BLE001 - plots are a convenience; the metrics are in the jsonl
             if not self._plot_warned:
-                print(f"[qarl] plots not written to {self.out_dir}: {exc}", flush=True)
+                log.info(f"plots not written to {self.out_dir}: {exc}")
             self._plot_warned = True
             return []
         self._plot_warned = False
@@ -280,7 +283,7 @@ class MetricsTracker:
                 self._tb.close()  # flushes
                 written.append(self.tensorboard_dir)
             except Exception as exc:  # noqa: BLE001 - never the run's error
-                print(f"[qarl] tensorboard not closed cleanly: {exc}", flush=True)
+                log.info(f"tensorboard not closed cleanly: {exc}")
             self._tb = None
         if self.cfg.plots and not failed:
             written += self._plot()
@@ -288,7 +291,7 @@ class MetricsTracker:
             try:
                 self._wandb.finish(exit_code=1 if failed else 0)
             except Exception as exc:  # noqa: BLE001 - same: never the run's error
-                print(f"[qarl] wandb not closed cleanly: {exc}", flush=True)
+                log.info(f"wandb not closed cleanly: {exc}")
         return written
 
 
@@ -332,8 +335,8 @@ def _truncate_jsonl(path: Path, start_step: int) -> None:
             kept.append(line)
     if len(kept) != len(lines):
         atomic_write_text(path, "".join(line + "\n" for line in kept))
-        print(f"[qarl] {path.name}: dropped {len(lines) - len(kept)} row(s) of step {start_step} and later "
-              "(re-run after the resume)", flush=True)
+        log.info(f"{path.name}: dropped {len(lines) - len(kept)} row(s) of step {start_step} and later "
+                 "(re-run after the resume)")
 
 
 def progress_line(step: int, total: int | None, metrics: dict[str, Any]) -> str:
@@ -411,8 +414,7 @@ def _init_wandb(cfg: TrackerConfig, out_dir: Path):
                            "run `wandb login`, or log offline (WANDB_MODE=offline, `wandb sync` later)")
     unreachable = _unreachable_wandb_server() if mode in _ONLINE_MODES else None
     if unreachable:  # wandb would retry for minutes, then raise: it is a view of metrics.jsonl, log it offline
-        print(f"[qarl] wandb: {unreachable}; logging offline to {out_dir}/wandb instead (`wandb sync` it later)",
-              flush=True)
+        log.info(f"wandb: {unreachable}; logging offline to {out_dir}/wandb instead (`wandb sync` it later)")
         mode = "offline"
     kw = dict(project=cfg.project, entity=cfg.entity, name=cfg.run_name, mode=mode, dir=str(out_dir),
               config=cfg.config or {}, settings=wandb.Settings(silent=True, console="off"))
@@ -422,8 +424,8 @@ def _init_wandb(cfg: TrackerConfig, out_dir: Path):
         return wandb.init(id=cfg.wandb_run_id, resume="allow", **kw)
     except Exception as exc:  # noqa: BLE001 - e.g. "run ID is in use" while a killed run's wandb service lingers
         # wandb is a view of metrics.jsonl: a resume must not fail because wandb cannot continue its run
-        print(f"[qarl] wandb could not continue run {cfg.wandb_run_id} ({str(exc).splitlines()[0]}); logging "
-              "this run's steps to a new wandb run (metrics.jsonl holds them all)", flush=True)
+        log.info(f"wandb could not continue run {cfg.wandb_run_id} ({str(exc).splitlines()[0]}); logging "
+                 "this run's steps to a new wandb run (metrics.jsonl holds them all)")
         return wandb.init(**kw)
 
 

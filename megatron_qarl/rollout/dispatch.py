@@ -23,6 +23,7 @@ broadcasting the whole batch to every rank.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -32,6 +33,8 @@ from typing import Any
 import torch
 
 from megatron_qarl.rollout.protocol import GenerationResult, RolloutEngineError, SamplingParams, row_seed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,7 @@ def _abandon(engine, cancelled: threading.Event, cond: threading.Condition, done
         try:
             engine.abort_requests()
         except Exception as err:  # noqa: BLE001 - the wait below is bounded either way
-            print(f"[qarl] aborting the engine's requests failed ({err}); waiting for them", flush=True)
+            log.info(f"aborting the engine's requests failed ({err}); waiting for them")
     deadline = time.monotonic() + drain_s
     with cond:
         while started - len(done) and time.monotonic() < deadline:

@@ -45,6 +45,7 @@ engine check at start (`engine_check`) and the errors (`publish_errors`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 import zlib
@@ -64,6 +65,8 @@ from megatron_qarl.weights.gather import GatherTopology, full_shape, gather_part
 from megatron_qarl.weights.publish_errors import PublishError
 from megatron_qarl.weights.publish_plan import FullParam, expert_names_of, full_param_engine_tensors
 from megatron_qarl.weights.push import LiveBytes, PushStats, push_named_tensors, verify_read_back
+
+log = logging.getLogger(__name__)
 
 
 VERIFY_MODES = ("off", "all", "sampled")
@@ -377,7 +380,7 @@ class WeightPublisher:
 
     def _delta_metrics(self, stats: PushStats, full_reason: str | None, fallbacks: int) -> dict:
         if full_reason is not None and self.publishes > 0 and not full_reason.startswith("every"):
-            print(f"[publish] full publish: {full_reason}", flush=True)
+            log.info(f"full publish: {full_reason}")
         return {
             "publish/full": float(full_reason is not None),
             "publish/delta_fallbacks": fallbacks,
