@@ -135,6 +135,7 @@ def test_an_sglang_server_is_read_back_from_the_checkpoint_it_loaded(cfg, tmp_pa
 
 
 def test_the_run_stops_on_every_rank_before_the_first_step(cfg, tmp_path, capsys):
+    from megatron_qarl.rollout.protocol import EngineBase
     from megatron_qarl.run_context import check_engines_serve_the_learners_quantization
 
     path = export(cfg, tmp_path, QuantConfig(scheme="w4a16", group_size=64))
@@ -144,7 +145,7 @@ def test_the_run_stops_on_every_rank_before_the_first_step(cfg, tmp_path, capsys
         check_engines_serve_the_learners_quantization(ctx)
     ctx.cfg = SimpleNamespace(quant=QuantConfig(scheme="w4a16", group_size=64))
     check_engines_serve_the_learners_quantization(ctx)
-    ctx.engine = SimpleNamespace()  # an engine that cannot tell: a warning line, no stop
+    ctx.engine = EngineBase()  # an engine that cannot tell (the protocol's default): a warning line, no stop
     check_engines_serve_the_learners_quantization(ctx)
     assert "does not report its quantization" in capsys.readouterr().out
 

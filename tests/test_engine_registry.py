@@ -235,12 +235,13 @@ def test_the_flags_match_what_the_engine_class_implements(name):
     """What the publisher asks the engine object (weights.publish): checksum() for verify (or, reading back its own
     layout, weight_read_back() and held_weight_checksums()), apply_weight_deltas()
     and weight_version() for a delta; a GPU-sharing engine releases and resumes its memory."""
+    from megatron_qarl.rollout.protocol import EngineBase
+
     engine, kind = engine_class(name), engine_kind(name)
-    assert kind.verifies_checksums == callable(getattr(engine, "checksum", None))
-    assert kind.reads_back_weights == (callable(getattr(engine, "weight_read_back", None))
-                                       and callable(getattr(engine, "held_weight_checksums", None)))
-    assert kind.applies_deltas == (callable(getattr(engine, "apply_weight_deltas", None))
-                                   and callable(getattr(engine, "weight_version", None)))
+    own = lambda method: getattr(engine, method) is not getattr(EngineBase, method)  # noqa: E731 - not the default
+    assert kind.verifies_checksums == engine.reports_checksums == own("checksum")
+    assert kind.reads_back_weights == own("weight_read_back") == own("held_weight_checksums")
+    assert kind.applies_deltas == engine.takes_weight_deltas == own("apply_weight_deltas") == own("weight_version")
     can_share = callable(getattr(engine, "release_memory", None)) and callable(getattr(engine, "resume_memory", None))
     assert can_share or not any(kind.shares_trainer_gpus(tiny_run(name, *extra, world_size=None))
                                 for extra in ([], ["rollout.vllm.device=cuda"]))

@@ -20,6 +20,7 @@ from megatron_qarl.models.qwen3_moe import tiny_hf_config  # noqa: E402
 from megatron_qarl.models.registry import preset_hf_config  # noqa: E402
 from megatron_qarl.parallel import ParallelLayout  # noqa: E402
 from megatron_qarl.quant import QuantConfig, pack_int4_groupwise  # noqa: E402
+from megatron_qarl.rollout.protocol import EngineBase  # noqa: E402
 from megatron_qarl.models.aligned import apply_aligned_quantization  # noqa: E402
 from megatron_qarl.rollout.embedded import EmbeddedEngine  # noqa: E402
 from megatron_qarl.rollout.protocol import SamplingParams  # noqa: E402
@@ -172,8 +173,10 @@ def test_empty_update_opens_and_closes_the_engine_and_sends_nothing():
     assert engine.calls == ["begin", "end"] and (stats.bytes, stats.num_buckets) == (0, 0)
 
 
-class _DroppingEngine:
+class _DroppingEngine(EngineBase):
     """Wraps the embedded engine and silently drops one tensor of every update."""
+
+    reports_checksums = True
 
     def __init__(self, inner, drop: str):
         self.inner, self.drop = inner, drop
@@ -206,6 +209,8 @@ def test_verification_names_a_dropped_tensor(cfg):
 
 def test_verification_catches_altered_bytes():
     class Corrupting(RecordingEngine):
+        reports_checksums = True
+
         def checksum(self, names):
             from megatron_qarl.rollout.payload import tensor_sha256
 

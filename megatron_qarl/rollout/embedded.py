@@ -191,6 +191,9 @@ class EmbeddedEngine(EngineBase):
     """A transformers model of a registered family (its `causal_lm_class`) held in-process; implements
     ``RolloutEngine``."""
 
+    reports_checksums = True
+    takes_weight_deltas = True
+
     def __init__(self, model, dtype: torch.dtype = torch.bfloat16, collect_routed_experts: bool = False,
                  pad_token_id: int = 0, record_checksums: bool = True, tokenizer=None,
                  w4a16_kernel: str = "dequantized", quantization_config: dict | None = None):

@@ -111,6 +111,40 @@ class EngineBase:
         """Abort every request it is serving (a stop during a rollout, rollout.dispatch): SGLang's /abort_request.
         Default: nothing to abort early; the requests in flight end within their own bounds."""
 
+    def label(self) -> str:
+        """The engine as a one-line message names it (SGLang adds its server's URL)."""
+        return type(self).__name__
+
+    def quantization_config(self) -> dict | None:
+        """The config.json ``quantization_config`` of what it loaded (RolloutEngine.quantization_config).
+        Default: it cannot tell (LookupError), so the engine start check says "not verified"."""
+        raise LookupError(f"{self.label()} does not report its quantization")
+
+    # publish.verify: the checksums of what it received under each name (EngineKind.verifies_checksums) ...
+    reports_checksums: bool = False
+
+    def checksum(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        raise NotImplementedError(f"{self.label()} reports no checksum(names) of what it holds")
+
+    # ... or a read-back of what it holds in its own layout (EngineKind.reads_back_weights): the hooks the publish
+    # feeds as its buckets stream, compared with held_weight_checksums afterwards
+    def weight_read_back(self, hf_config, quant_cfg, select):
+        """This publish's read-back (`select`: which parameters it checks), or None: it reads back nothing."""
+        return None
+
+    def held_weight_checksums(self) -> list[dict]:
+        raise NotImplementedError(f"{self.label()} reads back none of its weights")
+
+    # publish.mode=delta (EngineKind.applies_deltas): it patches the compressed tensors it keeps, at a version
+    takes_weight_deltas: bool = False
+
+    def apply_weight_deltas(self, batch) -> None:
+        raise NotImplementedError(f"{self.label()} takes no weight deltas")
+
+    def weight_version(self) -> int:
+        """Completed weight updates since it (re)started: a delta applies only to the version last seen."""
+        raise NotImplementedError(f"{self.label()} takes no weight deltas")
+
 
 @runtime_checkable
 class RolloutEngine(Protocol):

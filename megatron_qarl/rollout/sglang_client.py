@@ -166,6 +166,9 @@ class SGLangEngine(EngineBase):
     def url(self) -> str:
         return self._http.base_url if self._http else ""
 
+    def label(self) -> str:
+        return f"{type(self).__name__} {self.url}".strip()
+
     def start(self) -> None:
         cfg = self.cfg
         if cfg.mode == "attach":

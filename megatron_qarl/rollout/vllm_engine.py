@@ -219,6 +219,9 @@ def checked_score_rows(rows, sequences: list[list[int]]) -> list[list[float]]:
 class VLLMEngine(EngineBase):
     """``RolloutEngine`` over a ``vllm_server`` process."""
 
+    reports_checksums = True
+    takes_weight_deltas = True
+
     def __init__(self, cfg: VLLMEngineConfig):
         if not cfg.model_path or not (Path(cfg.model_path) / "config.json").is_file():
             raise VLLMSetupError(f"VLLMEngineConfig.model_path {cfg.model_path!r} is not a checkpoint dir "

@@ -166,7 +166,7 @@ def publish_from_copy(engine, copy: EngineCopy, *, is_expert: Callable[[str], bo
 
 
 def supports_weight_deltas(engine) -> bool:
-    return callable(getattr(engine, "apply_weight_deltas", None)) and callable(getattr(engine, "weight_version", None))
+    return engine.takes_weight_deltas
 
 
 def changed_codes(previous: torch.Tensor, current: torch.Tensor, nibbles: bool | str) -> int:

@@ -355,11 +355,11 @@ class WeightPublisher:
     def _read_back(self):
         """This publish's read-back of an engine that reads back its own layout, or None (verify off, or another
         engine: None on the ranks without one, too)."""
-        make = getattr(self.engine, "weight_read_back", None)
-        if self.verify == "off" or not callable(make):
+        if self.verify == "off" or self.engine is None:
             return None
         select = self._verify_selector(self._read_back_params_last)
-        return make(self.hf_config, self.quant_cfg, select if callable(select) else (lambda name: bool(select)))
+        return self.engine.weight_read_back(self.hf_config, self.quant_cfg,
+                                            select if callable(select) else (lambda name: bool(select)))
 
     def _push_delta(self, stream, live: LiveBytes, verify) -> tuple[PushStats, str | None, int]:
         reason = self._full_reason()

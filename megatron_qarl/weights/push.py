@@ -124,14 +124,13 @@ def verify_read_back(engine, read_back, publish: int) -> int:
         return 0
     compared, problem = read_back.compare(engine.held_weight_checksums())
     if problem:
-        where = f"{type(engine).__name__} {getattr(engine, 'url', '')}".strip()
-        raise PublishVerificationError(f"{where} after publish {publish}: {problem}")
+        raise PublishVerificationError(f"{engine.label()} after publish {publish}: {problem}")
     return compared
 
 
 def verify_engine_checksums(engine, sent: dict[str, str]) -> None:
     """Raise PublishVerificationError unless the engine holds exactly the sent bytes under every name."""
-    if not callable(getattr(engine, "checksum", None)):
+    if not engine.reports_checksums:
         raise PublishError(f"verify=True needs an engine with checksum(names); {type(engine).__name__} has none "
                            "(use the embedded engine, or publish with verify=False)")
     held = {}

@@ -11,6 +11,7 @@ from megatron_qarl.models.qwen3_moe import build_qwen3_moe_model, tiny_hf_config
 from megatron_qarl.models.registry import family_of
 from megatron_qarl.quant import QuantConfig, quantize_weight
 from megatron_qarl.rollout.payload import unflatten_bucket
+from megatron_qarl.rollout.protocol import EngineBase
 from megatron_qarl.quant.engine_layout import engine_named_tensors
 from megatron_qarl.models.qwen3_moe.state_dict_adapter import hf_to_mcore, mcore_to_hf
 from megatron_qarl.weights.sharding import gather_full_state, load_full_state_into_model
@@ -25,7 +26,7 @@ SCHEMES = {
 }
 
 
-class RecordingEngine:
+class RecordingEngine(EngineBase):
     """Keeps copies of every pushed tensor and the order of calls (a stand-in for the rollout engine)."""
 
     def __init__(self):
