@@ -17,10 +17,11 @@ from megatron_qarl.quant.engine_layout import w4a16_quantization_config
 from megatron_qarl.rollout.payload import FlattenedBucket
 from megatron_qarl.rollout.protocol import RolloutEngineError
 from megatron_qarl.rollout.vllm_engine import (
-    VLLMEngine, VLLMSetupError, check_vllm_machine, check_vllm_venv, checked_score_rows)
+    VLLMEngine, VLLMEngineConfig, VLLMSetupError, check_vllm_machine, check_vllm_venv, checked_score_rows,
+    vllm_python)
 from megatron_qarl.rollout.vllm_server import (
-    LOGPROBS_MODE, Server, bucket_header, checkpoint_int4_linears, prompt_token_logprobs, recv_json, send_json,
-    tensors_from_bucket)
+    LOGPROBS_MODE, Server, bucket_header, checkpoint_int4_linears, parse_args, probe_linears, prompt_token_logprobs,
+    recv_json, send_json, tensors_from_bucket)
 from megatron_qarl.rollout.payload import tensor_sha256
 
 QWEN3 = family_named("qwen3_moe")
@@ -83,12 +84,20 @@ def test_int4_linears_this_cpu_has_no_kernel_for_are_refused_before_anything_sta
                                          ("all-linears", (True, True)), ("attention", (False, True))])
 def test_int4_linears_are_read_from_the_exported_ignore_list(tmp_path, scope, int4):
     """What the server checks before starting vLLM: the exporter's own quantization_config per scope, read
-    with compressed-tensors' matching rule ("re:" = regex), not with our scope names."""
-    qc = w4a16_quantization_config(scope, naming=QWEN3)
-    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
-    assert checkpoint_int4_linears(str(tmp_path)) == int4
+    with compressed-tensors' matching rule ("re:" = regex), not with our scope names, about the linears the
+    trainer names on its command line from the family's table (the server imports no family)."""
+    cfg = QWEN3.config_from_preset("tiny").to_dict()
+    cfg["quantization_config"] = w4a16_quantization_config(scope, naming=QWEN3)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    engine = VLLMEngine.__new__(VLLMEngine)  # the command line the engine would start, without starting it
+    engine.cfg, engine.python = VLLMEngineConfig(model_path=str(tmp_path)), vllm_python()
+    args = parse_args(engine.child_argv(port=1)[3:])
+    assert probe_linears(args) == {"experts": "model.layers.0.mlp.experts.0.gate_proj",
+                                   "attention": "model.layers.0.self_attn.q_proj"}
+    assert checkpoint_int4_linears(str(tmp_path), probe_linears(args)) == int4
     (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
-    assert checkpoint_int4_linears(str(tmp_path)) == (False, False)
+    assert checkpoint_int4_linears(str(tmp_path), probe_linears(args)) == (False, False)
+    assert probe_linears(parse_args(engine.child_argv(port=1)[3:])) == {}  # no family's config: nothing to ask
 
 
 def test_qarl_train_without_the_venv_says_how_to_create_it(tmp_path):

@@ -7,9 +7,10 @@ It keeps the received engine-layout tensors themselves too (packed codes, scales
 delta (``apply_weight_deltas``, ``rollout.delta``) applies to; a quantized linear is dequantized into the
 model at the end of the update in which any of its parts changed.
 
-transformers 5.19 keeps a Qwen3-MoE layer's experts fused in memory:
-``mlp.experts.gate_up_proj`` [E, 2I, H] (rows [0, I) = gate_proj, [I, 2I) = up_proj) and
-``mlp.experts.down_proj`` [E, H, I]; per-expert checkpoint names are mapped into those slices.
+transformers 5.19 keeps an MoE layer's routed experts fused in memory, one module for all of them; the family
+says where each checkpoint-named tensor lives (``family.adapter.module_of``: a routed expert's linear is rows of
+a fused experts tensor at its index) and which linears each expert GEMM computes (``expert_gemms``), so this
+engine spells no checkpoint name.
 
 FP8 linears run W8A8 as SGLang's block-FP8 methods do: besides the dequantized block weights, each FP8
 linear's input is quantized per 1 x block tile (the fp8 scheme's `input_values`, the rule of SGLang's
@@ -79,17 +80,19 @@ def _experts_forward(experts: torch.nn.Module, gate_up, down, quantize_input=Non
     return forward
 
 
-def _w8a8_experts_forward(experts: torch.nn.Module, quantize_input):
-    return _experts_forward(experts, lambda e, x: torch.nn.functional.linear(x, experts.gate_up_proj[e]),
-                            lambda e, x: torch.nn.functional.linear(x, experts.down_proj[e]), quantize_input)
+def _w8a8_experts_forward(experts: torch.nn.Module, gemms, quantize_input):
+    """`gemms(e)`: ((fused tensor, linears), ...) of expert e's two GEMMs (the family's `expert_gemms`)."""
+    def gemm(i):
+        return lambda e, x: torch.nn.functional.linear(x, getattr(experts, gemms(e)[i][0])[e])
+    return _experts_forward(experts, gemm(0), gemm(1), quantize_input)
 
 
-def _int4_experts_forward(experts: torch.nn.Module, prefix: str, weights: dict[str, AtenInt4Weight]):
-    """The experts' GEMMs on PyTorch's int4 kernel: gate and up as two GEMMs (the engine layout's linears),
-    concatenated as transformers' fused gate_up_proj rows are."""
-    def gate_up(e, x):
-        return torch.cat([aten_int4_linear(x, weights[f"{prefix}.{e}.{p}_proj"]) for p in ("gate", "up")], dim=-1)
-    return _experts_forward(experts, gate_up, lambda e, x: aten_int4_linear(x, weights[f"{prefix}.{e}.down_proj"]))
+def _int4_experts_forward(experts: torch.nn.Module, gemms, weights: dict[str, AtenInt4Weight]):
+    """The experts' GEMMs on PyTorch's int4 kernel: each linear a GEMM of its own (the engine layout's linears),
+    concatenated as transformers' fused tensor holds their rows (gate, up)."""
+    def gemm(i):
+        return lambda e, x: torch.cat([aten_int4_linear(x, weights[n]) for n in gemms(e)[i][1]], dim=-1)
+    return _experts_forward(experts, gemm(0), gemm(1))
 
 
 def _int4_linear_forward(module: torch.nn.Module, prefix: str, weights: dict[str, AtenInt4Weight]):
@@ -97,14 +100,6 @@ def _int4_linear_forward(module: torch.nn.Module, prefix: str, weights: dict[str
         out = aten_int4_linear(x, weights[prefix])
         return out if module.bias is None else out + module.bias
     return forward
-
-
-def _module_of(prefix: str) -> tuple[str, bool]:
-    """(the transformers module that computes HF linear `prefix`, whether it is a fused experts module):
-    `...mlp.experts.E.up_proj` lives in `...mlp.experts`, every other linear in its own module."""
-    if ".mlp.experts." in prefix:
-        return prefix.rsplit(".", 2)[0], True
-    return prefix, False
 
 
 def _in_engine_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -345,8 +340,7 @@ class EmbeddedEngine(EngineBase):
             from megatron_qarl.quant.schemes import scheme_of_quantization_config
 
             scheme = scheme_of_quantization_config(self._served)[0]
-            linears = [n[: -len(".weight")] for n, t in self.family.adapter.hf_state_from_model(self.model).items()
-                       if n.endswith(".weight") and t.dim() == 2 and "embed_tokens" not in n]
+            linears = self.family.adapter.linear_names(self.model.config)
             held = scheme.quantized_linears(self._served, linears)
             self._served_linears = {n: scheme.kind if n in held else UNQUANTIZED for n in linears}
         want = self._served_linears.get(hf_name[: -len(".weight")])
@@ -391,12 +385,12 @@ class EmbeddedEngine(EngineBase):
     def _run_on_int4_kernel(self, prefix: str) -> None:
         """Make the module computing linear `prefix` run on its int4 kernel operands (looked up per call, so
         a refit's new codes are used); the fused experts module once for all its experts."""
-        name, experts = _module_of(prefix)
+        name, experts = self._module_of(prefix)
         if name in self._int4_modules:
             return
         module = self.model.get_submodule(name)
         if experts:
-            module.forward = _int4_experts_forward(module, name, self._int4)
+            module.forward = _int4_experts_forward(module, self._expert_gemms(name), self._int4)
         else:
             module.forward = _int4_linear_forward(module, prefix, self._int4)
         self._int4_modules.add(name)
@@ -404,7 +398,7 @@ class EmbeddedEngine(EngineBase):
     def _quantize_inputs(self, prefix: str, scheme, tile: int) -> None:
         """Make the module computing linear `prefix` quantize its inputs per 1 x `tile` (W8A8: the scheme's
         `input_values`); the fused experts module once for all its experts."""
-        name, experts = _module_of(prefix)
+        name, experts = self._module_of(prefix)
         rule = (scheme.kind, tile)
         if name in self._w8a8:
             if self._w8a8[name] != rule:
@@ -414,10 +408,19 @@ class EmbeddedEngine(EngineBase):
         module = self.model.get_submodule(name)
         quantize_input = functools.partial(scheme.input_values, tile=tile)
         if experts:
-            module.forward = _w8a8_experts_forward(module, quantize_input)
+            module.forward = _w8a8_experts_forward(module, self._expert_gemms(name), quantize_input)
         else:
             module.register_forward_pre_hook(_w8a8_linear_hook(quantize_input))
         self._w8a8[name] = rule
+
+    def _module_of(self, prefix: str) -> tuple[str, bool]:
+        """(the transformers module that computes linear `prefix`, whether it is a fused experts module)."""
+        slot = self.family.adapter.module_of(prefix)
+        return (slot.module, True) if slot is not None and slot.fused_experts else (prefix, False)
+
+    def _expert_gemms(self, experts_module: str):
+        """expert -> ((fused tensor, linears), ...) of its GEMMs in `experts_module` (looked up once per expert)."""
+        return functools.lru_cache(maxsize=None)(functools.partial(self.family.adapter.expert_gemms, experts_module))
 
     def _write(self, hf_name: str, value: torch.Tensor) -> None:
         target = self._target(hf_name)
@@ -438,7 +441,8 @@ class EmbeddedEngine(EngineBase):
             raise EngineWeightError(f"unknown expert tensor {hf_name!r} (model has no such expert)")
         raise EngineWeightError(
             f"unknown tensor name {hf_name!r}: not a parameter of this {self.family.architecture} model "
-            "(expected HF checkpoint names such as model.layers.0.self_attn.q_proj.weight)"
+            f"(expected HF checkpoint names such as "
+            f"{next(iter(self.family.adapter.representative_linears(self.model.config).values()))}.weight)"
         )
 
     def hf_state(self) -> dict[str, torch.Tensor]:

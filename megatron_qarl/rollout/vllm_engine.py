@@ -131,6 +131,21 @@ def check_vllm_machine(venv: str | None, device: str, quant_cfg: QuantConfig) ->
                              "rollout.engine=embedded here, or quant.scheme=none with vLLM")
 
 
+def probe_linear_args(model_path: str) -> list[str]:
+    """``--probe-linear GROUP=NAME`` of the checkpoint's model family: one linear of each quantization group (its
+    table's representative_linears), which the engine process, importing no family, asks the checkpoint's ignore
+    list about (``vllm_server.checkpoint_int4_linears``). None for a directory without a family's config.json."""
+    from megatron_qarl.models.registry import config_json_model_type, family_named, family_names
+
+    cfg_file = Path(model_path) / "config.json"
+    model_type = config_json_model_type(cfg_file)[0] if cfg_file.is_file() else None
+    if model_type not in family_names():
+        return []
+    family = family_named(model_type)
+    linears = family.adapter.representative_linears(family.read_hf_config(model_path))
+    return [f"--probe-linear={group}={name}" for group, name in linears.items()]
+
+
 @dataclass(frozen=True)
 class VLLMRefit(RefitSupport):
     """What vLLM does with one format's refit (VLLMKind.refits): RefitSupport plus vLLM-CPU's kernels."""
@@ -282,6 +297,8 @@ class VLLMEngine(EngineBase):
             cmd += ["--gpu-memory-utilization", repr(float(cfg.gpu_memory_utilization))]
             if cfg.sleep_mode:
                 cmd.append("--enable-sleep-mode")
+        else:
+            cmd += probe_linear_args(cfg.model_path)
         return cmd
 
     def _tail(self, lines: int = 25) -> str:

@@ -58,6 +58,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Mapping
 from multiprocessing.connection import Connection, Listener
 
 AUTHKEY_ENV = "QARL_VLLM_AUTHKEY"
@@ -83,6 +84,8 @@ def cpu_w4a16_blocker(int4_experts: bool, int4_dense: bool) -> str | None:
         return NEEDS_AVX512
     return None
 
+# the quantization group of the routed experts (quant.config.SCOPE_GROUPS' name), whose int4 kernel differs
+EXPERTS_GROUP = "experts"
 _DTYPES = ("bfloat16", "float16", "float32", "int32", "int8", "uint8", "float8_e4m3fn", "int64")
 
 
@@ -114,10 +117,12 @@ def tensors_from_bucket(header: dict, raw: bytes):
 
 
 # --------------------------------------------------------------------------------------------- engine
-def checkpoint_int4_linears(model_dir: str) -> tuple[bool, bool]:
-    """(routed experts, attention projections) a compressed-tensors W4A16 checkpoint quantizes: the first
-    needs vLLM-CPU's AMX MoE kernel, the second its dense kernel. Read as compressed-tensors reads `ignore`:
-    "re:" entries as regexes, others as exact names."""
+def checkpoint_int4_linears(model_dir: str, probes: Mapping[str, str]) -> tuple[bool, bool]:
+    """(routed experts, dense linears) a compressed-tensors W4A16 checkpoint quantizes: the first needs vLLM-CPU's
+    AMX MoE kernel, the second its dense kernel. `probes`: one linear of each quantization group, by name (the
+    model family's ``representative_linears``, which the trainer passes as ``--probe-linear GROUP=NAME``: this
+    process imports no family); the routed experts' decides the first, any other group's the second. Read as
+    compressed-tensors reads `ignore`: "re:" entries as regexes, others as exact names."""
     with open(os.path.join(model_dir, "config.json")) as f:
         qc = json.load(f).get("quantization_config") or {}
     if not (qc.get("quant_method") == "compressed-tensors" and qc.get("format") == "pack-quantized"):
@@ -126,7 +131,13 @@ def checkpoint_int4_linears(model_dir: str) -> tuple[bool, bool]:
     def quantized(name: str) -> bool:
         return not any(re.match(entry[3:], name) if entry.startswith("re:") else entry == name
                        for entry in qc.get("ignore", []))
-    return quantized("model.layers.0.mlp.experts.0.gate_proj"), quantized("model.layers.0.self_attn.q_proj")
+    experts = EXPERTS_GROUP in probes and quantized(probes[EXPERTS_GROUP])
+    return experts, any(quantized(name) for group, name in probes.items() if group != EXPERTS_GROUP)
+
+
+def probe_linears(args) -> dict[str, str]:
+    """The parsed ``--probe-linear GROUP=NAME`` options."""
+    return dict(item.split("=", 1) for item in args.probe_linear)
 
 
 def _repair_unquantized_moe(worker) -> int:
@@ -185,7 +196,7 @@ class Server:
         import torch
 
         if args.device == "cpu":
-            blocker = cpu_w4a16_blocker(*checkpoint_int4_linears(args.model))
+            blocker = cpu_w4a16_blocker(*checkpoint_int4_linears(args.model, probe_linears(args)))
             if blocker:
                 raise SystemExit(f"vllm_server: {blocker}; this CPU has {torch.backends.cpu.get_cpu_capability()} "
                                  "only. Run W4A16 with rollout.engine=embedded here, or vLLM with quant.scheme=none")
@@ -405,6 +416,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="--device cuda: vLLM's gpu_memory_utilization, the share of each GPU's TOTAL memory")
+    parser.add_argument("--probe-linear", action="append", default=[], metavar="GROUP=NAME",
+                        help="--device cpu: one linear of a quantization group (the model family names them), asked "
+                             "of a W4A16 checkpoint's ignore list to tell which int4 kernels vLLM-CPU needs")
     parser.add_argument("--enable-sleep-mode", action="store_true",
                         help="--device cuda: vLLM's sleep mode (ops sleep / wake), for engines colocated with a trainer")
     args = parser.parse_args(argv)

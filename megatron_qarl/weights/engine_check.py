@@ -14,9 +14,7 @@ from megatron_qarl.weights.publish_errors import EngineQuantizationMismatch
 
 def engine_linear_names(hf_config) -> list[str]:
     """The model's linears as the engines name them (HF names without `.weight`; the router and lm_head too)."""
-    shapes = family_of(hf_config).adapter.expected_hf_shapes(hf_config)
-    return [n[: -len(".weight")] for n, shape in shapes.items()
-            if n.endswith(".weight") and len(shape) == 2 and "embed_tokens" not in n]
+    return family_of(hf_config).adapter.linear_names(hf_config)
 
 
 def check_engine_quantization(engine, hf_config, quant_cfg) -> str | None:

@@ -1,5 +1,7 @@
 """Record every family's HF <-> megatron naming, as the code answers it when this runs, into
 tests/data/family_naming_snapshot.json (tests/test_family_mappings.py compares the family tables against it).
+The committed file was recorded at c8f2065, from the hand-spelled adapters the declared tables replaced; run it
+again only to record a naming changed on purpose.
 
     .venv/bin/python tests/data/make_family_naming_snapshot.py
 
@@ -115,8 +117,9 @@ def _from_hf(adapter, cfg, name, hf_shapes):
     return [whole, list(adapter.from_hf(cfg, name, one_group, query_groups=1).shape)]
 
 
-def _vllm_probe(ignore: list[str]) -> list[bool]:
-    """What the vLLM process reads of a W4A16 checkpoint with this ignore list (routed experts, dense linears)."""
+def _vllm_probe(ignore: list[str], probes: dict[str, str]) -> list[bool]:
+    """What the vLLM process reads of a W4A16 checkpoint with this ignore list (routed experts, dense linears),
+    asking about `probes` (recorded at c8f2065 by the spelled probe: layer 0's experts.0.gate_proj and q_proj)."""
     import tempfile
 
     from megatron_qarl.rollout.vllm_server import checkpoint_int4_linears
@@ -124,11 +127,16 @@ def _vllm_probe(ignore: list[str]) -> list[bool]:
     with tempfile.TemporaryDirectory() as tmp:
         qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ignore}
         (Path(tmp) / "config.json").write_text(json.dumps({"quantization_config": qc}))
-        return list(checkpoint_int4_linears(tmp))
+        return list(checkpoint_int4_linears(tmp, probes))
+
+
+def _module(adapter, linear):
+    slot = adapter.module_of(linear)
+    return slot.module if slot.fused_experts else linear
 
 
 def record_config(family, preset, overrides):
-    from megatron_qarl.weights.engine_check import engine_linear_names
+    from megatron_qarl.weights.engine_check import engine_linear_names  # (today: the table's linear_names)
 
     adapter = family.adapter
     cfg = family.config_from_preset(preset, **overrides)
@@ -150,10 +158,9 @@ def _few_experts(names):
 
 
 def record_family(model_type, hf_names_all, mcore_names_all):
-    from megatron_qarl.rollout.embedded import _module_of
-
     family = family_named(model_type)
     adapter = family.adapter
+    tiny = family.config_from_preset(next(iter(CONFIGS[model_type].values()))[0])
     hf_all = sorted(_few_experts(hf_names_all) | set(EXTRA_HF))
     hf_all = sorted(set(hf_all) | {n[: -len(".weight")] for n in hf_all if n.endswith(".weight")}
                     | {n + ".weight" for n in hf_all if not n.endswith(".weight") and "." in n})
@@ -172,11 +179,13 @@ def record_family(model_type, hf_names_all, mcore_names_all):
         "fused_linear_group": {n: _call(family.fused_linear_group, n) for n in hf_all},
         "engine_load_group": {n: _call(family.engine_load_group, n) for n in hf_all},
         "compressed_tensors_ignore": ignore,
-        # the embedded engine's `_module_of` of every linear (no `.weight`) and the vLLM process's int4 probe of
-        # every scope's ignore list: what the family's module_of / representative linears replace
-        "embedded_module_of": {n: list(_module_of(n)) for n in hf_all if not n.endswith(".weight")
-                               and family.linear_group(n) is not None},
-        "vllm_int4_probe": {k: _vllm_probe(v) for k, v in ignore.items() if isinstance(v, list)},
+        # the embedded engine's module of every linear (no `.weight`: the module, whether fused experts) and the
+        # vLLM process's int4 probe of every group subset's ignore list; recorded at c8f2065 from the spelled
+        # `embedded._module_of` and probe names that the family's module_of / representative_linears replace
+        "embedded_module_of": {n: [_module(adapter, n), adapter.module_of(n).fused_experts] for n in hf_all
+                               if not n.endswith(".weight") and family.linear_group(n) is not None},
+        "vllm_int4_probe": {k: _vllm_probe(v, adapter.representative_linears(tiny)) for k, v in ignore.items()
+                            if isinstance(v, list)},
     }
 
 
