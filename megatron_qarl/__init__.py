@@ -15,7 +15,7 @@ _warnings.filterwarnings("ignore", message=r"Transformer Engine and Apex are not
 # package logger (here, so that a run, a test calling a function, a torchrun worker and a helper process all have it
 # without an entry point setting it up) writes each record as one line `[tag] message` to the stdout of the moment
 # (pytest's capture, a worker's pipe, a terminal). INFO and above; a warning says "warning:". The tag is the
-# component the user knows (qarl, sft, publish, qarl-convert); a record still propagates, so an application's own
+# component the user knows (qarl, publish); a record still propagates, so an application's own
 # logging configuration (or pytest's caplog) sees it too.
 import logging as _logging
 import sys as _sys
@@ -23,10 +23,8 @@ import sys as _sys
 # logger-name prefix -> (tag, stream name); the longest prefix wins; tag "" prints the message alone
 _CONSOLE_TAGS = {
     "megatron_qarl": ("qarl", "stdout"),
-    "megatron_qarl.sft": ("sft", "stdout"),
     "megatron_qarl.weights.publish": ("publish", "stdout"),
-    "megatron_qarl.rollout.sglang_readback": ("publish", "stdout"),
-    "megatron_qarl.weights.convert": ("qarl-convert", "stderr"),
+    "megatron_qarl.rollout.sglang_readback": ("", "stdout"),  # its messages carry their own "[publish]"
     "megatron_qarl.tracking.progress": ("", "stdout"),  # the per-step progress line is the line itself
 }
 

@@ -165,10 +165,6 @@ def publish_from_copy(engine, copy: EngineCopy, *, is_expert: Callable[[str], bo
     return stats
 
 
-def supports_weight_deltas(engine) -> bool:
-    return engine.takes_weight_deltas
-
-
 def changed_codes(previous: torch.Tensor, current: torch.Tensor, nibbles: bool | str) -> int:
     """Codes that differ between two code tensors: packed 4-bit codes (`nibbles`; or a kind whose scheme
     packs them) counted per nibble, other codes per element."""

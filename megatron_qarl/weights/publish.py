@@ -58,9 +58,7 @@ from megatron_qarl.parallel import collective_device
 from megatron_qarl.quant.engine_layout import UNQUANTIZED, as_quant_config, kind_of, linear_parts, quantize_weight
 from megatron_qarl.quant.schemes import scheme_of_kind
 from megatron_qarl.rollout.delta import WeightDeltaMismatch
-from megatron_qarl.weights.delta_push import (
-    EngineCopy, changed_codes, publish_from_copy, push_changes, supports_weight_deltas,
-)
+from megatron_qarl.weights.delta_push import EngineCopy, changed_codes, publish_from_copy, push_changes
 from megatron_qarl.weights.gather import GatherTopology, full_shape, gather_parts, gather_to_leaders
 from megatron_qarl.weights.publish_errors import PublishError
 from megatron_qarl.weights.publish_plan import FullParam, expert_names_of, full_param_engine_tensors
@@ -128,7 +126,7 @@ class WeightPublisher:
             raise ValueError(f"publish mode must be 'full' or 'delta', got {mode!r}")
         if full_every < 1:
             raise ValueError(f"full_every must be >= 1, got {full_every}")
-        if mode == "delta" and engine is not None and not supports_weight_deltas(engine):
+        if mode == "delta" and engine is not None and not engine.takes_weight_deltas:
             raise ValueError(f"publish mode 'delta' needs an engine that applies weight deltas; "
                              f"{type(engine).__name__} does not (use mode 'full')")
         self.mode = mode
