@@ -19,30 +19,43 @@ OUTSIDE_QUANT = [p for pkg in ("megatron_qarl", "conversion") for p in sorted((R
 REFIT_TABLE = "refits"  # an engine kind's table of the formats it refits (rollout/engine_kind.py EngineKind.refits)
 
 
-def refit_table_keys(tree: ast.AST) -> set[int]:
-    """ids of the string keys of every `refits = {...}` written in a class body: an engine kind's declaration
+def _assign_targets(stmt: ast.stmt) -> list[ast.expr]:
+    return stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+
+
+def refit_table_names(trees) -> set[str]:
+    """Names a class body binds as its `refits` (`refits = SGLANG_REFITS`): an engine kind whose table is declared
+    at module level beside its engine's knobs (rollout/sglang_refit.py)."""
+    return {stmt.value.id for tree in trees for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
+            for stmt in cls.body if isinstance(getattr(stmt, "value", None), ast.Name)
+            and any(isinstance(t, ast.Name) and t.id == REFIT_TABLE for t in _assign_targets(stmt))}
+
+
+def refit_table_keys(tree: ast.AST, table_names: frozenset[str] = frozenset()) -> set[int]:
+    """ids of the string keys of every `refits = {...}` written in a class body, and of every module-level
+    `NAME = {...}` that a class body binds as `refits = NAME` (`table_names`): an engine kind's declaration
     of the formats it refits. quant/ sits below rollout/ and can name no engine, so the table that says what
     an engine does with a format is the engine's and must spell the format; it is data, looked up by the
     scheme's own `format_name` and refusing a format it lacks, never a branch on a name, and
     rollout.engines.unknown_refit_formats checks every key against the registry (tests/test_engine_registry.py).
     Any other spelling, a lookup like refits["w4a16"] included, is still reported."""
-    keys = set()
-    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-        for stmt in cls.body:
-            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
-            if any(isinstance(t, ast.Name) and t.id == REFIT_TABLE for t in targets) and isinstance(stmt.value, ast.Dict):
-                keys |= {id(k) for k in stmt.value.keys if isinstance(k, ast.Constant)}
-    return keys
+    tables = [stmt for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef) for stmt in cls.body
+              if any(isinstance(t, ast.Name) and t.id == REFIT_TABLE for t in _assign_targets(stmt))]
+    tables += [stmt for stmt in getattr(tree, "body", [])
+               if any(isinstance(t, ast.Name) and t.id in table_names for t in _assign_targets(stmt))]
+    return {id(k) for stmt in tables if isinstance(stmt.value, ast.Dict)
+            for k in stmt.value.keys if isinstance(k, ast.Constant)}
 
 
-def scheme_string_uses(path: Path, names: set[str], root: Path = ROOT) -> list[str]:
+def scheme_string_uses(path: Path, names: set[str], root: Path = ROOT,
+                       table_names: frozenset[str] = frozenset()) -> list[str]:
     """`file:line` of every string constant (not a docstring, not a key of an engine kind's refit table) equal to
     one of `names`."""
     tree = ast.parse(path.read_text(), str(path))
     docstrings = {id(node.body[0].value) for node in ast.walk(tree)
                   if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
                   and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
-    allowed = docstrings | refit_table_keys(tree)
+    allowed = docstrings | refit_table_keys(tree, table_names)
     return [f"{path.relative_to(root)}:{node.lineno}: {node.value!r}" for node in ast.walk(tree)
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
             and id(node) not in allowed]
@@ -53,7 +66,8 @@ def test_no_scheme_name_or_kind_is_spelled_outside_quant():
     (quant/scheme.py); its name or engine kind never appears as a string to compare with. The one exception is
     the key of an engine kind's `refits` table (`refit_table_keys` says why)."""
     names = set(SCHEME_NAMES) | {s.kind for s in REGISTRY.values()}
-    uses = [use for path in OUTSIDE_QUANT for use in scheme_string_uses(path, names)]
+    tables = frozenset(refit_table_names(ast.parse(p.read_text(), str(p)) for p in OUTSIDE_QUANT))
+    uses = [use for path in OUTSIDE_QUANT for use in scheme_string_uses(path, names, table_names=tables)]
     assert uses == [], "scheme strings outside quant/ (ask the scheme object instead):\n" + "\n".join(uses)
 
 
@@ -73,6 +87,19 @@ def test_the_grep_lets_only_an_engine_kinds_refit_table_keys_through(tmp_path):
                    'refits = {"w4a16": 3}\n')  # not a kind's table
     assert sorted(scheme_string_uses(src, {"w4a16"}, root=tmp_path)) == [
         "engine.py:3: 'w4a16'", "engine.py:5: 'w4a16'", "engine.py:5: 'w4a16'", "engine.py:6: 'w4a16'"]
+
+
+def test_a_module_level_table_passes_only_when_a_kind_binds_it_as_refits(tmp_path):
+    src = tmp_path / "engine.py"
+    src.write_text('KIND_REFITS = {"w4a16": 1}\n'  # bound below as a kind's refits: allowed
+                   'OTHER = {"w4a16": 2}\n'
+                   'class Kind:\n'
+                   '    refits = KIND_REFITS\n'
+                   '    other = OTHER\n')
+    tables = frozenset(refit_table_names([ast.parse(src.read_text())]))
+    assert tables == {"KIND_REFITS"}
+    assert scheme_string_uses(src, {"w4a16"}, root=tmp_path, table_names=tables) == ["engine.py:2: 'w4a16'"]
+    assert len(scheme_string_uses(src, {"w4a16"}, root=tmp_path)) == 2  # without the binding both are reported
 
 
 SCHEME_MODULES = {type(s).__module__ for s in REGISTRY.values()}  # megatron_qarl.quant.schemes.<file>
