@@ -330,7 +330,7 @@ WORLD_SEED = 1
 
 
 def test_block_spec_norms_attention_and_dense_first_layer(world_of_one):
-    from megatron_qarl.models.deepseek_v3.mla_attention import (
+    from megatron_qarl.models.mla_attention import (
         MLASDPADotProductAttention, ReplicatedDownProjMLASelfAttention,
     )
     from megatron_qarl.models.deepseek_v3.model import deepseek_v3_block_spec

@@ -37,6 +37,15 @@ def test_presets_carry_the_published_numbers():
     assert set(PRESETS) == {"qwen3-30b-a3b", "tiny"}
 
 
+@pytest.mark.parametrize("rope", [{"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                   "original_max_position_embeddings": 4096},
+                                  {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0}])
+def test_a_rope_type_the_build_does_not_compute_is_refused(rope):
+    """Qwen3-MoE's build runs default RoPE only: a yarn or linear checkpoint would train another position code."""
+    with pytest.raises(UnsupportedModelError, match=f"rope_type {rope['rope_type']!r} is not supported"):
+        hf_rope_theta(tiny_hf_config(rope_parameters=rope))
+
+
 def test_transformer_config_fields():
     tc = transformer_config_from_hf(tiny_hf_config(), ParallelLayout(tp=2, ep=2))
     assert (tc.num_layers, tc.hidden_size, tc.num_attention_heads, tc.num_query_groups, tc.kv_channels) == (

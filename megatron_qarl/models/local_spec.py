@@ -1,9 +1,11 @@
 """What every family's megatron build needs on every device, whatever the architecture: megatron's local norm
-with sequence parallelism, the router GEMM name megatron leaves undefined without TransformerEngine, and the
-choice of core attention (``model.core_attention``)."""
+with sequence parallelism, the router GEMM name megatron leaves undefined without TransformerEngine, the expert-bias
+router's padding-mask fix, and the choice of core attention (``model.core_attention``)."""
 from __future__ import annotations
 
 import copy
+
+import torch
 
 
 class SequenceParallelTorchNorm:
@@ -48,6 +50,26 @@ def define_router_gemm_without_te() -> None:
 # scores and keeps the probabilities for backward; for comparisons and memory measurements); te:
 # TransformerEngine's TEDotProductAttention (needs TE, i.e. a GPU install).
 CORE_ATTENTIONS = ("sdpa", "unfused", "te")
+
+
+def _apply_expert_bias_token_mask(self, routing_map, padding_mask=None):
+    """megatron-core 0.16.1 ``TopKRouter._apply_expert_bias`` (router.py:531-543) with the padding mask broadcast
+    over the experts: megatron masks the [tokens, experts] routing map with the flattened [tokens] padding mask
+    (``routing_map & ~padding_mask``), which raises a shape error whenever expert bias is on and a padding mask is
+    given (every SFT / RL micro-batch here). Only the token counts of the bias update change (rate 0 here)."""
+    if self.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & (~padding_mask.reshape(-1, 1))
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+def fix_expert_bias_padding_mask() -> None:
+    """Install `_apply_expert_bias_token_mask` on megatron's TopKRouter (idempotent; routers without expert bias,
+    Qwen3-MoE's, return before the mask is read)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    TopKRouter._apply_expert_bias = _apply_expert_bias_token_mask
 
 
 def core_attention_class(name: str) -> type:

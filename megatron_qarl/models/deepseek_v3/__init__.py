@@ -1,5 +1,5 @@
 """DeepSeek-V3 (Moonlight-16B-A3B): architecture facts and its shape (args), the megatron model build (model,
-mla_attention), THE naming (state_dict_adapter), and the family object the rest of the code asks (`FAMILY`)."""
+over models/mla_attention.py), THE naming (state_dict_adapter), and the family object the rest of the code asks (`FAMILY`)."""
 from megatron_qarl.models.deepseek_v3 import state_dict_adapter
 from megatron_qarl.models.deepseek_v3.args import (
     PRESETS, SUPPORTED_ARCHITECTURE, SUPPORTED_MODEL_TYPE, ModelShape, hf_rope_theta,

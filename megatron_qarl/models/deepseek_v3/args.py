@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_qarl.models.family import UnsupportedModelError
+from megatron_qarl.models.hf_rope import rope_theta
 from megatron_qarl.models.moe_shape import Divisor, MoEShape
 
 SUPPORTED_MODEL_TYPE = "deepseek_v3"
@@ -56,45 +57,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _rope_parameters(hf_config) -> dict:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    if "rope_theta" not in params and getattr(hf_config, "rope_theta", None) is not None:
-        params = {"rope_type": "default", **params, "rope_theta": hf_config.rope_theta}
-    return dict(params)
+# default RoPE (Moonlight) and yarn (DeepSeek-V3) map to megatron's MLA rotary embeddings (models/hf_rope.py)
+ROPE_TYPES = ("default", "yarn")
 
 
 def hf_rope_theta(hf_config) -> float:
-    params = _rope_parameters(hf_config)
-    if params.get("rope_theta") is None:
-        raise UnsupportedModelError("HF config has neither rope_parameters['rope_theta'] nor rope_theta")
-    rope_yarn(hf_config)  # refuses what megatron's MLA rope cannot compute
-    return float(params["rope_theta"])
-
-
-def rope_yarn(hf_config) -> dict | None:
-    """megatron MLATransformerConfig's yarn fields for a yarn checkpoint (DeepSeek-V3 / R1, Kimi-K2: factor 32-40,
-    mscale = mscale_all_dim = 1), None for default RoPE (Moonlight). megatron's YarnRotaryEmbedding and MLA's softmax
-    scale compute what transformers' yarn (truncated correction range, attention factor from mscale / mscale_all_dim)
-    and DeepseekV3Attention's mscale_all_dim scaling do; what they cannot is refused."""
-    params = _rope_parameters(hf_config)
-    rope_type = params.get("rope_type", "default") or "default"
-    if rope_type == "default":
-        return None
-    if rope_type != "yarn":
-        raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported; default RoPE (Moonlight) and yarn "
-                                    "(DeepSeek-V3) map to megatron's MLA")
-    if params.get("attention_factor") is not None:
-        raise UnsupportedModelError("yarn attention_factor set explicitly: megatron derives it from mscale / "
-                                    "mscale_all_dim only; remove it from rope_parameters")
-    if params.get("truncate", True) is False:
-        raise UnsupportedModelError("yarn truncate=False: megatron floors / ceils the correction range (truncate "
-                                    "True, transformers' default)")
-    if params.get("factor") is None or params.get("original_max_position_embeddings") is None:
-        raise UnsupportedModelError("yarn rope_parameters need factor and original_max_position_embeddings")
-    return dict(rotary_scaling_factor=float(params["factor"]),
-                original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-                beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                mscale=float(params.get("mscale") or 1.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
+    return rope_theta(hf_config, types=ROPE_TYPES)
 
 
 def check_supported(hf_config) -> None:

@@ -6,11 +6,11 @@ deliberate difference: the latent norms (q_a_layernorm, kv_a_layernorm) run at t
 SGLang and vLLM (the samplers) run them, where transformers hard-codes 1e-6 (notes section 2). For Moonlight
 (rms_norm_eps 1e-5) that moves logits by ~1e-4 against transformers and matches the engines.
 
-What the local MLA build needs on every device (notes 1c), all here:
+What the local MLA build needs on every device (notes 1c), from models/mla_attention.py and local_spec.py:
 - ``multi_latent_attention.HAVE_TE`` is True whenever megatron's TE extension imports, which it does without
   TransformerEngine (it MagicMocks ``te``), and then ``isinstance(self.linear_proj, TELinear)`` raises a
   TypeError; `disable_mla_te_checks_without_te` sets it False exactly when ``TELinear`` is no class.
-- a core attention taking MLA's ``k_channels`` / ``v_channels`` (models/deepseek_v3/mla_attention.py);
+- a core attention taking MLA's ``k_channels`` / ``v_channels`` (models/mla_attention.py, shared by any MLA family);
 - replicated down-projections (q_a_proj, kv_a_proj_with_mqa), without which the local spec's gradients are wrong at
   TP > 1 (`ReplicatedDownProjMLASelfAttention`);
 - ``SequenceParallelTorchNorm`` for every norm, the latent norms included, and an explicit final norm;
@@ -22,12 +22,15 @@ from __future__ import annotations
 import torch
 
 from megatron_qarl.models.deepseek_v3.args import (
-    SUPPORTED_MODEL_TYPE, ModelShape, check_supported, hf_rope_theta, rope_yarn,
+    SUPPORTED_MODEL_TYPE, ModelShape, check_supported, hf_rope_theta,
 )
-from megatron_qarl.models.deepseek_v3.mla_attention import (
-    ReplicatedDownProjMLASelfAttention, mla_core_attention_class,
+from megatron_qarl.models.hf_rope import rope_yarn
+from megatron_qarl.models.local_spec import (
+    SequenceParallelTorchNorm, define_router_gemm_without_te, fix_expert_bias_padding_mask,
 )
-from megatron_qarl.models.local_spec import SequenceParallelTorchNorm, define_router_gemm_without_te
+from megatron_qarl.models.mla_attention import (
+    ReplicatedDownProjMLASelfAttention, disable_mla_te_checks_without_te, mla_core_attention_class,
+)
 from megatron_qarl.models.megatron_build import gpt_model, layout_sizes, moe_transformer_kwargs
 
 
@@ -67,7 +70,7 @@ def transformer_config_from_hf(hf_config, layout=None, *, params_dtype=torch.flo
         rotary_percent=1.0,
         # default RoPE (Moonlight): megatron's MLA defaults are yarn with factor 40, and its softmax scale applies
         # the yarn mscale even for "rope" (multi_latent_attention.py:125-126): factor 1 keeps 1/sqrt(q/k head dim).
-        # yarn (DeepSeek-V3): the checkpoint's factor, window and mscales (args.rope_yarn)
+        # yarn (DeepSeek-V3): the checkpoint's factor, window and mscales (hf_rope.rope_yarn)
         **(dict(rope_type="yarn", **yarn) if (yarn := rope_yarn(hf_config)) else
            dict(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)),
         rotary_interleaved=False,
@@ -90,40 +93,6 @@ def transformer_config_from_hf(hf_config, layout=None, *, params_dtype=torch.flo
     if kwargs["moe_aux_loss_coeff"] > 0:  # asked for (train.moe_aux_loss_coeff): DeepSeek-V3's own sequence-wise
         kwargs["moe_router_load_balancing_type"] = "seq_aux_loss"  # balance loss (router.py _apply_seq_aux_loss)
     return MLATransformerConfig(**kwargs)
-
-
-def disable_mla_te_checks_without_te() -> None:
-    """megatron-core 0.16.1 ``transformer/multi_latent_attention.py`` imports ``TELinear`` from its TE extension
-    (lines 53-65), which imports without TransformerEngine with ``te`` MagicMocked (extensions/transformer_engine.py
-    lines 61-77): ``HAVE_TE`` is True and ``TELinear`` a MagicMock, so ``isinstance(self.linear_proj, TELinear)``
-    (lines 183-186) raises "isinstance() arg 2 must be a type" in every MLA build. ``HAVE_TE`` guards only that
-    check; with a real TE (``TELinear`` a class) nothing changes."""
-    from megatron.core.transformer import multi_latent_attention as mla
-
-    if mla.HAVE_TE and not isinstance(mla.TELinear, type):
-        mla.HAVE_TE = False
-
-
-def _apply_expert_bias_token_mask(self, routing_map, padding_mask=None):
-    """megatron-core 0.16.1 ``TopKRouter._apply_expert_bias`` (router.py:531-543) with the padding mask broadcast
-    over the experts: megatron masks the [tokens, experts] routing map with the flattened [tokens] padding mask
-    (``routing_map & ~padding_mask``), which raises a shape error whenever expert bias is on and a padding mask is
-    given (every SFT / RL micro-batch here). Only the token counts of the bias update change (rate 0 here)."""
-    import torch
-
-    if self.enable_expert_bias and torch.is_grad_enabled():
-        with torch.no_grad():
-            if padding_mask is not None:
-                routing_map = routing_map & (~padding_mask.reshape(-1, 1))
-            self.local_tokens_per_expert += routing_map.sum(dim=0)
-
-
-def fix_expert_bias_padding_mask() -> None:
-    """Install `_apply_expert_bias_token_mask` on megatron's TopKRouter (idempotent; routers without expert bias,
-    Qwen3-MoE's, return before the mask is read)."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    TopKRouter._apply_expert_bias = _apply_expert_bias_token_mask
 
 
 def deepseek_v3_block_spec(config, hf_config, *, use_te: bool = False, core_attention: str = "sdpa",

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_qarl.models.family import UnsupportedModelError
+from megatron_qarl.models.hf_rope import rope_theta
 from megatron_qarl.models.moe_shape import Divisor, MoEShape
 
 SUPPORTED_MODEL_TYPE = "qwen3_moe"
@@ -41,14 +42,7 @@ def hf_head_dim(hf_config) -> int:
 
 
 def hf_rope_theta(hf_config) -> float:
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    if params.get("rope_type", "default") not in ("default", None):
-        raise UnsupportedModelError(
-            f"rope_type {params.get('rope_type')!r} is not supported; only default RoPE maps to mcore here")
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    if theta is None:
-        raise UnsupportedModelError("HF config has neither rope_parameters['rope_theta'] nor rope_theta")
-    return float(theta)
+    return rope_theta(hf_config)  # default RoPE only (models/hf_rope.py)
 
 
 def check_supported(hf_config) -> None:

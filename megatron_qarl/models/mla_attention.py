@@ -1,5 +1,6 @@
-"""megatron's Multi-Latent Attention in the local (non-TE) spec: its core attentions, and the attention module
-with replicated down-projections (`ReplicatedDownProjMLASelfAttention`, the TP > 1 gradient fix).
+"""megatron's Multi-Latent Attention in the local (non-TE) spec, for any MLA family (DeepSeek-V3 / Moonlight today):
+its core attentions, the attention module with replicated down-projections (`ReplicatedDownProjMLASelfAttention`,
+the TP > 1 gradient fix), and the TE-less build's isinstance fix (`disable_mla_te_checks_without_te`).
 
 megatron-core 0.16.1's MLA builds its core attention with two extra arguments, ``k_channels`` (the q/k head dim,
 ``qk_head_dim + qk_pos_emb_head_dim``) and ``v_channels`` (``v_head_dim``) (``transformer/multi_latent_attention.py``
@@ -22,6 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer import multi_latent_attention as mla
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from torch import Tensor
 
@@ -147,3 +149,13 @@ class ReplicatedDownProjMLASelfAttention(MLASelfAttention):
         self.linear_kv_down_proj = ReplicatedLinear(
             hidden, self.config.kv_lora_rank + self.config.qk_pos_emb_head_dim, config=self.config,
             init_method=self.config.init_method)
+
+
+def disable_mla_te_checks_without_te() -> None:
+    """megatron-core 0.16.1 ``transformer/multi_latent_attention.py`` imports ``TELinear`` from its TE extension
+    (lines 53-65), which imports without TransformerEngine with ``te`` MagicMocked (extensions/transformer_engine.py
+    lines 61-77): ``HAVE_TE`` is True and ``TELinear`` a MagicMock, so ``isinstance(self.linear_proj, TELinear)``
+    (lines 183-186) raises "isinstance() arg 2 must be a type" in every MLA build. ``HAVE_TE`` guards only that
+    check; with a real TE (``TELinear`` a class) nothing changes."""
+    if mla.HAVE_TE and not isinstance(mla.TELinear, type):
+        mla.HAVE_TE = False
