@@ -10,7 +10,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +18,23 @@ from megatron_qarl.config import RunConfig, rollout_topology, save_yaml, to_dict
 from megatron_qarl.models.registry import family_of, resolve_hf_config
 from megatron_qarl.parallel import RolloutTopology, collective_device, init_distributed, is_logging_rank
 from megatron_qarl.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:  # the field types; the modules load when the run builds them
+    from megatron.core.distributed import DistributedDataParallel
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from megatron_qarl.canary import RefitCanary
+    from megatron_qarl.checkpointing.run_checkpoints import RunCheckpoints
+    from megatron_qarl.memory_saver import TrainerMemory
+    from megatron_qarl.models.aligned import AlignedQuantization
+    from megatron_qarl.models.family import ModelFamily
+    from megatron_qarl.models.routes import MoEGeometry
+    from megatron_qarl.optim import QarlOptimizer
+    from megatron_qarl.rl.data import PromptDataset, PromptExample
+    from megatron_qarl.rl.rewards import RewardFunction
+    from megatron_qarl.rollout.protocol import EngineBase, SamplingParams
+    from megatron_qarl.tracking import MetricsTracker
+    from megatron_qarl.weights.publish import WeightPublisher
 
 
 def prompt_data_config(cfg: RunConfig, path):
@@ -72,21 +89,22 @@ class RunContext:
     data-parallel coordinates are not copied here: `megatron_qarl.parallel` reads them from megatron."""
 
     cfg: RunConfig
-    hf_config: Any  # the transformers config the run trains (its model_type names the family)
-    model: Any  # megatron DDP-wrapped GPTModel
-    optimizer: Any
-    quant: Any  # AlignedQuantization or None (unaligned learner)
-    publisher: Any
-    engine: Any  # only on rollout-group leaders (topology.is_leader): each drives its own engine
-    tokenizer: Any
-    data: Any  # only on rollout-group leaders (each reads the same prompts, serves its share)
-    eval_examples: Any  # held-out PromptExamples (eval.path), only on rollout-group leaders; else None
-    reward_fn: Any  # only on rollout-group leaders
-    tracker: Any  # only on the logging rank (parallel.is_logging_rank)
-    checkpoints: Any
-    sampling: Any  # step 0's SamplingParams; each step offsets the seed
+    hf_config: PretrainedConfig  # the transformers config the run trains
+    family: ModelFamily  # its family (resolved once from hf_config's model_type): naming, build, shape
+    model: DistributedDataParallel  # megatron DDP-wrapped GPTModel
+    optimizer: QarlOptimizer
+    quant: AlignedQuantization | None  # None: an unaligned learner
+    publisher: WeightPublisher | None  # made when the engines start (start_engines)
+    engine: EngineBase | None  # only on rollout-group leaders (topology.is_leader): each drives its own engine
+    tokenizer: PreTrainedTokenizerBase  # a transformers tokenizer (the demo's char tokenizer is one too)
+    data: PromptDataset | None  # only on rollout-group leaders (each reads the same prompts, serves its share)
+    eval_examples: list[PromptExample] | None  # held-out prompts (eval.path), only on rollout-group leaders
+    reward_fn: RewardFunction | None  # only on rollout-group leaders
+    tracker: MetricsTracker | None  # only on the logging rank (parallel.is_logging_rank)
+    checkpoints: RunCheckpoints
+    sampling: SamplingParams  # step 0's; each step offsets the seed
     start_step: int
-    route_geometry: Any = None  # the family's MoEGeometry: what the engine's routed experts must fit
+    route_geometry: MoEGeometry | None = None  # the family's: what the engine's routed experts must fit
     topology: RolloutTopology = field(default_factory=RolloutTopology)  # engines and the ranks driving them
     # The reward pool's cumulative counters when last logged: each step logs its own share.
     reward_counts: dict = field(default_factory=dict)
@@ -95,13 +113,13 @@ class RunContext:
     step_samples: list = field(default_factory=list)  # this step's samples for samples.jsonl (logging rank)
     eval_samples: list = field(default_factory=list)  # the last evaluation's responses for eval_samples.jsonl (rank 0)
     wandb_run_id: str | None = None  # the wandb run a resumed run continues (from its checkpoint)
-    memory: Any = None  # memory_saver.TrainerMemory: the trainer's state released while colocated engines run
+    memory: TrainerMemory | None = None  # the trainer's state released while colocated engines run
     start_checkpoint: str | None = None  # what launched engines start from (engine_start_checkpoint)
     # (step, metrics so far) of the step being checkpointed, and a resumed checkpoint's logged_row (checkpoint_state)
     step_row: tuple | None = None
     resumed_row: dict | None = None
     publishes: int = 0  # publishes this process made (the refit canary's schedule counts them)
-    canary: Any = None  # canary.RefitCanary: this run's canary tokens and bound (None: off; canary.run_canary)
+    canary: RefitCanary | None = None  # this run's canary tokens and bound (None: off; canary.run_canary)
 
 
 def learner_config_overrides(cfg: RunConfig) -> dict:
@@ -140,6 +158,7 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
     for lock in locks:
         lock.follow()  # a run dir moved aside (logging.overwrite): lock the new one
     hf_config = resolve_hf_config(cfg.model)
+    family = family_of(hf_config)  # once: every part below asks this object
     tokenizer = load_tokenizer(cfg.model)
     check_tokenizer(cfg, tokenizer)
     sampling = run_sampling_params(cfg, tokenizer)
@@ -154,9 +173,9 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
     # The trainer's state is allocated in the memory saver's regions, so a colocated engine can have the GPU
     # while it generates (memory_saver.py; the phases are memory.memory_timeline's).
     memory = TrainerMemory.for_run(engine_shares_gpu(cfg))
-    with announce(f"building the {family_of(hf_config).model_type} learner (TP {layout.tp}, EP {layout.ep})"), \
+    with announce(f"building the {family.model_type} learner (TP {layout.tp}, EP {layout.ep})"), \
             memory.region(TRAINER_STATE):
-        model = family_of(hf_config).build_model(
+        model = family.build_model(
             # bfloat16: megatron mixed precision (bf16 params, fp32 masters in the optimizer).
             hf_config, layout, params_dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
             config_overrides=overrides, core_attention=cfg.model.core_attention,
@@ -172,11 +191,11 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
                 model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model,
             )
         with memory.region(TRAINER_STATE):
-            optimizer = build_optimizer(cfg.train.optim, [ddp], family_of(hf_config))
+            optimizer = build_optimizer(cfg.train.optim, [ddp], family)
             init_optimizer_state(optimizer)
 
     ctx = RunContext(
-        cfg=cfg, hf_config=hf_config, model=ddp, optimizer=optimizer, quant=quant, publisher=None, engine=None,
+        cfg=cfg, hf_config=hf_config, family=family, model=ddp, optimizer=optimizer, quant=quant, publisher=None, engine=None,
         tokenizer=tokenizer,
         data=data,
         eval_examples=eval_examples,
@@ -186,7 +205,7 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
                                    keep_last=cfg.checkpoint.keep_last),
         sampling=sampling,
         start_step=0,
-        route_geometry=family_of(hf_config).moe_geometry(hf_config),
+        route_geometry=family.moe_geometry(hf_config),
         topology=topology,
         memory=memory,
         start_checkpoint=engine_start_checkpoint(cfg, model, hf_config, quant, tokenizer),
@@ -257,6 +276,7 @@ def start_engines(ctx: RunContext) -> None:
     check_engines_serve_the_learners_quantization(ctx)
     ctx.publisher = WeightPublisher(
         ctx.model.module, ctx.hf_config, cfg.quant, quant=ctx.quant, engine=ctx.engine, leaders=ctx.topology.leaders,
+        family=ctx.family,
         bucket_bytes=cfg.publish.bucket_mb * 1024 * 1024, verify=cfg.publish.verify,
         mode=cfg.publish.mode, full_every=cfg.publish.full_every, count_flips=cfg.publish.code_flips,
         verify_sample=cfg.publish.verify_sample,
@@ -274,7 +294,7 @@ def check_engines_serve_the_learners_quantization(ctx: RunContext) -> None:
     error = None
     if ctx.engine is not None:
         try:
-            warning = check_engine_quantization(ctx.engine, ctx.hf_config, ctx.cfg.quant)
+            warning = check_engine_quantization(ctx.engine, ctx.hf_config, ctx.cfg.quant, ctx.family)
             if warning:
                 print(f"[qarl] engine quantization {warning}", flush=True)
         except EngineQuantizationMismatch as err:

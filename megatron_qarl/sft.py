@@ -284,12 +284,13 @@ def build_sft_model(hf_config, layout, sft: SFTConfig, core_attention: str = "sd
 
     from megatron_qarl.optim import OptimConfig, build_optimizer
 
-    model = family_of(hf_config).build_model(hf_config, layout, params_dtype=torch.float32, core_attention=core_attention)
+    family = family_of(hf_config)
+    model = family.build_model(hf_config, layout, params_dtype=torch.float32, core_attention=core_attention)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
                                   module=model)
     optimizer = build_optimizer(
         OptimConfig(name="adamw", lr=sft.lr, weight_decay=sft.weight_decay, clip_grad=sft.clip_grad,
-                    lr_warmup_steps=sft.lr_warmup_steps), [ddp], family_of(hf_config))
+                    lr_warmup_steps=sft.lr_warmup_steps), [ddp], family)
     return ddp, optimizer
 
 

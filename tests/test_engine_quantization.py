@@ -26,7 +26,7 @@ from megatron_qarl.quant import QuantConfig  # noqa: E402
 from megatron_qarl.quant.engine_layout import (  # noqa: E402
     engine_named_tensors, quantization_config_for, quantization_mismatch)
 from megatron_qarl.rollout.embedded import EmbeddedEngine, EngineWeightError  # noqa: E402
-from megatron_qarl.models.registry import family_named  # noqa: E402
+from megatron_qarl.models.registry import family_named, family_of  # noqa: E402
 from megatron_qarl.weights.engine_check import check_engine_quantization, engine_linear_names  # noqa: E402
 from megatron_qarl.weights.publish import WeightPublisher  # noqa: E402
 from megatron_qarl.weights.publish_errors import EngineQuantizationMismatch, PublishVerificationError  # noqa: E402
@@ -140,7 +140,7 @@ def test_the_run_stops_on_every_rank_before_the_first_step(cfg, tmp_path, capsys
 
     path = export(cfg, tmp_path, QuantConfig(scheme="w4a16", group_size=64))
     ctx = SimpleNamespace(engine=EmbeddedEngine.from_hf_checkpoint(str(path), dtype="float32"), hf_config=cfg,
-                          cfg=SimpleNamespace(quant=W4A16))
+                          family=family_of(cfg), cfg=SimpleNamespace(quant=W4A16))
     with pytest.raises(EngineQuantizationMismatch, match="group_size=64"):
         check_engines_serve_the_learners_quantization(ctx)
     ctx.cfg = SimpleNamespace(quant=QuantConfig(scheme="w4a16", group_size=64))

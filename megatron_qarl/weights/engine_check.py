@@ -7,6 +7,7 @@ publisher's codes do not fit.
 """
 from __future__ import annotations
 
+from megatron_qarl.models.family import ModelFamily
 from megatron_qarl.models.registry import family_of
 from megatron_qarl.quant.engine_layout import as_quant_config, quantization_mismatch
 from megatron_qarl.weights.publish_errors import EngineQuantizationMismatch
@@ -17,16 +18,17 @@ def engine_linear_names(hf_config) -> list[str]:
     return family_of(hf_config).adapter.linear_names(hf_config)
 
 
-def check_engine_quantization(engine, hf_config, quant_cfg) -> str | None:
+def check_engine_quantization(engine, hf_config, quant_cfg, family: ModelFamily | None = None) -> str | None:
     """Read back what the engine loaded (its `quantization_config`) and raise EngineQuantizationMismatch, in one
     line, unless it is the learner's spec: format, group / block size, and the same quantized linears. Returns
-    a line to warn with when the engine cannot tell (None: they agree)."""
+    a line to warn with when the engine cannot tell (None: they agree). `family`: the run's (default: hf_config's)."""
     try:
         served = engine.quantization_config()
     except LookupError as err:
         return f"not verified: {err}"
     cfg = as_quant_config(quant_cfg)
-    problem = quantization_mismatch(cfg, served, engine_linear_names(hf_config), naming=family_of(hf_config))
+    family = family or family_of(hf_config)
+    problem = quantization_mismatch(cfg, served, family.adapter.linear_names(hf_config), naming=family)
     if problem:
         raise EngineQuantizationMismatch(
             f"the rollout engine does not serve the learner's quantization: {problem}; start it from the trainer's "

@@ -53,6 +53,7 @@ from collections.abc import Iterator
 
 import torch
 
+from megatron_qarl.models.family import ModelFamily
 from megatron_qarl.models.registry import family_of
 from megatron_qarl.parallel import collective_device
 from megatron_qarl.quant.engine_layout import UNQUANTIZED, as_quant_config, kind_of, linear_parts, quantize_weight
@@ -98,14 +99,14 @@ class WeightPublisher:
 
     def __init__(self, model, hf_config, quant_cfg, *, quant=None, engine=None, leaders: list[int] | None = None,
                  bucket_bytes: int = 512 << 20, verify: bool | str = False, mode: str = "full", full_every: int = 50,
-                 count_flips: bool = False, verify_sample: int = 8):
+                 count_flips: bool = False, verify_sample: int = 8, family: ModelFamily | None = None):
         from megatron_qarl.parallel import unwrap_model
 
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.model = unwrap_model(model)
         self.hf_config = hf_config
-        self.family = family_of(hf_config)
+        self.family = family or family_of(hf_config)  # the run's (RunContext.family); tools pass only hf_config
         self.is_expert = expert_names_of(self.family)  # engine name -> a routed expert's? (bucketed apart)
         self.load_together = self.family.engine_load_group  # engine names that share one update call
         self.quant_cfg = as_quant_config(quant_cfg)
