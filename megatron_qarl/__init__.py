@@ -23,7 +23,10 @@ import sys as _sys
 # logger-name prefix -> (tag, stream name); the longest prefix wins; tag "" prints the message alone
 _CONSOLE_TAGS = {
     "megatron_qarl": ("qarl", "stdout"),
+    "megatron_qarl.sft": ("sft", "stdout"),
     "megatron_qarl.weights.publish": ("publish", "stdout"),
+    "megatron_qarl.weights.convert": ("qarl-convert", "stderr"),  # stdout is the command's result (inspect)
+    "megatron_qarl.weights.tokenizer_plan": ("qarl-convert", "stderr"),
     "megatron_qarl.rollout.sglang_readback": ("", "stdout"),  # its messages carry their own "[publish]"
     "megatron_qarl.tracking.progress": ("", "stdout"),  # the per-step progress line is the line itself
 }

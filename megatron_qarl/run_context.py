@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,8 @@ if TYPE_CHECKING:  # the field types; the modules load when the run builds them
     from megatron_qarl.rollout.protocol import EngineBase, SamplingParams
     from megatron_qarl.tracking import MetricsTracker
     from megatron_qarl.weights.publish import WeightPublisher
+
+log = logging.getLogger(__name__)
 
 
 def prompt_data_config(cfg: RunConfig, path):
@@ -248,10 +251,10 @@ def announce(what: str):
     if not is_logging_rank():
         yield
         return
-    print(f"[qarl] {what} ...", flush=True)
+    log.info(f"{what} ...")
     t0 = time.perf_counter()
     yield
-    print(f"[qarl] {what}: done in {time.perf_counter() - t0:.1f} s", flush=True)
+    log.info(f"{what}: done in {time.perf_counter() - t0:.1f} s")
 
 
 def start_engines(ctx: RunContext) -> None:
@@ -296,7 +299,7 @@ def check_engines_serve_the_learners_quantization(ctx: RunContext) -> None:
         try:
             warning = check_engine_quantization(ctx.engine, ctx.hf_config, ctx.cfg.quant, ctx.family)
             if warning:
-                print(f"[qarl] engine quantization {warning}", flush=True)
+                log.info(f"engine quantization {warning}")
         except EngineQuantizationMismatch as err:
             error = err
     raise_if_any_rank_failed(error, EngineQuantizationMismatch(
@@ -317,8 +320,8 @@ def check_engine_start_memory(cfg: RunConfig) -> None:
     if is_logging_rank():
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         timeline = memory_timeline(cfg, torch.distributed.get_world_size(), total / GIB)
-        print(f"[qarl] memory plan: {timeline_verdict(timeline)}; at engine start {free / GIB:.2f} GiB free "
-              f"-> KV cache {kv / GIB:.2f} GiB per GPU ({sequences:.1f} full-length sequences)", flush=True)
+        log.info(f"memory plan: {timeline_verdict(timeline)}; at engine start {free / GIB:.2f} GiB free "
+                 f"-> KV cache {kv / GIB:.2f} GiB per GPU ({sequences:.1f} full-length sequences)")
     if sequences < 1:
         raise ConfigError(
             f"the engines would start with {free / GIB:.2f} GiB free per GPU: {kind.memory_fraction_key}="
@@ -380,7 +383,7 @@ def load_run_data(cfg: RunConfig, tokenizer, is_leader: bool, hf_config=None):
             report = check_run_inputs(cfg, tokenizer, data.examples, eval_examples)
             if is_logging_rank():
                 for line in report.warnings:
-                    print(f"[qarl] warning: {line}", flush=True)
+                    log.warning(line)
             check_data_fits(cfg, hf_config, data, eval_examples)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank has heard of it
             error = exc
@@ -685,8 +688,8 @@ def check_run_identity(cfg: RunConfig, path, state: dict | None) -> None:
     listing = "; ".join(f"{k}: checkpoint {theirs.get(k, '<absent>')!r}, this run {ours.get(k, '<absent>')!r}"
                         for k in differ[:8])
     if cfg.checkpoint.resume == "force":
-        print(f"[qarl] WARNING: resuming {path}, written by a different config ({listing}), as "
-              "checkpoint.resume=force asks", flush=True)
+        log.warning(f"resuming {path}, written by a different config ({listing}), as "
+                    "checkpoint.resume=force asks")
         return
     raise ConfigError(
         f"checkpoint {path} belongs to a different experiment ({listing}{'; ...' if len(differ) > 8 else ''}); "

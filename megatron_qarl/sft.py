@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import random
 import time
@@ -50,6 +51,8 @@ from megatron_qarl.parallel import (
 )
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig, make_problem
 from megatron_qarl.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -479,8 +482,7 @@ def prepare_out_checkpoint(sft: SFTConfig) -> Path | None:
         else:
             moved = moved_aside_name(out)
             out.rename(moved)
-            print(f"[sft] sft.overwrite=true: moved the earlier checkpoint {out} to {moved} (nothing deleted)",
-                  flush=True)
+            log.info(f"sft.overwrite=true: moved the earlier checkpoint {out} to {moved} (nothing deleted)")
     raise_if_any_rank_failed(error, SFTConfigError(f"sft.out_checkpoint={out} cannot be written (rank 0 says why)"))
     return moved
 
@@ -513,7 +515,7 @@ def _resume(cfg, sft: SFTConfig, ddp, optimizer) -> dict[str, Any] | None:
         return None
     if is_logging_rank():
         for stale in remove_stale_temps(path):  # what a save killed mid-write left
-            print(f"[sft] removed {stale}, left by an interrupted save", flush=True)
+            log.info(f"removed {stale}, left by an interrupted save")
     if not is_complete(path):
         return None
     side = read_extra_state(path) or {}
@@ -527,7 +529,7 @@ def _resume(cfg, sft: SFTConfig, ddp, optimizer) -> dict[str, Any] | None:
                              "run that run's command to finish it, or move it aside to start this one over")
     state = load_checkpoint(path, ddp, optimizer, fix=f"move {path} aside to start the SFT run over")
     if is_logging_rank():
-        print(f"[sft] resumed from {path} (step {state['step']}/{sft.steps})", flush=True)
+        log.info(f"resumed from {path} (step {state['step']}/{sft.steps})")
     return state
 
 
@@ -546,7 +548,7 @@ def _train(cfg, sft: SFTConfig, layout, stop=None) -> dict[str, Any]:
 
         load_checkpoint(sft.init_checkpoint, ddp)
     if is_logging_rank():
-        print(f"[sft] {task_line(cfg)}", flush=True)
+        log.info(task_line(cfg))
     eval_set = held_out_problems(sft)
     stream = ProblemStream(sft.task_config(), seed=sft.seed * 1000 + dp_rank(),
                            held_out={p["prompt"] for p in eval_set})
@@ -623,7 +625,7 @@ def _drop_resume_state(cfg, sft: SFTConfig) -> None:
     path = resume_dir(cfg, sft)
     if path is not None and is_logging_rank() and path.is_dir():
         shutil.rmtree(path)
-        print(f"[sft] removed {path}: the run it continued has finished", flush=True)
+        log.info(f"removed {path}: the run it continued has finished")
 
 
 def _write_metrics(cfg, result: dict[str, Any]) -> None:
@@ -653,5 +655,5 @@ def _save(ddp, sft: SFTConfig, final: dict[str, Any], hf_config=None, model_cfg=
         extra[TOKENIZER_SOURCE_KEY] = tokenizer_source(model_cfg)
     save_checkpoint(path, ddp, extra=extra, force=sft.overwrite)
     if is_logging_rank():
-        print(f"[sft] saved dist checkpoint to {path}", flush=True)
+        log.info(f"saved dist checkpoint to {path}")
     return str(path)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,8 @@ from megatron_qarl.rl.metrics import drift_metrics, reduce_metrics, seq_abs_log_
 from megatron_qarl.rl.repetition import is_repetitive
 from megatron_qarl.rollout.dispatch import RolloutStopRequested
 from megatron_qarl.rollout.protocol import RolloutEngineError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -182,8 +185,8 @@ def collect_rollouts(ctx, step: int, stop=None) -> tuple[RolloutBatch, dict]:
             break
         if status == ROLLOUT_STOPPED:
             if error is not None and not isinstance(error, RolloutStopRequested):  # the stop outranks it: say it
-                print(f"[qarl] rank {dist.get_rank()}: the rollout also failed while stopping: "
-                      f"{error_summary(error)}", flush=True)
+                log.warning(f"rank {dist.get_rank()}: the rollout also failed while stopping: "
+                            f"{error_summary(error)}")
             if data_before is not None:  # the resumed run reads these prompts again
                 ctx.data.load_state_dict(data_before)
             raise RolloutStopRequested(f"step {step + 1}'s rollout was abandoned on a stop request [{said}]")
@@ -282,11 +285,11 @@ def restart_failed_engine(ctx, error) -> None:
     """On the leader whose engine failed: restart it (the caller re-publishes the weights to it)."""
     if error is None:
         return
-    print(f"[qarl] rank {dist.get_rank()}: rollout engine failed ({error}); restarting it", flush=True)
+    log.warning(f"rank {dist.get_rank()}: rollout engine failed ({error}); restarting it")
     try:
         ctx.engine.restart()
     except Exception as exc:  # the publish that follows fails on this rank and tells every rank
-        print(f"[qarl] rank {dist.get_rank()}: engine restart failed: {exc}", flush=True)
+        log.warning(f"rank {dist.get_rank()}: engine restart failed: {exc}")
 
 
 def rollout_metrics(t: dict) -> dict:
@@ -511,8 +514,8 @@ def optimizer_step(ctx, loss: float = 0.0) -> dict:
         ctx.optimizer.zero_grad()
         ctx.nonfinite_streak += 1
         limit = ctx.cfg.train.max_nonfinite_steps
-        print(f"[qarl] non-finite loss or gradients: optimizer step skipped ({ctx.nonfinite_streak} in a row, "
-              f"stop at {limit})", flush=True)
+        log.warning(f"non-finite loss or gradients: optimizer step skipped ({ctx.nonfinite_streak} in a row, "
+                    f"stop at {limit})")
         if ctx.nonfinite_streak >= limit:
             raise DivergenceError(
                 f"training diverged: {limit} optimizer steps in a row had a non-finite loss or gradients and were "
@@ -584,9 +587,9 @@ def warn_if_no_gradient(ctx, step: int, metrics: dict) -> None:
         return
     ctx.no_gradient_steps += 1
     if ctx.no_gradient_steps == 1:
-        print(f"[qarl] warning: step {step + 1}: every prompt group's responses got the same reward, so every "
-              "advantage is 0 and no policy gradient flowed (a model that never answers right, e.g. a random init: "
-              "warm it up with `qarl-train sft`; a reward that never varies; rollout.n=1)", flush=True)
+        log.warning(f"step {step + 1}: every prompt group's responses got the same reward, so every "
+                    "advantage is 0 and no policy gradient flowed (a model that never answers right, e.g. a random init: "
+                    "warm it up with `qarl-train sft`; a reward that never varies; rollout.n=1)")
 
 
 def maybe_checkpoint(ctx, step: int, force: bool = False):
@@ -664,17 +667,17 @@ def close_run(ctx) -> None:
         if ctx.tracker is not None:
             summary = None if failing else ctx.tracker.summary()
             if summary:
-                print(f"[qarl] {summary}", flush=True)
+                log.info(summary)
             if ctx.no_gradient_steps and not failing:
-                print(f"[qarl] warning: {ctx.no_gradient_steps} step(s) of this run had no policy gradient (every "
-                      "group's rewards were equal: adv/degenerate_frac 1.0)", flush=True)
+                log.warning(f"{ctx.no_gradient_steps} step(s) of this run had no policy gradient (every "
+                            "group's rewards were equal: adv/degenerate_frac 1.0)")
             written = ctx.tracker.finish(failed=failing)
             if written:
-                print(f"[qarl] metrics: {', '.join(str(p) for p in written)}", flush=True)
+                log.info(f"metrics: {', '.join(str(p) for p in written)}")
     except Exception as exc:  # noqa: BLE001 - only while failing; otherwise re-raised below
         if not failing:
             raise
-        print(f"[qarl] closing the metrics sinks also failed: {exc}", flush=True)
+        log.warning(f"closing the metrics sinks also failed: {exc}")
     finally:
         try:
             if ctx.engine is not None:

@@ -4,6 +4,7 @@ verifies (trust.py)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -15,6 +16,8 @@ from megatron_qarl.checkpointing.format import EXTRA_STATE_NAME, is_complete
 from megatron_qarl.checkpointing.save_load import load_checkpoint, save_checkpoint
 from megatron_qarl.checkpointing.trust import read_marker, verify_checkpoint
 from megatron_qarl.errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -70,8 +73,8 @@ class RunCheckpoints:
                     shutil.rmtree(stale, ignore_errors=True)
                     removed.append(stale.name)
             if removed:
-                print(f"[qarl] removed {len(removed)} leftover(s) of an interrupted checkpoint save in {self.root}: "
-                      f"{', '.join(removed)}", flush=True)
+                log.info(f"removed {len(removed)} leftover(s) of an interrupted checkpoint save in {self.root}: "
+                         f"{', '.join(removed)}")
         ranks.barrier()
         return removed
 
@@ -128,8 +131,8 @@ class RunCheckpoints:
                 problems = [str(err)]
             if not problems:
                 for bad, why in failed:
-                    print(f"[qarl] WARNING: checkpoint {bad} fails verification ({'; '.join(why[:3])}); resuming "
-                          f"from the previous complete checkpoint {path} instead", flush=True)
+                    log.warning(f"checkpoint {bad} fails verification ({'; '.join(why[:3])}); resuming "
+                                f"from the previous complete checkpoint {path} instead")
                 return path
             failed.append((path, problems))
         if failed:
@@ -155,5 +158,5 @@ class RunCheckpoints:
         if isinstance(state.get("run_id"), str):  # the run goes on: its pruning covers what it wrote before
             self.run_id = state["run_id"]
         if ranks.rank() == 0:
-            print(f"[qarl] resumed from {path} (step {state['step']})", flush=True)
+            log.info(f"resumed from {path} (step {state['step']})")
         return state

@@ -18,6 +18,7 @@ Outputs carry the tokenizer next to the weights (tokenizer_plan.plan_tokenizer).
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -35,6 +36,8 @@ from megatron_qarl.weights.hf_io import (
     CONFIG_NAME, DEFAULT_SHARD_BYTES, TOKENIZER_FILES, HfSource, ShardWriter, checkpoint_config_json,
     hf_checkpoint_files, hf_config_from_json, hf_side_files, tensor_nbytes)
 from megatron_qarl.weights.tokenizer_plan import TokenizerPlan, plan_tokenizer
+
+log = logging.getLogger(__name__)
 
 FORMATS = SCHEME_NAMES + ("bf16",)  # export --format: a registered low-bit scheme, or bf16
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -109,7 +112,7 @@ def remove_stale_outputs(out: Path) -> None:
     if not _is_rank0():
         return
     for stale in remove_stale_temps(out):
-        print(f"qarl-convert: removed {stale}, left by an interrupted conversion to {out}", file=sys.stderr)
+        log.info(f"removed {stale}, left by an interrupted conversion to {out}")
 
 
 # ------------------------------------------------------------------ weights the outputs may hold
@@ -144,7 +147,7 @@ def say(message: str) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"[qarl-convert] {message}", file=sys.stderr, flush=True)
+        log.info(message)
 
 
 def progress(total_bytes: int | None, desc: str):

@@ -4,14 +4,16 @@ source (checkpointing.format.TOKENIZER_SOURCE_KEY), else the tokenizer files it 
 warning line says how to add one."""
 from __future__ import annotations
 
+import logging
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_qarl.parallel import is_logging_rank
 from megatron_qarl.weights.convert_errors import ConversionError
 from megatron_qarl.weights.hf_io import CONFIG_NAME, TOKENIZER_FILES
+
+log = logging.getLogger(__name__)
 
 
 CHAR_TOKENIZER = "char"
@@ -108,4 +110,4 @@ def plan_tokenizer(side_files: dict[str, bytes], *, explicit: str | None = None,
 
 def _warn(message: str) -> None:
     if is_logging_rank():  # global rank 0, as the conversion's other lines
-        print(f"qarl-convert: warning: {message}", file=sys.stderr)
+        log.warning(message)
