@@ -249,6 +249,15 @@ def test_synthetic_task_options_compose_the_generator_config():
     assert (cfg.data.synthetic.num_rows, cfg.data.synthetic.operations) == (12, ("+", "-"))
 
 
+@pytest.mark.parametrize("ep_size", [0, -2])
+def test_a_non_positive_sglang_ep_size_is_one_line_not_a_division_by_zero(ep_size):
+    """The world check (ep_size must divide engine_tp) ran on 0 and raised ZeroDivisionError; the section check's
+    line is the one answer."""
+    with pytest.raises(ConfigError, match=rf"rollout.sglang.ep_size={ep_size} must be > 0"):
+        load_config(None, ["model.preset=tiny", "rollout.engine=sglang", f"rollout.sglang.ep_size={ep_size}"],
+                    world_size=1)
+
+
 def test_sglang_engine_config_from_run(monkeypatch):
     from megatron_qarl.rollout.sglang_engine_config import SGLangEngineConfig
 

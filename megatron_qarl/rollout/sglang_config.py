@@ -129,6 +129,8 @@ def check_sglang_section(cfg: Any) -> list[str]:
 def check_sglang_world(cfg: Any) -> list[str]:
     """The rules of rollout.sglang checked with the world: its expert parallelism splits each engine's GPUs."""
     r, s = cfg.rollout, cfg.rollout.sglang
+    if s.ep_size <= 0:  # check_sglang_section says it must be > 0
+        return []
     if s.ep_size > r.engine_tp or r.engine_tp % s.ep_size:
         return [f"rollout.sglang.ep_size={s.ep_size} must divide rollout.engine_tp="
                 f"{r.engine_tp} (SGLang partitions experts inside its TP group)"]
