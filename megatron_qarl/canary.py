@@ -37,6 +37,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_qarl.errors import RefitError
+from megatron_qarl.models.logprobs import token_logprobs
+from megatron_qarl.quant.schemes import scheme_of
+from megatron_qarl.rollout.engines import engine_kind
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +143,6 @@ def breach_line(engine: str, group: int, when: str, gap: CanaryGap, bound: Canar
 def learner_canary_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     """COLLECTIVE over the model-parallel group. The learner's log-probs of the canary, with the forward it trains
     with (eval mode: no dropout, no balance loss)."""
-    from megatron_qarl.models.logprobs import token_logprobs
-
     was_training = model.training
     model.eval()
     try:
@@ -172,9 +173,6 @@ class RefitCanary:
 
 def run_canary(cfg, hf_config, tokenizer) -> RefitCanary | None:
     """The refit canary of a run (a RunConfig), or None when it is off; says which once (logging rank)."""
-    from megatron_qarl.quant.schemes import scheme_of
-    from megatron_qarl.rollout.engines import engine_kind
-
     if cfg.publish.canary_every <= 0:
         return None
     if cfg.quant.enabled and not cfg.quant.learner_aligned:

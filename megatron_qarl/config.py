@@ -23,16 +23,17 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_qarl.models.registry import family_of, preset_names, resolve_hf_config
-from megatron_qarl.models.local_spec import CORE_ATTENTIONS, transformer_engine_problem
 from megatron_qarl.errors import ConfigError, UserError
+from megatron_qarl.fileio import atomic_write_text
+from megatron_qarl.models.local_spec import CORE_ATTENTIONS, transformer_engine_problem
+from megatron_qarl.models.registry import family_of, preset_names, resolve_hf_config
 from megatron_qarl.optim import OptimConfig
 from megatron_qarl.parallel import ParallelLayout, RolloutTopology
-from megatron_qarl.quant.aten_int4 import GROUP_SIZES as ATEN_INT4_GROUP_SIZES, SAMPLER_W4A16_KERNELS
+from megatron_qarl.quant.aten_int4 import SAMPLER_W4A16_KERNELS, GROUP_SIZES as ATEN_INT4_GROUP_SIZES
 from megatron_qarl.quant.config import SCOPE_GROUPS, QuantConfig
 from megatron_qarl.quant.schemes import SCHEMES, scheme_of
-from megatron_qarl.rl.losses import LossConfig
 from megatron_qarl.rl.data import BAD_ROWS_MODES, PROBLEM
+from megatron_qarl.rl.losses import LossConfig
 from megatron_qarl.rl.rewards import check_reward_spec
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig
 from megatron_qarl.rollout.engine_kind import EngineKind, choice_problem
@@ -1069,6 +1070,4 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
 
 def save_yaml(cfg: RunConfig, path: str | os.PathLike) -> Path:
     """Write the resolved config atomically (temp file + rename) and return its path."""
-    from megatron_qarl.fileio import atomic_write_text
-
     return atomic_write_text(path, to_yaml(cfg))

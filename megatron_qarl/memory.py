@@ -63,9 +63,11 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_qarl.errors import UserError
+from megatron_qarl.memory_saver import cgroup_levels
 from megatron_qarl.models import logprobs
 from megatron_qarl.models.registry import family_of, resolve_hf_config
 from megatron_qarl.quant.schemes import NO_SCHEME, scheme_of
+from megatron_qarl.rollout.engines import engine_kind
 
 GIB = 1024 ** 3
 LOGPROB_TOKEN_BYTES = 16  # fp32 per token held by logprobs.py: log-sum-exp, target logit, grad_out, grad_out / T
@@ -316,8 +318,6 @@ def engine_shares_gpu(cfg) -> bool:
     """The rollout engine's weights and KV live on the trainer's GPUs, as its kind says (EngineKind.
     shares_trainer_gpus: SGLang colocated, or vLLM on CUDA, each group's engine on the group's GPUs). The engines
     and the trainer then take turns."""
-    from megatron_qarl.rollout.engines import engine_kind
-
     return engine_kind(cfg.rollout.engine).shares_trainer_gpus(cfg)
 
 
@@ -334,8 +334,6 @@ def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str
     included (the kind's `memory_fraction` and `gpu_fraction_of_total`). Without a GPU-sharing engine nothing is
     released. Returns rows (phase, terms, total, free), the peak, the KV budget (and the engine's memory share and
     its key, None without one) and a verdict."""
-    from megatron_qarl.rollout.engines import engine_kind
-
     est = estimate_memory(cfg, world_size)
     tr, act, eng = est["trainer_per_gpu"], est["activation_detail"], est["engine"]
     capacity = gpu_gib * GIB
@@ -402,8 +400,6 @@ def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str
 def engine_kv_at_start(cfg, free_bytes: float) -> tuple[float, float]:
     """(KV bytes per GPU, full-length sequences they hold) for a colocated engine starting with `free_bytes` free
     on its GPUs: SGLang's own rule, its kind's memory_fraction (mem_fraction_static) x free - weights."""
-    from megatron_qarl.rollout.engines import engine_kind
-
     est = estimate_memory(cfg)
     kv = engine_kind(cfg.rollout.engine).memory_fraction(cfg) * free_bytes - est["engine"]["per_engine_gpu"]
     seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
@@ -466,8 +462,6 @@ def plan_on_gpu(cfg) -> bool:
     separate servers); a plan whose engines run beside the trainer on the host (embedded, vLLM-CPU) without CUDA
     here is a CPU plan."""
     import torch
-
-    from megatron_qarl.rollout.engines import engine_kind
 
     return torch.cuda.is_available() or engine_shares_gpu(cfg) or not engine_kind(cfg.rollout.engine).colocated(cfg)
 
@@ -532,8 +526,6 @@ def cgroup_memory_limit(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = 
     """The smallest cgroup v2 memory.max on the way from this process's cgroup up to the root (a container's or a
     job's limit), or None when there is none."""
     import os
-
-    from megatron_qarl.memory_saver import cgroup_levels
 
     limits = []
     for level in cgroup_levels(cgroup_root, proc_cgroup):

@@ -15,35 +15,53 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_qarl import preflight
+from megatron_qarl.checkpointing.format import HF_SIDECAR_KEY, TOKENIZER_SOURCE_KEY
+from megatron_qarl.checkpointing.run_checkpoints import RunCheckpoints
+from megatron_qarl.checkpointing.trust import read_extra_state
 from megatron_qarl.config import RunConfig, rollout_topology, save_yaml, to_dict
+from megatron_qarl.fileio import RunDirInUseError, RunDirLock
+from megatron_qarl.memory import (
+    GIB, HostMemoryError, check_host_plan, engine_kv_at_start, engine_shares_gpu, host_plan, memory_timeline,
+    node_memory, timeline_verdict,
+)
+from megatron_qarl.memory_saver import TRAINER_GRADS, TRAINER_STATE, TrainerMemory, init_optimizer_state
+from megatron_qarl.models.aligned import apply_aligned_quantization
 from megatron_qarl.models.registry import family_of, resolve_hf_config
-from megatron_qarl.parallel import RolloutTopology, collective_device, init_distributed, is_logging_rank
-from megatron_qarl.tokenizer import load_tokenizer
+from megatron_qarl.optim import build_optimizer
+from megatron_qarl.parallel import (
+    RolloutTopology, collective_device, init_distributed, is_logging_rank, max_over_ranks, raise_if_any_rank_failed,
+)
+from megatron_qarl.rl.data import DatasetError, PromptDataConfig, PromptDataset, load_prompt_examples
+from megatron_qarl.rollout.engines import engine_kind
+from megatron_qarl.rollout.protocol import RolloutEngineError, SamplingParams
+from megatron_qarl.tokenizer import TokenizerError, load_tokenizer, split_stops
+from megatron_qarl.tracking import MetricsTracker, TrackerConfig, TrackingError, plain_row, prepare_run_dir
+from megatron_qarl.weights.convert import EngineCheckpointSink
+from megatron_qarl.weights.engine_check import check_engine_quantization
+from megatron_qarl.weights.hf_io import hf_checkpoint_files, scan_hf_checkpoint, validate_hf_index
+from megatron_qarl.weights.publish import WeightPublisher
+from megatron_qarl.weights.publish_errors import EngineQuantizationMismatch
+from megatron_qarl.weights.tokenizer_plan import TokenizerPlan, tokenizer_source
 
-if TYPE_CHECKING:  # the field types; the modules load when the run builds them
+if TYPE_CHECKING:  # field types only: megatron's DDP and transformers' classes, and what a run builds lazily
     from megatron.core.distributed import DistributedDataParallel
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from megatron_qarl.canary import RefitCanary
-    from megatron_qarl.checkpointing.run_checkpoints import RunCheckpoints
-    from megatron_qarl.memory_saver import TrainerMemory
-    from megatron_qarl.models.aligned import AlignedQuantization
     from megatron_qarl.models.family import ModelFamily
     from megatron_qarl.models.routes import MoEGeometry
     from megatron_qarl.optim import QarlOptimizer
-    from megatron_qarl.rl.data import PromptDataset, PromptExample
+    from megatron_qarl.rl.data import PromptExample
     from megatron_qarl.rl.rewards import RewardFunction
-    from megatron_qarl.rollout.protocol import EngineBase, SamplingParams
-    from megatron_qarl.tracking import MetricsTracker
-    from megatron_qarl.weights.publish import WeightPublisher
+    from megatron_qarl.rollout.protocol import EngineBase
+    from megatron_qarl.models.aligned import AlignedQuantization
 
 log = logging.getLogger(__name__)
 
 
 def prompt_data_config(cfg: RunConfig, path):
     """How the run reads prompts from `path` (data.path, or eval.path): data.* keys and data.prompt."""
-    from megatron_qarl.rl.data import PromptDataConfig
-
     d, p = cfg.data, cfg.data.prompt
     return PromptDataConfig(
         path=path, split=d.split, prompt_key=d.prompt_key, answer_key=d.answer_key, bad_rows=d.bad_rows,
@@ -53,8 +71,6 @@ def prompt_data_config(cfg: RunConfig, path):
 
 
 def build_prompt_dataset(cfg: RunConfig, tokenizer):
-    from megatron_qarl.rl.data import PromptDataset
-
     path = cfg.data.path
     if cfg.data.source == "synthetic":
         from megatron_qarl.rl.synthetic import write_arithmetic_dataset
@@ -74,8 +90,6 @@ def build_tracker(cfg: RunConfig, *, resume: bool = False, start_step: int | Non
                   wandb_run_id: str | None = None):
     """The metrics sinks of the logging rank, as `cfg.logging` asks for them (a resumed run's metrics.jsonl
     and samples.jsonl keep only the rows before `start_step`, and it continues wandb run `wandb_run_id`)."""
-    from megatron_qarl.tracking import MetricsTracker, TrackerConfig
-
     log = cfg.logging
     return MetricsTracker(
         TrackerConfig(out_dir=log.out_dir, project=log.wandb.project, entity=log.wandb.entity, run_name=cfg.name,
@@ -144,13 +158,6 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
     """The run's parts. `held` (a contextlib.ExitStack, the caller's): releases the run-dir locks taken here when
     the caller is done (trainer.train: at the run's end, or when building fails)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from megatron_qarl.checkpointing.run_checkpoints import RunCheckpoints
-    from megatron_qarl.optim import build_optimizer
-    from megatron_qarl.models.aligned import apply_aligned_quantization
-    from megatron_qarl.memory import engine_shares_gpu
-    from megatron_qarl.memory_saver import TRAINER_GRADS, TRAINER_STATE, TrainerMemory, init_optimizer_state
-    from megatron_qarl.rollout.engines import engine_kind
 
     check_initial_weights(cfg)
     engine_kind(cfg.rollout.engine).check_machine(cfg)  # e.g. the vLLM venv / CPU features: before any process group
@@ -230,9 +237,6 @@ def check_host_memory(cfg: RunConfig) -> None:
     line before any model is built, instead of an OOM kill or torch_memory_saver's bare exit(1) mid-run."""
     import os
 
-    from megatron_qarl.memory import HostMemoryError, check_host_plan, host_plan, node_memory
-    from megatron_qarl.parallel import raise_if_any_rank_failed
-
     world = torch.distributed.get_world_size()
     error = None
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -260,10 +264,6 @@ def announce(what: str):
 def start_engines(ctx: RunContext) -> None:
     """COLLECTIVE. Start every rollout group's engine and the publisher that feeds them. Last, on GPUs the trainer
     has released: an engine sizes its KV cache from the memory free when it starts (memory.memory_timeline)."""
-    from megatron_qarl.parallel import raise_if_any_rank_failed
-    from megatron_qarl.rollout.protocol import RolloutEngineError
-    from megatron_qarl.weights.publish import WeightPublisher
-
     cfg = ctx.cfg
     release_for_engines(ctx.memory, ctx.quant)
     if ctx.memory.on_gpu and ctx.memory.colocated:
@@ -290,10 +290,6 @@ def check_engines_serve_the_learners_quantization(ctx: RunContext) -> None:
     """COLLECTIVE. Every leader reads back what its engine loaded (format, group / block size, quantized linears)
     and the run stops, in one line on every rank, unless it is quant.*: a group size that differs, a quantized
     router, an ignore pattern that swallows a layer. An engine that cannot tell is warned about."""
-    from megatron_qarl.parallel import raise_if_any_rank_failed
-    from megatron_qarl.weights.engine_check import check_engine_quantization
-    from megatron_qarl.weights.publish_errors import EngineQuantizationMismatch
-
     error = None
     if ctx.engine is not None:
         try:
@@ -310,10 +306,6 @@ def check_engine_start_memory(cfg: RunConfig) -> None:
     """COLLECTIVE (CUDA). The KV cache colocated engines will size from the memory free now (the trainer released):
     refused here in one line, before SGLang's own start-up error, when it holds no full-length sequence."""
     from megatron_qarl.config import ConfigError
-    from megatron_qarl.memory import GIB, engine_kv_at_start, memory_timeline, timeline_verdict
-    from megatron_qarl.parallel import max_over_ranks
-    from megatron_qarl.rollout.engines import engine_kind
-
     kind = engine_kind(cfg.rollout.engine)
     free = -max_over_ranks(-int(torch.cuda.mem_get_info()[0]))  # the tightest GPU of the world
     kv, sequences = engine_kv_at_start(cfg, free)
@@ -343,10 +335,6 @@ def run_sampling_params(cfg: RunConfig, tokenizer):
     """Step 0's SamplingParams: rollout.* with the stops resolved against the tokenizer (EOS, single-token
     stop strings and rollout.stop_token_ids as ids; longer stop strings as text)."""
     from megatron_qarl.config import ConfigError
-    from megatron_qarl.tokenizer import split_stops
-    from megatron_qarl.rollout.engines import engine_kind
-    from megatron_qarl.rollout.protocol import SamplingParams
-
     r = cfg.rollout
     stop_ids, stop_strings = split_stops(tokenizer, list(r.stop), list(r.stop_token_ids))
     kind = engine_kind(r.engine)
@@ -359,8 +347,6 @@ def run_sampling_params(cfg: RunConfig, tokenizer):
 def load_eval_examples(cfg: RunConfig, tokenizer):
     """The held-out prompts (eval.path), built and checked exactly like the training prompts (data.prompt,
     bad_rows, max_prompt_len), in file order; the first eval.max_prompts when set."""
-    from megatron_qarl.rl.data import load_prompt_examples
-
     e = cfg.eval
     data_cfg = dataclasses.replace(
         prompt_data_config(cfg, e.path), split=e.split, shuffle=False, section="eval",
@@ -372,9 +358,6 @@ def load_eval_examples(cfg: RunConfig, tokenizer):
 def load_run_data(cfg: RunConfig, tokenizer, is_leader: bool, hf_config=None):
     """COLLECTIVE. (training PromptDataset, held-out examples or None) on rollout-group leaders, (None, None)
     elsewhere; a data error on any leader is raised on every rank."""
-    from megatron_qarl.parallel import raise_if_any_rank_failed
-    from megatron_qarl.rl.data import DatasetError
-
     data = eval_examples = error = None
     if is_leader:
         try:
@@ -395,8 +378,6 @@ def load_run_data(cfg: RunConfig, tokenizer, is_leader: bool, hf_config=None):
 def check_run_inputs(cfg: RunConfig, tokenizer, train_examples, eval_examples):
     """preflight.check_run_inputs with a fresh reward function for its smoke call (closed after): what a run
     and `qarl-train --dry-run` check of the inputs without a model."""
-    from megatron_qarl import preflight
-
     reward_fn = build_reward_fn(cfg)
     try:
         return preflight.check_run_inputs(cfg, tokenizer, train_examples, eval_examples, reward_fn)
@@ -408,9 +389,6 @@ def lock_run_dirs(cfg: RunConfig, held=None) -> list:
     """COLLECTIVE. The logging rank locks logging.out_dir (and checkpoint.dir when it lies outside) for the run's
     life (fileio.RunDirLock); a directory another live trainer holds is RunDirInUseError on every rank, naming
     the holder's pid and host. `held` (an ExitStack) releases the locks; the locks taken, on the logging rank."""
-    from megatron_qarl.fileio import RunDirInUseError, RunDirLock
-    from megatron_qarl.parallel import raise_if_any_rank_failed
-
     locks, error = [], None
     if is_logging_rank():
         out = Path(cfg.logging.out_dir)
@@ -433,8 +411,6 @@ def lock_run_dirs(cfg: RunConfig, held=None) -> list:
 def check_tokenizer(cfg: RunConfig, tokenizer) -> None:
     """A tokenizer with no vocabulary is refused here, not deep in the engine: transformers builds an empty one
     from a directory without tokenizer files (e.g. model.hf_path holding only config.json and weights)."""
-    from megatron_qarl.tokenizer import TokenizerError
-
     source = cfg.model.tokenizer or cfg.model.hf_path
     if len(tokenizer) < 2 or not tokenizer.encode("1+1=", add_special_tokens=False):
         raise TokenizerError(
@@ -447,8 +423,6 @@ def check_data_fits(cfg: RunConfig, hf_config, data, eval_examples=None) -> None
     """Prompts the run cannot train on as configured, refused before any model is built (DatasetError):
     fewer usable prompts than one step takes (train.prompts_per_step), and a prompt whose tokens plus
     rollout.max_new_tokens exceed the model's context (max_position_embeddings)."""
-    from megatron_qarl.rl.data import DatasetError
-
     if data is not None and len(data) < cfg.train.prompts_per_step:
         raise DatasetError(
             f"data.path={cfg.data.path} has {len(data)} usable prompt(s), fewer than train.prompts_per_step="
@@ -482,7 +456,6 @@ def continues_out_dir(cfg: RunConfig) -> tuple[bool, str]:
     (checkpoint.resume=auto/force with a complete one, or a path), or it re-runs its own experiment's start
     (auto, no checkpoint yet, the dir's config.yaml has this run's identity: a run killed before its first
     checkpoint)."""
-    from megatron_qarl.checkpointing.run_checkpoints import RunCheckpoints
     from megatron_qarl.config import load_config
 
     mode = cfg.checkpoint.resume
@@ -503,9 +476,6 @@ def continues_out_dir(cfg: RunConfig) -> tuple[bool, str]:
 def prepare_out_dir(cfg: RunConfig) -> bool:
     """COLLECTIVE. Rank 0 keeps an earlier run's results in logging.out_dir (tracking.prepare_run_dir: refused, or
     moved aside with logging.overwrite=true) unless this run continues them; whether it does."""
-    from megatron_qarl.parallel import raise_if_any_rank_failed
-    from megatron_qarl.tracking import TrackingError, prepare_run_dir
-
     continuing, why = continues_out_dir(cfg)
     error = None
     if torch.distributed.get_rank() == 0:
@@ -523,8 +493,6 @@ def check_initial_weights(cfg: RunConfig) -> None:
     """A GPU-engine run (its kind needs_real_weights) must start from real weights unless random init is asked
     for explicitly."""
     from megatron_qarl.config import ConfigError
-    from megatron_qarl.rollout.engines import engine_kind
-
     m = cfg.model
     if engine_kind(cfg.rollout.engine).needs_real_weights and not (m.hf_path or m.init_checkpoint or m.random_init):
         raise ConfigError(
@@ -541,12 +509,6 @@ def engine_start_checkpoint(cfg: RunConfig, model, hf_config, quant, tokenizer=N
     tokenizer (vLLM matches stop strings with it); reused when present (resume). None for engines that
     need no start-up checkpoint (embedded, attach)."""
     import torch.distributed as dist
-
-    from megatron_qarl.rollout.engines import engine_kind
-    from megatron_qarl.weights.convert import EngineCheckpointSink
-    from megatron_qarl.weights.hf_io import hf_checkpoint_files
-    from megatron_qarl.weights.tokenizer_plan import TokenizerPlan
-    from megatron_qarl.weights.publish import WeightPublisher
 
     kind = engine_kind(cfg.rollout.engine)
     given = kind.configured_start_checkpoint(cfg)
@@ -573,8 +535,6 @@ def scan_initial_hf_weights(cfg: RunConfig, hf_config):
     before the model is built; None when the run does not start from HF weights."""
     if cfg.model.init_checkpoint or not cfg.model.hf_path:
         return None
-    from megatron_qarl.weights.hf_io import scan_hf_checkpoint, validate_hf_index
-
     index = scan_hf_checkpoint(cfg.model.hf_path)
     validate_hf_index(index, hf_config)
     return index
@@ -703,10 +663,6 @@ def checkpoint_state(ctx: RunContext) -> dict:
     checkpoint without the run's config.yaml. Plain values and tensors only (checkpointing.format.check_plain_state)."""
     import random
 
-    from megatron_qarl.checkpointing.format import HF_SIDECAR_KEY, TOKENIZER_SOURCE_KEY
-    from megatron_qarl.weights.hf_io import hf_checkpoint_files
-    from megatron_qarl.weights.tokenizer_plan import tokenizer_source
-
     return {
         "data": ctx.data.state_dict() if ctx.data is not None else None,
         "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
@@ -727,8 +683,6 @@ def logged_row(ctx: RunContext) -> str | None:
     run logs it from here (MetricsTracker.restore_row). None off the logging rank or before any step."""
     if ctx.tracker is None or ctx.step_row is None:
         return None
-    from megatron_qarl.tracking import plain_row
-
     step, metrics = ctx.step_row
     return json.dumps({"step": step, "metrics": plain_row(metrics), "samples": [plain_row(r) for r in ctx.step_samples],
                        "eval_samples": [plain_row(r) for r in ctx.eval_samples]})
@@ -740,8 +694,6 @@ def resume_run(ctx: RunContext) -> int:
     restore the state checkpoint_state saved; the start step. Nothing in the run dir is written before
     the identity check."""
     import random
-
-    from megatron_qarl.checkpointing.trust import read_extra_state
 
     path = ctx.checkpoints.resume_path(ctx.cfg.checkpoint.resume)
     if path is not None and path.is_dir():
@@ -772,8 +724,6 @@ def resume_run(ctx: RunContext) -> int:
 def _build_engine(cfg: RunConfig, hf_config, topology: RolloutTopology, start_checkpoint: str | None, tokenizer):
     """This leader's engine: its rollout group's GPUs (from the leader's local GPU) or its URL, as its kind
     places it (rollout/engines.py)."""
-    from megatron_qarl.rollout.engines import engine_kind
-
     kind = engine_kind(cfg.rollout.engine)
     group = topology.group_of(torch.distributed.get_rank())
     engine_config = kind.config_from_run(cfg, group=group, start_checkpoint=start_checkpoint, hf_config=hf_config,

@@ -43,14 +43,25 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_qarl.checkpointing.format import HF_SIDECAR_KEY, TOKENIZER_SOURCE_KEY, is_complete
+from megatron_qarl.checkpointing.save_load import load_checkpoint, save_checkpoint
+from megatron_qarl.checkpointing.trust import read_extra_state
 from megatron_qarl.config import SFTConfig, SFTConfigError
+from megatron_qarl.errors import RunStopped
+from megatron_qarl.fileio import RunDirInUseError, RunDirLock, remove_stale_temps
+from megatron_qarl.lifecycle import EXIT_STOPPED, stop_on_signals
 from megatron_qarl.models.registry import family_of, resolve_hf_config
+from megatron_qarl.optim import OptimConfig, build_optimizer
 from megatron_qarl.parallel import (
     ParallelLayout, collective_device, destroy_distributed, dp_group, dp_rank, dp_size, init_distributed,
-    is_logging_rank,
+    is_logging_rank, max_over_ranks, raise_if_any_rank_failed,
 )
+from megatron_qarl.rl.rewards import exact_match_reward
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig, make_problem
 from megatron_qarl.tokenizer import load_tokenizer
+from megatron_qarl.tracking import moved_aside_name
+from megatron_qarl.weights.hf_io import hf_checkpoint_files
+from megatron_qarl.weights.tokenizer_plan import tokenizer_source
 
 log = logging.getLogger(__name__)
 
@@ -251,8 +262,6 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eo
 
 def exact_match_accuracy(tokenizer, responses: Sequence[Sequence[int]], answers: Sequence[str]) -> float:
     """Scored as the RL loop scores rollouts: decode without special tokens, exact-match reward."""
-    from megatron_qarl.rl.rewards import exact_match_reward
-
     texts = tokenizer.batch_decode([list(r) for r in responses], skip_special_tokens=True)
     return sum(exact_match_reward(t, a) for t, a in zip(texts, answers)) / max(len(answers), 1)
 
@@ -284,8 +293,6 @@ def evaluate(model, tokenizer, problems: Sequence[dict[str, str]], sft: SFTConfi
 def build_sft_model(hf_config, layout, sft: SFTConfig, core_attention: str = "sdpa"):
     """(megatron DDP-wrapped GPTModel, QarlOptimizer) with fp32 masters; `core_attention`: model.core_attention."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from megatron_qarl.optim import OptimConfig, build_optimizer
 
     family = family_of(hf_config)
     model = family.build_model(hf_config, layout, params_dtype=torch.float32, core_attention=core_attention)
@@ -402,8 +409,6 @@ def run_sft(cfg, sft: SFTConfig | None = None) -> dict[str, Any]:
     Scripts that call it need an `if __name__ == "__main__":` guard: the checkpoint writer spawns
     processes that re-import the main module.
     """
-    from megatron_qarl.lifecycle import stop_on_signals
-
     sft = _sft_section(cfg, sft)
     owns_process_group = not dist.is_initialized()
     layout = init_distributed(getattr(cfg, "parallel", None) or ParallelLayout(), seed=sft.seed)
@@ -422,8 +427,6 @@ def run_sft(cfg, sft: SFTConfig | None = None) -> dict[str, Any]:
 
 
 def _interrupted_line(cfg, sft: SFTConfig) -> str:
-    from megatron_qarl.checkpointing.format import is_complete
-
     path = resume_dir(cfg, sft)
     if path is not None and is_complete(path):
         return (f"interrupted (Ctrl-C): stopped at once, the SFT step in flight was not saved; the same command "
@@ -445,9 +448,6 @@ def resume_dir(cfg, sft: SFTConfig) -> Path | None:
 def lock_sft_dirs(cfg, sft: SFTConfig, held) -> None:
     """COLLECTIVE. The logging rank locks logging.out_dir and sft.out_checkpoint (a lock file beside it) for the run's
     life, as a trainer does (fileio.RunDirLock): a second SFT run on either is RunDirInUseError on every rank."""
-    from megatron_qarl.fileio import RunDirInUseError, RunDirLock
-    from megatron_qarl.parallel import raise_if_any_rank_failed
-
     error = None
     if is_logging_rank():
         locks = []
@@ -469,9 +469,6 @@ def prepare_out_checkpoint(sft: SFTConfig) -> Path | None:
     """COLLECTIVE. An existing sft.out_checkpoint (an earlier SFT run's) is never replaced silently: refused with one
     line naming the choices, or with sft.overwrite=true moved aside to `<path>.old-<timestamp>` (nothing is deleted).
     Returns where it went (None: there was none)."""
-    from megatron_qarl.parallel import raise_if_any_rank_failed
-    from megatron_qarl.tracking import moved_aside_name
-
     out, error, moved = Path(sft.out_checkpoint) if sft.out_checkpoint else None, None, None
     if out is not None and is_logging_rank() and (out.exists() or out.is_symlink()):
         if not sft.overwrite:
@@ -505,11 +502,6 @@ SFT_RESUMABLE_CHANGES = ("steps", "stop_at_sampled_accuracy", "eval_every", "log
 def _resume(cfg, sft: SFTConfig, ddp, optimizer) -> dict[str, Any] | None:
     """COLLECTIVE. The state a stopped run left in resume_dir, loaded into the model and optimizer (its extra state:
     step, history); None when there is none. State of other settings is refused naming the keys."""
-    from megatron_qarl.checkpointing.format import is_complete
-    from megatron_qarl.checkpointing.save_load import load_checkpoint
-    from megatron_qarl.checkpointing.trust import read_extra_state
-    from megatron_qarl.fileio import remove_stale_temps
-
     path = resume_dir(cfg, sft)
     if path is None:
         return None
@@ -594,18 +586,12 @@ def _train(cfg, sft: SFTConfig, layout, stop=None) -> dict[str, Any]:
 
 def _stop_agreed(stop) -> bool:
     """COLLECTIVE. Whether any rank was asked to stop (a signal, the stop file), the same answer on every rank."""
-    from megatron_qarl.parallel import max_over_ranks
-
     return bool(max_over_ranks(1 if stop.requested() else 0))
 
 
 def _stopped(cfg, sft: SFTConfig, ddp, optimizer, stop, step: int, history, progress):
     """COLLECTIVE. The RunStopped a stop request ends the run with, after saving its state to resume_dir (model,
     optimizer with its schedule, the step, the evaluation and loss histories)."""
-    from megatron_qarl.checkpointing.save_load import save_checkpoint
-    from megatron_qarl.errors import RunStopped
-    from megatron_qarl.lifecycle import EXIT_STOPPED
-
     reason = stop.reason or "a stop request on another rank"
     path = resume_dir(cfg, sft)
     if path is None:
@@ -640,11 +626,6 @@ def _write_metrics(cfg, result: dict[str, Any]) -> None:
 
 
 def _save(ddp, sft: SFTConfig, final: dict[str, Any], hf_config=None, model_cfg=None) -> str:
-    from megatron_qarl.checkpointing.format import HF_SIDECAR_KEY, TOKENIZER_SOURCE_KEY
-    from megatron_qarl.checkpointing.save_load import save_checkpoint
-    from megatron_qarl.weights.hf_io import hf_checkpoint_files
-    from megatron_qarl.weights.tokenizer_plan import tokenizer_source
-
     path = Path(sft.out_checkpoint)
     path.parent.mkdir(parents=True, exist_ok=True)
     extra = {"kind": "sft", "sft_config": dataclasses.asdict(sft),

@@ -29,8 +29,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_qarl.canary import (
+    CanaryBreach, breach_line, canary_due, compare, engine_canary_logprobs, learner_canary_logprobs, run_canary,
+)
 from megatron_qarl.config import RunConfig
 from megatron_qarl.errors import DivergenceError, RunStopped
+from megatron_qarl.evaluation import eval_due, evaluate
+from megatron_qarl.lifecycle import EXIT_STOPPED, stop_on_signals
+from megatron_qarl.memory_saver import TRAINER_GRADS, TRAINER_STATE
+from megatron_qarl.models.logprobs import token_logprobs
+from megatron_qarl.models.routes import RouteLayoutError
+from megatron_qarl.moe.replay import replay_routing
+from megatron_qarl.moe.telemetry import measure_replay_telemetry
 from megatron_qarl.parallel import (
     destroy_distributed, dp_group, dp_rank, dp_size, error_summary, host_group, max_over_ranks, max_over_ranks_host,
     raise_if_any_rank_failed, sum_over_ranks, tp_size, wait_for_ranks,
@@ -40,10 +50,12 @@ from megatron_qarl.rl.batch import RolloutBatch, build_rollout_batch
 from megatron_qarl.rl.losses import compute_loss, compute_loss_normalizer
 from megatron_qarl.rl.metrics import drift_metrics, reduce_metrics, seq_abs_log_ratio
 from megatron_qarl.rl.repetition import is_repetitive
-from megatron_qarl.rollout.dispatch import RolloutStopRequested
+from megatron_qarl.rollout.dispatch import (
+    RolloutStopRequested, Sample, deliver_samples, generate_concurrently, plan_requests,
+)
 from megatron_qarl.rollout.protocol import RolloutEngineError
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)  # `log` is the loop's phase 5
 
 
 @dataclass
@@ -69,15 +81,11 @@ def train(cfg: RunConfig) -> dict:
     arrives during a rollout (on GPUs the longest phase by far) does not wait for it: the requests in flight
     are abandoned, the last complete step is checkpointed (unless it already is) and the run stops the same
     way; the resumed run redoes the abandoned step's rollout with the same prompts and seeds."""
-    from megatron_qarl.lifecycle import stop_on_signals
-
     with contextlib.ExitStack() as held, stop_on_signals() as stop:  # held: the run-dir locks, to the end
         return _train(cfg, held, stop)
 
 
 def _train(cfg: RunConfig, held, stop) -> dict:
-    from megatron_qarl.canary import run_canary
-    from megatron_qarl.evaluation import eval_due, evaluate
     from megatron_qarl.run_context import announce, build_run_context, start_engines
 
     owns_process_group = not dist.is_initialized()  # torchrun's workers and plain processes alike: we made it
@@ -161,8 +169,6 @@ def collect_rollouts(ctx, step: int, stop=None) -> tuple[RolloutBatch, dict]:
     The ranks that serve nothing wait for the leaders on the store (parallel.wait_for_ranks), for as long as
     a rollout takes, not in a collective the NCCL watchdog would end. A stop request (`stop`) abandons the
     requests in flight: RolloutStopRequested on every rank, the prompts handed back to the data stream."""
-    from megatron_qarl.rollout.dispatch import deliver_samples, plan_requests
-
     cfg, topo = ctx.cfg, ctx.topology
     num_rows = cfg.train.prompts_per_step * cfg.rollout.n
     requests = plan_requests(num_rows, cfg.rollout.n, cfg.rollout.request_prompts, topo.engines)
@@ -185,7 +191,7 @@ def collect_rollouts(ctx, step: int, stop=None) -> tuple[RolloutBatch, dict]:
             break
         if status == ROLLOUT_STOPPED:
             if error is not None and not isinstance(error, RolloutStopRequested):  # the stop outranks it: say it
-                log.warning(f"rank {dist.get_rank()}: the rollout also failed while stopping: "
+                logger.warning(f"rank {dist.get_rank()}: the rollout also failed while stopping: "
                             f"{error_summary(error)}")
             if data_before is not None:  # the resumed run reads these prompts again
                 ctx.data.load_state_dict(data_before)
@@ -232,8 +238,6 @@ def serve_requests(ctx, step: int, prompts, pending: list, owned: dict, partial:
     rollout.max_inflight_requests (rollout.dispatch.generate_concurrently), scored in request order: each
     served request leaves `pending` and lands in `owned` (row -> Sample) and the metric sums `partial`, so
     after an engine error a rerun serves only the rest. `should_stop()` true: RolloutStopRequested."""
-    from megatron_qarl.rollout.dispatch import Sample, generate_concurrently
-
     cfg = ctx.cfg
     n = cfg.rollout.n
     rows_prompt_ids = [p.prompt_ids for p in prompts for _ in range(n)] if prompts is not None else []
@@ -285,11 +289,11 @@ def restart_failed_engine(ctx, error) -> None:
     """On the leader whose engine failed: restart it (the caller re-publishes the weights to it)."""
     if error is None:
         return
-    log.warning(f"rank {dist.get_rank()}: rollout engine failed ({error}); restarting it")
+    logger.warning(f"rank {dist.get_rank()}: rollout engine failed ({error}); restarting it")
     try:
         ctx.engine.restart()
     except Exception as exc:  # the publish that follows fails on this rank and tells every rank
-        log.warning(f"rank {dist.get_rank()}: engine restart failed: {exc}")
+        logger.warning(f"rank {dist.get_rank()}: engine restart failed: {exc}")
 
 
 def rollout_metrics(t: dict) -> dict:
@@ -345,8 +349,6 @@ def publish_weights(ctx, when: str, canary: bool | None = None) -> dict:
     trainer's state released, and only then the engine's KV cache back (memory.memory_timeline's 'publish' and
     'engine wake' phases). Expects the engines asleep (engine_sleep). Then the refit canary, when due (`canary`
     None: publish.canary_*'s schedule) checks what the engines compute; `when` names the publish in its line."""
-    from megatron_qarl.canary import canary_due
-    from megatron_qarl.memory_saver import TRAINER_GRADS, TRAINER_STATE
     from megatron_qarl.run_context import release_for_engines
 
     p = ctx.cfg.publish
@@ -367,8 +369,6 @@ def publish_weights(ctx, when: str, canary: bool | None = None) -> dict:
 
 def canary_reference(ctx) -> torch.Tensor:
     """COLLECTIVE. The learner's log-probs of the canary's tokens, on the weights about to be published."""
-    from megatron_qarl.canary import learner_canary_logprobs
-
     device = next(ctx.model.parameters()).device
     with ctx.publisher.engine_values():  # the values the engine gets: its unquantized weights in bf16
         return learner_canary_logprobs(ctx.model, ctx.canary.ids.to(device))
@@ -377,8 +377,6 @@ def canary_reference(ctx) -> torch.Tensor:
 def refit_canary(ctx, learner: torch.Tensor, when: str) -> dict:
     """COLLECTIVE. Every leader's engine scores the canary and compares with the learner's log-probs; a breach on
     any leader ends the run on every rank (CanaryBreach), before a rollout samples from those weights."""
-    from megatron_qarl.canary import CanaryBreach, breach_line, compare, engine_canary_logprobs
-
     bound, error, stats = ctx.canary.bound, None, [0.0, 0.0, 0.0, 0.0]
     if ctx.engine is not None:
         try:
@@ -400,8 +398,6 @@ def refit_canary(ctx, learner: torch.Tensor, when: str) -> dict:
 # -- 2. old log-probs, routing telemetry ---------------------------------------------------------------
 
 def forward_logprobs(ctx, micro: RolloutBatch) -> torch.Tensor:
-    from megatron_qarl.models.logprobs import token_logprobs
-
     return token_logprobs(
         ctx.model, micro.input_ids, temperature=ctx.cfg.rollout.temperature, padding_mask=micro.padding_mask,
     )
@@ -409,9 +405,6 @@ def forward_logprobs(ctx, micro: RolloutBatch) -> torch.Tensor:
 
 def routing_replay(ctx, micro: RolloutBatch):
     """Context in which the learner's routers replay the sampler's experts (train.routing_replay)."""
-    from megatron_qarl.models.routes import RouteLayoutError
-    from megatron_qarl.moe.replay import replay_routing
-
     if ctx.cfg.train.routing_replay != "replay":
         return contextlib.nullcontext()
     if micro.routed_experts is None:
@@ -438,8 +431,6 @@ def routing_telemetry(ctx, batch: RolloutBatch) -> dict:
     k3 with and without replay; one extra forward per micro-batch (two when replay is off). {} when the
     engine returned no routes."""
     from megatron.core import parallel_state
-
-    from megatron_qarl.moe.telemetry import measure_replay_telemetry
 
     cfg = ctx.cfg
     if batch.routed_experts is None or not cfg.train.routing_telemetry:
@@ -514,7 +505,7 @@ def optimizer_step(ctx, loss: float = 0.0) -> dict:
         ctx.optimizer.zero_grad()
         ctx.nonfinite_streak += 1
         limit = ctx.cfg.train.max_nonfinite_steps
-        log.warning(f"non-finite loss or gradients: optimizer step skipped ({ctx.nonfinite_streak} in a row, "
+        logger.warning(f"non-finite loss or gradients: optimizer step skipped ({ctx.nonfinite_streak} in a row, "
                     f"stop at {limit})")
         if ctx.nonfinite_streak >= limit:
             raise DivergenceError(
@@ -587,7 +578,7 @@ def warn_if_no_gradient(ctx, step: int, metrics: dict) -> None:
         return
     ctx.no_gradient_steps += 1
     if ctx.no_gradient_steps == 1:
-        log.warning(f"step {step + 1}: every prompt group's responses got the same reward, so every "
+        logger.warning(f"step {step + 1}: every prompt group's responses got the same reward, so every "
                     "advantage is 0 and no policy gradient flowed (a model that never answers right, e.g. a random init: "
                     "warm it up with `qarl-train sft`; a reward that never varies; rollout.n=1)")
 
@@ -631,8 +622,6 @@ def stop_agreed(stop) -> bool:
 def stopped_line(stop, ctx, steps_done: int, checkpoint, failed: BaseException | None = None,
                  during_rollout: bool = False) -> str:
     """The one line a stopped run ends with: why, where, what was saved, how to go on."""
-    from megatron_qarl.lifecycle import EXIT_STOPPED
-
     reason = stop.reason or "a stop request on another rank"
     total = ctx.cfg.train.steps
     if during_rollout:
@@ -667,17 +656,17 @@ def close_run(ctx) -> None:
         if ctx.tracker is not None:
             summary = None if failing else ctx.tracker.summary()
             if summary:
-                log.info(summary)
+                logger.info(summary)
             if ctx.no_gradient_steps and not failing:
-                log.warning(f"{ctx.no_gradient_steps} step(s) of this run had no policy gradient (every "
+                logger.warning(f"{ctx.no_gradient_steps} step(s) of this run had no policy gradient (every "
                             "group's rewards were equal: adv/degenerate_frac 1.0)")
             written = ctx.tracker.finish(failed=failing)
             if written:
-                log.info(f"metrics: {', '.join(str(p) for p in written)}")
+                logger.info(f"metrics: {', '.join(str(p) for p in written)}")
     except Exception as exc:  # noqa: BLE001 - only while failing; otherwise re-raised below
         if not failing:
             raise
-        log.warning(f"closing the metrics sinks also failed: {exc}")
+        logger.warning(f"closing the metrics sinks also failed: {exc}")
     finally:
         try:
             if ctx.engine is not None:

@@ -16,6 +16,7 @@ from megatron_qarl.checkpointing.format import EXTRA_STATE_NAME, is_complete
 from megatron_qarl.checkpointing.save_load import load_checkpoint, save_checkpoint
 from megatron_qarl.checkpointing.trust import read_marker, verify_checkpoint
 from megatron_qarl.errors import CheckpointError
+from megatron_qarl.fileio import temp_writer_alive
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +65,6 @@ class RunCheckpoints:
         """Remove what killed saves left in the root (atomic_dir's `.step_*.tmp-*` / `.old-*` dirs), never a
         live writer's (its pid, in the name, still runs); rank 0 reports each one. Returns the names removed
         (on rank 0). The run holds the run-dir lock (fileio.RunDirLock): no other trainer writes here."""
-        from megatron_qarl.fileio import temp_writer_alive
-
         removed = []
         if ranks.rank() == 0 and self.root.is_dir():
             for stale in sorted(self.root.iterdir()):

@@ -18,16 +18,16 @@ import torch
 
 from megatron_qarl.checkpointing import ranks
 from megatron_qarl.checkpointing.format import (
-    EXTRA_STATE_NAME, FORMAT_VERSION, MARKER_NAME, check_plain_state, file_digests)
+    EXTRA_STATE_NAME, FORMAT_VERSION, MARKER_NAME, check_plain_state, file_digests,
+)
 from megatron_qarl.checkpointing.trust import check_loadable, check_no_code, read_extra_state, unreadable_error
 from megatron_qarl.errors import CheckpointError
 from megatron_qarl.fileio import atomic_dir
 from megatron_qarl.lifecycle import install_checkpoint_writer_queue, reap_children_on_parent_death
+from megatron_qarl.parallel import unwrap_model
 
 
 def _sharded_state(model, optimizer, is_loading: bool) -> dict[str, Any]:
-    from megatron_qarl.parallel import unwrap_model
-
     model_sd = unwrap_model(model).sharded_state_dict()
     state = {"model": model_sd}
     if optimizer is not None:
@@ -83,8 +83,6 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None, *,
     every rank, ending with `fix`, before any tensor is read."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not Exception
-
-    from megatron_qarl.parallel import unwrap_model
 
     path = Path(path)
     local = extra = None

@@ -27,6 +27,7 @@ from megatron.core.transformer import multi_latent_attention as mla
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from torch import Tensor
 
+from megatron_qarl.models.local_spec import core_attention_class
 from megatron_qarl.models.sdpa_attention import SDPADotProductAttention
 
 
@@ -82,8 +83,6 @@ class MLASDPADotProductAttention(SDPADotProductAttention):
 def mla_core_attention_class(name: str) -> type:
     """The MLA core attention for a `local_spec.CORE_ATTENTIONS` name (te: TransformerEngine's own, which takes
     k_channels / v_channels)."""
-    from megatron_qarl.models.local_spec import core_attention_class
-
     if name == "sdpa":
         return MLASDPADotProductAttention
     if name == "unfused":

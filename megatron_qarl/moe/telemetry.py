@@ -22,6 +22,7 @@ from megatron_qarl.moe.replay import (
     moe_routers, replay_routing, router_token_order, router_token_routes, sampler_routed_mask,
     sequence_parallel_coords,
 )
+from megatron_qarl.parallel import collective_device
 from megatron_qarl.rl.metrics import k3
 
 
@@ -155,8 +156,6 @@ class ReplayTelemetry:
 def _all_reduce_sum(t: torch.Tensor, group) -> None:
     """In-place sum of a host tensor over `group`."""
     import torch.distributed as dist
-
-    from megatron_qarl.parallel import collective_device
 
     x = t.to(collective_device(group))
     dist.all_reduce(x, group=group)

@@ -35,17 +35,17 @@ from typing import Any
 
 import torch
 
-from megatron_qarl.models.registry import config_from_dict, family_of, family_named
-from megatron_qarl.quant.aten_int4 import (
-    SAMPLER_W4A16_KERNELS, AtenInt4Weight, aten_int4_linear, pack_aten_int4)
+from megatron_qarl.models.registry import config_from_dict, family_named, family_of
+from megatron_qarl.quant.aten_int4 import SAMPLER_W4A16_KERNELS, AtenInt4Weight, aten_int4_linear, pack_aten_int4
 from megatron_qarl.quant.engine_layout import (
-    PARTS, UNQUANTIZED, EngineLayoutError, dequantize_linear, engine_part, quantization_config_for)
+    PARTS, UNQUANTIZED, EngineLayoutError, dequantize_linear, engine_part, quantization_config_for,
+)
 from megatron_qarl.quant.errors import QuantizationError
 from megatron_qarl.quant.schemes import scheme_of, scheme_of_kind, scheme_of_quantization_config
 from megatron_qarl.rollout.delta import DeltaBatch, apply_delta_batch
 from megatron_qarl.rollout.engine_kind import EngineKind, RefitSupport
-from megatron_qarl.rollout.protocol import EngineBase, GenerationResult, RolloutEngineError, SamplingParams
 from megatron_qarl.rollout.payload import tensor_sha256
+from megatron_qarl.rollout.protocol import EngineBase, GenerationResult, RolloutEngineError, SamplingParams
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -240,8 +240,6 @@ class EmbeddedEngine(EngineBase):
         (EmbeddedKind.refits)."""
         import json
         import os
-
-        from megatron_qarl.quant.schemes import scheme_of_quantization_config
 
         with open(os.path.join(checkpoint_dir, "config.json")) as f:
             raw = json.load(f)

@@ -57,6 +57,7 @@ from megatron_qarl.rollout.sglang_launch import (
     default_master_address, free_port, log_tail, remove_key_file, sglang_engine_kwargs, sglang_server_command,
     start_server_process, write_key_file,
 )
+from megatron_qarl.rollout.sglang_readback import sglang_read_back
 from megatron_qarl.rollout.sglang_refit import refit_knobs
 from megatron_qarl.rollout.sglang_wire import (
     broadcast_bytes, check_success, distributed_update_payload, generate_payload, parse_generate_output,
@@ -392,8 +393,6 @@ class SGLangEngine(EngineBase):
         `select` picks, built and hashed as this engine holds them after the refit, to compare with
         `held_weight_checksums`. None when SGLang's layout of the model is not known here; that, and every tensor it
         cannot read back, is logged once per run (per engine)."""
-        from megatron_qarl.rollout.sglang_readback import sglang_read_back
-
         logged = self.__dict__.setdefault("_read_back_logged", set())
         return sglang_read_back(hf_config, quant_cfg, select, device_type="cuda", logged=logged)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_qarl.models.family import MoEGeometry
-from megatron_qarl.parallel import is_loopback_host
+from megatron_qarl.parallel import RolloutTopology, is_loopback_host
 from megatron_qarl.quant.schemes import NO_SCHEME
 from megatron_qarl.rollout.dispatch import shared_request_timeout_s
 from megatron_qarl.rollout.payload import DEFAULT_BUCKET_BYTES
@@ -169,8 +169,6 @@ class SGLangEngineConfig:
 
 def requests_per_engine(cfg: Any, world_size: int | None) -> int:
     """A step's requests one engine serves (rollout.dispatch.plan_requests deals them round-robin)."""
-    from megatron_qarl.parallel import RolloutTopology
-
     world = world_size or cfg.parallel.world_size or 1
     r = cfg.rollout
     engines = RolloutTopology.resolve(world, r.engines, r.engine_tp, r.sglang.mode == "colocated").engines or 1

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from megatron_qarl.errors import ConfigError
+from megatron_qarl.models.registry import family_of
 from megatron_qarl.quant.schemes import scheme_named
 from megatron_qarl.rollout.engine_kind import EngineKind
 from megatron_qarl.rollout.sglang_client import SGLangEngine
@@ -101,8 +102,6 @@ class SGLangKind(EngineKind):
                           dtype: str = "bfloat16", seed: int = 0, w4a16_kernel: str = "dequantized",
                           max_model_len: int = 512, log_dir: str | None = None) -> SGLangEngineConfig:
         """A launched server on this machine's first GPU, CUDA graphs off (a one-off engine: no capture cost)."""
-        from megatron_qarl.models.registry import family_of
-
         return SGLangEngineConfig(
             mode="subprocess", model_path=model_path, quant_scheme=quant_cfg.scheme, moe_runner_backend="auto",
             model_type=family_of(hf_config).model_type if hf_config is not None else None,

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_qarl.models.registry import family_of
 from megatron_qarl.quant.marlin import sglang_marlin_scales, sglang_marlin_words
 
 log = logging.getLogger(__name__)
@@ -343,8 +344,6 @@ def sglang_read_back(hf_config, quant_cfg, select: Callable[[str], bool], *, dev
     """The read-back of one publish for the model of `hf_config` published with `quant_cfg` (its group size for
     the Marlin scales), checking the SGLang parameters `select` picks; None when SGLang's layout of this model
     family is not known here (said once)."""
-    from megatron_qarl.models.registry import family_of
-
     family = family_of(hf_config)
     layout = LAYOUTS.get(family.model_type)
     if layout is None:

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from megatron_qarl.lifecycle import die_with_parent, stop_process
+from megatron_qarl.models.registry import config_json_model_type, family_named, family_names
 from megatron_qarl.quant.config import SCOPE_GROUPS, QuantConfig
 from megatron_qarl.quant.schemes import scheme_of
 from megatron_qarl.rollout.delta import DeltaBatch, WeightDeltaMismatch
@@ -61,7 +62,8 @@ from megatron_qarl.rollout.protocol import (
 from megatron_qarl.rollout.sglang_config import memory_share_problems, placement_problems
 from megatron_qarl.rollout.vllm_config import check_vllm_section
 from megatron_qarl.rollout.vllm_server import (
-    AUTHKEY_ENV, READY_LINE, bucket_header, cpu_w4a16_blocker, recv_json, send_json)
+    AUTHKEY_ENV, READY_LINE, bucket_header, cpu_w4a16_blocker, recv_json, send_json,
+)
 
 log = logging.getLogger(__name__)
 MEMORY_TAGS = ("weights", "kv_cache")  # what release_memory / resume_memory name, as for the SGLang engine
@@ -135,8 +137,6 @@ def probe_linear_args(model_path: str) -> list[str]:
     """``--probe-linear GROUP=NAME`` of the checkpoint's model family: one linear of each quantization group (its
     table's representative_linears), which the engine process, importing no family, asks the checkpoint's ignore
     list about (``vllm_server.checkpoint_int4_linears``). None for a directory without a family's config.json."""
-    from megatron_qarl.models.registry import config_json_model_type, family_named, family_names
-
     cfg_file = Path(model_path) / "config.json"
     model_type = config_json_model_type(cfg_file)[0] if cfg_file.is_file() else None
     if model_type not in family_names():

@@ -27,14 +27,26 @@ from pathlib import Path
 
 import torch
 
-from megatron_qarl.checkpointing.format import HF_SIDECAR_KEY, TOKENIZER_SOURCE_KEY
-from megatron_qarl.fileio import atomic_dir
-from megatron_qarl.models.registry import family_of
+from megatron_qarl.checkpointing.format import (
+    EXTRA_STATE_NAME, HF_SIDECAR_KEY, LEGACY_RUN_STATE, MARKER_NAME, TOKENIZER_SOURCE_KEY, is_complete,
+)
+from megatron_qarl.checkpointing.save_load import save_checkpoint
+from megatron_qarl.checkpointing.tensor_reader import ModelTensorReader
+from megatron_qarl.checkpointing.trust import read_extra_state, read_marker
+from megatron_qarl.fileio import atomic_dir, remove_stale_temps
+from megatron_qarl.models.registry import family_of, read_hf_config
+from megatron_qarl.parallel import ParallelLayout, init_distributed
+from megatron_qarl.quant import QuantConfig
+from megatron_qarl.quant.engine_layout import engine_named_tensors, quantization_config_for
+from megatron_qarl.quant.errors import QuantizationError
 from megatron_qarl.quant.schemes import DEFAULT_LOW_BIT, SCHEME_NAMES, scheme_named
 from megatron_qarl.weights.convert_errors import ConversionError
 from megatron_qarl.weights.hf_io import (
     CONFIG_NAME, DEFAULT_SHARD_BYTES, TOKENIZER_FILES, HfSource, ShardWriter, checkpoint_config_json,
-    hf_checkpoint_files, hf_config_from_json, hf_side_files, tensor_nbytes)
+    hf_checkpoint_files, hf_config_from_json, hf_side_files, load_hf_checkpoint_into_model, scan_hf_checkpoint,
+    tensor_nbytes, validate_hf_index,
+)
+from megatron_qarl.weights.sharding import _natural_key, state_buffers
 from megatron_qarl.weights.tokenizer_plan import TokenizerPlan, plan_tokenizer
 
 log = logging.getLogger(__name__)
@@ -107,8 +119,6 @@ def check_writable(out: Path) -> None:
 
 def remove_stale_outputs(out: Path) -> None:
     """Temp dirs beside --out left by a killed conversion of the same --out: report and remove them."""
-    from megatron_qarl.fileio import remove_stale_temps
-
     if not _is_rank0():
         return
     for stale in remove_stale_temps(out):
@@ -161,8 +171,6 @@ def progress(total_bytes: int | None, desc: str):
 
 
 def _init_world(tp: int = 1, ep: int = 1):
-    from megatron_qarl.parallel import ParallelLayout, init_distributed
-
     return init_distributed(ParallelLayout(tp=tp, ep=ep), seed=0)
 
 
@@ -190,10 +198,6 @@ def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *,
     with tp=ep=1). fp32 masters; the source dtype is recorded so mcore-to-hf writes it back bit-exactly.
     Each rank reads only its own shards (load_hf_checkpoint_into_model) and checks what it reads; a bad
     weight on any rank stops every rank before anything is written."""
-    from megatron_qarl.checkpointing.save_load import save_checkpoint
-    from megatron_qarl.models.registry import read_hf_config
-    from megatron_qarl.weights.hf_io import load_hf_checkpoint_into_model, scan_hf_checkpoint, validate_hf_index
-
     out = check_output(out, force, [hf_dir])
     hf_config = read_hf_config(hf_dir)
     index = scan_hf_checkpoint(hf_dir)
@@ -274,9 +278,6 @@ class McoreSource:
 
 
 def open_mcore_checkpoint(path: str | os.PathLike) -> McoreSource:
-    from megatron_qarl.checkpointing.format import EXTRA_STATE_NAME, LEGACY_RUN_STATE, MARKER_NAME, is_complete
-    from megatron_qarl.checkpointing.trust import read_extra_state, read_marker
-
     path = Path(path)
     if not path.is_dir():
         raise ConversionError(f"checkpoint directory {path} does not exist")
@@ -322,9 +323,6 @@ class McoreTensors:
     @classmethod
     def open(cls, src: McoreSource, read_bytes: int | None = None) -> "McoreTensors":
         """Checks the checkpoint (complete, file sizes) and locates every parameter; reads no weight yet."""
-        from megatron_qarl.checkpointing.tensor_reader import ModelTensorReader
-        from megatron_qarl.weights.sharding import _natural_key, state_buffers
-
         # TP1/EP1: the meta model's parameter names are the full (global expert id) names the adapter maps, and
         # its sharded_state_dict asks for whole global tensors, whatever TP/EP saved them; persistent buffers
         # (DeepSeek-V3's router expert_bias) are model state the adapter maps too
@@ -397,9 +395,6 @@ def mcore_to_hf_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, d
 def export_quant_config(fmt: str, scope: str | None, group_size: int | None = None, block_size: int | None = None):
     """The QuantConfig of an export; unset sizes are the format's own. A refusal names qarl-convert's flags, not
     the trainer's keys the message is written for."""
-    from megatron_qarl.quant import QuantConfig
-    from megatron_qarl.quant.errors import QuantizationError
-
     if fmt not in FORMATS:
         raise ConversionError(f"unknown --format {fmt!r}; choose one of {FORMATS}")
     if fmt == "bf16":
@@ -420,8 +415,6 @@ def write_engine_checkpoint(out: Path, hf_config, named: Iterable[tuple[str, tor
                             tokenizer: TokenizerPlan | None = None) -> Path:
     """Stream HF-named tensors through the engine layout into a checkpoint SGLang/vLLM/transformers load
     (one stream: a scheme whose scale spans fused linears quantizes q/k/v or gate/up together)."""
-    from megatron_qarl.quant.engine_layout import engine_named_tensors
-
     sink = EngineCheckpointSink(out, hf_config, quant_cfg, side_files, max_shard_bytes=max_shard_bytes, force=force,
                                 tokenizer=tokenizer)
     sink.begin_weight_update()
@@ -470,8 +463,6 @@ class EngineCheckpointSink:
             self._writer.add(name, tensor.clone())  # a bucket's views would pin the whole bucket
 
     def end_weight_update(self) -> None:
-        from megatron_qarl.quant.engine_layout import quantization_config_for
-
         tmp = self._writer.out
         self._writer.finish()
         self.tokenizer.write(tmp)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from megatron_qarl.weights.sharding import RankCoords, join_shards, num_local_experts
+
 
 def _to_wire(t: torch.Tensor) -> torch.Tensor:
     """Bytes of `t` (gloo's gather knows neither bf16, fp8 nor int16; uint8 works on gloo and NCCL)."""
@@ -74,8 +76,6 @@ class GatherTopology:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from megatron_qarl.weights.sharding import RankCoords, num_local_experts
-
         def leaders_in(group) -> list[int]:
             return [r for r in dist.get_process_group_ranks(group) if r in leaders]
 
@@ -94,8 +94,6 @@ def gather_parts(parts: dict[str, torch.Tensor], rule, group, size: int,
                   leaders: list[int] | None) -> dict[str, torch.Tensor] | None:
     """Every part gathered and joined on the `leaders` of `group` (None: on every rank of it); None on
     the ranks that do not receive it."""
-    from megatron_qarl.weights.sharding import join_shards
-
     out = {}
     for key, part in parts.items():  # every part's collective runs on every rank, receiver or not
         shards = _all_gather(part, group, size) if leaders is None else gather_to_leaders(part, group, size, leaders)

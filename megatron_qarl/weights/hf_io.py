@@ -19,8 +19,12 @@ import torch
 from megatron_qarl.errors import CheckpointError
 from megatron_qarl.fileio import atomic_dir
 from megatron_qarl.models.family import WeightMappingError
-from megatron_qarl.models.registry import family_of, read_hf_config
+from megatron_qarl.models.registry import config_from_dict, family_of, read_hf_config
+from megatron_qarl.parallel import unwrap_model
 from megatron_qarl.weights.convert_errors import ConversionError
+from megatron_qarl.weights.sharding import (
+    RankCoords, local_to_global_name, num_local_experts, param_read, shard_rule, slice_for_rank, state_buffers,
+)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -318,8 +322,6 @@ def read_local_hf_params(index: HfIndex, hf_config, params: Mapping[str, torch.T
     to decide by name), read just its shard from the checkpoint and call sink(local name, global name,
     shard). One parameter at a time: the shard is dropped (and the files closed, see _ShardReader) before
     the next one is read. on_read(HF name, tensor or slice) sees every read (checks)."""
-    from megatron_qarl.weights.sharding import local_to_global_name, param_read, shard_rule, slice_for_rank
-
     family = family_of(hf_config)
 
     reader = _ShardReader(index, stats, max_mapped_bytes, on_read)
@@ -385,9 +387,6 @@ def load_hf_checkpoint_into_model(model, hf_config, path: str | os.PathLike, *, 
     on_read(HF name, tensor) sees each tensor or slice read; `index`: a scan_hf_checkpoint(path) already made.
     check_finite: every read is then checked (check_finite_weight), after on_read.
     """
-    from megatron_qarl.parallel import unwrap_model
-    from megatron_qarl.weights.sharding import RankCoords, state_buffers, num_local_experts
-
     start = time.perf_counter()
     index = index or scan_hf_checkpoint(path)
     validate_hf_index(index, hf_config)
@@ -506,8 +505,6 @@ def hf_checkpoint_files(hf_config, hf_dir: str | os.PathLike | None = None) -> d
 
 def hf_config_from_json(text: str | bytes):
     """The HF config of a config.json text, built by the family its model_type names."""
-    from megatron_qarl.models.registry import config_from_dict
-
     return config_from_dict(json.loads(text))
 
 

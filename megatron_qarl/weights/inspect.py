@@ -11,6 +11,8 @@ from megatron_qarl.checkpointing.format import is_complete
 from megatron_qarl.checkpointing.trust import check_no_code, read_dcp_metadata, read_marker, verify_checkpoint
 from megatron_qarl.errors import CheckpointError
 from megatron_qarl.models.registry import family_of
+from megatron_qarl.quant.engine_layout import expected_engine_names, quant_config_from_quantization_config
+from megatron_qarl.quant.errors import EngineLayoutError
 from megatron_qarl.weights.convert import open_mcore_checkpoint
 from megatron_qarl.weights.convert_errors import ConversionError
 from megatron_qarl.weights.hf_io import CONFIG_NAME, _check_safetensors_complete, _shard_files, hf_config_from_json
@@ -19,9 +21,6 @@ from megatron_qarl.weights.hf_io import CONFIG_NAME, _check_safetensors_complete
 def quant_config_from_checkpoint(qc: dict | None, family):
     """The QuantConfig an exported checkpoint's `quantization_config` describes (bf16: QuantConfig()) and its
     format name; `family`: the checkpoint's model family (which reads its ignore list)."""
-    from megatron_qarl.quant.engine_layout import quant_config_from_quantization_config
-    from megatron_qarl.quant.errors import EngineLayoutError
-
     try:
         quant_cfg = quant_config_from_quantization_config(qc, naming=family)
     except EngineLayoutError as err:
@@ -53,8 +52,6 @@ def _inspect_hf(path: Path) -> dict:
         nbytes += (path / file_name).stat().st_size
         with safe_open(str(path / file_name), framework="pt") as fh:
             names.update(fh.keys())
-    from megatron_qarl.quant.engine_layout import expected_engine_names
-
     expected = expected_engine_names(family.adapter.expected_hf_shapes(config), quant_cfg, naming=family)
     missing, unexpected = sorted(expected - names), sorted(names - expected)
     return {"path": str(path), "format": f"hf-{fmt}", **_model_info(family),

@@ -53,9 +53,10 @@ from collections.abc import Iterator
 
 import torch
 
+from megatron_qarl.models.aligned import check_site_geometry, find_sites, site_geometry, site_shard_max
 from megatron_qarl.models.family import ModelFamily
 from megatron_qarl.models.registry import family_of
-from megatron_qarl.parallel import collective_device
+from megatron_qarl.parallel import collective_device, unwrap_model
 from megatron_qarl.quant.engine_layout import UNQUANTIZED, as_quant_config, kind_of, linear_parts, quantize_weight
 from megatron_qarl.quant.schemes import scheme_of_kind
 from megatron_qarl.rollout.delta import WeightDeltaMismatch
@@ -64,6 +65,7 @@ from megatron_qarl.weights.gather import GatherTopology, full_shape, gather_part
 from megatron_qarl.weights.publish_errors import PublishError
 from megatron_qarl.weights.publish_plan import FullParam, expert_names_of, full_param_engine_tensors
 from megatron_qarl.weights.push import LiveBytes, PushStats, push_named_tensors, verify_read_back
+from megatron_qarl.weights.sharding import local_to_global_name, shard_rule, state_buffers
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +102,6 @@ class WeightPublisher:
     def __init__(self, model, hf_config, quant_cfg, *, quant=None, engine=None, leaders: list[int] | None = None,
                  bucket_bytes: int = 512 << 20, verify: bool | str = False, mode: str = "full", full_every: int = 50,
                  count_flips: bool = False, verify_sample: int = 8, family: ModelFamily | None = None):
-        from megatron_qarl.parallel import unwrap_model
-
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.model = unwrap_model(model)
@@ -138,8 +138,6 @@ class WeightPublisher:
             raise ValueError(f"quant_cfg {self.quant_cfg} differs from the aligned model's {quant.quant_cfg}; "
                              "publish with the config the model was quantized with")
         self.sites = self._find_sites()
-        from megatron_qarl.weights.sharding import state_buffers
-
         # the persistent buffers too: model state an engine holds (DeepSeek-V3's router expert_bias, which the
         # engines route with; named_parameters() alone would leave them at what the engine started with)
         self.params = dict(self.model.named_parameters()) | state_buffers(self.model)
@@ -153,8 +151,6 @@ class WeightPublisher:
             return {}
         if self.quant is not None:
             return dict(self.quant.sites)
-        from megatron_qarl.models.aligned import check_site_geometry, find_sites, site_geometry
-
         sites = find_sites(self.model, self.quant_cfg)
         for name, module in sites.items():
             check_site_geometry(site_geometry(name, module, self.family), self.quant_cfg)
@@ -165,8 +161,6 @@ class WeightPublisher:
         module = self.sites[name]
         if self.quant is not None:
             return self.quant.cache.entry(module.weight, name).qweight
-        from megatron_qarl.models.aligned import site_shard_max
-
         with torch.no_grad():  # a split tensor-wide scale: a collective of the site's TP group, as in the cache
             return quantize_weight(module.weight.detach(), self.quant_cfg, site_shard_max(module, self.quant_cfg))
 
@@ -198,8 +192,6 @@ class WeightPublisher:
                     self.params[name].copy_(value)
 
     def _collect(self, topo: GatherTopology, name: str, param: torch.Tensor, flips: list) -> list[FullParam]:
-        from megatron_qarl.weights.sharding import local_to_global_name, shard_rule
-
         rule = shard_rule(name, param, family=self.family, gated_linear_unit=bool(self.model.config.gated_linear_unit))
         if not (topo.expert_replica_has_leader if rule.expert else topo.tp_leaders):
             return []  # a replica no engine leader takes its weights from

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_qarl.models.aligned import site_in_scope
 from megatron_qarl.models.registry import family_of
 from megatron_qarl.quant.engine_layout import (
     UNQUANTIZED, as_quant_config, engine_tensors, is_expert_engine_name, kind_of, meta_linear_parts,
@@ -46,8 +47,6 @@ def expert_names_of(family) -> Callable[[str], bool]:
 def engine_tensor_metas(hf_config, quant_cfg) -> list[TensorMeta]:
     """Engine-layout tensor metas of the whole model from the full mcore shapes (meta tensors, no data),
     through the same per-parameter conversion the publisher uses."""
-    from megatron_qarl.models.aligned import site_in_scope
-
     cfg = as_quant_config(quant_cfg)
     family = family_of(hf_config)
     metas = []
