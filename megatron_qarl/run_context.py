@@ -49,13 +49,13 @@ if TYPE_CHECKING:  # field types only: megatron's DDP and transformers' classes,
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from megatron_qarl.canary import RefitCanary
+    from megatron_qarl.models.aligned import AlignedQuantization
     from megatron_qarl.models.family import ModelFamily
     from megatron_qarl.models.routes import MoEGeometry
     from megatron_qarl.optim import QarlOptimizer
     from megatron_qarl.rl.data import PromptExample
     from megatron_qarl.rl.rewards import RewardFunction
     from megatron_qarl.rollout.protocol import EngineBase
-    from megatron_qarl.models.aligned import AlignedQuantization
 
 log = logging.getLogger(__name__)
 
