@@ -29,7 +29,6 @@ from megatron_qarl.models.local_spec import CORE_ATTENTIONS, transformer_engine_
 from megatron_qarl.models.registry import family_of, preset_names, resolve_hf_config
 from megatron_qarl.optim import OptimConfig
 from megatron_qarl.parallel import ParallelLayout, RolloutTopology
-from megatron_qarl.quant.aten_int4 import SAMPLER_W4A16_KERNELS, GROUP_SIZES as ATEN_INT4_GROUP_SIZES
 from megatron_qarl.quant.config import SCOPE_GROUPS, QuantConfig
 from megatron_qarl.quant.schemes import SCHEMES, scheme_of
 from megatron_qarl.rl.data import BAD_ROWS_MODES, PROBLEM
@@ -38,6 +37,9 @@ from megatron_qarl.rl.rewards import check_reward_spec
 from megatron_qarl.rl.synthetic import ArithmeticTaskConfig
 from megatron_qarl.rollout.engine_kind import EngineKind, choice_problem
 from megatron_qarl.rollout.engines import engine_kind, engine_names
+from megatron_qarl.rollout.embedded_config import (
+    MOVED_KEYS as EMBEDDED_MOVED_KEYS, EmbeddedConfig, check_embedded_section,
+)
 from megatron_qarl.rollout.sglang_config import SGLangConfig
 from megatron_qarl.rollout.vllm_config import VLLMConfig
 
@@ -94,6 +96,9 @@ class QuantSection(QuantConfig):
 
 @dataclass
 class RolloutConfig:
+    # Keys that moved into an engine's section (its module says which): the unknown-key message names the new key
+    # (a plain class attribute, not a config key).
+    moved_keys = EMBEDDED_MOVED_KEYS
     engine: str = "embedded"  # embedded (transformers, in-process, CPU) | sglang (GPU server) | vllm (process)
     # Topology: `engines` engine instances of `engine_tp` GPUs each; the world is cut into `engines` rollout
     # groups and each group's first rank drives one (parallel.RolloutTopology). 0: one colocated engine per
@@ -125,11 +130,7 @@ class RolloutConfig:
     # or token ids, besides the tokenizer's EOS (e.g. "<|im_end|>" for a Qwen3-Base chat template).
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)  # besides EOS and single-token stop strings
-    embedded_dtype: str = "float32"  # the embedded engine's compute dtype (float32 | bfloat16)
-    # The embedded engine's W4A16 GEMM: dequantized (the spec's dequantized weight, dense matmul) | aten_int4
-    # (PyTorch's int4 CPU kernel on the published codes: a real int4 kernel with its own accumulation order;
-    # group_size 32/64/128/256)
-    embedded_w4a16_kernel: str = "dequantized"
+    embedded: EmbeddedConfig = field(default_factory=EmbeddedConfig)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
@@ -615,8 +616,6 @@ def _check_choices(cfg: RunConfig) -> list[str]:
     if cfg.model.core_attention == "te" and (te_problem := transformer_engine_problem()):
         out.append(f"model.core_attention='te': {te_problem}, or set model.core_attention=sdpa")
     out += _choice("rollout.engine", cfg.rollout.engine, engine_names())
-    out += _choice("rollout.embedded_dtype", cfg.rollout.embedded_dtype, COMPUTE_DTYPES)
-    out += _choice("rollout.embedded_w4a16_kernel", cfg.rollout.embedded_w4a16_kernel, SAMPLER_W4A16_KERNELS)
     out += _choice("data.source", cfg.data.source, DATA_SOURCES)
     reward_problem = check_reward_spec(cfg.data.reward)  # imports a plug-in's module to check it exists
     if reward_problem:
@@ -822,23 +821,14 @@ def _check_eval(cfg: RunConfig) -> list[str]:
 
 
 def _check_engine_quant(cfg: RunConfig) -> list[str]:
-    q, r = cfg.quant, cfg.rollout
+    q = cfg.quant
     out = []
     if q.scheme == "none" and not q.learner_aligned:
         out.append("quant.learner_aligned=false only makes sense with a low-bit rollout; with "
                    "quant.scheme=none the learner and sampler already run the same bf16 arithmetic "
                    "(leave learner_aligned at true)")
-    kernels = scheme_of(q).sampler_kernels if q.enabled else ()
     kind = _engine(cfg)
-    if r.embedded_w4a16_kernel != "dequantized":
-        chooses = kind is not None and kind.chooses_w4a16_kernel
-        if not chooses or r.embedded_w4a16_kernel not in kernels:
-            out.append(f"rollout.embedded_w4a16_kernel={r.embedded_w4a16_kernel} chooses the embedded engine's "
-                       f"W4A16 GEMM; this run has rollout.engine={r.engine}, quant.scheme={q.scheme}: leave it at "
-                       "dequantized")
-        elif q.group_size not in ATEN_INT4_GROUP_SIZES:
-            out.append(f"rollout.embedded_w4a16_kernel=aten_int4 with quant.group_size={q.group_size}: PyTorch's "
-                       f"int4 CPU kernel takes group sizes {ATEN_INT4_GROUP_SIZES}")
+    out += check_embedded_section(cfg, kind)  # for every engine: a kernel chosen for another engine does nothing
     if kind is None:  # an unregistered rollout.engine: _check_choices names it
         return out
     out += _check_scheme_on_engine(cfg, kind)

@@ -486,7 +486,7 @@ def host_plan(cfg, world_size: int, gpus_per_node: int, timeline: dict | None = 
                          capacity tokens x layers x top_k x int32 per engine GPU (sglang state_capturer/base.py,
                          BaseHostCache: pin_memory=True);
       engine_weights     an engine that runs on the host (not on the trainer's GPUs, in the leader's process or a
-                         CPU server): its model, bf16 size x rollout.embedded_dtype's bytes / 2, per leader here.
+                         CPU server): its model, bf16 size x rollout.embedded.dtype's bytes / 2, per leader here.
     """
     timeline = timeline or memory_timeline(cfg, world_size)
     est = timeline["estimate"]
@@ -515,7 +515,7 @@ def host_plan(cfg, world_size: int, gpus_per_node: int, timeline: dict | None = 
             r = cfg.rollout
             engines = r.engines or max(world_size // max(r.engine_tp, 1), 1)
             leaders_here = -(-engines * procs // world_size)
-            per_engine = est["engine"]["bf16_total"] * (2 if r.embedded_dtype == "float32" else 1)
+            per_engine = est["engine"]["bf16_total"] * (2 if r.embedded.dtype == "float32" else 1)
             terms["engine_weights"] = per_engine * leaders_here
     where = ("the engines generating, the trainer's state released to pinned host memory" if shares else
              "the trainer's state on its GPUs") if on_gpu else "on the CPU: the trainer's state and activations"

@@ -3,6 +3,7 @@ with a message that names the problem."""
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from megatron_qarl.config import ConfigError, RunConfig, load_config, save_yaml, to_yaml
 
@@ -154,12 +155,12 @@ BAD_CONFIGS = [
                  "cannot be refit in place", id="sglang-w4a16-attention"),
     pytest.param(["rollout.engine=sglang", "quant.scheme=w4a16", "quant.scope=attention"], None,
                  "cannot be refit in place", id="sglang-w4a16-attention-only"),
-    pytest.param(["rollout.embedded_w4a16_kernel=aten_int4"], None,
-                 "rollout.embedded_w4a16_kernel=aten_int4 chooses the embedded engine's W4A16 GEMM; this run has "
+    pytest.param(["rollout.embedded.w4a16_kernel=aten_int4"], None,
+                 "rollout.embedded.w4a16_kernel=aten_int4 chooses the embedded engine's W4A16 GEMM; this run has "
                  "rollout.engine=embedded, quant.scheme=none", id="int4-kernel-without-w4a16"),
-    pytest.param(["rollout.embedded_w4a16_kernel=aten_int4", "quant.scheme=w4a16", "quant.group_size=16"], None,
+    pytest.param(["rollout.embedded.w4a16_kernel=aten_int4", "quant.scheme=w4a16", "quant.group_size=16"], None,
                  "PyTorch's int4 CPU kernel takes group sizes (32, 64, 128, 256)", id="int4-kernel-group-size"),
-    pytest.param(["rollout.embedded_w4a16_kernel=marlin"], None, "rollout.embedded_w4a16_kernel", id="unknown-kernel"),
+    pytest.param(["rollout.embedded.w4a16_kernel=marlin"], None, "rollout.embedded.w4a16_kernel", id="unknown-kernel"),
     pytest.param(["rollout.engine=sglang", "quant.scheme=w4a16", "rollout.sglang.moe_runner_backend=triton"],
                  None, "moe_runner_backend=triton with quant.scheme=w4a16", id="sglang-w4a16-triton"),
     pytest.param(["model.preset=qwen3-30b-a3b", "quant.scheme=w4a16", "parallel.tp=4", "parallel.etp=4",
@@ -247,6 +248,17 @@ def test_synthetic_task_options_compose_the_generator_config():
                              "data.synthetic.operations=[+,-]", "data.synthetic.max_digits=2"])
     assert isinstance(cfg.data.synthetic, ArithmeticTaskConfig)
     assert (cfg.data.synthetic.num_rows, cfg.data.synthetic.operations) == (12, ("+", "-"))
+
+
+@pytest.mark.parametrize("old, new", [("rollout.embedded_dtype=bfloat16", "rollout.embedded.dtype"),
+                                      ("rollout.embedded_w4a16_kernel=aten_int4", "rollout.embedded.w4a16_kernel")])
+def test_the_embedded_engines_flat_keys_name_their_new_section(old, new):
+    """rollout.embedded_dtype / embedded_w4a16_kernel moved into the engine's own section (rollout.embedded): an
+    old config is told the new key, not offered a near spelling."""
+    with pytest.raises(ConfigError, match=f"config key `{old.split('=')[0]}` is now `{new}`; rename it"):
+        load_config(None, ["model.preset=tiny", old], world_size=1)
+    cfg = load_config(None, ["model.preset=tiny", f"{new}={old.split('=')[1]}", "quant.scheme=w4a16"], world_size=1)
+    assert OmegaConf.select(OmegaConf.structured(cfg), new) == old.split("=")[1]
 
 
 @pytest.mark.parametrize("ep_size", [0, -2])

@@ -57,7 +57,7 @@ def test_every_kind_builds_its_engine_config_from_a_tiny_run_config(name, tmp_pa
                                       hf_config=hf_config, tokenizer=None)
     assert isinstance(engine_cfg, kind.config_type)
     if name == "embedded":  # starts empty from the run's HF config, in the run's dtype and format
-        assert engine_cfg.hf_config is hf_config and engine_cfg.dtype == cfg.rollout.embedded_dtype
+        assert engine_cfg.hf_config is hf_config and engine_cfg.dtype == cfg.rollout.embedded.dtype
         assert engine_cfg.collect_routed_experts and engine_cfg.seed == cfg.train.seed
     else:  # a launched engine starts from the checkpoint it is given and logs into the run dir
         assert engine_cfg.model_path == str(tmp_path / "engine_start")
@@ -213,7 +213,7 @@ def test_a_nested_variant_is_its_plain_formats_entry():
 def test_flags_that_do_not_depend_on_the_config():
     """Before the seam: delta publishes refused for sglang only (config._check_choices); multi-token stop strings
     refused for sglang only (run_context.run_sampling_params); the random-init refusal for sglang only
-    (run_context.check_initial_weights); rollout.embedded_w4a16_kernel honoured by the embedded engine only
+    (run_context.check_initial_weights); rollout.embedded.w4a16_kernel honoured by the embedded engine only
     (config._check_engine_quant); mem_fraction_static read as a share of the TOTAL memory for vllm only
     (memory.memory_timeline); checksums (publish.verify) from the engines that have checksum(): embedded and
     vllm; launched engines (sglang, vllm) start from a checkpoint, the embedded one from the HF config."""

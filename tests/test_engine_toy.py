@@ -197,7 +197,7 @@ def test_the_run_builders_checks_and_the_dispatcher_ask_the_toys_kind(toy, tmp_p
 
 
 def test_the_config_spells_no_engines_keys_and_imports_only_the_sections_it_composes():
-    """config.py names no engine beyond the sections it composes (rollout.sglang, rollout.vllm): their rules are their
+    """config.py names no engine beyond the sections it composes (rollout.embedded, rollout.sglang, rollout.vllm): their rules are their
     kinds' (check_config / check_world), so no string of its code spells a key of theirs, and of rollout/ it imports
     the registry, the kind seam and the modules of the composed sections only."""
     import ast
@@ -209,7 +209,7 @@ def test_the_config_spells_no_engines_keys_and_imports_only_the_sections_it_comp
 
     tree = ast.parse(Path(config.__file__).read_text())
     spelled = sorted({node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
-                      and isinstance(node.value, str) and any(f"rollout.{e}." in node.value for e in ("sglang", "vllm"))})
+                      and isinstance(node.value, str) and any(f"rollout.{e}." in node.value for e in ("embedded", "sglang", "vllm"))})
     assert spelled == []
     hints = typing.get_type_hints(config.RolloutConfig)  # the field types (config.py's annotations are strings)
     composed = {hints[f.name].__module__ for f in dataclasses.fields(config.RolloutConfig)
@@ -217,4 +217,5 @@ def test_the_config_spells_no_engines_keys_and_imports_only_the_sections_it_comp
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                 and (node.module or "").startswith("megatron_qarl.rollout")}
     assert imported == {"megatron_qarl.rollout.engine_kind", "megatron_qarl.rollout.engines"} | composed
-    assert composed == {"megatron_qarl.rollout.sglang_config", "megatron_qarl.rollout.vllm_config"}
+    assert composed == {"megatron_qarl.rollout.embedded_config", "megatron_qarl.rollout.sglang_config",
+                        "megatron_qarl.rollout.vllm_config"}

@@ -422,5 +422,5 @@ def test_config_refuses_sglang_and_vllm_and_runs_on_the_embedded_engine(name):
         load_config(None, base + ["rollout.engine=sglang"])
     with pytest.raises(ConfigError, match=f"rollout.engine=vllm with quant.scheme={name} is not built"):
         load_config(None, base + ["rollout.engine=vllm", "train.routing_telemetry=false"])
-    with pytest.raises(ConfigError, match="embedded_w4a16_kernel=aten_int4"):  # PyTorch's int4 kernel: W4 only
-        load_config(None, base + ["rollout.engine=embedded", "rollout.embedded_w4a16_kernel=aten_int4"])
+    with pytest.raises(ConfigError, match="embedded.w4a16_kernel=aten_int4"):  # PyTorch's int4 kernel: W4 only
+        load_config(None, base + ["rollout.engine=embedded", "rollout.embedded.w4a16_kernel=aten_int4"])

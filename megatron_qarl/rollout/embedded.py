@@ -641,7 +641,7 @@ class EmbeddedKind(EngineKind):
 
     name = "embedded"
     config_type = EmbeddedEngineConfig
-    chooses_w4a16_kernel = True  # rollout.embedded_w4a16_kernel
+    chooses_w4a16_kernel = True  # rollout.embedded.w4a16_kernel
     refit_type = EmbeddedRefit
     # It refits every format in place: a push is dequantized with the spec's own functions (module docstring).
     # Starting from a checkpoint is transformers' load: NVFP4's fused experts come without weight_global_scale
@@ -667,18 +667,18 @@ class EmbeddedKind(EngineKind):
     def canary_dtype(self, cfg: Any) -> torch.dtype:
         """Its dtype; PyTorch's int4 kernel multiplies code x scale without the spec's bf16 rounding of it
         (quant/aten_int4.py), so its weights differ from the learner's by a bf16 rounding."""
-        kernel = cfg.rollout.embedded_w4a16_kernel
+        kernel = cfg.rollout.embedded.w4a16_kernel
         scheme = scheme_of(cfg.quant) if cfg.quant.enabled else None
         if kernel != "dequantized" and scheme is not None and kernel in scheme.sampler_kernels:
             return torch.bfloat16
-        return _resolve_dtype(cfg.rollout.embedded_dtype)
+        return _resolve_dtype(cfg.rollout.embedded.dtype)
 
     def config_from_run(self, cfg: Any, *, group: int = 0, start_checkpoint: str | None = None, hf_config=None,
                         tokenizer=None) -> EmbeddedEngineConfig:
         """It serves the run's format, as a server does its checkpoint's: a push in another form is refused."""
-        return EmbeddedEngineConfig(hf_config=hf_config, dtype=cfg.rollout.embedded_dtype, seed=cfg.train.seed,
+        return EmbeddedEngineConfig(hf_config=hf_config, dtype=cfg.rollout.embedded.dtype, seed=cfg.train.seed,
                                     collect_routed_experts=True, tokenizer=tokenizer,
-                                    w4a16_kernel=cfg.rollout.embedded_w4a16_kernel,
+                                    w4a16_kernel=cfg.rollout.embedded.w4a16_kernel,
                                     quantization_config=quantization_config_for(cfg.quant,
                                                                                 naming=family_of(hf_config)))
 

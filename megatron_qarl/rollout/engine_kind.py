@@ -79,7 +79,7 @@ class EngineKind:
     reads_back_weights: bool = False
     # Refuses a run on megatron's random init with the demo tokenizer unless model.random_init says so.
     needs_real_weights: bool = False
-    chooses_w4a16_kernel: bool = False  # honours rollout.embedded_w4a16_kernel
+    chooses_w4a16_kernel: bool = False  # honours rollout.embedded.w4a16_kernel
     # shares_trainer_gpus: `memory_fraction` is a share of the GPU's TOTAL memory, its forward's activations
     # included (vLLM's gpu_memory_utilization), not of the memory free at its start for weights + KV (SGLang's
     # mem_fraction_static).
