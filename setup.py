@@ -30,7 +30,8 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS = {
-    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0"],
+    # pytest-xdist: launch/run_tests.sh runs the default suite on two workers (one test file per worker at a time)
+    "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "pytest-xdist==3.8.0", "execnet==2.1.2"],
     # GPU-only pieces, never installed on CPU machines: the pins of requirements/gpu.txt beyond the shared
     # ones. TransformerEngine's PyTorch extension is not here: it is an sdist that must be compiled against
     # the installed torch, a second step (pip install --no-build-isolation -r requirements/gpu-te.txt).

@@ -12,7 +12,14 @@ cd "$QARL_ROOT"
 if [ "$#" -gt 0 ]; then
   exec python -m pytest -q "$@"
 fi
-python -m pytest -q
+# Two workers (pytest-xdist), one test file per worker at a time (a file's tests keep their order and fixtures);
+# QARL_TEST_WORKERS=0 runs them in this process, one after another.
+workers="${QARL_TEST_WORKERS:-2}"
+if [ "$workers" -gt 0 ]; then
+  python -m pytest -q -n "$workers" --dist loadfile
+else
+  python -m pytest -q
+fi
 if [ "${QARL_SKIP_CONTRACT:-0}" != "1" ]; then
   bash "$here/run_contract_tests.sh"
 fi

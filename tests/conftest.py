@@ -95,9 +95,13 @@ def pytest_configure(config):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the run if a process started by a test outlived its parent (an orphan)."""
+    """Fail the run if a process started by a test outlived its parent (an orphan). Under pytest-xdist the workers
+    share the controller's tag, so only the controller looks, once every worker has ended (a worker would take the
+    other worker's live processes for orphans)."""
     import psutil
 
+    if hasattr(session.config, "workerinput"):  # an xdist worker
+        return
     me = psutil.Process()
     ours = {me.pid} | {c.pid for c in me.children(recursive=True)}  # ended by our own exit handlers
     orphans = surviving_processes(os.environ[PROCESS_TAG_VAR], ignore=ours)

@@ -285,7 +285,7 @@ def test_separate_two_nodes(cluster, monkeypatch):
     monkeypatch.setenv("QARL_SGLANG_API_KEY", "k")  # load_config of an attach-mode run checks it is set
     p = _render(cluster, SGLANG_MODE="separate", SGLANG_NODES="1", ENGINE_TP="4",
                 OVERRIDES=" ".join(OVERRIDES + SEPARATE_TP4[1:]),
-                SGLANG_MODEL_PATH=str(cluster["model"]), QARL_SGLANG_API_KEY="s3cret-key", ENGINE_STOP_TIMEOUT="20",
+                SGLANG_MODEL_PATH=str(cluster["model"]), QARL_SGLANG_API_KEY="s3cret-key", ENGINE_STOP_TIMEOUT="120",
                 STUB_SERVERS=str(GPUS_PER_NODE // 4))
     assert p.returncode == 0, p.stdout + p.stderr
     sruns = _records(cluster["rec"], "srun")
