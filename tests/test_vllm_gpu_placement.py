@@ -40,7 +40,7 @@ def launches(monkeypatch, tmp_path):
         return _Launched()
 
     monkeypatch.setattr(vllm_engine.subprocess, "Popen", popen)
-    monkeypatch.setattr(VLLMEngine, "_wait_ready", lambda self, port, key: None)
+    monkeypatch.setattr(VLLMEngine, "_wait_ready", lambda self, key: None)
     for var in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     return tmp_path, calls
@@ -61,6 +61,24 @@ def _start(tmp_path, cfg, group):
                                                   run_dir=str(tmp_path)))
     engine._log_file.close()
     return engine
+
+
+def test_the_engine_process_binds_its_own_free_port_and_the_trainer_reads_it_from_the_ready_line(launches):
+    """A port picked by the trainer and bound seconds later by the starting server could be taken in between (it
+    was, by a parallel test's process: 'Address already in use'); the trainer passes --port 0, the server binds
+    a free port itself and announces it on its ready line, which is where the trainer connects."""
+    from multiprocessing.connection import Listener
+
+    from megatron_qarl.rollout.vllm_server import ready_line, ready_port
+
+    tmp_path, calls = launches
+    _start(tmp_path, _run_cfg(tmp_path, device="cpu", engines=1, engine_tp=1), group=0)
+    argv = calls[0][0]
+    assert argv[argv.index("--port") + 1] == "0"
+    with Listener(("127.0.0.1", 0), authkey=b"k") as listener:  # what vllm_server.main binds with --port 0
+        port = listener.address[1]
+        assert port > 0 and ready_port(f"INFO loading\n{ready_line(port)}\nINFO serving\n") == port
+    assert ready_port("QARL_VLLM_READY\n") is None and ready_port("INFO loading\n") is None  # no port: not ready
 
 
 @pytest.mark.parametrize("inherited, physical", [

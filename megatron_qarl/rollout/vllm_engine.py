@@ -38,7 +38,6 @@ import logging
 import os
 import secrets
 import threading
-import socket
 import subprocess
 import time
 from collections.abc import Iterable
@@ -62,7 +61,7 @@ from megatron_qarl.rollout.protocol import (
 from megatron_qarl.rollout.sglang_config import memory_share_problems, placement_problems
 from megatron_qarl.rollout.vllm_config import check_vllm_section
 from megatron_qarl.rollout.vllm_server import (
-    AUTHKEY_ENV, READY_LINE, bucket_header, cpu_w4a16_blocker, recv_json, send_json,
+    AUTHKEY_ENV, bucket_header, cpu_w4a16_blocker, ready_port, recv_json, send_json,
 )
 
 log = logging.getLogger(__name__)
@@ -203,12 +202,6 @@ def _memory_tags(tags) -> list[str]:
     return tags
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def check_sampling(sampling: SamplingParams) -> None:
     if sampling.top_k > 0 or sampling.top_p < 1.0:
         raise RolloutEngineError("the vLLM engine returns log-probs of the top-k/top-p truncated distribution, not "
@@ -257,19 +250,18 @@ class VLLMEngine(EngineBase):
     def start(self) -> None:
         cfg = self.cfg
         key = secrets.token_hex(32)
-        port = _free_port(cfg.host)
         if self.log_path is None:
             import tempfile
 
             self.log_path = tempfile.mkstemp(prefix="qarl-vllm-", suffix=".log")[1]
         self._log_file = open(self.log_path, "ab")
         self._log_start = self._log_file.tell()  # a restart appends: only this launch's lines count
-        env, cmd = self.child_env(key), self.child_argv(port)
+        env, cmd = self.child_env(key), self.child_argv(port=0)  # the server binds a free port and announces it
         self._proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       env=env, start_new_session=True, preexec_fn=functools.partial(die_with_parent, os.getpid()))
         gpus = f", GPUs {env['CUDA_VISIBLE_DEVICES']}" if cfg.device == "cuda" else ""
         log.info("vLLM engine pid %d (%s%s), log %s", self._proc.pid, cfg.model_path, gpus, self.log_path)
-        self._wait_ready(port, key)
+        self._wait_ready(key)
 
     def child_env(self, key: str) -> dict[str, str]:
         """The engine process's environment: this process's without torchrun's variables, plus the handshake key;
@@ -307,7 +299,7 @@ class VLLMEngine(EngineBase):
         except OSError:
             return "(no log)"
 
-    def _wait_ready(self, port: int, key: str) -> None:
+    def _wait_ready(self, key: str) -> None:
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -315,8 +307,8 @@ class VLLMEngine(EngineBase):
                                      f"log {self.log_path}:\n{self._tail()}")
             with open(self.log_path, "rb") as f:
                 f.seek(self._log_start)
-                ready = READY_LINE.encode() in f.read()
-            if ready:
+                port = ready_port(f.read().decode(errors="replace"))
+            if port is not None:
                 self._conn = Client((self.cfg.host, port), authkey=bytes.fromhex(key))
                 return
             time.sleep(0.2)

@@ -62,7 +62,7 @@ from collections.abc import Mapping
 from multiprocessing.connection import Connection, Listener
 
 AUTHKEY_ENV = "QARL_VLLM_AUTHKEY"
-READY_LINE = "QARL_VLLM_READY"
+READY_LINE = "QARL_VLLM_READY"  # printed as "QARL_VLLM_READY port=<n>": the port the server bound
 # vLLM-CPU's x86 int4 MoE kernel (CPUExpertsInt4) runs only where AMX tiles exist
 # (layers/fused_moe/experts/cpu_moe.py:840-845); without it vLLM stops with "No WNA16 MoE backend".
 NEEDS_AMX = ("vLLM-CPU 0.32's W4A16 MoE kernel needs Intel AMX (CPUExpertsInt4, "
@@ -404,11 +404,23 @@ class Server:
                 send_json(conn, reply)
 
 
+def ready_line(port: int) -> str:
+    return f"{READY_LINE} port={port}"
+
+
+def ready_port(log_text: str) -> int | None:
+    """The port a ready line in `log_text` announces (None: not ready yet)."""
+    match = re.search(rf"^{READY_LINE} port=(\d+)$", log_text, re.M)
+    return int(match.group(1)) if match else None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m megatron_qarl.rollout.vllm_server")
     parser.add_argument("--model", required=True, help="HF / compressed-tensors checkpoint dir (with tokenizer)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True,
+                        help="0: a free port the OS picks at bind time, announced on the ready line (the trainer "
+                             "passes 0: a port picked before and bound later can be taken in between)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--tp", type=int, default=1)
@@ -438,7 +450,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"vllm_server: set {AUTHKEY_ENV} (hex) to the key the trainer connects with")
     listener = Listener((args.host, args.port), authkey=bytes.fromhex(key))
     server = Server(args)
-    print(READY_LINE, flush=True)
+    print(ready_line(listener.address[1]), flush=True)
     try:
         server.serve(listener)
     finally:
