@@ -14,8 +14,12 @@ it trained), so a stale expert shows.
 
 The bound (`canary_bound`): with u the unit roundoff the engine's kernels apply and the learner's fp32 forward
 does not (`EngineKind.canary_dtype`; the learner's own dtype when coarser), R the longest reduction of a layer
-and L the layers, the same weights give per-token log-probs within u x R x L (the suite's fp32-recompute bound,
-summation order only: tests/test_deepseek_v3_rl.py). That is checked token by token where it is tight: an fp32
+and L the layers, the same weights give logits z within u x R x L of their magnitude (summation order only: a
+dot product of length R in another order moves by at most R x u of its absolute products, and L layers
+compound), so a log-prob, z_i - logsumexp(z), within 2 x u x R x L x max(1, max_j |z_j|) at its position (the
+learner's logits give the magnitude; tests/test_deepseek_v3_rl.py). Unscaled, the bound failed a healthy
+DeepSeek-V3 demo run on an AMX Xeon at a token of log-prob -22.5 (gap 3.8e-4: a relative 1.7e-5 of its logits'
+scale, against u x R x L = 1.8e-4). That is checked token by token where it is tight: an fp32
 engine on a weight-only format (the embedded engine), where one int4 code the engine lacks moves a log-prob by
 orders of magnitude more. Where the engine rounds to bf16, or quantizes activations (FP8 W8A8: an input within
 that gap of a rounding boundary takes the neighbouring e4m3 code, and the flip propagates), no per-token bound
@@ -37,7 +41,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_qarl.errors import RefitError
-from megatron_qarl.models.logprobs import token_logprobs
+from megatron_qarl.models.logprobs import (
+    position_ids_for, tp_group_of_megatron, vocab_parallel_token_logprobs,
+)
 from megatron_qarl.quant.schemes import scheme_of
 from megatron_qarl.rollout.engines import engine_kind
 
@@ -53,8 +59,8 @@ class CanaryBreach(RefitError):
 
 @dataclass(frozen=True)
 class CanaryBound:
-    value: float  # nats
-    per_token: bool  # True: every token's gap <= value; False: the mean gap over the canary's tokens
+    value: float  # nats; per token: a relative bound, times 2 x max(1, max |logit|) of each position
+    per_token: bool  # True: every token's gap <= value x its scale; False: the mean gap over the canary's tokens
     why: str  # how it was derived (logged once, named in a breach)
 
 
@@ -93,7 +99,8 @@ def canary_bound(engine_dtype: torch.dtype, learner_dtype: torch.dtype, activati
     if activation_dtype is None and rounding == torch.float32:
         reduction = longest_reduction(hf_config)
         return CanaryBound(u * reduction * layers, True,
-                           f"per token eps(float32) x longest reduction {reduction} x {layers} layers")
+                           f"per token eps(float32) x longest reduction {reduction} x {layers} layers, times "
+                           "2 x max(1, max |logit|) of its position")
     why = f"{str(rounding).removeprefix('torch.')} kernels"
     if activation_dtype is not None:
         u = max(u, torch.finfo(activation_dtype).eps)
@@ -109,30 +116,48 @@ class CanaryGap:
     mean: float
     over: int  # tokens beyond a per-token bound (0 for a mean bound)
     tokens: int
-    worst: list  # (sequence, position, engine log-prob, learner log-prob) of the largest gaps
+    worst: list  # (sequence, position, engine log-prob, learner log-prob) of the largest gaps (per token: by ratio)
+    max_ratio: float = 0.0  # per token: the largest gap / its token's bound (<= 1: within)
 
     def breaches(self, bound: CanaryBound) -> bool:
-        value = self.max if bound.per_token else self.mean
-        return not value <= bound.value  # a NaN breaches
+        value = self.max_ratio if bound.per_token else self.mean / bound.value
+        return not value <= 1.0  # a NaN breaches
 
 
-def compare(engine: torch.Tensor, learner: torch.Tensor, bound: CanaryBound) -> CanaryGap:
+@dataclass(frozen=True)
+class LearnerCanary:
+    """The learner's side of a canary check: its log-probs [B, S-1] and each position's logit scale [B, S-1]
+    (max_j |z_j| over the vocabulary, the magnitude a per-token bound is relative to)."""
+    logprobs: torch.Tensor
+    logit_scale: torch.Tensor
+
+
+def token_bounds(bound: CanaryBound, logit_scale: torch.Tensor) -> torch.Tensor:
+    """Each token's allowed gap: a per-token bound times 2 x max(1, max |logit|) (module docstring)."""
+    return bound.value * 2.0 * logit_scale.double().clamp(min=1.0)
+
+
+def compare(engine: torch.Tensor, learner: LearnerCanary, bound: CanaryBound) -> CanaryGap:
     """The gap of [B, S-1] engine vs learner log-probs."""
-    if engine.shape != learner.shape:
+    if engine.shape != learner.logprobs.shape:
         raise CanaryBreach(f"the engine scored {tuple(engine.shape)} canary log-probs, the learner "
-                           f"{tuple(learner.shape)}")
-    gap = (engine.double() - learner.double()).abs()
+                           f"{tuple(learner.logprobs.shape)}")
+    gap = (engine.double() - learner.logprobs.double()).abs()
     gap = torch.where(torch.isnan(gap), torch.full_like(gap, float("inf")), gap)
-    top = torch.topk(gap.flatten(), min(WORST_SHOWN, gap.numel())).indices.tolist()
+    ratio = gap / token_bounds(bound, learner.logit_scale) if bound.per_token else gap
+    top = torch.topk(ratio.flatten(), min(WORST_SHOWN, gap.numel())).indices.tolist()
     cols = gap.shape[1]
-    worst = [(i // cols, i % cols + 1, float(engine.flatten()[i]), float(learner.flatten()[i])) for i in top]
-    over = int((gap > bound.value).sum()) if bound.per_token else 0
-    return CanaryGap(float(gap.max()), float(gap.mean()), over, gap.numel(), worst)
+    worst = [(i // cols, i % cols + 1, float(engine.flatten()[i]), float(learner.logprobs.flatten()[i]))
+             for i in top]
+    over = int((ratio > 1.0).sum()) if bound.per_token else 0
+    max_ratio = float(ratio.max()) if bound.per_token else 0.0
+    return CanaryGap(float(gap.max()), float(gap.mean()), over, gap.numel(), worst, max_ratio)
 
 
 def breach_line(engine: str, group: int, when: str, gap: CanaryGap, bound: CanaryBound) -> str:
     shown = ", ".join(f"seq {s} pos {p}: engine {e:.6g} vs learner {l_:.6g}" for s, p, e, l_ in gap.worst)
-    measure = f"max gap {gap.max:.3g} ({gap.over} of {gap.tokens} tokens over)" if bound.per_token \
+    measure = f"max gap {gap.max:.3g}, {gap.max_ratio:.3g} x its token's bound ({gap.over} of {gap.tokens} tokens " \
+              "over)" if bound.per_token \
         else f"mean gap {gap.mean:.3g} over {gap.tokens} tokens"
     return (f"the refit canary failed {when}: the {engine} engine of rollout group {group} does not compute what "
             f"the trainer published ({measure}; bound {bound.value:.3g}, {bound.why}); worst: {shown}. No rollout "
@@ -140,14 +165,21 @@ def breach_line(engine: str, group: int, when: str, gap: CanaryGap, bound: Canar
             "what the engine keeps)")
 
 
-def learner_canary_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+def learner_canary_logprobs(model, ids: torch.Tensor) -> LearnerCanary:
     """COLLECTIVE over the model-parallel group. The learner's log-probs of the canary, with the forward it trains
-    with (eval mode: no dropout, no balance loss)."""
+    with (eval mode: no dropout, no balance loss), and each position's logit scale (max |logit| over the whole
+    vocabulary: a max over the tensor-parallel ranks' slices)."""
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            return token_logprobs(model, ids, temperature=1.0).float().cpu()
+            logits = model(input_ids=ids, position_ids=position_ids_for(ids), attention_mask=None)  # [B, S, V / TP]
+            logprobs = vocab_parallel_token_logprobs(logits, ids[:, 1:], 1.0)
+            scale = logits[:, :-1].detach().float().abs().amax(dim=-1)
+            group = tp_group_of_megatron()
+            if group is not None:
+                dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=group)
+            return LearnerCanary(logprobs.float().cpu(), scale.cpu())
     finally:
         model.train(was_training)
 

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_qarl.canary import (
-    CanaryBreach, breach_line, canary_due, compare, engine_canary_logprobs, learner_canary_logprobs, run_canary,
+    CanaryBreach, LearnerCanary, breach_line, canary_due, compare, engine_canary_logprobs, learner_canary_logprobs,
+    run_canary,
 )
 from megatron_qarl.config import RunConfig
 from megatron_qarl.errors import DivergenceError, RunStopped
@@ -367,14 +368,15 @@ def publish_weights(ctx, when: str, canary: bool | None = None) -> dict:
     return metrics
 
 
-def canary_reference(ctx) -> torch.Tensor:
-    """COLLECTIVE. The learner's log-probs of the canary's tokens, on the weights about to be published."""
+def canary_reference(ctx) -> LearnerCanary:
+    """COLLECTIVE. The learner's log-probs of the canary's tokens (and their logit scale), on the weights about to
+    be published."""
     device = next(ctx.model.parameters()).device
     with ctx.publisher.engine_values():  # the values the engine gets: its unquantized weights in bf16
         return learner_canary_logprobs(ctx.model, ctx.canary.ids.to(device))
 
 
-def refit_canary(ctx, learner: torch.Tensor, when: str) -> dict:
+def refit_canary(ctx, learner: LearnerCanary, when: str) -> dict:
     """COLLECTIVE. Every leader's engine scores the canary and compares with the learner's log-probs; a breach on
     any leader ends the run on every rank (CanaryBreach), before a rollout samples from those weights."""
     bound, error, stats = ctx.canary.bound, None, [0.0, 0.0, 0.0, 0.0]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_qarl.canary import (
-    CanaryBound, canary_bound, canary_due, canary_sequences, compare, longest_reduction)
+    CanaryBound, LearnerCanary, canary_bound, canary_due, canary_sequences, compare, longest_reduction)
 from megatron_qarl.models.qwen3_moe import tiny_hf_config
 from megatron_qarl.rollout.embedded import EmbeddedEngine
 from megatron_qarl.rollout.protocol import SamplingParams
@@ -47,15 +47,33 @@ def test_the_bound_is_per_token_only_where_the_arithmetic_makes_it_tight():
 
 
 def test_a_gap_breaches_by_its_max_or_its_mean_and_a_nan_always_does():
-    learner = torch.zeros(2, 3)
-    engine = learner.clone()
+    learner = LearnerCanary(torch.zeros(2, 3), torch.zeros(2, 3))  # logits below 1: each token's bound 2 x 0.1
+    engine = learner.logprobs.clone()
     engine[1, 2] = 0.5
     per_token, mean = CanaryBound(0.1, True, ""), CanaryBound(0.1, False, "")
     gap = compare(engine, learner, per_token)
     assert gap.breaches(per_token) and gap.over == 1 and gap.worst[0][:2] == (1, 3)  # sequence 1, position 3
+    assert gap.max_ratio == pytest.approx(0.5 / 0.2)
     assert not compare(engine, learner, mean).breaches(mean)  # 0.5 / 6 tokens
     engine[0, 0] = float("nan")
     assert compare(engine, learner, mean).breaches(mean)
+    assert compare(engine, learner, per_token).breaches(per_token)
+
+
+def test_a_per_token_bound_scales_with_the_positions_logits():
+    """fp32 summation order moves a logit by a relative u x R x L, so a log-prob by 2 u R L max|z|: the same gap is
+    within the bound at a position whose logits reach 20 (the AMX Xeon's DeepSeek-V3 demo: 3.8e-4 at a log-prob
+    of -22.5, against an unscaled 1.8e-4) and beyond it where they stay below 1; the worst token is the one
+    furthest over its own bound, not the largest gap."""
+    bound = CanaryBound(1.83e-4, True, "")
+    learner = LearnerCanary(torch.tensor([[-22.5, -1.0]]), torch.tensor([[20.0, 0.5]]))
+    engine = learner.logprobs + torch.tensor([[3.8e-4, 3.8e-4]], dtype=torch.float64)
+    gap = compare(engine, learner, bound)
+    assert gap.over == 1 and gap.breaches(bound) and gap.worst[0][:2] == (0, 2)  # the small-logit position
+    assert gap.max_ratio == pytest.approx(3.8e-4 / (2 * 1.83e-4), rel=1e-6)
+    engine[0, 1] = learner.logprobs[0, 1]
+    within = compare(engine, learner, bound)
+    assert not within.breaches(bound) and within.max_ratio == pytest.approx(3.8e-4 / (2 * 1.83e-4 * 20), rel=1e-6)
 
 
 def test_the_canary_tokens_are_fixed_ordinary_tokens():

@@ -39,7 +39,7 @@ def chunk_rows(vocab_local: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
     return max(1, chunk_elements // vocab_local)
 
 
-def _tp_group_of_megatron():
+def tp_group_of_megatron():
     """megatron's tensor-parallel group, or None (one rank) when megatron's parallel state is not initialised."""
     from megatron.core import parallel_state
 
@@ -144,7 +144,7 @@ def vocab_parallel_token_logprobs(
         raise ValueError(f"logits must be [B, S, V/TP] and targets [B, S-1]; got {tuple(logits.shape)} and "
                          f"{tuple(targets.shape)}")
     if group is None:
-        group = _tp_group_of_megatron()
+        group = tp_group_of_megatron()
     rows = chunk_rows(logits.shape[-1], CHUNK_ELEMENTS if chunk_elements is None else chunk_elements)
     return _TokenLogprobs.apply(logits, targets, float(temperature), group, rows)
 
