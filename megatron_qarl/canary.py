@@ -41,9 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_qarl.errors import RefitError
-from megatron_qarl.models.logprobs import (
-    position_ids_for, tp_group_of_megatron, vocab_parallel_token_logprobs,
-)
+from megatron_qarl.models.logprobs import model_logits, vocab_parallel_max_abs, vocab_parallel_token_logprobs
 from megatron_qarl.quant.schemes import scheme_of
 from megatron_qarl.rollout.engines import engine_kind
 
@@ -120,8 +118,8 @@ class CanaryGap:
     max_ratio: float = 0.0  # per token: the largest gap / its token's bound (<= 1: within)
 
     def breaches(self, bound: CanaryBound) -> bool:
-        value = self.max_ratio if bound.per_token else self.mean / bound.value
-        return not value <= 1.0  # a NaN breaches
+        within = self.max_ratio <= 1.0 if bound.per_token else self.mean <= bound.value
+        return not within  # a NaN breaches
 
 
 @dataclass(frozen=True)
@@ -173,13 +171,9 @@ def learner_canary_logprobs(model, ids: torch.Tensor) -> LearnerCanary:
     model.eval()
     try:
         with torch.no_grad():
-            logits = model(input_ids=ids, position_ids=position_ids_for(ids), attention_mask=None)  # [B, S, V / TP]
+            logits = model_logits(model, ids)  # [B, S, V / TP]
             logprobs = vocab_parallel_token_logprobs(logits, ids[:, 1:], 1.0)
-            scale = logits[:, :-1].detach().float().abs().amax(dim=-1)
-            group = tp_group_of_megatron()
-            if group is not None:
-                dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=group)
-            return LearnerCanary(logprobs.float().cpu(), scale.cpu())
+            return LearnerCanary(logprobs.float().cpu(), vocab_parallel_max_abs(logits[:, :-1]).cpu())
     finally:
         model.train(was_training)
 

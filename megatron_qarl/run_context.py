@@ -17,18 +17,20 @@ import torch
 
 from megatron_qarl import preflight
 from megatron_qarl.checkpointing.format import HF_SIDECAR_KEY, TOKENIZER_SOURCE_KEY
+from megatron_qarl.checkpointing.save_load import load_checkpoint
 from megatron_qarl.checkpointing.run_checkpoints import RunCheckpoints
 from megatron_qarl.checkpointing.trust import read_extra_state
-from megatron_qarl.config import RunConfig, rollout_topology, save_yaml, to_dict
+from megatron_qarl.config import ConfigError, RunConfig, rollout_topology, save_yaml, to_dict
+from megatron_qarl.errors import CheckpointError
 from megatron_qarl.fileio import RunDirInUseError, RunDirLock
 from megatron_qarl.memory import (
     GIB, HostMemoryError, check_host_plan, engine_kv_at_start, engine_shares_gpu, host_plan, memory_timeline,
     node_memory, timeline_verdict,
 )
 from megatron_qarl.memory_saver import TRAINER_GRADS, TRAINER_STATE, TrainerMemory, init_optimizer_state
-from megatron_qarl.models.aligned import apply_aligned_quantization
+from megatron_qarl.models.aligned import AlignedQuantization, apply_aligned_quantization
 from megatron_qarl.models.registry import family_of, resolve_hf_config
-from megatron_qarl.optim import build_optimizer
+from megatron_qarl.optim import QarlOptimizer, build_optimizer
 from megatron_qarl.parallel import (
     RolloutTopology, collective_device, init_distributed, is_logging_rank, max_over_ranks, raise_if_any_rank_failed,
 )
@@ -39,7 +41,9 @@ from megatron_qarl.tokenizer import TokenizerError, load_tokenizer, split_stops
 from megatron_qarl.tracking import MetricsTracker, TrackerConfig, TrackingError, plain_row, prepare_run_dir
 from megatron_qarl.weights.convert import EngineCheckpointSink
 from megatron_qarl.weights.engine_check import check_engine_quantization
-from megatron_qarl.weights.hf_io import hf_checkpoint_files, scan_hf_checkpoint, validate_hf_index
+from megatron_qarl.weights.hf_io import (
+    hf_checkpoint_files, load_hf_checkpoint_into_model, scan_hf_checkpoint, validate_hf_index,
+)
 from megatron_qarl.weights.publish import WeightPublisher
 from megatron_qarl.weights.publish_errors import EngineQuantizationMismatch
 from megatron_qarl.weights.tokenizer_plan import TokenizerPlan, tokenizer_source
@@ -49,10 +53,8 @@ if TYPE_CHECKING:  # field types only: megatron's DDP and transformers' classes,
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from megatron_qarl.canary import RefitCanary
-    from megatron_qarl.models.aligned import AlignedQuantization
     from megatron_qarl.models.family import ModelFamily
     from megatron_qarl.models.routes import MoEGeometry
-    from megatron_qarl.optim import QarlOptimizer
     from megatron_qarl.rl.data import PromptExample
     from megatron_qarl.rl.rewards import RewardFunction
     from megatron_qarl.rollout.protocol import EngineBase
@@ -90,12 +92,12 @@ def build_tracker(cfg: RunConfig, *, resume: bool = False, start_step: int | Non
                   wandb_run_id: str | None = None):
     """The metrics sinks of the logging rank, as `cfg.logging` asks for them (a resumed run's metrics.jsonl
     and samples.jsonl keep only the rows before `start_step`, and it continues wandb run `wandb_run_id`)."""
-    log = cfg.logging
+    lg = cfg.logging  # not `log`: the module's logger
     return MetricsTracker(
-        TrackerConfig(out_dir=log.out_dir, project=log.wandb.project, entity=log.wandb.entity, run_name=cfg.name,
-                      wandb_mode=log.wandb.mode, wandb_run_id=wandb_run_id, config=to_dict(cfg), jsonl=log.jsonl,
-                      samples=log.samples_per_step > 0, tensorboard=log.tensorboard, plots=log.plots,
-                      plot_every=log.plot_every, log_every=log.log_every, total_steps=cfg.train.steps),
+        TrackerConfig(out_dir=lg.out_dir, project=lg.wandb.project, entity=lg.wandb.entity, run_name=cfg.name,
+                      wandb_mode=lg.wandb.mode, wandb_run_id=wandb_run_id, config=to_dict(cfg), jsonl=lg.jsonl,
+                      samples=lg.samples_per_step > 0, tensorboard=lg.tensorboard, plots=lg.plots,
+                      plot_every=lg.plot_every, log_every=lg.log_every, total_steps=cfg.train.steps),
         resume=resume, start_step=start_step,
     )
 
@@ -205,7 +207,8 @@ def build_run_context(cfg: RunConfig, held=None) -> RunContext:
             init_optimizer_state(optimizer)
 
     ctx = RunContext(
-        cfg=cfg, hf_config=hf_config, family=family, model=ddp, optimizer=optimizer, quant=quant, publisher=None, engine=None,
+        cfg=cfg, hf_config=hf_config, family=family, model=ddp, optimizer=optimizer, quant=quant, publisher=None,
+        engine=None,
         tokenizer=tokenizer,
         data=data,
         eval_examples=eval_examples,
@@ -305,7 +308,6 @@ def check_engines_serve_the_learners_quantization(ctx: RunContext) -> None:
 def check_engine_start_memory(cfg: RunConfig) -> None:
     """COLLECTIVE (CUDA). The KV cache colocated engines will size from the memory free now (the trainer released):
     refused here in one line, before SGLang's own start-up error, when it holds no full-length sequence."""
-    from megatron_qarl.config import ConfigError
     kind = engine_kind(cfg.rollout.engine)
     free = -max_over_ranks(-int(torch.cuda.mem_get_info()[0]))  # the tightest GPU of the world
     kv, sequences = engine_kv_at_start(cfg, free)
@@ -334,7 +336,6 @@ def release_for_engines(memory, quant) -> None:
 def run_sampling_params(cfg: RunConfig, tokenizer):
     """Step 0's SamplingParams: rollout.* with the stops resolved against the tokenizer (EOS, single-token
     stop strings and rollout.stop_token_ids as ids; longer stop strings as text)."""
-    from megatron_qarl.config import ConfigError
     r = cfg.rollout
     stop_ids, stop_strings = split_stops(tokenizer, list(r.stop), list(r.stop_token_ids))
     kind = engine_kind(r.engine)
@@ -492,7 +493,6 @@ def prepare_out_dir(cfg: RunConfig) -> bool:
 def check_initial_weights(cfg: RunConfig) -> None:
     """A GPU-engine run (its kind needs_real_weights) must start from real weights unless random init is asked
     for explicitly."""
-    from megatron_qarl.config import ConfigError
     m = cfg.model
     if engine_kind(cfg.rollout.engine).needs_real_weights and not (m.hf_path or m.init_checkpoint or m.random_init):
         raise ConfigError(
@@ -542,14 +542,8 @@ def scan_initial_hf_weights(cfg: RunConfig, hf_config):
 
 def _load_initial_weights(cfg: RunConfig, model, hf_config, hf_index=None) -> None:
     if cfg.model.init_checkpoint:
-        from megatron_qarl.checkpointing.save_load import load_checkpoint
-
         load_checkpoint(cfg.model.init_checkpoint, model, fix="check model.init_checkpoint")
     elif cfg.model.hf_path:
-        from megatron_qarl.errors import CheckpointError
-        from megatron_qarl.parallel import raise_if_any_rank_failed
-        from megatron_qarl.weights.hf_io import load_hf_checkpoint_into_model
-
         error = None
         try:  # each rank reads only its shards; a NaN / Inf weight in any rank's part stops every rank
             load_hf_checkpoint_into_model(model, hf_config, cfg.model.hf_path, index=hf_index)
@@ -599,7 +593,6 @@ def check_own_checkpoint(cfg: RunConfig, path, state: dict | None) -> None:
     logging.out_dir, another out dir) is a ConfigError naming that run and the choices; it used to be resumed, its
     run id taken and its newest steps pruned. checkpoint.resume=force or =<path> continues it on purpose;
     checkpoints from before run settings were recorded are resumed as before."""
-    from megatron_qarl.config import ConfigError
 
     state = state or {}
     if cfg.checkpoint.resume != "auto" or not isinstance(state.get("run_settings"), str):
@@ -631,7 +624,6 @@ def _flatten(value, prefix: str = "") -> dict:
 def check_run_identity(cfg: RunConfig, path, state: dict | None) -> None:
     """Refuse (ConfigError) to resume a checkpoint another experiment wrote, naming the keys that differ,
     unless checkpoint.resume=force. Checkpoints from before identities were recorded compare the name only."""
-    from megatron_qarl.config import ConfigError
 
     state = state or {}
     if "config_identity" in state:

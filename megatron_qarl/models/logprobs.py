@@ -149,6 +149,26 @@ def vocab_parallel_token_logprobs(
     return _TokenLogprobs.apply(logits, targets, float(temperature), group, rows)
 
 
+def model_logits(model: torch.nn.Module, input_ids: torch.Tensor, *,
+                 padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's [B, S, V / TP] logits of `input_ids` (positions 0..S-1, causal); `padding_mask` (True = padding)
+    keeps pad tokens out of MoE routing statistics."""
+    kwargs = {}
+    if padding_mask is not None:
+        kwargs["padding_mask"] = padding_mask
+    return model(input_ids=input_ids, position_ids=position_ids_for(input_ids), attention_mask=None, **kwargs)
+
+
+def vocab_parallel_max_abs(logits: torch.Tensor, group=None) -> torch.Tensor:
+    """max_j |logits[..., j]| over the whole vocabulary of [B, S, V / TP] logits (a max over the TP slices)."""
+    scale = logits.detach().float().abs().amax(dim=-1)
+    if group is None:
+        group = tp_group_of_megatron()
+    if group is not None:
+        dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=group)
+    return scale
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -162,13 +182,5 @@ def token_logprobs(
     engine's sampled-token log-probs (which are defined on the temperature-scaled distribution).
     `padding_mask` (True = padding) keeps pad tokens out of MoE routing statistics.
     """
-    kwargs = {}
-    if padding_mask is not None:
-        kwargs["padding_mask"] = padding_mask
-    logits = model(
-        input_ids=input_ids,
-        position_ids=position_ids_for(input_ids),
-        attention_mask=None,
-        **kwargs,
-    )  # [B, S, V / TP]
+    logits = model_logits(model, input_ids, padding_mask=padding_mask)  # [B, S, V / TP]
     return vocab_parallel_token_logprobs(logits, input_ids[:, 1:], temperature)
