@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_qarl.errors import RefitError
-from megatron_qarl.models.logprobs import model_logits, vocab_parallel_max_abs, vocab_parallel_token_logprobs
+from megatron_qarl.models.logprobs import vocab_parallel_max_abs, vocab_parallel_token_logprobs
+from megatron_qarl.models.pipeline import TokenBatch, run_micro_batches
 from megatron_qarl.quant.schemes import scheme_of
 from megatron_qarl.rollout.engines import engine_kind
 
@@ -167,13 +168,15 @@ def learner_canary_logprobs(model, ids: torch.Tensor) -> LearnerCanary:
     """COLLECTIVE over the model-parallel group. The learner's log-probs of the canary, with the forward it trains
     with (eval mode: no dropout, no balance loss), and each position's logit scale (max |logit| over the whole
     vocabulary: a max over the tensor-parallel ranks' slices)."""
+    def score(_, logits):  # [B, S, V / TP], on the last pipeline stage
+        logprobs = vocab_parallel_token_logprobs(logits, ids[:, 1:], 1.0)
+        return None, LearnerCanary(logprobs.float().cpu(), vocab_parallel_max_abs(logits[:, :-1]).cpu())
+
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            logits = model_logits(model, ids)  # [B, S, V / TP]
-            logprobs = vocab_parallel_token_logprobs(logits, ids[:, 1:], 1.0)
-            return LearnerCanary(logprobs.float().cpu(), vocab_parallel_max_abs(logits[:, :-1]).cpu())
+            return run_micro_batches(model, [TokenBatch(ids)], score, forward_only=True)[0]
     finally:
         model.train(was_training)
 

@@ -310,6 +310,31 @@ def default_causal_mask_cpu() -> list[Patch]:
     )
 
 
+class _TorchWithCpuZeros:
+    """The torch module as one megatron module sees it, with ``torch.zeros(..., device="cuda")`` made on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, **kwargs):
+        if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return torch.zeros(*args, **kwargs)
+
+
+@_workaround
+def pipeline_schedules_cpu() -> list[Patch]:
+    """megatron's schedules count a pass's tokens in ``torch.zeros([], dtype=torch.int, device="cuda")``
+    (pipeline_parallel/schedules.py:596, 983, 2138 in megatron-core 0.16.1); the schedules module sees a torch whose
+    ``zeros`` makes that tensor on the CPU (a mode around the whole schedule would intercept every op of the model's
+    forward). Its p2p sends already run on the CPU: they allocate on ``torch.cuda.current_device()``
+    (`current_device_is_cpu`) and synchronize through ``torch.cuda.synchronize`` (`cuda_synchronize_noop`)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    return [_set(schedules, "torch", _TorchWithCpuZeros())]
+
+
 # --------------------------------------------------------------------------------------------------
 # Entry points
 # --------------------------------------------------------------------------------------------------
@@ -348,6 +373,7 @@ _PATCHED_MODULES = (
     "megatron.core.optimizer",
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer.layer_wise_optimizer",
+    "megatron.core.pipeline_parallel.schedules",
 )
 
 

@@ -37,7 +37,12 @@ class ParallelLayout:
     tp: int = 1  # tensor parallel: attention, embeddings, logits (and experts unless etp is set)
     ep: int = 1  # expert parallel: each rank holds num_experts / ep whole experts per layer
     etp: int | None = None  # expert tensor parallel (null: = tp)
-    pp: int = 1  # pipeline parallel (1 only for now)
+    pp: int = 1  # pipeline parallel stages (megatron's 1F1B schedule; interleaved stages are not offered)
+    # Uneven pipeline splits (megatron's num_layers_in_first/last_pipeline_stage): the first / last stage's
+    # decoder layers (null: an even share); the middle stages split the rest evenly. The first stage also holds the
+    # embedding and the last the output layer and the logits, so a lighter first / last stage evens out memory.
+    pp_first_stage_layers: int | None = None
+    pp_last_stage_layers: int | None = None
     sp: bool | None = None  # sequence parallel (null: on exactly when tp > 1, as megatron MoE needs)
     # The number of ranks (GPUs) this layout is meant for; null: any that fits. A launch with another
     # WORLD_SIZE is refused, and `qarl-train --dry-run` checks the config against it on a login node.
@@ -51,6 +56,32 @@ class ParallelLayout:
     distributed_timeout_minutes: float = 30.0
     rank_wait_timeout_minutes: float = 720.0
     rank_wait_log_interval_s: float = 300.0
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Decoder layers per pipeline stage, first to last, as megatron splits them (`get_num_layers_to_build`: the
+        first / last stage's own counts where set, the rest evenly over the other stages); ParallelLayoutError
+        naming the fix when they do not split."""
+        first, last = self.pp_first_stage_layers, self.pp_last_stage_layers
+        if self.pp == 1:
+            return [num_layers]
+        middle_stages = self.pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        if rest < 0 or (middle_stages == 0 and rest) or (middle_stages and (rest % middle_stages or rest == 0)):
+            given = ", ".join(f"{n}={v}" for n, v in (("pp_first_stage_layers", first),
+                                                      ("pp_last_stage_layers", last)) if v is not None)
+            raise ParallelLayoutError(
+                f"{num_layers} decoder layers do not split over parallel.pp={self.pp} stages"
+                + (f" with {given}" if given else "")
+                + ": every stage needs >= 1 layer and the stages without their own count an equal share; choose pp "
+                "dividing the layers, or set parallel.pp_first_stage_layers / pp_last_stage_layers so the rest "
+                "divides")
+        share = rest // middle_stages if middle_stages else 0
+        counts = [share] * self.pp
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return counts
 
     def smallest_world(self) -> int:
         """The smallest world size this layout fits (dense tp*pp and expert etp*ep*pp both divide it)."""
@@ -92,10 +123,15 @@ class ParallelLayout:
                 raise ParallelLayoutError(f"parallel.{name} must be a positive number, got {value!r}")
         if self.etp is not None and (not isinstance(self.etp, int) or self.etp < 1):
             raise ParallelLayoutError(f"etp must be a positive int or None (= tp), got {self.etp!r}")
-        if self.pp > 1:
-            raise ParallelLayoutError(
-                f"pp={self.pp}: pipeline parallelism is not supported yet; use pp=1 and scale with tp/ep/dp"
-            )
+        for name in ("pp_first_stage_layers", "pp_last_stage_layers"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ParallelLayoutError(f"parallel.{name} must be a positive int or null (an even split), got "
+                                          f"{value!r}")
+            if self.pp == 1:
+                raise ParallelLayoutError(f"parallel.{name}={value} needs parallel.pp > 1; set it to null")
         if world_size % (self.tp * self.pp):
             raise ParallelLayoutError(
                 f"tp*pp={self.tp * self.pp} does not divide world size {world_size}; "
@@ -166,12 +202,14 @@ def init_distributed(
     )
     set_rank_wait(layout.rank_wait_timeout_minutes * 60.0, layout.rank_wait_log_interval_s)
     _make_host_group(timeout)
+    _make_stage_host_groups(timeout)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     return layout
 
 
 _HOST_GROUP: list = []  # [the world's gloo group] once init_distributed made it
+_STAGE_HOST_GROUP: list = []  # [this rank's pipeline group, on gloo] once init_distributed made it
 
 
 def _make_host_group(timeout: timedelta) -> None:
@@ -186,6 +224,34 @@ def _make_host_group(timeout: timedelta) -> None:
         _HOST_GROUP.append(dist.new_group(backend="gloo", timeout=timeout))
 
 
+def _make_stage_host_groups(timeout: timedelta) -> None:
+    """COLLECTIVE. Every pipeline group again on gloo (each rank takes part in making all of them, in one order):
+    the last stage's host objects (loss metrics) reach the other stages of its pipeline over it."""
+    from megatron.core import parallel_state
+
+    _STAGE_HOST_GROUP.clear()
+    mine = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+    if len(mine) == 1:
+        _STAGE_HOST_GROUP.append(None)
+        return
+    if dist.get_backend() == "gloo":  # megatron's own pipeline group already is
+        _STAGE_HOST_GROUP.append(parallel_state.get_pipeline_model_parallel_group())
+        return
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine, group=host_group())
+    for ranks in sorted({tuple(r) for r in everyone}):
+        group = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
+        if dist.get_rank() in ranks:
+            _STAGE_HOST_GROUP.append(group)
+
+
+def stage_host_group():
+    """This rank's pipeline group on gloo, for host objects (None with one stage)."""
+    if not _STAGE_HOST_GROUP:
+        raise RuntimeError("parallel.init_distributed has not run: no pipeline host group")
+    return _STAGE_HOST_GROUP[0]
+
+
 def host_group():
     """The process group for host objects (gloo; None: the default group, when it is gloo itself)."""
     if not _HOST_GROUP:
@@ -198,6 +264,7 @@ def destroy_distributed() -> None:
     from megatron.core import parallel_state
 
     _HOST_GROUP.clear()
+    _STAGE_HOST_GROUP.clear()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():

@@ -38,7 +38,8 @@ from megatron_qarl.errors import DivergenceError, RunStopped
 from megatron_qarl.evaluation import eval_due, evaluate
 from megatron_qarl.lifecycle import EXIT_STOPPED, stop_on_signals
 from megatron_qarl.memory_saver import TRAINER_GRADS, TRAINER_STATE
-from megatron_qarl.models.logprobs import token_logprobs
+from megatron_qarl.models.logprobs import vocab_parallel_token_logprobs
+from megatron_qarl.models.pipeline import run_micro_batches
 from megatron_qarl.models.routes import RouteLayoutError
 from megatron_qarl.moe.replay import replay_routing
 from megatron_qarl.moe.telemetry import measure_replay_telemetry
@@ -400,9 +401,15 @@ def refit_canary(ctx, learner: LearnerCanary, when: str) -> dict:
 # -- 2. old log-probs, routing telemetry ---------------------------------------------------------------
 
 def forward_logprobs(ctx, micro: RolloutBatch) -> torch.Tensor:
-    return token_logprobs(
-        ctx.model, micro.input_ids, temperature=ctx.cfg.rollout.temperature, padding_mask=micro.padding_mask,
-    )
+    """One micro-batch's log-probs, a forward-only pass of its own (the routing telemetry's extra forwards)."""
+    return run_micro_batches(ctx.model, [micro], lambda m, logits: (None, micro_logprobs(ctx, m, logits)),
+                             forward_only=True)[0]
+
+
+def micro_logprobs(ctx, micro: RolloutBatch, logits: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's per-token log-probs from its logits (on the last pipeline stage), at the sampling
+    temperature."""
+    return vocab_parallel_token_logprobs(logits, micro.input_ids[:, 1:], ctx.cfg.rollout.temperature)
 
 
 def routing_replay(ctx, micro: RolloutBatch):
@@ -417,12 +424,13 @@ def routing_replay(ctx, micro: RolloutBatch):
 
 @torch.no_grad()
 def compute_logprobs(ctx, batch: RolloutBatch) -> torch.Tensor:
-    """l_old: the learner's log-probs before this step's updates, with the same forward it trains with."""
+    """l_old: the learner's log-probs before this step's updates, with the same forward it trains with (a
+    forward-only pass of megatron's schedule; every pipeline stage gets them)."""
     ctx.model.eval()
-    chunks = []
-    for micro in batch.chunks(ctx.cfg.train.micro_batch_size):
-        with routing_replay(ctx, micro):  # train.routing_replay=replay: the sampler's experts (R3)
-            chunks.append(forward_logprobs(ctx, micro))
+    chunks = run_micro_batches(  # train.routing_replay=replay: the sampler's experts (R3)
+        ctx.model, list(batch.chunks(ctx.cfg.train.micro_batch_size)),
+        lambda micro, logits: (None, micro_logprobs(ctx, micro, logits)),
+        forward_only=True, around=lambda micro: routing_replay(ctx, micro))
     ctx.model.train()
     return torch.cat(chunks, dim=0)
 
@@ -445,11 +453,14 @@ def routing_telemetry(ctx, batch: RolloutBatch) -> dict:
     tel = measure_replay_telemetry(ctx.model, list(batch.chunks(mbs)), lambda micro: forward_logprobs(ctx, micro),
                                    replayed)
     ctx.model.train()
-    # Under sequence parallelism each TP rank's routers see their own slice of the tokens.
+    # Under sequence parallelism each TP rank's routers see their own slice of the tokens; each pipeline stage's
+    # routers are their own layers (the others' count 0 of 0 there).
     sp_groups = [parallel_state.get_tensor_model_parallel_group()] \
         if tp_size() > 1 and cfg.parallel.sequence_parallel else []
+    pp_groups = [parallel_state.get_pipeline_model_parallel_group()] \
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1 else []
     dp_groups = [dp_group()] if dp_size() > 1 else []
-    tel.reduce(token_groups=sp_groups + dp_groups, logp_groups=dp_groups)
+    tel.reduce(token_groups=sp_groups + pp_groups + dp_groups, logp_groups=dp_groups)
     return tel.metrics()
 
 
@@ -469,17 +480,21 @@ def policy_update(ctx, batch: RolloutBatch) -> dict:
                                        process_group=dp_group())
         ctx.model.zero_grad_buffer()
         ctx.optimizer.zero_grad()
-        for micro in micros:
-            # backward inside the replay block: a recomputed forward must replay the same routes
-            with routing_replay(ctx, micro):
-                logp = forward_logprobs(ctx, micro)
-                loss, metrics = compute_loss(
-                    logp, micro.old_logp, micro.sampler_logp, micro.advantages, micro.response_mask,
-                    cfg.train.loss, norm=norm,
-                )
-                loss.backward()
-            drift[-1] += seq_abs_log_ratio(logp, micro.old_logp, micro.response_mask).tolist()
+
+        def micro_loss(micro, logits, norm=norm):
+            logp = micro_logprobs(ctx, micro, logits)
+            loss, metrics = compute_loss(
+                logp, micro.old_logp, micro.sampler_logp, micro.advantages, micro.response_mask,
+                cfg.train.loss, norm=norm,
+            )
             metrics["loss/value"] = loss.item()
+            return loss, (metrics, seq_abs_log_ratio(logp.detach(), micro.old_logp, micro.response_mask).tolist())
+
+        # forward and backward through megatron's schedule; with one stage each micro-batch's backward runs inside
+        # its replay block (a recomputed forward replays the same routes)
+        for metrics, seq_drift in run_micro_batches(ctx.model, micros, micro_loss, forward_only=False,
+                                                    around=lambda micro: routing_replay(ctx, micro)):
+            drift[-1] += seq_drift
             mini_loss += metrics["loss/value"]
             call_metrics.append(metrics)
         step_metrics.append(optimizer_step(ctx, mini_loss))

@@ -74,6 +74,7 @@ def test_registry_lists_every_workaround_and_all_are_applied():
         "current_device_is_cpu", "cpu_rng_tracker", "alltoall_dispatcher_streams",
         "cuda_synchronize_noop", "gloo_uneven_gather",
         "optimizer_cuda_tensors", "clip_grad_cpu", "moe_metrics_cuda_tensors", "default_causal_mask_cpu",
+        "pipeline_schedules_cpu",
     }
     assert set(compat_cpu.WORKAROUNDS) == expected
     assert set(compat_cpu.applied_cpu_workarounds()) == expected
@@ -341,6 +342,57 @@ def test_default_causal_mask_on_cpu():
         utils.get_default_causal_mask(4)
 
 
+def test_pipeline_schedule_on_cpu():
+    """megatron's no-pipelining schedule (what every learner pass runs through at PP 1, models/pipeline.py) counts
+    tokens in a CUDA tensor: it fails without the workaround and runs the model's forward and backward with it."""
+    from megatron_qarl.models.pipeline import TokenBatch, run_micro_batches
+
+    from compat_tiny_gpt import fixed_batch
+
+    model = tiny_gpt()
+    tokens, _, _ = fixed_batch(batch=1, seq=16)
+
+    def run():
+        model.zero_grad()
+        return run_micro_batches(model, [TokenBatch(tokens)], lambda _, logits: (logits.float().pow(2).mean(), 1),
+                                 forward_only=False)
+
+    with reverted("pipeline_schedules_cpu"), pytest.raises(Exception, match=NO_CUDA):
+        run()
+    assert run() == [1]
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_pipeline_stage_layers_split_as_megatron_does():
+    """`ParallelLayout.stage_layers` against megatron's own count per stage (get_num_layers_to_build)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from megatron.core.transformer import transformer_block
+
+    for pp, first, last, layers in [(2, None, None, 8), (4, None, None, 8), (4, 1, 1, 8), (3, 2, None, 8),
+                                    (2, 3, None, 8)]:
+        layout = ParallelLayout(pp=pp, pp_first_stage_layers=first, pp_last_stage_layers=last)
+        ours = layout.stage_layers(layers)
+        config = SimpleNamespace(num_layers=layers, pipeline_model_parallel_size=pp,
+                                 num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+                                 virtual_pipeline_model_parallel_size=None, account_for_embedding_in_pipeline_split=False,
+                                 account_for_loss_in_pipeline_split=False, pipeline_model_parallel_layout=None,
+                                 mtp_num_layers=None)
+        theirs = []
+        for stage in range(pp):
+            with mock.patch.object(transformer_block.parallel_state, "get_pipeline_model_parallel_rank",
+                                   return_value=stage), \
+                    mock.patch.object(transformer_block.parallel_state, "get_pipeline_model_parallel_world_size",
+                                      return_value=pp):
+                theirs.append(transformer_block.get_num_layers_to_build(config, pp_rank=stage))
+        assert ours == theirs, (pp, first, last)
+    for layout, layers in [(ParallelLayout(pp=3), 8), (ParallelLayout(pp=2, pp_first_stage_layers=8), 8),
+                           (ParallelLayout(pp=3, pp_first_stage_layers=1), 8)]:
+        with pytest.raises(ParallelLayoutError, match="do not split over parallel.pp"):
+            layout.stage_layers(layers)
+
+
 def test_gpt_forward_without_attention_mask_is_causal():
     """The tiny GPT at world 1: changing a later token must not change earlier positions' losses."""
     from compat_tiny_gpt import fixed_batch
@@ -377,7 +429,9 @@ def test_layout_defaults_and_dp():
         (ParallelLayout(tp=3), 4, "tp\\*pp=3 does not divide world size 4"),
         (ParallelLayout(tp=2, ep=2), 2, "etp\\*ep\\*pp=4"),
         (ParallelLayout(ep=2, etp=3), 6, None),
-        (ParallelLayout(pp=2), 2, "pipeline parallelism is not supported"),
+        (ParallelLayout(pp=2), 2, None),
+        (ParallelLayout(pp=2, pp_last_stage_layers=0), 2, "pp_last_stage_layers must be a positive int"),
+        (ParallelLayout(pp_first_stage_layers=1), 1, "needs parallel.pp > 1"),
         (ParallelLayout(tp=2, sp=False), 2, "requires sequence parallel"),
         (ParallelLayout(tp=0), 1, "tp must be a positive int"),
         (ParallelLayout(etp=0), 1, "etp must be a positive int"),

@@ -7,11 +7,12 @@ from typing import Any
 
 
 def layout_sizes(layout) -> dict[str, Any]:
-    """(tp, ep, etp, pp, sp) of a ParallelLayout (None = a single process)."""
+    """(tp, ep, etp, pp, sp, the first / last pipeline stage's layers) of a ParallelLayout (None = one process)."""
     from megatron_qarl.parallel import ParallelLayout
 
     layout = layout or ParallelLayout()
-    return dict(tp=layout.tp, ep=layout.ep, etp=layout.expert_tp, pp=layout.pp, sp=layout.sequence_parallel)
+    return dict(tp=layout.tp, ep=layout.ep, etp=layout.expert_tp, pp=layout.pp, sp=layout.sequence_parallel,
+                pp_first=layout.pp_first_stage_layers, pp_last=layout.pp_last_stage_layers)
 
 
 def moe_transformer_kwargs(hf_config, sizes: dict[str, Any], params_dtype) -> dict[str, Any]:
@@ -54,6 +55,12 @@ def moe_transformer_kwargs(hf_config, sizes: dict[str, Any], params_dtype) -> di
         expert_model_parallel_size=sizes["ep"],
         expert_tensor_parallel_size=sizes["etp"],
         pipeline_model_parallel_size=sizes["pp"],
+        num_layers_in_first_pipeline_stage=sizes.get("pp_first"),
+        num_layers_in_last_pipeline_stage=sizes.get("pp_last"),
+        # what the stages send each other: the hidden states in the params dtype (megatron requires it at PP > 1);
+        # the micro-batches' shapes travel first (models/pipeline.py: each step's sequences have their own length)
+        pipeline_dtype=params_dtype,
+        variable_seq_lengths=sizes["pp"] > 1,
         sequence_parallel=sizes["sp"],
         # numerics / init
         params_dtype=params_dtype,
@@ -64,11 +71,21 @@ def moe_transformer_kwargs(hf_config, sizes: dict[str, Any], params_dtype) -> di
     )
 
 
-def gpt_model(config, block_spec, hf_config, *, rotary_base: float, model_family: str, pre_process: bool = True,
-              post_process: bool = True):
+def gpt_model(config, block_spec, hf_config, *, rotary_base: float, model_family: str,
+              pre_process: bool | None = None, post_process: bool | None = None):
     """megatron's GPTModel as every family builds it (rope, untied output layer, vocab-parallel logits), stamped
-    with its family's model_type (what models.registry.family_of_model reads)."""
+    with its family's model_type (what models.registry.family_of_model reads). `pre_process` / `post_process`
+    (the embedding; the final norm, output layer and logits): None = whether this rank is the first / last
+    pipeline stage (both on one stage). The families never tie the output layer to the embedding, so no stage
+    holds a copy of the other's weight."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
+
+    staged = parallel_state.model_parallel_is_initialized()
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True) if staged else True
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True) if staged else True
 
     model = GPTModel(
         config=config,

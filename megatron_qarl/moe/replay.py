@@ -40,6 +40,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from megatron_qarl.models.pipeline import pipeline_size
 from megatron_qarl.models.routes import RouteLayoutError
 
 
@@ -88,8 +89,28 @@ def sequence_parallel_coords(model: torch.nn.Module) -> tuple[int, int]:
             parallel_state.get_tensor_model_parallel_world_size())
 
 
+def moe_layer_pattern(config) -> list[int]:
+    """megatron's MoE layer pattern over ALL decoder layers (1 = MoE), from `config.moe_layer_freq` as megatron
+    reads it (gpt_layer_specs.py:579-590 in megatron-core 0.16.1: an int n = every n-th layer, or a list)."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    return list(freq)
+
+
+def router_route_layers(routers: list) -> list[int]:
+    """Each router's index into the routes' layer axis: the MoE layers of the whole model, in order. A pipeline
+    stage holds some of them; megatron's layer numbers are global (1-based), so a stage's routers index the
+    routes past the MoE layers of the stages before it."""
+    if not routers:
+        return []
+    pattern = moe_layer_pattern(routers[0].config)
+    return [sum(pattern[: int(r.layer_number) - 1]) for r in routers]
+
+
 def check_replay_fits(model: torch.nn.Module, routes: torch.Tensor) -> list:
-    """The model's routers, after checking `routes` [B, S, L, K] fits them; else RouteLayoutError."""
+    """The model's routers (this pipeline stage's), after checking `routes` [B, S, L, K] fits them (L: the MoE
+    layers of the whole model); else RouteLayoutError."""
     routers = moe_routers(model)
     if not routers:
         raise RouteLayoutError("the model has no MoE routers to replay routes into")
@@ -98,8 +119,9 @@ def check_replay_fits(model: torch.nn.Module, routes: torch.Tensor) -> list:
                                "config_overrides={'moe_enable_routing_replay': True}")
     if routes.dim() != 4:
         raise RouteLayoutError(f"routes must be [batch, seq, layers, topk], got shape {tuple(routes.shape)}")
-    if routes.shape[2] != len(routers):
-        raise RouteLayoutError(f"routes have {routes.shape[2]} layers but the model has {len(routers)} MoE layers")
+    model_moe_layers = sum(moe_layer_pattern(routers[0].config))
+    if routes.shape[2] != model_moe_layers:
+        raise RouteLayoutError(f"routes have {routes.shape[2]} layers but the model has {model_moe_layers} MoE layers")
     topk, experts = routers[0].topk, routers[0].config.num_moe_experts
     if routes.shape[3] != topk:
         raise RouteLayoutError(f"routes have top-{routes.shape[3]} but the model routes top-{topk}")
@@ -117,6 +139,9 @@ def replay_routing(model: torch.nn.Module, routes: torch.Tensor | None) -> Itera
         return
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+    if not moe_routers(model) and pipeline_size() > 1:  # a pipeline stage of dense layers only: nothing to replay
+        yield
+        return
     routers = check_replay_fits(model, routes)
     sp_rank, sp_size = sequence_parallel_coords(model)
     # The routers' own RouterReplay objects, not the class-wide list (which keeps every model ever built).
@@ -124,9 +149,10 @@ def replay_routing(model: torch.nn.Module, routes: torch.Tensor | None) -> Itera
     # megatron gathers scores at the target ids without a size check: a shorter target would silently
     # replay the wrong tokens, so every router checks its input against the routes first.
     expected = (routes.shape[1] // sp_size, routes.shape[0])
-    hooks = [r.register_forward_pre_hook(_check_router_tokens(layer, expected)) for layer, r in enumerate(routers)]
+    layers = router_route_layers(routers)
+    hooks = [r.register_forward_pre_hook(_check_router_tokens(layer, expected)) for layer, r in zip(layers, routers)]
     try:
-        for layer, replay in enumerate(replays):
+        for layer, replay in zip(layers, replays):
             replay.clear_indices()
             replay.set_target_indices(router_token_routes(routes, layer, sp_rank=sp_rank, sp_size=sp_size))
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)

@@ -19,7 +19,7 @@ import torch
 
 from megatron_qarl.models.routes import RouteLayoutError
 from megatron_qarl.moe.replay import (
-    moe_routers, replay_routing, router_token_order, router_token_routes, sampler_routed_mask,
+    moe_routers, replay_routing, router_route_layers, router_token_order, router_token_routes, sampler_routed_mask,
     sequence_parallel_coords,
 )
 from megatron_qarl.parallel import collective_device
@@ -88,15 +88,20 @@ def routes_as_map(routes: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def route_mismatch_counts(sampler_routes: torch.Tensor, routed_mask: torch.Tensor, learner_maps: list[torch.Tensor],
-                          *, sp_rank: int = 0, sp_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per layer: (#tokens whose learner top-k set differs from the sampler's, #tokens compared).
+                          *, sp_rank: int = 0, sp_size: int = 1,
+                          layers: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per MoE layer of the routes: (#tokens whose learner top-k set differs from the sampler's, #tokens compared).
 
     `sampler_routes` [B, S, L, K], `routed_mask` [B, S] (positions the sampler routed), `learner_maps` one
-    bool [S/sp*B, E] per layer in router token order.
+    bool [S/sp*B, E] per router of this rank in router token order, `layers` their indices into L (None: 0, 1, ...;
+    a pipeline stage's routers: `replay.router_route_layers`). Layers this rank has no router for count 0 of 0, so
+    a sum over the pipeline stages gives every layer's counts.
     """
     mask = router_token_order(routed_mask, sp_rank=sp_rank, sp_size=sp_size)
-    differ = torch.zeros(len(learner_maps), dtype=torch.float64)
-    for layer, learner in enumerate(learner_maps):
+    layers = range(len(learner_maps)) if layers is None else layers
+    differ = torch.zeros(sampler_routes.shape[2], dtype=torch.float64)
+    compared = torch.zeros_like(differ)
+    for layer, learner in zip(layers, learner_maps):
         learner = learner.cpu()
         sampler = routes_as_map(router_token_routes(sampler_routes, layer, sp_rank=sp_rank, sp_size=sp_size),
                                 learner.shape[-1])
@@ -104,7 +109,8 @@ def route_mismatch_counts(sampler_routes: torch.Tensor, routed_mask: torch.Tenso
             raise RouteLayoutError(f"layer {layer}: sampler routes cover {tuple(sampler.shape)} tokens x experts, "
                                    f"the learner's router saw {tuple(learner.shape)}")
         differ[layer] = ((sampler != learner).any(-1) & mask).sum()
-    return differ, torch.full_like(differ, float(mask.sum()))
+        compared[layer] = float(mask.sum())
+    return differ, compared
 
 
 def k3_sums(logp: torch.Tensor, sampler_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -174,6 +180,7 @@ def measure_replay_telemetry(model: torch.nn.Module, micro_batches: Sequence, fo
     """
     tel = ReplayTelemetry()
     sp_rank, sp_size = sequence_parallel_coords(model)
+    layers = router_route_layers(moe_routers(model))  # this pipeline stage's MoE layers
     for i, micro in enumerate(micro_batches):
         if micro.routed_experts is None:
             raise RouteLayoutError("routing telemetry needs the sampler's routed experts in the batch")
@@ -181,7 +188,8 @@ def measure_replay_telemetry(model: torch.nn.Module, micro_batches: Sequence, fo
             free = forward(micro)
         learner = [seen.layer(layer, "own") for layer in range(len(seen.own))]
         mask = sampler_routed_mask(micro.lengths, micro.input_ids.shape[1])
-        tel.add_routes(*route_mismatch_counts(micro.routed_experts, mask, learner, sp_rank=sp_rank, sp_size=sp_size))
+        tel.add_routes(*route_mismatch_counts(micro.routed_experts, mask, learner, sp_rank=sp_rank, sp_size=sp_size,
+                                              layers=layers))
         if replayed_logp is not None:
             replayed = replayed_logp[i]
         else:

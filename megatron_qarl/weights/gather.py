@@ -5,6 +5,11 @@ engine leader (`dist.gather` to it, an all-gather when the group holds several);
 group (all-gather) and then over every EP group that holds a leader; a replica without a leader sends nothing.
 Tensors travel as their bytes (uint8 views: gloo has no bf16 / fp8 / int16 gather). `gather_parts` joins a
 parameter's parts with the sharding rules; `full_shape` is the joined shape.
+
+Under pipeline parallelism a stage gathers its own parameters to each leader's stand-in on that stage (`StageRelay`:
+the rank of the leader's pipeline group on that stage, which is the leader itself on the leader's stage), and the
+stand-in sends each gathered parameter on to its leader, point to point (`send_full_param` / `recv_full_params`:
+a header over the host group, the parts' bytes over the default group), one parameter at a time.
 """
 from __future__ import annotations
 
@@ -81,8 +86,8 @@ class GatherTopology:
 
         tp, etp, ep = (ps.get_tensor_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
                        ps.get_expert_model_parallel_group())
-        replica = ps.get_expert_tensor_and_model_parallel_group()  # etp x ep: one copy of the experts (pp=1)
-        return cls(coords=RankCoords.from_parallel_state(), rank=dist.get_rank(), n_local=num_local_experts(model),
+        replica = ps.get_expert_tensor_and_model_parallel_group()  # etp x ep: this stage's copy of its experts
+        return cls(coords=RankCoords.from_parallel_state(model), rank=dist.get_rank(), n_local=num_local_experts(model),
                    tp_leaders=leaders_in(tp), ep_leaders=leaders_in(ep),
                    expert_replica_has_leader=bool(leaders_in(replica)),
                    counts_dense=ps.get_data_parallel_rank(with_context_parallel=True) == 0,
@@ -106,3 +111,81 @@ def full_shape(local_shape, rule, size: int) -> tuple[int, ...]:
     if rule.partition_dim is not None:
         shape[rule.partition_dim] *= size
     return tuple(shape)
+
+
+@dataclass(frozen=True)
+class StageRelay:
+    """Who stands in for each engine leader on each pipeline stage: `stand_ins[leader][s]` is the rank of the
+    leader's pipeline group on stage s (the leader itself on its own stage). One stage: every leader stands for
+    itself."""
+
+    stage: int
+    stages: int
+    stand_ins: dict[int, list[int]]
+
+    @classmethod
+    def current(cls, leaders: list[int]) -> "StageRelay":
+        """COLLECTIVE over the world (host objects over gloo) when there are several stages."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from megatron_qarl.parallel import host_group
+
+        stages = ps.get_pipeline_model_parallel_world_size()
+        if stages == 1:
+            return cls(0, 1, {leader: [leader] for leader in leaders})
+        groups: list = [None] * dist.get_world_size()
+        dist.all_gather_object(groups, dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
+                               group=host_group())
+        return cls(ps.get_pipeline_model_parallel_rank(), stages, {leader: list(groups[leader]) for leader in leaders})
+
+    def stand_ins_on(self, stage: int) -> list[int]:
+        """The ranks that gather stage `stage`'s parameters for some leader."""
+        return sorted({ranks[stage] for ranks in self.stand_ins.values()})
+
+    def served_by(self, rank: int, stage: int) -> list[int]:
+        """The leaders `rank` stands in for on `stage`."""
+        return [leader for leader, ranks in self.stand_ins.items() if ranks[stage] == rank]
+
+
+def send_full_param(name: str, kind: str, parts: dict[str, torch.Tensor], shape, dst: int) -> None:
+    """One gathered parameter to leader `dst`: its header over the host group, each part's bytes over the default
+    group (on the collective device: NCCL on GPUs)."""
+    import torch.distributed as dist
+
+    from megatron_qarl.parallel import host_group
+
+    header = (name, kind, tuple(shape), [(key, part.dtype, tuple(part.shape)) for key, part in parts.items()])
+    dist.send_object_list([header], dst=dst, group=host_group())
+    for part in parts.values():
+        dist.send(_to_wire(part), dst=dst)
+
+
+def end_of_stage(dst: int) -> None:
+    """Tells leader `dst` this stage sent it its last parameter."""
+    import torch.distributed as dist
+
+    from megatron_qarl.parallel import host_group
+
+    dist.send_object_list([None], dst=dst, group=host_group())
+
+
+def recv_full_params(src: int, device) -> Any:
+    """The parameters stand-in `src` sends this leader, as (name, kind, parts, shape), up to its `end_of_stage`."""
+    import torch.distributed as dist
+
+    from megatron_qarl.parallel import host_group
+
+    while True:
+        box = [None]
+        dist.recv_object_list(box, src=src, group=host_group())
+        if box[0] is None:
+            return
+        name, kind, shape, metas = box[0]
+        parts = {}
+        for key, dtype, part_shape in metas:
+            wire = torch.empty(torch.Size(part_shape).numel() * torch.empty((), dtype=dtype).element_size(),
+                               dtype=torch.uint8, device=device)
+            dist.recv(wire, src=src)
+            parts[key] = wire.view(dtype).view(part_shape)
+        yield name, kind, parts, shape

@@ -23,7 +23,7 @@ from megatron_qarl.models.registry import config_from_dict, family_of, read_hf_c
 from megatron_qarl.parallel import unwrap_model
 from megatron_qarl.weights.convert_errors import ConversionError
 from megatron_qarl.weights.sharding import (
-    RankCoords, local_to_global_name, num_local_experts, param_read, shard_rule, slice_for_rank, state_buffers,
+    RankCoords, num_local_experts, param_read, shard_rule, slice_for_rank, state_buffers,
 )
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -327,7 +327,7 @@ def read_local_hf_params(index: HfIndex, hf_config, params: Mapping[str, torch.T
     reader = _ShardReader(index, stats, max_mapped_bytes, on_read)
     try:
         for local_name, param in params.items():
-            global_name = local_to_global_name(local_name, coords.ep_rank, num_local_experts)
+            global_name = coords.global_name(local_name, num_local_experts)
             rule = shard_rule(global_name, param, family=family, gated_linear_unit=gated_linear_unit)
             rank, size = (coords.etp_rank, coords.etp_size) if rule.expert else (coords.tp_rank, coords.tp_size)
             try:
@@ -391,7 +391,7 @@ def load_hf_checkpoint_into_model(model, hf_config, path: str | os.PathLike, *, 
     index = index or scan_hf_checkpoint(path)
     validate_hf_index(index, hf_config)
     module = unwrap_model(model)
-    coords = coords or RankCoords.from_parallel_state()
+    coords = coords or RankCoords.from_parallel_state(module)
     # parameters and the persistent buffers that are model state (DeepSeek-V3's router expert_bias, replicated)
     params = dict(module.named_parameters()) | state_buffers(module)
 

@@ -61,7 +61,10 @@ from megatron_qarl.quant.engine_layout import UNQUANTIZED, as_quant_config, kind
 from megatron_qarl.quant.schemes import scheme_of_kind
 from megatron_qarl.rollout.delta import WeightDeltaMismatch
 from megatron_qarl.weights.delta_push import EngineCopy, changed_codes, publish_from_copy, push_changes
-from megatron_qarl.weights.gather import GatherTopology, full_shape, gather_parts, gather_to_leaders
+from megatron_qarl.weights.gather import (
+    GatherTopology, StageRelay, end_of_stage, full_shape, gather_parts, gather_to_leaders, recv_full_params,
+    send_full_param,
+)
 from megatron_qarl.weights.publish_errors import PublishError
 from megatron_qarl.weights.publish_plan import FullParam, expert_names_of, full_param_engine_tensors
 from megatron_qarl.weights.push import LiveBytes, PushStats, push_named_tensors, verify_read_back
@@ -142,6 +145,7 @@ class WeightPublisher:
         # engines route with; named_parameters() alone would leave them at what the engine started with)
         self.params = dict(self.model.named_parameters()) | state_buffers(self.model)
         self._previous_codes: dict[str, torch.Tensor] = {}
+        self._relay: StageRelay | None = None
         self.publishes = 0
 
     def _find_sites(self) -> dict[str, torch.nn.Module]:
@@ -210,13 +214,13 @@ class WeightPublisher:
                 return []
         me = topo.rank
         if not rule.expert:  # gathered (or replicated) on this TP group's leaders
-            return [FullParam(name, kind, parts, shape)] if me in topo.tp_leaders else []
+            return [FullParam(c.global_name(name, topo.n_local), kind, parts, shape)] if me in topo.tp_leaders else []
         if not topo.ep_leaders:
             return []
         if c.ep_size == 1:
             if me not in topo.ep_leaders:
                 return []
-            return [FullParam(local_to_global_name(name, c.ep_rank, topo.n_local), kind, parts, shape)]
+            return [FullParam(c.global_name(name, topo.n_local), kind, parts, shape)]
         per_rank: dict[str, list[torch.Tensor]] = {}
         for key, part in parts.items():
             shards = gather_to_leaders(part, topo.ep_group, c.ep_size, topo.ep_leaders)
@@ -224,8 +228,8 @@ class WeightPublisher:
                 per_rank[key] = shards
         if not per_rank:
             return []
-        return [FullParam(local_to_global_name(name, r, topo.n_local), kind, {k: v[r] for k, v in per_rank.items()},
-                          shape) for r in range(c.ep_size)]
+        return [FullParam(local_to_global_name(name, r, topo.n_local, c.layer_offset), kind,
+                          {k: v[r] for k, v in per_rank.items()}, shape) for r in range(c.ep_size)]
 
     def _count_flips(self, name: str, kind: str, parts: dict[str, torch.Tensor], flips: list) -> None:
         scheme = scheme_of_kind(kind)
@@ -240,16 +244,44 @@ class WeightPublisher:
         # (cache entries, `Int4Weight.packed()`, a fresh quantization); a new step makes new ones.
         self._previous_codes[name] = current
 
-    def _stream(self, topo: GatherTopology, flips: list, live: LiveBytes) -> Iterator[tuple[str, torch.Tensor]]:
-        """Engine-layout named tensors on the engine leaders (the other ranks only take part in gathers)."""
+    def _stage_fulls(self, topo: GatherTopology, flips: list, live: LiveBytes) -> Iterator[FullParam]:
+        """This stage's parameters, gathered, on the ranks that gather them for a leader (one at a time)."""
         for name, param in self.params.items():
             fulls = [live.hold(f, sum(t.nbytes for t in f.parts.values()))
                      for f in self._collect(topo, name, param, flips)]
-            for full in fulls:
-                for engine_name, tensor in full_param_engine_tensors(self.hf_config, full):
-                    # counted again while it waits in an open bucket (it may be a view: conservative)
-                    yield engine_name, live.hold(tensor, tensor.nbytes)
+            yield from fulls
             del fulls
+
+    def _engine_tensors(self, full: FullParam, live: LiveBytes) -> Iterator[tuple[str, torch.Tensor]]:
+        for engine_name, tensor in full_param_engine_tensors(self.hf_config, full):
+            # counted again while it waits in an open bucket (it may be a view: conservative)
+            yield engine_name, live.hold(tensor, tensor.nbytes)
+
+    def _stream(self, topo: GatherTopology, relay: StageRelay, flips: list,
+                live: LiveBytes) -> Iterator[tuple[str, torch.Tensor]]:
+        """Engine-layout named tensors on the engine leaders (the other ranks only take part in gathers). Stage by
+        stage: a stage's ranks gather its parameters to each leader's stand-in there, which sends them on to the
+        leader (`gather.StageRelay`); every leader receives every stage's, in model order."""
+        import torch.distributed as dist
+
+        me = dist.get_rank()
+        for stage in range(relay.stages):
+            if stage == relay.stage:
+                served = relay.served_by(me, stage)
+                for full in self._stage_fulls(topo, flips, live):
+                    for leader in served:
+                        if leader != me:
+                            send_full_param(full.name, full.kind, full.parts, full.shape, leader)
+                    if me in served:
+                        yield from self._engine_tensors(full, live)
+                for leader in served:
+                    if leader != me:
+                        end_of_stage(leader)
+            elif me in relay.stand_ins:
+                for name, kind, parts, shape in recv_full_params(relay.stand_ins[me][stage], collective_device()):
+                    full = live.hold(FullParam(name, kind, parts, shape), sum(t.nbytes for t in parts.values()))
+                    yield from self._engine_tensors(full, live)
+                    del full
 
     # -- public ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -258,11 +290,14 @@ class WeightPublisher:
         import torch.distributed as dist
 
         start = time.perf_counter()
-        topo = GatherTopology.current(self.model, self.leaders)
+        if self._relay is None:  # collective once: who stands in for which leader on which pipeline stage
+            self._relay = StageRelay.current(self.leaders)
+        relay = self._relay
+        topo = GatherTopology.current(self.model, relay.stand_ins_on(relay.stage))
         flips = [0, 0]  # changed codes, codes compared with a previous publish
         is_engine_rank = dist.get_rank() in self.leaders
         live = LiveBytes()
-        stream = self._stream(topo, flips, live)
+        stream = self._stream(topo, relay, flips, live)
         error = None
         stats = PushStats()
         full_reason, fallbacks = None, 0

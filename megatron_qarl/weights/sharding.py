@@ -24,25 +24,48 @@ from megatron_qarl.parallel import unwrap_model
 from megatron_qarl.models.registry import family_of_model
 
 _LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
+_DECODER_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\.)")
 
 
 @dataclass(frozen=True)
 class RankCoords:
-    """This process's position in the TP, EP and expert-TP groups."""
+    """This process's position in the TP, EP and expert-TP groups, and its pipeline stage's decoder layers
+    (`layer_offset`: the global index of its first; `stage_layers`: how many; None = all of them)."""
     tp_rank: int = 0
     tp_size: int = 1
     ep_rank: int = 0
     ep_size: int = 1
     etp_rank: int = 0
     etp_size: int = 1
+    layer_offset: int = 0
+    stage_layers: int | None = None
 
     @classmethod
-    def from_parallel_state(cls) -> "RankCoords":
+    def from_parallel_state(cls, model=None) -> "RankCoords":
+        """This rank's coordinates; `model` (this stage's GPTModel) gives its layers under pipeline parallelism."""
         from megatron.core import parallel_state as ps
 
+        stage = {}
+        if model is not None and ps.get_pipeline_model_parallel_world_size() > 1:
+            layers = unwrap_model(model).decoder.layers
+            stage = dict(layer_offset=int(layers[0].layer_number) - 1 if len(layers) else 0,
+                         stage_layers=len(layers))
         return cls(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
                    ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
-                   ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+                   ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(), **stage)
+
+    @property
+    def staged(self) -> bool:
+        """Whether this rank holds one pipeline stage of several (not the whole decoder)."""
+        return self.stage_layers is not None
+
+    def global_name(self, name: str, num_local_experts: int) -> str:
+        """The whole model's name of local parameter `name`: global expert id, global decoder layer."""
+        return local_to_global_name(name, self.ep_rank, num_local_experts, self.layer_offset)
+
+    def local_name(self, name: str, num_local_experts: int) -> str | None:
+        """This rank's name of the whole model's `name`; None when another EP rank or pipeline stage holds it."""
+        return global_to_local_name(name, self.ep_rank, num_local_experts, self.layer_offset, self.stage_layers)
 
 
 @dataclass(frozen=True)
@@ -147,12 +170,25 @@ def param_read(global_name: str, rule: ShardRule, rank: int, size: int,
     return resharded
 
 
-def local_to_global_name(name: str, ep_rank: int, num_local_experts: int) -> str:
-    return _LOCAL_EXPERT.sub(lambda m: f"{m[1]}{ep_rank * num_local_experts + int(m[2])}{m[3]}", name)
+def local_to_global_name(name: str, ep_rank: int, num_local_experts: int, layer_offset: int = 0) -> str:
+    """Local expert j on `ep_rank` is global expert ep_rank * E/ep + j; local decoder layer i of a pipeline stage is
+    global layer layer_offset + i."""
+    name = _LOCAL_EXPERT.sub(lambda m: f"{m[1]}{ep_rank * num_local_experts + int(m[2])}{m[3]}", name)
+    if layer_offset:
+        name = _DECODER_LAYER.sub(lambda m: f"{m[1]}{int(m[2]) + layer_offset}{m[3]}", name)
+    return name
 
 
-def global_to_local_name(name: str, ep_rank: int, num_local_experts: int) -> str | None:
-    """Local name on `ep_rank`, or None when that global expert lives on another EP rank."""
+def global_to_local_name(name: str, ep_rank: int, num_local_experts: int, layer_offset: int = 0,
+                         stage_layers: int | None = None) -> str | None:
+    """Local name on `ep_rank` of the stage whose layers start at `layer_offset` (`stage_layers` of them; None:
+    all), or None when that global expert lives on another EP rank or that layer on another stage."""
+    layer = _DECODER_LAYER.match(name)
+    if layer and stage_layers is not None:
+        local_layer = int(layer[2]) - layer_offset
+        if not 0 <= local_layer < stage_layers:
+            return None
+        name = f"{layer[1]}{local_layer}{name[layer.end(2):]}"
     match = _LOCAL_EXPERT.search(name)
     if not match:
         return name
@@ -188,19 +224,21 @@ def load_full_state_into_model(model, full_state: Mapping[str, torch.Tensor], *,
     """Copy this rank's slices of a full mcore state (global expert ids) into the model's params."""
     model = unwrap_model(model)
     family = family_of_model(model)
-    coords = coords or RankCoords.from_parallel_state()
+    coords = coords or RankCoords.from_parallel_state(model)
     gated = bool(model.config.gated_linear_unit)
     n_local = num_local_experts(model)
     params = dict(model.named_parameters())
     buffers = state_buffers(model)
-    wanted = {local_to_global_name(n, coords.ep_rank, n_local): n for n in params}
-    wanted.update({n: n for n in buffers})
+    wanted = {coords.global_name(n, n_local): n for n in params}
+    wanted.update({coords.global_name(n, n_local): n for n in buffers})
     missing = sorted(set(wanted) - set(full_state))
     if missing:
         raise ValueError(f"full state lacks {len(missing)} tensor(s) the model needs: {missing[:8]}")
     if strict:
-        unexpected = sorted(n for n in full_state if n not in wanted
-                            and global_to_local_name(n, coords.ep_rank, n_local) is not None)
+        # another EP rank's experts and another pipeline stage's layers are expected; a stage cannot tell the
+        # embedding / output layer it lacks from a stray tensor, so a staged load checks only decoder layers
+        unexpected = sorted(n for n in full_state if n not in wanted and coords.local_name(n, n_local) is not None
+                            and not (coords.staged and not _DECODER_LAYER.match(n)))
         if unexpected:
             raise ValueError(f"full state has {len(unexpected)} tensor(s) the model does not: {unexpected[:8]}")
     for global_name, local_name in wanted.items():
@@ -236,7 +274,7 @@ def gather_full_state(model, *, use_grad: bool = False) -> dict[str, torch.Tenso
 
     model = unwrap_model(model)
     family = family_of_model(model)
-    coords = RankCoords.from_parallel_state()
+    coords = RankCoords.from_parallel_state(model)
     gated = bool(model.config.gated_linear_unit)
     n_local = num_local_experts(model)
     full: dict[str, torch.Tensor] = {}
@@ -251,18 +289,34 @@ def gather_full_state(model, *, use_grad: bool = False) -> dict[str, torch.Tenso
             if coords.ep_size > 1:
                 per_rank = _all_gather(tensor, ps.get_expert_model_parallel_group(), coords.ep_size)
                 for ep_rank, t in enumerate(per_rank):
-                    full[local_to_global_name(name, ep_rank, n_local)] = t
+                    full[local_to_global_name(name, ep_rank, n_local, coords.layer_offset)] = t
                 continue
-            full[local_to_global_name(name, coords.ep_rank, n_local)] = tensor
+            full[coords.global_name(name, n_local)] = tensor
         else:
             if rule.partition_dim is not None and coords.tp_size > 1:
-                full[name] = join_shards(_all_gather(tensor, ps.get_tensor_model_parallel_group(), coords.tp_size), rule)
+                tensor = join_shards(_all_gather(tensor, ps.get_tensor_model_parallel_group(), coords.tp_size), rule)
             else:
-                full[name] = tensor.clone()
+                tensor = tensor.clone()
+            full[coords.global_name(name, n_local)] = tensor
     if not use_grad:
         for name, buf in state_buffers(model).items():
-            full[name] = buf.detach().clone()
+            full[coords.global_name(name, n_local)] = buf.detach().clone()
+    if coords.staged:  # every stage's tensors, on every rank of the pipeline
+        full = _gather_stages(full)
     return dict(sorted(full.items(), key=lambda kv: _natural_key(kv[0])))
+
+
+def _gather_stages(stage_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """COLLECTIVE over the pipeline group: the union of every stage's full tensors (host objects over gloo)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_qarl.parallel import stage_host_group
+
+    device = next(iter(stage_state.values())).device if stage_state else torch.device("cpu")
+    stages: list = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, {n: t.cpu() for n, t in stage_state.items()}, group=stage_host_group())
+    return {n: t.to(device) for stage in stages for n, t in stage.items()}
 
 
 def _value(param: torch.Tensor, use_grad: bool) -> torch.Tensor:

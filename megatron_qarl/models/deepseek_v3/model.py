@@ -127,8 +127,8 @@ def deepseek_v3_block_spec(config, hf_config, *, use_te: bool = False, core_atte
 
 
 def build_deepseek_v3_model(hf_config, layout=None, *, params_dtype=torch.float32, use_te: bool = False,
-                            config_overrides: dict | None = None, pre_process: bool = True,
-                            post_process: bool = True, core_attention: str = "sdpa"):
+                            config_overrides: dict | None = None, pre_process: bool | None = None,
+                            post_process: bool | None = None, core_attention: str = "sdpa"):
     """A megatron-core GPTModel for `hf_config` on the current parallel state; `core_attention` (one of
     `local_spec.CORE_ATTENTIONS`) is the local spec's core attention.
 

@@ -81,8 +81,8 @@ def qwen3_moe_block_spec(config, hf_config, *, use_te: bool = False, core_attent
 
 
 def build_qwen3_moe_model(hf_config, layout=None, *, params_dtype=torch.float32, use_te: bool = False,
-                          config_overrides: dict | None = None, pre_process: bool = True,
-                          post_process: bool = True, core_attention: str = "sdpa"):
+                          config_overrides: dict | None = None, pre_process: bool | None = None,
+                          post_process: bool | None = None, core_attention: str = "sdpa"):
     """A megatron-core GPTModel for `hf_config` on the current parallel state; `core_attention` (one of
     `CORE_ATTENTIONS`, model.core_attention of a run) is the local spec's core attention.
 
