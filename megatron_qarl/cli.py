@@ -161,7 +161,9 @@ def format_dry_run(cfg, world_size: int, gpu_gib: float = 79.0, gpus_per_node: i
              f"held per GPU {_count(p['local_per_gpu'])}",
              "",
              f"# trainer memory per {'GPU' if on_gpu else 'process'} (micro-batch of "
-             f"{est['tokens_per_micro_batch']} tokens)"]
+             f"{est['tokens_per_micro_batch']} tokens"
+             + (f"; pipeline stage {est['stage']['stage']} of {est['stage']['stages']}: {est['stage']['layers']} "
+                f"layers, {est['stage']['in_flight']} micro-batches in flight" if est["stage"] else "") + ")"]
     lines += [f"{k:<20}{_human(v):>14}" for k, v in tr.items()]
     lines += ["", "# rollout engine weights",
               f"published ({cfg.quant.scheme}) total {_human(eng['published_total'])}, bf16 would be "

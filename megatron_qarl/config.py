@@ -590,6 +590,7 @@ def validate_config(cfg: RunConfig, world_size: int | None = None) -> None:
     problems += _check_positive(cfg)
     problems += _check_finite(cfg)
     problems += _check_engine_quant(cfg)
+    problems += _check_pipeline(cfg)
     if not any(p.startswith("model") for p in problems):  # shapes need a resolvable model
         problems += _check_shard_shapes(cfg)
     if world_size is not None:
@@ -636,6 +637,17 @@ def _check_choices(cfg: RunConfig) -> list[str]:
                    f"checksum of the tensors it holds, so the first publish would fail its audit; use "
                    f"publish.verify=off, or the {' / '.join(auditors)} engine")
     return out
+
+
+def _check_pipeline(cfg: RunConfig) -> list[str]:
+    """What pipeline parallelism cannot combine with (models/pipeline.py says why)."""
+    if not isinstance(cfg.parallel.pp, int) or cfg.parallel.pp <= 1:
+        return []
+    if cfg.train.routing_replay == "replay" and cfg.train.recompute_activations:
+        return [f"train.routing_replay=replay with train.recompute_activations at parallel.pp={cfg.parallel.pp}: "
+                "under the 1F1B schedule a micro-batch's recomputed forward runs after later micro-batches' forwards "
+                "and would replay their routes; turn one of them off, or use parallel.pp=1"]
+    return []
 
 
 def _check_sub_configs(cfg: RunConfig) -> list[str]:
@@ -892,6 +904,10 @@ def _check_shard_shapes(cfg: RunConfig) -> list[str]:
         out.append(f"expert-TP {etp} must divide moe_intermediate_size {shape.moe_intermediate_size}")
     if shape.vocab_size % tp:
         out.append(f"parallel.tp={tp} must divide vocab_size {shape.vocab_size}")
+    try:
+        layout.stage_layers(shape.num_hidden_layers)
+    except ValueError as err:
+        out.append(f"parallel: {err}")
     if not out:  # what else the family's build splits (MLA: the latent rows, the dense and shared MLPs)
         try:
             family.check_divisibility(hf_config, tp, ep, etp)

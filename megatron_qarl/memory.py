@@ -97,6 +97,40 @@ def _local_params(groups, tp: int, ep: int, etp: int, replicated=None) -> dict[s
     return local
 
 
+def stage_split(cfg, family, hf_config, shape, stage: int, world_size: int) -> dict[str, Any]:
+    """What pipeline stage `stage` holds of the model (parallel.stage_layers: megatron's split), as fractions of each
+    parameter group, and how many micro-batches' activations it keeps in flight under 1F1B: stage s runs
+    pp - s - 1 warm-up forwards before its first backward (schedules.py get_pp_rank_microbatches in megatron-core
+    0.16.1), so it holds min(pp - s, micro-batches) at once."""
+    pp = cfg.parallel.pp
+    counts = cfg.parallel.stage_layers(shape.num_hidden_layers)
+    first_layer = sum(counts[:stage])
+    layers = range(first_layer, first_layer + counts[stage])
+    moe = set(family.moe_geometry(hf_config).moe_layers)
+    dense_total = shape.num_hidden_layers - len(moe)
+    stage_moe = sum(1 for i in layers if i in moe)
+    stage_dense = len(layers) - stage_moe
+    dp = max(world_size // (cfg.parallel.tp * pp), 1)
+    micros = max(1, cfg.train.mini_batch_prompts * cfg.rollout.n // dp // max(cfg.train.micro_batch_size, 1))
+    layer_frac = len(layers) / shape.num_hidden_layers
+    return {"stage": stage, "stages": pp, "layers": len(layers), "first": stage == 0, "last": stage == pp - 1,
+            "in_flight": min(pp - stage, micros),
+            "fractions": {"attention": layer_frac, "norms": layer_frac,
+                          "dense_mlp": stage_dense / dense_total if dense_total else 0.0,
+                          "experts": stage_moe / len(moe) if moe else 0.0,
+                          "router": stage_moe / len(moe) if moe else 0.0,
+                          "embedding": 1.0 if stage == 0 else 0.0, "lm_head": 1.0 if stage == pp - 1 else 0.0}}
+
+
+def _stage_params(local: dict[str, float], split: dict[str, Any] | None, hidden: int) -> dict[str, float]:
+    """A stage's share of each parameter group; the decoder's final norm (`hidden` weights) is the last stage's."""
+    if split is None:
+        return local
+    out = {group: n * split["fractions"][group] for group, n in local.items()}
+    out["norms"] = (local["norms"] - hidden) * split["fractions"]["norms"] + (hidden if split["last"] else 0.0)
+    return out
+
+
 def _low_bit_bytes(numel: float, quant, *, cached: bool) -> float:
     """Codes + scales of `numel` weight elements: as published (the engine's format), or as the learner's
     cache holds them (`cached`: what the scheme's fused pass keeps, e.g. int4 codes and their packed words)."""
@@ -148,16 +182,22 @@ def logits_transient_bytes(batch: int, seq: int, vocab_local: int, elem: int, *,
     return peak + batch * seq * LOGPROB_TOKEN_BYTES + rows * LOGPROB_ROW_BYTES
 
 
-def _activation_bytes(cfg, family, shape, tp: int, etp: int, aligned_attention: bool) -> dict[str, float]:
+def _activation_bytes(cfg, family, shape, tp: int, etp: int, aligned_attention: bool,
+                      split: dict[str, Any] | None = None) -> dict[str, float]:
+    """One micro-batch's activations (the whole model, or pipeline stage `split`: its layers, `in_flight`
+    micro-batches of them saved at once in training, the logits on the last stage only)."""
     b, seq = cfg.train.micro_batch_size, cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     t = b * seq
     h = shape.hidden_size
     per_layer_token = _per_layer_token_bytes(family, shape, tp, etp, aligned_attention)
-    saved_layers = 1 if cfg.train.recompute_activations else shape.num_hidden_layers
+    num_layers = shape.num_hidden_layers if split is None else split["layers"]
+    in_flight = 1 if split is None else split["in_flight"]
+    has_logits = split is None or split["last"]
+    saved_layers = (1 if cfg.train.recompute_activations else num_layers) * in_flight
     if cfg.train.recompute_activations:
-        layers = t * (2.0 * h / tp * shape.num_hidden_layers + per_layer_token)
+        layers = t * (2.0 * h / tp * num_layers * in_flight + per_layer_token)
     else:
-        layers = t * per_layer_token * shape.num_hidden_layers
+        layers = t * per_layer_token * num_layers * in_flight
     heads = b * shape.num_attention_heads / tp
     if _fused_attention(cfg):
         scores, score_buffer = heads * seq * 4.0 * saved_layers, 0.0  # the log-sum-exp the backward re-reads
@@ -165,22 +205,31 @@ def _activation_bytes(cfg, family, shape, tp: int, etp: int, aligned_attention: 
         scores, score_buffer = heads * seq ** 2 * 6.0 * (saved_layers + 1), heads * seq ** 2 * 2.0
     elem = 2 if cfg.model.dtype == "bfloat16" else 4
     vocab_local = shape.vocab_size // tp  # unpadded: the families' check_divisibility asks TP to divide it
-    logits = logits_transient_bytes(b, seq, vocab_local, elem, grad=True)
-    no_grad_logits = logits_transient_bytes(b, seq, vocab_local, elem, grad=False)
+    logits = logits_transient_bytes(b, seq, vocab_local, elem, grad=True) if has_logits else 0.0
+    no_grad_logits = logits_transient_bytes(b, seq, vocab_local, elem, grad=False) if has_logits else 0.0
+    # between stages: the hidden states received and the gradient sent back, [s/TP under SP, b, H] in the params
+    # dtype, one of each at a time (the saved inputs are the layers' activations above)
+    sp = tp if cfg.parallel.sequence_parallel else 1
+    p2p = 0.0 if split is None or split["stages"] == 1 else 2.0 * t * h * elem / sp
     # the refit canary's no-grad forward after a publish (canary.py): its few sequences through every layer, kept
     # one layer at a time as old-logprob's are, and their logits
     p = cfg.publish
     canary_tokens = p.canary_sequences * p.canary_tokens if p.canary_every > 0 else 0
     canary = canary_tokens * per_layer_token + (
         logits_transient_bytes(p.canary_sequences, p.canary_tokens, vocab_local, elem, grad=False)
-        if canary_tokens else 0.0)
+        if canary_tokens and has_logits else 0.0)
     return {"tokens_per_micro_batch": t, "layers": layers, "attention_scores": scores, "logits": logits,
             "no_grad_logits": no_grad_logits, "score_buffer": score_buffer, "no_grad_layer": t * per_layer_token,
-            "canary": canary}
+            "canary": canary, "pipeline_p2p": p2p}
 
 
-def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
-    """Per-GPU byte estimate for `cfg` on `world_size` trainer ranks (see the module docstring)."""
+def estimate_memory(cfg, world_size: int = 1, stage: int | None = None) -> dict[str, Any]:
+    """Per-GPU byte estimate for `cfg` on `world_size` trainer ranks (see the module docstring). With pipeline
+    stages, of stage `stage`'s GPUs (its layers, the embedding on the first, the output layer and logits on the
+    last: `stage_split`); None: the stage whose trainer holds the most."""
+    if cfg.parallel.pp > 1 and stage is None:
+        return max((estimate_memory(cfg, world_size, s) for s in range(cfg.parallel.pp)),
+                   key=lambda e: e["trainer_per_gpu"]["total"])
     hf_config = resolve_hf_config(cfg.model)
     family = family_of(hf_config)
     shape = family.shape(hf_config)
@@ -192,7 +241,8 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     groups = family.param_groups(shape)
     replicated = family.tp_replicated_params(shape)
     never = family.never_quantized_params(shape)
-    local = _local_params(groups, tp, ep, etp, replicated)
+    split = stage_split(cfg, family, hf_config, shape, stage, world_size) if layout.pp > 1 else None
+    local = _stage_params(_local_params(groups, tp, ep, etp, replicated), split, shape.hidden_size)
     local_total = sum(local.values())
     quant = cfg.quant
     in_scope = quant.quantized_groups
@@ -201,7 +251,8 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     optimizer = _optimizer_bytes(local, cfg.train.optim)
 
     # 0 without a scheme: nothing is in scope. A group's replicated and never-quantized params stay bf16.
-    quantized_local = sum(local[g] - replicated.get(g, 0) - never.get(g, 0) / tp for g in in_scope)
+    frac = (lambda g: 1.0) if split is None else (lambda g: split["fractions"][g])  # noqa: E731 - this stage's share
+    quantized_local = sum(local[g] - (replicated.get(g, 0) + never.get(g, 0) / tp) * frac(g) for g in in_scope)
     cached = quantized_local if aligned else 0.0
     params_bf16 = 2.0 * local_total if cfg.model.dtype == "bfloat16" else 0.0
     quant_cache = 0.0
@@ -211,7 +262,8 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
     # a full-mode publisher that counts code flips keeps last step's codes of every quantized local weight
     counts_locally = cfg.publish.mode == "full" and cfg.publish.code_flips
     prev_codes = quantized_local * scheme_of(quant).code_bytes_per_weight() if counts_locally else 0.0
-    act = _activation_bytes(cfg, family, shape, tp, etp, aligned_attention=aligned and "attention" in in_scope)
+    act = _activation_bytes(cfg, family, shape, tp, etp, aligned_attention=aligned and "attention" in in_scope,
+                            split=split)
     trainer = {
         "params_bf16": params_bf16,
         "master_fp32": 4.0 * local_total,
@@ -224,12 +276,15 @@ def estimate_memory(cfg, world_size: int = 1) -> dict[str, Any]:
         "attention_scores": act["attention_scores"],
         "logits": act["logits"],
     }
+    if split is not None:
+        trainer["pipeline_p2p"] = act["pipeline_p2p"]
     trainer["total"] = sum(trainer.values())
     engine = engine_weight_bytes(cfg, groups, replicated, never)
     return {
         "params": {**family.parameter_counts(hf_config), "local_per_gpu": local_total},
         "layout": {"world_size": world_size, "tp": tp, "ep": ep, "etp": etp, "pp": layout.pp, "dp": dp,
                    "expert_dp": expert_dp},
+        "stage": split,
         "trainer_per_gpu": trainer,
         "tokens_per_micro_batch": act["tokens_per_micro_batch"],
         "activation_detail": act,
@@ -321,7 +376,7 @@ def engine_shares_gpu(cfg) -> bool:
     return engine_kind(cfg.rollout.engine).shares_trainer_gpus(cfg)
 
 
-def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str, Any]:
+def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0, stage: int | None = None) -> dict[str, Any]:
     """What one GPU holds in each phase of a step (PHASES), term by term, for `cfg` on `world_size` ranks.
 
     Colocated (the engine on the trainer's GPUs), the order is trainer.py's: the trainer's state is released
@@ -333,8 +388,17 @@ def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str
     0.5.23), so the KV budget is that minus the weights; vLLM's share is of the total memory, its activations
     included (the kind's `memory_fraction` and `gpu_fraction_of_total`). Without a GPU-sharing engine nothing is
     released. Returns rows (phase, terms, total, free), the peak, the KV budget (and the engine's memory share and
-    its key, None without one) and a verdict."""
-    est = estimate_memory(cfg, world_size)
+    its key, None without one) and a verdict. With pipeline stages, of stage `stage`'s GPUs; None: the tightest
+    stage's (least free in any phase), with every stage's least free in `stages`."""
+    if cfg.parallel.pp > 1 and stage is None:
+        timelines = [memory_timeline(cfg, world_size, gpu_gib, s) for s in range(cfg.parallel.pp)]
+        tightest = min(timelines, key=lambda t: min(r["free"] for r in t["rows"]))
+        tightest["stages"] = [{"stage": s, "fits": t["fits"], "least_free": min(r["free"] for r in t["rows"]),
+                               "phase": min(t["rows"], key=lambda r: r["free"])["phase"]}
+                              for s, t in enumerate(timelines)]
+        tightest["fits"] = all(t["fits"] for t in timelines)
+        return tightest
+    est = estimate_memory(cfg, world_size, stage)
     tr, act, eng = est["trainer_per_gpu"], est["activation_detail"], est["engine"]
     capacity = gpu_gib * GIB
     kind = engine_kind(cfg.rollout.engine)
@@ -347,6 +411,8 @@ def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str
     train_act = {"activations": act["layers"], "attention_scores": act["attention_scores"],
                  "logits": act["logits"]}
     old_act = {"activations": act["no_grad_layer"], "logits": act["no_grad_logits"]}
+    if est["stage"] is not None:  # the stages' hidden states and their gradients in transit
+        train_act["pipeline_p2p"] = old_act["pipeline_p2p"] = act["pipeline_p2p"]
 
     def reserve(variable: dict) -> dict:
         return {"allocator_reserve": ALLOCATOR_RESERVE * sum(variable.values())}
@@ -390,7 +456,7 @@ def memory_timeline(cfg, world_size: int = 1, gpu_gib: float = 79.0) -> dict[str
     seq = cfg.data.max_prompt_len + cfg.rollout.max_new_tokens
     kv_sequences = kv / (seq * est["kv_bytes_per_token_per_gpu"]) if kv is not None else None
     fits = all(r["free"] >= MIN_FREE for r in table) and (kv_sequences is None or kv_sequences >= 1)
-    return {"rows": table, "peak": peak, "capacity": capacity, "fits": fits, "kv_budget": kv,
+    return {"rows": table, "peak": peak, "capacity": capacity, "fits": fits, "kv_budget": kv, "stage": stage,
             "kv_sequences": kv_sequences, "memory_fraction": fraction,
             "memory_fraction_key": kind.memory_fraction_key if shares else None,
             "host_backup_per_gpu": sum(state.values()) if shares else 0.0,
@@ -413,6 +479,10 @@ def timeline_verdict(timeline: dict) -> str:
     head = (f"FITS a {capacity:g} GiB GPU" if timeline["fits"] else f"does NOT fit a {capacity:g} GiB GPU")
     text = (f"{head}: peak {timeline['peak']['total'] / GIB:.2f} GiB in '{timeline['peak']['phase']}', "
             f"least free {tight['free'] / GIB:.2f} GiB in '{tight['phase']}' (needs >= {MIN_FREE / GIB:g})")
+    if timeline.get("stages"):
+        text += (f", on pipeline stage {timeline['stage']} of {len(timeline['stages'])}, the tightest (least free per "
+                 "stage: " + ", ".join(f"{s['stage']}: {s['least_free'] / GIB:.2f} GiB" for s in timeline["stages"])
+                 + ")")
     if timeline["kv_sequences"] is not None and timeline["kv_sequences"] < 1:
         text += (f"; the engine's KV cache ({timeline['kv_budget'] / GIB:.2f} GiB) holds no full-length sequence: "
                  f"raise {timeline['memory_fraction_key']}")

@@ -266,3 +266,37 @@ def test_qwen3_30b_a3b_logits_transient_hand_count():
     chunk = 4 * 441 * 37_984
     assert est["trainer_per_gpu"]["logits"] == 2 * 2 * n + chunk + 16 * 18_432 + 32 * 441 == 2_867_797_152
     assert est["activation_detail"]["no_grad_logits"] == 2 * 2 * n + 16 * 18_432 + 32 * 441
+
+
+def test_pipeline_stage_memory_hand_computed():
+    """PP 2 of the tiny model (one layer per stage), world 2 (DP 1): each stage's parameters and activations by
+    hand. Stage 0: the embedding and layer 0; stage 1: layer 1, the final norm and the output layer. Under 1F1B the
+    first stage runs 1 warm-up forward before its first backward, so it holds 2 micro-batches' activations, the last
+    stage 1 (and the logits); between stages one [T, H] hidden state and one gradient of it in transit."""
+    cfg = _tiny("quant.scheme=w4a16", "quant.backend=reference", "model.dtype=bfloat16", "train.optim.bf16=true",
+                "parallel.pp=2", "train.mini_batch_prompts=4", "rollout.n=4", world_size=2)  # 16 seqs: 4 micro-batches
+    per_layer = 1_772_160  # the module's hand count above (attention, its norms, router, experts)
+    first, last = estimate_memory(cfg, 2, stage=0), estimate_memory(cfg, 2, stage=1)
+    assert first["params"]["local_per_gpu"] == 128 * 256 + per_layer == 1_804_928
+    assert last["params"]["local_per_gpu"] == per_layer + 256 + 128 * 256 == 1_805_184
+    assert first["params"]["local_per_gpu"] + last["params"]["local_per_gpu"] == TINY_TOTAL
+    for est in (first, last):  # each stage's experts are its layer's: half the model's
+        assert est["trainer_per_gpu"]["quant_cache"] == TINY_EXPERTS / 2 * (1 + 2 / 128 + 2 + 0.5)
+    # 96 tokens x 7,744 B per layer and token (the module's hand count), x micro-batches in flight
+    assert first["stage"]["in_flight"] == 2 and last["stage"]["in_flight"] == 1
+    assert first["trainer_per_gpu"]["activations"] == 96 * 7_744 * 1 * 2
+    assert last["trainer_per_gpu"]["activations"] == 96 * 7_744 * 1 * 1
+    assert first["trainer_per_gpu"]["logits"] == 0 and last["trainer_per_gpu"]["logits"] == 63_200
+    assert first["trainer_per_gpu"]["pipeline_p2p"] == 2 * 96 * 256 * 2  # bf16 [T, H], in and out
+    # the whole-run estimate is the heavier stage's; the dry run's timeline is the tightest stage's
+    assert estimate_memory(cfg, 2)["stage"]["stage"] == max((0, 1), key=lambda s: estimate_memory(
+        cfg, 2, stage=s)["trainer_per_gpu"]["total"])
+    text = format_dry_run(cfg, 2)
+    assert "pipeline stage" in text and "layers, " in text
+
+
+def test_pipeline_split_that_does_not_divide_is_one_config_line():
+    from megatron_qarl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"2 decoder layers do not split over parallel.pp=4 stages"):
+        _tiny("parallel.pp=4", world_size=4)

@@ -1,4 +1,4 @@
-"""Pipeline parallelism under torchrun (gloo): a PP run's log-probs and gradients against the PP 1 run at the same TP /
+"""Pipeline parallelism under torchrun (gloo): resuming across a change of PP, and a PP run's log-probs and gradients against the PP 1 run at the same TP /
 EP, for both families and the aligned W4A16 and FP8 forwards, routing replayed (tests/dist/pipeline_layout.py).
 
 The bound is 0, bit for bit: stages change no arithmetic (each layer computes the same operations on the same
@@ -48,3 +48,24 @@ def test_pipeline_matches_one_stage_bitwise(torchrun, tmp_path, case):
 @pytest.mark.parametrize("case", SLOW, ids=lambda c: f"{c[0]}-{c[2]}-tp{c[3]}-ep{c[4]}-pp{c[5]}")
 def test_pipeline_matches_one_stage_bitwise_more_layouts(torchrun, tmp_path, case):
     _check(torchrun, tmp_path, *case)
+
+
+def _resume(torchrun, tmp_path, save_pp: int, load_pp: int) -> dict:
+    torchrun(save_pp, "pipeline_resume.py", "save", str(save_pp), str(tmp_path))
+    return torchrun(load_pp, "pipeline_resume.py", "load", str(load_pp), str(tmp_path))
+
+
+@pytest.mark.dist
+def test_resume_pp2_checkpoint_at_pp1_bitwise(torchrun, tmp_path):
+    """Model and AdamW state saved at PP 2 (megatron dist_checkpointing) and resumed at PP 1: the second step's masters
+    equal the saving run's, bit for bit (tests/dist/pipeline_resume.py says why they must)."""
+    res = _resume(torchrun, tmp_path, 2, 1)
+    assert res["missing"] == [] and res["bitwise"], res
+    assert res["changed_by_the_steps"] == res["tensors"]  # the steps moved every tensor: the check can fail
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_resume_pp1_checkpoint_at_pp2_bitwise(torchrun, tmp_path):
+    res = _resume(torchrun, tmp_path, 1, 2)
+    assert res["missing"] == [] and res["bitwise"], res

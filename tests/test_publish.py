@@ -268,6 +268,27 @@ def test_publish_tp2sp_ep2_tp2xep2_bitwise_vs_offline_and_code_flips(torchrun):
 
 
 @pytest.mark.dist
+def test_publish_pipeline_stages_bitwise_vs_offline_and_code_flips(torchrun):
+    """PP 2: stage 1's weights reach the leader on stage 0 through its stand-in there (weights.gather.StageRelay), and
+    with a leader on each stage each gets the whole model; bitwise against the offline conversion of the gathered
+    masters, and the code flips against a hand count."""
+    res = torchrun(2, "publish_layouts.py", "1x1p2", "1x1p2@0,1")
+    assert len(res) == 10
+    for key, r in res.items():
+        assert r["tensors_compared"] == r["num_tensors"] > 0, key
+        if "bf16" not in key:
+            assert r["flip_unchanged"] == 0.0 and r["flip_after_step"] == r["flip_hand"] > 0, key
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_publish_pipeline_stages_with_tp_and_ep(torchrun):
+    """PP 2 x TP 2 (the stand-in gathers its stage's TP shards first) and PP 2 x EP 2 with leaders on both stages."""
+    res = torchrun(4, "publish_layouts.py", "2x1p2", "1x2p2@0,2")
+    assert len(res) == 10 and all(r["tensors_compared"] == r["num_tensors"] > 0 for r in res.values())
+
+
+@pytest.mark.dist
 @pytest.mark.slow
 def test_publish_four_ranks_tp2_ep2_etp2(torchrun):
     res = torchrun(4, "publish_layouts.py", "2x2", "1x4x1")

@@ -71,7 +71,7 @@ def run_micro_batches(model, micros: Sequence, on_logits: OnLogits, *, forward_o
         open_context.close()  # the previous micro-batch's context: its forward (and, at PP 1, backward) is done
         if around is not None:
             open_context.enter_context(around(micro))
-        output = model_logits(stage_model, micro.input_ids, padding_mask=micro.padding_mask)
+        output = model_logits(stage_model, micro.input_ids, padding_mask=stage_padding_mask(stage_model, micro))
 
         def loss_func(logits):
             loss, result = on_logits(micro, logits)
@@ -102,6 +102,23 @@ def _reset_aux_loss_scale() -> None:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
+def stage_padding_mask(model, micro) -> torch.Tensor | None:
+    """The padding mask this stage's GPTModel takes. megatron splits it over the sequence-parallel ranks only where it
+    embeds (gpt_model.py:304-321 in megatron-core 0.16.1: `scatter_to_sequence_parallel_region` on the first stage);
+    a later stage would hand its MoE routers the whole sequence's mask for their S/TP tokens, so it gets this TP
+    rank's contiguous slice here, as the first stage makes it."""
+    from megatron.core import parallel_state
+
+    mask = micro.padding_mask
+    config = unwrap_model(model).config
+    if mask is None or not config.sequence_parallel or pipeline_size() == 1 or \
+            parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+        return mask
+    rank, size = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    local = mask.shape[1] // size
+    return mask[:, rank * local:(rank + 1) * local].contiguous()
 
 
 def share_from_last_stage(results: list | None) -> list:

@@ -1,7 +1,8 @@
 """The weight publisher at one or more layouts vs the offline single-process conversion of the same model.
 
 usage: publish_layouts.py LAYOUT [LAYOUT ...]      (world size = torchrun nproc)
-       LAYOUT = TPxEP or TPxEPxETP, e.g. 2x1 1x2 2x2x1
+       LAYOUT = TPxEP or TPxEPxETP, e.g. 2x1 1x2 2x2x1, then optionally pPP (pipeline stages) and @R,R (the engine
+       leaders; default rank 0), e.g. 1x1p2 (stage 1's weights reach rank 0 through the stage relay) or 1x1p2@0,1
 
 Per layout and scheme (W4A16 aligned / unaligned, FP8 aligned, bf16): rank 0 records what the publisher
 pushes and compares it BITWISE with gather_full_state -> mcore_to_hf -> engine_named_tensors. Then the
@@ -37,13 +38,13 @@ def perturb(model, lr: float, seed: int):
             p.add_(lr * torch.randn(p.shape, generator=gen))
 
 
-def check_scheme(layout, key, aligned_on, cfg):
+def check_scheme(layout, key, aligned_on, cfg, leaders=(0,)):
     quant_cfg = SCHEMES[key]
     model = build_model(layout, cfg)
     aligned = apply_aligned_quantization(model, quant_cfg) if aligned_on else None
-    engine = RecordingEngine() if dist.get_rank() == 0 else None
+    engine = RecordingEngine() if dist.get_rank() in leaders else None
     publisher = WeightPublisher(model, cfg, quant_cfg, quant=aligned, engine=engine, bucket_bytes=256 << 10,
-                                count_flips=True)
+                                count_flips=True, leaders=list(leaders))
     metrics = publisher.publish()
     want = offline_engine_tensors(model, cfg, quant_cfg)  # collective
     res = dict(bytes=metrics["publish/bytes"], num_tensors=metrics["publish/num_tensors"],
@@ -80,11 +81,15 @@ def main(layouts):
     cfg = tiny_hf_config()
     results = {}
     for spec in layouts:
-        sizes = [int(v) for v in spec.split("x")]
-        layout = init_distributed(ParallelLayout(tp=sizes[0], ep=sizes[1], etp=sizes[2] if len(sizes) > 2 else None),
-                                  seed=1)
+        shape, _, leaders = spec.partition("@")
+        shape, _, pp = shape.partition("p")
+        sizes = [int(v) for v in shape.split("x")]
+        leaders = tuple(int(r) for r in leaders.split(",")) if leaders else (0,)
+        layout = init_distributed(ParallelLayout(tp=sizes[0], ep=sizes[1], etp=sizes[2] if len(sizes) > 2 else None,
+                                                 pp=int(pp or 1)), seed=1)
         for key, aligned_on in (("w4a16", True), ("w4a16", False), ("w4a16-attn", True), ("fp8", True), ("bf16", False)):
-            results[f"{spec}/{key}/{'aligned' if aligned_on else 'unaligned'}"] = check_scheme(layout, key, aligned_on, cfg)
+            results[f"{spec}/{key}/{'aligned' if aligned_on else 'unaligned'}"] = check_scheme(layout, key, aligned_on,
+                                                                                             cfg, leaders)
     write_result(results)
     destroy_distributed()
 
