@@ -1,6 +1,6 @@
 """`qarl-convert`: argparse front of megatron_qarl.weights.convert (and weights.inspect).
 
-    qarl-convert hf-to-mcore --hf DIR --out DIR [--tp N --ep N]       (torchrun for N>1)
+    qarl-convert hf-to-mcore --hf DIR --out DIR [--tp N --ep N --pp N]  (torchrun for N>1)
     qarl-convert mcore-to-hf --ckpt DIR --out DIR [--dtype bf16|fp32] [--tokenizer PATH|char]
     qarl-convert export (--ckpt DIR | --hf DIR) [--format FORMAT|bf16] [--scope ...] --out DIR [--tokenizer PATH|char]
     qarl-convert inspect DIR
@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     h2m = sub.add_parser("hf-to-mcore", help="HF dir -> megatron dist checkpoint (e.g. model.init_checkpoint)",
                          description="Convert a Hugging Face model directory of a supported family "
                                      f"({', '.join(_family_names())}) into a megatron dist checkpoint "
-                                     "(loadable at any TP/EP; use it as model.init_checkpoint).")
+                                     "(loadable at any TP/EP/PP; use it as model.init_checkpoint).")
     h2m.add_argument("--hf", required=True, metavar="DIR",
                      help="Hugging Face model directory (config.json + *.safetensors)")
     h2m.add_argument("--out", required=True, metavar="DIR", help="the checkpoint directory to write")
@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
                                                        "run under torchrun for > 1)")
     h2m.add_argument("--ep", type=int, default=1, help="expert-parallel size of the writing world (default 1; "
                                                        "run under torchrun for > 1)")
+    h2m.add_argument("--pp", type=int, default=1, help="pipeline stages of the writing world (default 1; each "
+                                                       "stage reads and writes its own layers; torchrun for > 1)")
 
     m2h = sub.add_parser("mcore-to-hf", help="megatron checkpoint (any layout) -> HF safetensors",
                          description="Convert a megatron checkpoint (a run's step_* dir, an SFT checkpoint, "
@@ -213,7 +215,8 @@ def _run(args) -> int:
     from megatron_qarl.weights import convert, inspect
 
     if args.command == "hf-to-mcore":
-        out = convert.hf_to_mcore_checkpoint(args.hf, args.out, tp=args.tp, ep=args.ep, force=args.force)
+        out = convert.hf_to_mcore_checkpoint(args.hf, args.out, tp=args.tp, ep=args.ep, pp=args.pp,
+                                             force=args.force)
     elif args.command == "mcore-to-hf":
         out = convert.mcore_to_hf_checkpoint(args.ckpt, args.out, dtype=args.dtype,
                                              max_shard_bytes=args.max_shard_bytes, force=args.force,

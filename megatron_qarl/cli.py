@@ -47,6 +47,8 @@ def _count(n: float) -> str:
 
 
 def _human(n_bytes: float) -> str:
+    if n_bytes < 0:  # what a phase that does not fit leaves free
+        return "-" + _human(-n_bytes)
     for unit, size in (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
         if n_bytes >= size:
             return f"{n_bytes / size:.2f} {unit}"
@@ -170,6 +172,10 @@ def format_dry_run(cfg, world_size: int, gpu_gib: float = 79.0, gpus_per_node: i
               f"{_human(eng['bf16_total'])}; per engine GPU ({eng['engine_gpus']} GPUs per engine) "
               f"{_human(eng['per_engine_gpu'])}"]
     per_node = dry_run_gpus_per_node(world_size) if gpus_per_node is None else gpus_per_node
+    if engine_shares_gpu(cfg) and cfg.rollout.engine_tp > per_node:
+        raise UserError(f"rollout.engine_tp={cfg.rollout.engine_tp} GPUs per engine but {per_node} GPUs per node: a "
+                        "colocated engine runs on the GPUs of one node (its leader starts a single-node server); "
+                        f"choose rollout.engine_tp <= {per_node}, or engines on GPUs of their own (separate mode)")
     host_lines = format_host_plan(host_plan(cfg, world_size, per_node, timeline), host)
     if not on_gpu:  # no GPU timeline for a run that has no GPU: its memory is the host plan's
         lines += ["", "# GPU memory: none (this run trains and generates on the CPU; the host plan counts it)", ""]

@@ -122,6 +122,16 @@ def test_hf_to_mcore_tp2_ep2_under_torchrun_then_offline_back_is_bitwise(hf_dir,
     assert_bitwise_equal(read_dir(hf_dir), read_dir(tmp_path / "back"))
 
 
+@pytest.mark.dist
+def test_hf_to_mcore_at_pp2_then_offline_back_is_bitwise(hf_dir, tmp_path, torchrun):
+    """Two pipeline stages each read and save their own layer (global layer names in the checkpoint); the offline
+    reader (TP1 PP1) reshards them back to the HF tensors bit for bit."""
+    result = torchrun(2, "convert_hf_to_mcore.py", str(hf_dir), str(tmp_path / "mc"), "1", "1", "2")
+    assert result["world_size"] == 2 and result["marker_world_size"] == 2
+    assert run_cli("mcore-to-hf", "--ckpt", tmp_path / "mc", "--out", tmp_path / "back") == 0
+    assert_bitwise_equal(read_dir(hf_dir), read_dir(tmp_path / "back"))
+
+
 # ---------------------------------------------------------------------------------------- exports
 
 def aligned_mcore(state_fp32, quant_cfg):

@@ -52,9 +52,42 @@ def test_moonlight_preset_carries_the_published_numbers():
     # what the engines read survives config.json (to_dict / from_dict)
     again = FAMILY.config_from_dict(cfg.to_dict())
     assert again.topk_method == "noaux_tc" and again.q_lora_rank is None and again.n_routed_experts == 64
-    assert set(PRESETS) == {"moonlight-16b-a3b", "tiny-deepseek-v3"}
+    assert set(PRESETS) == {"moonlight-16b-a3b", "deepseek-v3-671b", "tiny-deepseek-v3"}
     with pytest.raises(ValueError, match="unknown DeepSeek-V3 preset"):
-        FAMILY.config_from_preset("deepseek-v3-671b")
+        FAMILY.config_from_preset("deepseek-v3")
+
+
+def test_deepseek_v3_671b_preset_has_the_published_shapes_and_counts():
+    """deepseek-ai/DeepSeek-V3 config.json's numbers; its counts are the published 671 B total / 37 B active (the
+    MTP module's 14 B, which the preset leaves out, not included)."""
+    cfg = FAMILY.config_from_preset("deepseek-v3-671b")
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.first_k_dense_replace, cfg.n_routed_experts,
+            cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.q_lora_rank, cfg.kv_lora_rank) == (
+        7168, 61, 3, 256, 8, 8, 4, 1536, 512)
+    assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.rope_parameters["factor"] == 40.0
+    counts = FAMILY.parameter_counts(cfg)
+    assert round(counts["total"] / 1e9) == 671 and round(counts["active"] / 1e9) in (37, 38)
+
+
+def test_mtp_tensors_of_a_checkpoint_are_left_unread(tmp_path):
+    """A DeepSeek-V3 checkpoint stores its MTP module as the layers past num_hidden_layers: with
+    num_nextn_predict_layers=1 the index check leaves them out (the learner builds no MTP layer); without it the
+    same tensors are refused as unexpected."""
+    from megatron_qarl.errors import CheckpointError
+    from megatron_qarl.weights.hf_io import scan_hf_checkpoint, validate_hf_index, write_hf_checkpoint
+
+    cfg = tiny_hf_config(num_nextn_predict_layers=1)
+    _, state = random_hf_state(cfg)
+    last = cfg.num_hidden_layers - 1
+    mtp = {n.replace(f"model.layers.{last}.", f"model.layers.{cfg.num_hidden_layers}."): t.clone()
+           for n, t in state.items() if n.startswith(f"model.layers.{last}.")}
+    mtp[f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight"] = torch.zeros(cfg.hidden_size, 2 * cfg.hidden_size)
+    path = write_hf_checkpoint(tmp_path / "ckpt", cfg, {**state, **mtp}, validate=False)
+    validate_hf_index(scan_hf_checkpoint(path), cfg)
+    assert adapter.unused_hf_tensor(cfg, f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight")
+    assert not adapter.unused_hf_tensor(cfg, f"model.layers.{last}.mlp.gate.weight")
+    with pytest.raises(CheckpointError, match="eh_proj"):
+        validate_hf_index(scan_hf_checkpoint(path), tiny_hf_config(num_nextn_predict_layers=0))
 
 
 def test_tiny_preset_has_group_limited_routing_and_a_dense_first_layer():

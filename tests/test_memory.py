@@ -300,3 +300,14 @@ def test_pipeline_split_that_does_not_divide_is_one_config_line():
 
     with pytest.raises(ConfigError, match=r"2 decoder layers do not split over parallel.pp=4 stages"):
         _tiny("parallel.pp=4", world_size=4)
+
+
+def test_qwen3_235b_a22b_preset_counts_match_transformers():
+    """The preset's counts against transformers' model on the meta device (independent of the shape's formulas);
+    the published 235 B total / 22 B active."""
+    from megatron_qarl.models.qwen3_moe.args import PRESETS
+
+    kwargs = {k: v for k, v in PRESETS["qwen3-235b-a22b"].items() if k != "rope_theta"}
+    counts = count_params(FAMILY.config_from_preset("qwen3-235b-a22b"))
+    assert (counts["total"], counts["active"]) == _hf_counts(kwargs)
+    assert round(counts["total"] / 1e9) == 235 and round(counts["active"] / 1e9) == 22

@@ -240,3 +240,19 @@ def test_the_cli_dry_run_prints_the_plan_even_where_the_inputs_are_missing():
     skipped = subprocess.run(cmd + ["--skip-inputs"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert skipped.returncode == 0, skipped.stderr[-2000:]
     assert "\nengine wake" in skipped.stdout and "FITS a 79 GiB GPU" in skipped.stdout
+
+
+@pytest.mark.parametrize("name, world, nodes", [("qwen3_235b_a22b_qarl_w4a16_tbpo", 64, 8),
+                                                ("deepseek_v3_671b_qarl_w4a16_tbpo", 384, 48)])
+def test_big_model_plans_fit_colocated_on_every_pipeline_stage(name, world, nodes):
+    """The shipped 235B / 671B plans: colocated SGLang on `nodes` nodes of 8 x 80 GB, >= MIN_FREE left in every phase
+    of every pipeline stage (what their config comments and docs/pipeline.md claim)."""
+    from megatron_qarl.memory import MIN_FREE, memory_timeline
+
+    cfg = load_config(str(CONFIGS / f"{name}.yaml"), [])
+    assert cfg.parallel.world_size == world == 8 * nodes and cfg.parallel.pp > 1
+    assert cfg.rollout.sglang.mode == "colocated" and cfg.rollout.engine_tp <= 8  # one node per engine
+    timeline = memory_timeline(cfg, world, gpu_gib=79.0)
+    assert timeline["fits"]
+    assert len(timeline["stages"]) == cfg.parallel.pp
+    assert all(stage["least_free"] >= MIN_FREE for stage in timeline["stages"])

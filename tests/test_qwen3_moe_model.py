@@ -34,7 +34,7 @@ def test_presets_carry_the_published_numbers():
     assert tiny.num_hidden_layers == 3 and tiny.hidden_size == 256 and tiny.num_experts == 8
     with pytest.raises(ValueError, match="unknown Qwen3-MoE preset"):
         FAMILY.config_from_preset("qwen3-7b")
-    assert set(PRESETS) == {"qwen3-30b-a3b", "tiny"}
+    assert set(PRESETS) == {"qwen3-30b-a3b", "qwen3-235b-a22b", "tiny"}
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,

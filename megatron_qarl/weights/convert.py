@@ -170,8 +170,8 @@ def progress(total_bytes: int | None, desc: str):
 # ------------------------------------------------------------------ megatron side
 
 
-def _init_world(tp: int = 1, ep: int = 1):
-    return init_distributed(ParallelLayout(tp=tp, ep=ep), seed=0)
+def _init_world(tp: int = 1, ep: int = 1, pp: int = 1):
+    return init_distributed(ParallelLayout(tp=tp, ep=ep, pp=pp), seed=0)
 
 
 def _is_rank0() -> bool:
@@ -193,9 +193,9 @@ def _build_model(hf_config, layout, *, meta: bool = False):
 
 
 def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1, ep: int = 1,
-                           force: bool = False) -> Path:
-    """HF dir -> megatron dist checkpoint at TP x EP (collective: run with tp*ep*dp ranks or one process
-    with tp=ep=1). fp32 masters; the source dtype is recorded so mcore-to-hf writes it back bit-exactly.
+                           pp: int = 1, force: bool = False) -> Path:
+    """HF dir -> megatron dist checkpoint at TP x EP x PP (collective: run with the layout's ranks or one process
+    with tp=ep=pp=1; a pipeline stage reads its own layers). fp32 masters; the source dtype is recorded so mcore-to-hf writes it back bit-exactly.
     Each rank reads only its own shards (load_hf_checkpoint_into_model) and checks what it reads; a bad
     weight on any rank stops every rank before anything is written."""
     out = check_output(out, force, [hf_dir])
@@ -204,7 +204,8 @@ def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *,
     validate_hf_index(index, hf_config)
     for name, st_dtype in index.dtypes.items():
         check_weight_dtype(name, st_dtype)
-    layout = _init_world(tp, ep)
+    layout = _init_world(tp, ep, pp)
+    ParallelLayout(tp=tp, ep=ep, pp=pp).stage_layers(hf_config.num_hidden_layers)  # one line if they do not split
     remove_stale_outputs(out)
     model = _build_model(hf_config, layout)
     say(f"hf-to-mcore: reading {len(index.location)} tensors ({index.total_bytes / 2 ** 30:.2f} GiB over all ranks) "
@@ -230,7 +231,7 @@ def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *,
              # bf16 checkpoints that keep a few tensors fp32 (DeepSeek-V3's e_score_correction_bias): written
              # back fp32 so mcore-to-hf stays bit-exact
              SOURCE_FP32_KEY: sorted(n for n, d in index.dtypes.items() if d == "F32") if source_dtype == "bf16" else [],
-             "layout": {"tp": layout.tp, "ep": layout.ep}}
+             "layout": {"tp": layout.tp, "ep": layout.ep, "pp": layout.pp}}
     return save_checkpoint(out, model, extra=extra, force=force)
 
 

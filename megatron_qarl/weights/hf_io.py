@@ -211,10 +211,13 @@ def scan_hf_checkpoint(path: str | os.PathLike) -> HfIndex:
 
 
 def validate_hf_index(index: HfIndex, hf_config) -> None:
-    """Every tensor the config needs, in its shape, and nothing else (CheckpointError naming them)."""
-    meta = {name: torch.empty(shape, device="meta") for name, shape in index.shapes.items()}
+    """Every tensor the config needs, in its shape, and nothing else (CheckpointError naming them); tensors the
+    family leaves unread (its adapter's `unused_hf_tensor`: DeepSeek-V3's MTP layers) are not checked."""
+    adapter = family_of(hf_config).adapter
+    unused = getattr(adapter, "unused_hf_tensor", lambda c, name: False)
+    meta = {name: torch.empty(shape, device="meta") for name, shape in index.shapes.items()
+            if not unused(hf_config, name)}
     try:
-        adapter = family_of(hf_config).adapter
         adapter.validate_state(meta, adapter.expected_hf_shapes(hf_config),
                                f"HF checkpoint {index.path} (against its config.json)")
     except WeightMappingError as exc:

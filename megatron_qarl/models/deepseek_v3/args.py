@@ -39,6 +39,24 @@ PRESETS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-5, rope_theta=50000.0, tie_word_embeddings=False, attention_bias=False,
         num_nextn_predict_layers=0, bos_token_id=163584, eos_token_id=163585, **_ROUTER,
     ),
+    # Numbers of deepseek-ai/DeepSeek-V3 config.json (DeepSeek-R1 has the same shapes): 61 decoder layers, the first 3
+    # dense, 256 routed experts top-8 in 8 groups (4 chosen), q_lora_rank 1536, yarn x40 over 4096 positions. Its
+    # multi-token-prediction layer (num_nextn_predict_layers=1, checkpoint tensors model.layers.61.*) is left out:
+    # the learner trains the decoder alone and the checkpoint loader leaves those tensors unread
+    # (state_dict_adapter.unused_hf_tensor).
+    "deepseek-v3-671b": dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,
+        n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+        num_experts_per_tok=8, first_k_dense_replace=3, hidden_act="silu", max_position_embeddings=163840,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, num_nextn_predict_layers=1,
+        bos_token_id=0, eos_token_id=1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+        **_ROUTER,
+    ),
     # The family's test model: first layer dense, then MoE; group-limited routing ON (2 groups of 4 experts, one
     # chosen; top-2 = 2 x topk_group, the only group size where megatron's group score equals HF's: see
     # `check_supported`). rms_norm_eps=1e-6 is HF's hard-coded eps of the latent norms (q_a/kv_a_layernorm), so

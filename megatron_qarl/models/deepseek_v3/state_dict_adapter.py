@@ -24,6 +24,18 @@ from megatron_qarl.models.mapping import (
 )
 
 
+def unused_hf_tensor(c, name: str) -> bool:
+    """DeepSeek-V3's multi-token-prediction (MTP) modules: its config.json counts them apart
+    (`num_nextn_predict_layers`, 1 in DeepSeek-V3 / R1) and its checkpoint stores them as the decoder layers past
+    `num_hidden_layers` (model.layers.61.* with their enorm / hnorm / eh_proj / shared_head). The learner builds the
+    decoder alone (no MTP loss) and engines serve without MTP speculation, so a checkpoint's MTP tensors are left
+    unread (and an export has none)."""
+    if not int(getattr(c, "num_nextn_predict_layers", 0) or 0) or not name.startswith("model.layers."):
+        return False
+    index = name.split(".")[2]
+    return index.isdigit() and int(index) >= c.num_hidden_layers
+
+
 def _dense(c, layer) -> bool:
     return layer < int(c.first_k_dense_replace or 0)
 

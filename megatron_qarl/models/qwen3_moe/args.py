@@ -24,6 +24,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
         hidden_act="silu", attention_bias=False, use_sliding_window=False,
     ),
+    # Numbers of Qwen/Qwen3-235B-A22B config.json: 94 layers, 64 query / 4 KV heads, 128 experts top-8 of width 1536.
+    "qwen3-235b-a22b": dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+        num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=1536, max_position_embeddings=40960,
+        rope_theta=1e6, rms_norm_eps=1e-6, norm_topk_prob=True, tie_word_embeddings=False,
+        decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+        hidden_act="silu", attention_bias=False, use_sliding_window=False,
+    ),
     # The shared test model (see helpers' shared conventions).
     "tiny": dict(
         vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
