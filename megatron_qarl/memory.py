@@ -51,6 +51,10 @@ family's `tp_replicated_params`, e.g. MLA's down-projections, are whole on every
         (the fp32 log-sum-exp, target logit, incoming gradient and its scale; the chunk's indices);
         old log-probs (no grad): max(2 copies, 1 copy + the chunk) and the same small vectors.
     This is a rough upper-side estimate (no fused-kernel savings, no allocator fragmentation).
+  - pipeline stages (parallel.pp > 1), per stage (`stage_split`): its layers' share of every parameter group (the
+    MoE and dense layers it holds), the embedding on the first stage, the final norm and output layer on the last;
+    training activations of min(pp - s, micro-batches) micro-batches at once on stage s (1F1B's in-flight count),
+    the logits on the last stage only, and one [T, H] hidden state and its gradient in transit (`pipeline_p2p`).
 
 Rollout engine weights: the published payload as the engine stores it (W4A16: int32-packed 0.5 B/elem +
 bf16 scales; FP8: 1 B/elem + fp32 block scales; everything else bf16), total and per engine GPU

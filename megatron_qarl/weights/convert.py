@@ -195,8 +195,8 @@ def _build_model(hf_config, layout, *, meta: bool = False):
 def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1, ep: int = 1,
                            pp: int = 1, force: bool = False) -> Path:
     """HF dir -> megatron dist checkpoint at TP x EP x PP (collective: run with the layout's ranks or one process
-    with tp=ep=pp=1; a pipeline stage reads its own layers). fp32 masters; the source dtype is recorded so mcore-to-hf writes it back bit-exactly.
-    Each rank reads only its own shards (load_hf_checkpoint_into_model) and checks what it reads; a bad
+    with tp=ep=pp=1; a pipeline stage reads its own layers). fp32 masters; the source dtype is recorded so
+    mcore-to-hf writes it back bit-exactly. Each rank reads only its own shards (load_hf_checkpoint_into_model) and checks what it reads; a bad
     weight on any rank stops every rank before anything is written."""
     out = check_output(out, force, [hf_dir])
     hf_config = read_hf_config(hf_dir)

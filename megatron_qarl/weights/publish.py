@@ -10,7 +10,9 @@ Called after every optimizer step on EVERY rank (collective). Per parameter, in 
    that own them: a dense parameter over each TP group that holds a leader (``dist.gather`` to it, or an
    all-gather when the group holds several); an expert over its expert-TP group (all-gather) and then
    over each EP group that holds a leader. Replicas without a leader send nothing. Tensors travel as
-   their bytes (uint8 views: gloo has no bf16 / fp8 / int16 gather);
+   their bytes (uint8 views: gloo has no bf16 / fp8 / int16 gather). Under pipeline parallelism this runs stage
+   by stage: a stage gathers its parameters to each leader's stand-in on that stage (the rank of the leader's
+   pipeline group there), which sends them on to the leader, one parameter at a time (`gather.StageRelay`);
 3. each leader joins them with the sharding rules, renames to HF, splits qkv / gate-up, and streams the
    engine named tensors into flattened buckets (experts and the rest apart) that go to ITS engine one by
    one. Peak extra memory on any rank: one gathered parameter (ep_size of them for an expert), the engine
