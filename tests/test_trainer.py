@@ -104,8 +104,11 @@ def test_world1_end_to_end(world1_run):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", [["parallel.ep=2"], ["parallel.tp=2"]], ids=["dp2-ep2", "tp2-sp"])
+@pytest.mark.parametrize("layout", [["parallel.ep=2"], ["parallel.tp=2"], ["parallel.pp=2"]],
+                         ids=["dp2-ep2", "tp2-sp", "pp2"])
 def test_torchrun_two_processes(tmp_path, layout):
+    """The whole loop at world 2 (pp2: two pipeline stages, an engine on each, the canary and telemetry through
+    the schedule, the stage relay's publish); docs/pipeline.md has the 80-step PP 2 run beside PP 1."""
     proc = _run(tmp_path, "train.steps=2", "checkpoint.every=0", *layout, nproc=2)
     _check_ok(proc)
     _assert_healthy_run(tmp_path, 2)
