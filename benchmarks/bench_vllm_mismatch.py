@@ -66,14 +66,16 @@ def main() -> None:
         except RolloutEngineError as err:
             print(f"| {name} | - | not run: {err} | | | |")
             continue
-        for learner in ("unaligned", "aligned"):
-            if learner in report:
+        for learner in ("unaligned", "aligned:weights-only", "aligned"):  # weights-only: without the kernel's
+            if learner in report:                                       # activation rule (quant/activations.py)
                 r = report[learner]
                 print(f"| {name} | {learner} | {r['k3']:.2e} | {r['mean_abs_dlogp']:.2e} | "
                       f"{r['tbpo_kept_frac']:.2f} | {r['tokens']} |")
         if "aligned" in report and report["unaligned"]["k3"] > 0:
-            print(f"| {name} | aligned / unaligned k3 | {report['aligned']['k3'] / report['unaligned']['k3']:.2e} "
-                  "| | | |")
+            for learner in ("aligned:weights-only", "aligned"):
+                if learner in report:
+                    print(f"| {name} | {learner} / unaligned k3 | "
+                          f"{report[learner]['k3'] / report['unaligned']['k3']:.2e} | | | |")
 
 
 if __name__ == "__main__":

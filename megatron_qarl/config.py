@@ -395,8 +395,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     for layer in layers:
         merged = _merge_checked(merged, layer)
     cfg = _instantiate(merged)
+    resolve_expert_activations(cfg)
     validate_config(cfg, world_size=world_size)
     return cfg
+
+
+def resolve_expert_activations(cfg: RunConfig) -> None:
+    """quant.expert_activations=auto becomes what the rollout engine's MoE kernel does to the experts' inputs (its
+    kind's `expert_activations`), so the learner builds on, and the saved config shows, the rule itself."""
+    if cfg.quant.expert_activations == "auto" and (kind := _engine(cfg)) is not None:
+        cfg.quant.expert_activations = kind.expert_activations(cfg)
 
 
 _COMPOSED = (("parallel", ParallelLayout), ("quant", QuantSection), ("train.loss", LossConfig),
@@ -844,6 +852,11 @@ def _check_engine_quant(cfg: RunConfig) -> list[str]:
     if kind is None:  # an unregistered rollout.engine: _check_choices names it
         return out
     out += _check_scheme_on_engine(cfg, kind)
+    rule = kind.expert_activations(cfg)
+    if q.enabled and q.learner_aligned and q.expert_activations not in ("auto", rule):
+        out.append(f"quant.expert_activations={q.expert_activations} but rollout.engine={kind.name}'s MoE kernel does "
+                   f"{rule!r} to the experts' inputs here: the learner would not compute what it samples with; set "
+                   f"quant.expert_activations=auto (or {rule})")
     out += kind.check_config(cfg)  # the engine's own keys (rollout.<engine>.*) and what it cannot run
     return out
 

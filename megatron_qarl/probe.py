@@ -280,9 +280,16 @@ def probe_mismatch(hf_config, hf_state: Mapping[str, torch.Tensor], prompts: Seq
     load_full_state_into_model(model, family.adapter.hf_to_mcore(hf_config, hf_state))
     model.eval()
     learners = {"unaligned": _learner_logprobs(model, ids, pad, settings.temperature)[rows, cols]}
-    for backend in settings.backends if quant_cfg.enabled else ():
-        aligned_handle = apply_aligned_quantization(model, replace(quant_cfg, backend=backend))
-        name = "aligned" if backend == "reference" else f"aligned:{backend}"
+    # the aligned learner follows what the engine's MoE kernel does to the experts' inputs (vLLM-CPU: int8 per token);
+    # "aligned:weights-only" is the same learner without it, for the comparison
+    rule = engine_kind(settings.engine).standalone_expert_activations(quant_cfg) if quant_cfg.enabled else "none"
+    variants = [(b, rule, "aligned" if b == "reference" else f"aligned:{b}") for b in settings.backends]
+    if rule != "none":
+        variants = [(b, r, n) for b, r, n in variants if b == "reference"] + [("reference", "none",
+                                                                               "aligned:weights-only")]
+    for backend, activations, name in variants if quant_cfg.enabled else ():
+        aligned_handle = apply_aligned_quantization(model, replace(quant_cfg, backend=backend,
+                                                                   expert_activations=activations))
         learners[name] = _learner_logprobs(model, ids, pad, settings.temperature)[rows, cols]
         aligned_handle.remove()
     out = {name: {**asdict(mismatch_stats(lp, sampler)),

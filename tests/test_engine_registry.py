@@ -98,7 +98,8 @@ def test_every_refit_table_names_only_registered_formats():
 # differed from that default, computed from the old code path at commit 2762dea and pinned here.
 OLD_SUPPORT_DEFAULTS = {"refit": True, "why_not": "", "scopes": None, "why_scopes": "", "moe_backend": None,
                         "moe_backend_refusals": {}, "cuda_graphs": True, "why_no_cuda_graphs": "",
-                        "cpu_int4_kernel": False, "loads_checkpoint": True, "why_not_checkpoint": ""}
+                        "cpu_int4_kernel": False, "loads_checkpoint": True, "why_not_checkpoint": "",
+                        "cpu_moe_activations": "none"}
 _SGLANG_WNA16 = ("SGLang 0.5.23's compressed-tensors WNA16 MoE takes 4 or 8 bits only (WNA16_SUPPORTED_BITS, "
                  "compressed_tensors_wNa16_moe.py:83-92)")
 _VLLM_WNA16 = ("vLLM-CPU's int MoE kernel (CPUExpertsInt4) is 4-bit, and no refit of a 2/3-bit format is verified "
@@ -122,7 +123,7 @@ OLD_SUPPORT = {
         "cuda_graphs": False,
         "why_no_cuda_graphs": "the Marlin MoE workspace is reallocated at every refit while captured graphs keep the "
                               "old pointer"},
-    ("w4a16", "vllm"): {"cpu_int4_kernel": True},
+    ("w4a16", "vllm"): {"cpu_int4_kernel": True, "cpu_moe_activations": "int8-per-token"},
     ("fp8", "embedded"): {},
     ("fp8", "sglang"): {},
     ("fp8", "vllm"): {"refit": False, "why_not": "no FP8 refit verified against vLLM"},

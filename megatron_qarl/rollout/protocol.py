@@ -120,6 +120,12 @@ class EngineBase:
         Default: it cannot tell (LookupError), so the engine start check says "not verified"."""
         raise LookupError(f"{self.label()} does not report its quantization")
 
+    def expert_activations(self) -> str:
+        """What its MoE kernel does to the routed experts' GEMM inputs, as a rule name of quant/activations.py
+        ("none", "int8-per-token"): the engine start check compares it with the learner's quant.expert_activations.
+        Default: it cannot tell (LookupError)."""
+        raise LookupError(f"{self.label()} does not report what its MoE kernel does to activations")
+
     # publish.verify: the checksums of what it received under each name (EngineKind.verifies_checksums) ...
     reports_checksums: bool = False
 

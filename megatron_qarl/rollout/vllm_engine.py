@@ -150,6 +150,9 @@ class VLLMRefit(RefitSupport):
     """What vLLM does with one format's refit (VLLMKind.refits): RefitSupport plus vLLM-CPU's kernels."""
 
     cpu_int4_kernel: bool = False  # vLLM-CPU: the quantized linears run on its int4 kernels (machine checks)
+    # vLLM-CPU's int4 MoE kernel quantizes both expert GEMMs' inputs to int8 per token (INT4_W4A8: quant/activations.py
+    # has the rule and its source); its dense int4 kernel takes them as they are
+    cpu_moe_activations: str = "none"
 
 
 @dataclass
@@ -450,6 +453,10 @@ class VLLMEngine(EngineBase):
         process reports it); None: unquantized."""
         return self._call({"op": "quantization_config"})["quantization_config"]
 
+    def expert_activations(self) -> str:
+        """What the MoE kernel vLLM picked does to the experts' inputs (the engine process reads its kernel class)."""
+        return self._call({"op": "expert_activations"})["expert_activations"]
+
     def checksum(self, names: Iterable[str] | None = None) -> dict[str, str]:
         if names is None:
             raise ValueError("the vLLM engine reports checksums of named tensors: pass names")
@@ -487,6 +494,15 @@ _INT_MOE_BITS = ("vLLM-CPU's int MoE kernel (CPUExpertsInt4) is 4-bit, and no re
                  "verified against vLLM")
 
 
+def moe_activations_of(kind: "VLLMKind", quant_cfg: Any, device: str) -> str:
+    """The rule vLLM's MoE kernel applies to the routed experts' inputs for `quant_cfg` on `device` (quant/activations.py):
+    its CPU int4 MoE kernel's when the experts are in the scheme's scope there, else none."""
+    if device != "cpu" or not quant_cfg.enabled or "experts" not in quant_cfg.quantized_groups:
+        return "none"
+    support = kind.refit_support(scheme_of(quant_cfg))
+    return getattr(support, "cpu_moe_activations", "none")
+
+
 class VLLMKind(EngineKind):
     """rollout.engine=vllm: a vLLM process per rollout group in the vLLM venv, started from the trainer's
     exported weights (CPU: vllm-cpu; CUDA: on its group's GPUs, asleep while the trainer trains)."""
@@ -505,7 +521,7 @@ class VLLMKind(EngineKind):
     # sm90); its CPU build has no NVFP4 MoE kernel (the emulation backend is Triton), so no refit is verified there.
     # 2/3-bit pack-quantized: vLLM-CPU's int MoE kernel is int4, and no 2/3-bit refit is verified.
     refits = {
-        "w4a16": VLLMRefit(cpu_int4_kernel=True),
+        "w4a16": VLLMRefit(cpu_int4_kernel=True, cpu_moe_activations="int8-per-token"),
         "fp8": VLLMRefit(refit=False, why_not="no FP8 refit verified against vLLM"),
         "nvfp4": VLLMRefit(
             refit=False,
@@ -520,6 +536,13 @@ class VLLMKind(EngineKind):
 
     def shares_trainer_gpus(self, cfg: Any) -> bool:
         return cfg.rollout.vllm.device == "cuda"  # each group's engine runs on the group's GPUs
+
+    def expert_activations(self, cfg: Any) -> str:
+        """vLLM-CPU's int4 MoE kernel's rule when the routed experts are low-bit on it (on CUDA: Marlin, none)."""
+        return moe_activations_of(self, cfg.quant, cfg.rollout.vllm.device)
+
+    def standalone_expert_activations(self, quant_cfg: Any) -> str:
+        return moe_activations_of(self, quant_cfg, "cpu")  # the tools' vLLM engine is vLLM-CPU (check_standalone)
 
     def memory_fraction(self, cfg: Any) -> float:
         return cfg.rollout.sglang.mem_fraction_static

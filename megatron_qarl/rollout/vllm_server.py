@@ -140,6 +140,22 @@ def probe_linears(args) -> dict[str, str]:
     return dict(item.split("=", 1) for item in args.probe_linear)
 
 
+# vLLM's MoE kernels (the experts class its modular kernel runs) that change the experts' inputs, and how: a rule name
+# of the trainer's quant/activations.py. vLLM-CPU's W4A16 (int WNA16) MoE kernel quantizes them to int8 per token
+# (cpu_moe.py:812-817: fused_experts_cpu with INT4_W4A8; csrc/cpu/sgl-kernels/moe_int4.cpp:79, 201).
+MOE_KERNEL_ACTIVATIONS = {"vllm.model_executor.layers.fused_moe.experts.cpu_moe.CPUExpertsInt4": "int8-per-token"}
+
+
+def _moe_kernels(worker) -> list[str]:
+    """The classes of the MoE experts kernels the loaded model runs (its FusedMoE layers' quant_method.moe_kernel)."""
+    found = set()
+    for module in worker.model_runner.get_model().modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if experts is not None:
+            found.add(f"{type(experts).__module__}.{type(experts).__qualname__}")
+    return sorted(found)
+
+
 def _repair_unquantized_moe(worker) -> int:
     """Re-run the unquantized experts' post-processing vLLM 0.32 skips on a weight update (module doc)."""
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
@@ -383,6 +399,13 @@ class Server:
             return self.checksum(msg["names"])
         if op == "quantization_config":
             return {"ok": True, "quantization_config": self.quantization_config()}
+        if op == "expert_activations":
+            kernels = [name for per_worker in self.llm.collective_rpc(_moe_kernels) for name in per_worker]
+            rules = {MOE_KERNEL_ACTIVATIONS.get(name, "none") for name in kernels} or {"none"}
+            if len(rules) > 1:
+                return {"ok": False, "error": f"the model's MoE layers run kernels that treat activations differently: "
+                                              f"{sorted(set(kernels))}"}
+            return {"ok": True, "expert_activations": rules.pop(), "kernels": sorted(set(kernels))}
         if op == "shutdown":
             return None
         return {"ok": False, "error": f"unknown op {op!r}"}

@@ -34,4 +34,24 @@ def check_engine_quantization(engine, hf_config, quant_cfg, family: ModelFamily 
             f"the rollout engine does not serve the learner's quantization: {problem}; start it from the trainer's "
             "own export (leave rollout.sglang.model_path unset) or from a checkpoint made with the same quant.* "
             "settings, or set quant.* to what it serves")
+    return check_expert_activations(engine, quant_cfg)
+
+
+def check_expert_activations(engine, quant_cfg) -> str | None:
+    """EngineQuantizationMismatch (one line) unless the engine's MoE kernel does to the experts' inputs what the
+    aligned learner does (quant.expert_activations, resolved from the engine's kind when the config said auto): the
+    kind's rule is a promise about the kernel the engine picks, read back here. None: they agree or it does not
+    matter (bf16, an unaligned learner); a line to warn with when the engine cannot tell."""
+    rule = getattr(quant_cfg, "expert_activations", "none")
+    if not as_quant_config(quant_cfg).enabled or not getattr(quant_cfg, "learner_aligned", True) or rule == "auto":
+        return None
+    try:
+        served = engine.expert_activations()
+    except LookupError as err:
+        return f"activations not verified: {err}"
+    if served != rule:
+        raise EngineQuantizationMismatch(
+            f"the rollout engine's MoE kernel does {served!r} to the experts' inputs but the learner does {rule!r} "
+            "(quant.expert_activations): the learner would not compute what it samples with; set "
+            f"quant.expert_activations={served} (or auto)")
     return None
