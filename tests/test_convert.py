@@ -123,6 +123,7 @@ def test_hf_to_mcore_tp2_ep2_under_torchrun_then_offline_back_is_bitwise(hf_dir,
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # CI budget
 def test_hf_to_mcore_at_pp2_then_offline_back_is_bitwise(hf_dir, tmp_path, torchrun):
     """Two pipeline stages each read and save their own layer (global layer names in the checkpoint); the offline
     reader (TP1 PP1) reshards them back to the HF tensors bit for bit."""

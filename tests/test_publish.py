@@ -268,6 +268,7 @@ def test_publish_tp2sp_ep2_tp2xep2_bitwise_vs_offline_and_code_flips(torchrun):
 
 
 @pytest.mark.dist
+@pytest.mark.slow  # CI budget; the default suite's PP 2 qarl-train run (test_trainer) publishes through the relay
 def test_publish_pipeline_stages_bitwise_vs_offline_and_code_flips(torchrun):
     """PP 2: stage 1's weights reach the leader on stage 0 through its stand-in there (weights.gather.StageRelay), and
     with a leader on each stage each gets the whole model; bitwise against the offline conversion of the gathered
