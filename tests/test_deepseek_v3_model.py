@@ -74,7 +74,9 @@ def test_mtp_tensors_of_a_checkpoint_are_left_unread(tmp_path):
     num_nextn_predict_layers=1 the index check leaves them out (the learner builds no MTP layer); without it the
     same tensors are refused as unexpected."""
     from megatron_qarl.errors import CheckpointError
-    from megatron_qarl.weights.hf_io import scan_hf_checkpoint, validate_hf_index, write_hf_checkpoint
+    from megatron_qarl.weights.hf_io import (
+        read_hf_checkpoint, scan_hf_checkpoint, validate_hf_index, write_hf_checkpoint,
+    )
 
     cfg = tiny_hf_config(num_nextn_predict_layers=1)
     _, state = random_hf_state(cfg)
@@ -86,8 +88,15 @@ def test_mtp_tensors_of_a_checkpoint_are_left_unread(tmp_path):
     validate_hf_index(scan_hf_checkpoint(path), cfg)
     assert adapter.unused_hf_tensor(cfg, f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight")
     assert not adapter.unused_hf_tensor(cfg, f"model.layers.{last}.mlp.gate.weight")
+    # the whole-state read and the mapping skip them too: the same mcore state as the checkpoint without them
+    read_cfg, read_state = read_hf_checkpoint(path)
+    assert set(read_state) == set(state) | set(mtp)
+    mcore = adapter.hf_to_mcore(read_cfg, read_state)
+    assert set(mcore) == set(adapter.hf_to_mcore(cfg, state))
     with pytest.raises(CheckpointError, match="eh_proj"):
         validate_hf_index(scan_hf_checkpoint(path), tiny_hf_config(num_nextn_predict_layers=0))
+    with pytest.raises(WeightMappingError, match="eh_proj"):
+        adapter.hf_to_mcore(tiny_hf_config(num_nextn_predict_layers=0), read_state)
 
 
 def test_tiny_preset_has_group_limited_routing_and_a_dense_first_layer():

@@ -305,12 +305,15 @@ class MoENaming:
     `num_experts`: hf_config -> routed experts per MoE layer; `ignore`: per quantization group, the
     compressed-tensors ignore entries that keep it bf16 (engine-facing patterns, declared as data); `never_quantized`:
     the entries every ignore list starts with; `load_together`: HF tensor templates an engine must receive in one
-    update call (its loader fuses them within one call)."""
+    update call (its loader fuses them within one call); `unused_hf`: (hf_config, HF name) -> whether a checkpoint
+    tensor is one the model leaves unread (DeepSeek-V3's MTP layers), which every HF-side check then skips."""
 
     def __init__(self, family: str, rows: Sequence[StateDictMapping], *, num_experts: Callable[[Any], int],
                  ignore: Mapping[str, Sequence[str]], never_quantized: Sequence[str],
-                 load_together: Sequence[tuple[str, ...]] = ()):
+                 load_together: Sequence[tuple[str, ...]] = (),
+                 unused_hf: Callable[[Any, str], bool] | None = None):
         self.family, self.rows, self.num_experts = family, tuple(rows), num_experts
+        self._unused_hf = unused_hf
         self.groups = tuple(g for g in GROUPS if any(row.group == g for row in self.rows))
         if set(ignore) != set(self.groups):
             raise ValueError(f"{family}: ignore entries for {sorted(ignore)}, linear groups {self.groups}")
@@ -417,11 +420,21 @@ class MoENaming:
         except WeightMappingError:
             return None
 
+    def unused_hf_tensor(self, hf_config, name: str) -> bool:
+        """Whether checkpoint tensor `name` is one the model leaves unread (the family's `unused_hf`)."""
+        return self._unused_hf is not None and self._unused_hf(hf_config, name)
+
+    def used_hf_state(self, hf_config, hf_state: Mapping[str, Any]) -> dict[str, Any]:
+        """`hf_state` (tensors, or shapes) without what the model leaves unread: what every HF-side check sees."""
+        return {n: t for n, t in hf_state.items() if not self.unused_hf_tensor(hf_config, n)}
+
     def hf_to_mcore(self, hf_config, hf_state: Mapping[str, torch.Tensor], *, validate: bool = True
                     ) -> dict[str, torch.Tensor]:
-        """HF checkpoint tensors -> full mcore state (global expert ids). Tensors are not copied when 1:1."""
+        """HF checkpoint tensors -> full mcore state (global expert ids). Tensors are not copied when 1:1; tensors
+        the model leaves unread (`unused_hf_tensor`) are not checked and not mapped."""
         if validate:
-            validate_state(hf_state, self.expected_hf_shapes(hf_config), "HF checkpoint")
+            validate_state(self.used_hf_state(hf_config, hf_state), self.expected_hf_shapes(hf_config),
+                           "HF checkpoint")
         return {r.mcore.format(**w): r.join(hf_config, [hf_state[t.format(**w)] for t in r.hf])
                 for r, w in self._entries(hf_config)}
 
@@ -580,7 +593,7 @@ class MoENaming:
                    "expected_mcore_shapes", "hf_linear_name", "is_expert_param", "param_layout", "linear_group",
                    "fused_linear_group", "compressed_tensors_ignore", "engine_load_group", "module_of", "expert_gemms",
                    "linear_names", "representative_linears", "transformers_tensor",
-                   "hf_state_from_model", "load_hf_state_into_model")
+                   "hf_state_from_model", "load_hf_state_into_model", "unused_hf_tensor", "used_hf_state")
 
     def bind(self, namespace: dict) -> None:
         """Make a family's ``state_dict_adapter`` module answer as this naming (`ModelFamily.adapter`): each name of

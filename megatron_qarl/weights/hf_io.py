@@ -212,11 +212,10 @@ def scan_hf_checkpoint(path: str | os.PathLike) -> HfIndex:
 
 def validate_hf_index(index: HfIndex, hf_config) -> None:
     """Every tensor the config needs, in its shape, and nothing else (CheckpointError naming them); tensors the
-    family leaves unread (its adapter's `unused_hf_tensor`: DeepSeek-V3's MTP layers) are not checked."""
+    family leaves unread (its naming's `used_hf_state`: DeepSeek-V3's MTP layers) are not checked."""
     adapter = family_of(hf_config).adapter
-    unused = getattr(adapter, "unused_hf_tensor", lambda c, name: False)
-    meta = {name: torch.empty(shape, device="meta") for name, shape in index.shapes.items()
-            if not unused(hf_config, name)}
+    meta = {name: torch.empty(shape, device="meta")
+            for name, shape in adapter.used_hf_state(hf_config, index.shapes).items()}
     try:
         adapter.validate_state(meta, adapter.expected_hf_shapes(hf_config),
                                f"HF checkpoint {index.path} (against its config.json)")
@@ -245,7 +244,8 @@ def read_hf_checkpoint(path: str | os.PathLike, *, validate: bool = True):
     if validate:
         try:
             adapter = family_of(config).adapter
-            adapter.validate_state(state, adapter.expected_hf_shapes(config), f"HF checkpoint {path}")
+            adapter.validate_state(adapter.used_hf_state(config, state), adapter.expected_hf_shapes(config),
+                                   f"HF checkpoint {path}")
         except WeightMappingError as exc:
             raise CheckpointError(str(exc)) from exc
     return config, state

@@ -43,7 +43,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # dense, 256 routed experts top-8 in 8 groups (4 chosen), q_lora_rank 1536, yarn x40 over 4096 positions. Its
     # multi-token-prediction layer (num_nextn_predict_layers=1, checkpoint tensors model.layers.61.*) is left out:
     # the learner trains the decoder alone and the checkpoint loader leaves those tensors unread
-    # (state_dict_adapter.unused_hf_tensor).
+    # (state_dict_adapter's `unused_hf`).
     "deepseek-v3-671b": dict(
         vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
         num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1,

@@ -24,12 +24,12 @@ from megatron_qarl.models.mapping import (
 )
 
 
-def unused_hf_tensor(c, name: str) -> bool:
+def _mtp_tensor(c, name: str) -> bool:
     """DeepSeek-V3's multi-token-prediction (MTP) modules: its config.json counts them apart
     (`num_nextn_predict_layers`, 1 in DeepSeek-V3 / R1) and its checkpoint stores them as the decoder layers past
     `num_hidden_layers` (model.layers.61.* with their enorm / hnorm / eh_proj / shared_head). The learner builds the
     decoder alone (no MTP loss) and engines serve without MTP speculation, so a checkpoint's MTP tensors are left
-    unread (and an export has none)."""
+    unread (and an export has none): the naming's `unused_hf`."""
     if not int(getattr(c, "num_nextn_predict_layers", 0) or 0) or not name.startswith("model.layers."):
         return False
     index = name.split(".")[2]
@@ -125,5 +125,6 @@ NAMING = MoENaming(
     # (deepseek_common/deepseek_weight_loader.py:283, 438-513), so a pair split over two calls is never written.
     # (Moonlight has no q_a_proj: its kv_a_proj_with_mqa waits for a partner that never comes, and goes last.)
     load_together=[(HF_LAYER + "self_attn.q_a_proj.weight", HF_LAYER + "self_attn.kv_a_proj_with_mqa.weight")],
+    unused_hf=_mtp_tensor,
 )
 NAMING.bind(globals())
