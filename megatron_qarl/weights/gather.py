@@ -13,6 +13,7 @@ a header over the host group, the parts' bytes over the default group), one para
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,7 +171,7 @@ def end_of_stage(dst: int) -> None:
     dist.send_object_list([None], dst=dst, group=host_group())
 
 
-def recv_full_params(src: int, device) -> Any:
+def recv_full_params(src: int, device) -> Iterator[tuple[str, str, dict[str, torch.Tensor], tuple[int, ...]]]:
     """The parameters stand-in `src` sends this leader, as (name, kind, parts, shape), up to its `end_of_stage`."""
     import torch.distributed as dist
 
@@ -184,8 +185,7 @@ def recv_full_params(src: int, device) -> Any:
         name, kind, shape, metas = box[0]
         parts = {}
         for key, dtype, part_shape in metas:
-            wire = torch.empty(torch.Size(part_shape).numel() * torch.empty((), dtype=dtype).element_size(),
-                               dtype=torch.uint8, device=device)
+            wire = torch.empty(torch.Size(part_shape).numel() * dtype.itemsize, dtype=torch.uint8, device=device)
             dist.recv(wire, src=src)
             parts[key] = wire.view(dtype).view(part_shape)
         yield name, kind, parts, shape

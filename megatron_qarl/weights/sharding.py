@@ -21,6 +21,7 @@ from typing import Mapping
 import torch
 
 from megatron_qarl.parallel import unwrap_model
+from megatron_qarl.models.pipeline import stage_layer_offset
 from megatron_qarl.models.registry import family_of_model
 
 _LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
@@ -47,9 +48,7 @@ class RankCoords:
 
         stage = {}
         if model is not None and ps.get_pipeline_model_parallel_world_size() > 1:
-            layers = unwrap_model(model).decoder.layers
-            stage = dict(layer_offset=int(layers[0].layer_number) - 1 if len(layers) else 0,
-                         stage_layers=len(layers))
+            stage = dict(layer_offset=stage_layer_offset(model), stage_layers=len(unwrap_model(model).decoder.layers))
         return cls(ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
                    ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(),
                    ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(), **stage)
