@@ -410,12 +410,12 @@ def run_sft(cfg, sft: SFTConfig | None = None) -> dict[str, Any]:
     processes that re-import the main module.
     """
     sft = _sft_section(cfg, sft)
-    pp = getattr(getattr(cfg, "parallel", None), "pp", 1)
-    if pp != 1:  # its generation-based evaluation calls the whole model; megatron's schedules run only the loss
-        raise SFTConfigError(f"the SFT warm-up runs at parallel.pp=1, not {pp}: run it at pp=1 (with tp / ep as "
+    layout = getattr(cfg, "parallel", None) or ParallelLayout()
+    if layout.pp != 1:  # its generation-based evaluation calls the whole model; megatron's schedules run only the loss
+        raise SFTConfigError(f"the SFT warm-up runs at parallel.pp=1, not {layout.pp}: run it at pp=1 (with tp / ep as "
                              "you like); the RL run loads its checkpoint at any pipeline size")
     owns_process_group = not dist.is_initialized()
-    layout = init_distributed(getattr(cfg, "parallel", None) or ParallelLayout(), seed=sft.seed)
+    layout = init_distributed(layout, seed=sft.seed)
     try:
         with contextlib.ExitStack() as held, stop_on_signals() as stop:  # held: the locks, to the end
             lock_sft_dirs(cfg, sft, held)  # before anything there is read, moved or written

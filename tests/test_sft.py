@@ -103,6 +103,19 @@ def test_bad_settings_are_named():
         SFTConfig(batch_size=0).validate()
 
 
+def test_the_warm_up_refuses_pipeline_stages_before_any_process_group():
+    """Its generation-based evaluation calls the whole model: one line naming the fix, nothing initialised."""
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    from megatron_qarl.sft import run_sft
+
+    was = dist.is_initialized()
+    with pytest.raises(SFTConfigError, match=r"runs at parallel.pp=1, not 2: run it at pp=1"):
+        run_sft(SimpleNamespace(parallel=ParallelLayout(pp=2)), SFTConfig())
+    assert dist.is_initialized() == was
+
+
 # ---------------------------------------------------------------------------------------------- model
 
 

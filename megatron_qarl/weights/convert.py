@@ -170,8 +170,8 @@ def progress(total_bytes: int | None, desc: str):
 # ------------------------------------------------------------------ megatron side
 
 
-def _init_world(tp: int = 1, ep: int = 1, pp: int = 1):
-    return init_distributed(ParallelLayout(tp=tp, ep=ep, pp=pp), seed=0)
+def _init_world(layout: ParallelLayout | None = None):
+    return init_distributed(layout or ParallelLayout(), seed=0)
 
 
 def _is_rank0() -> bool:
@@ -196,16 +196,17 @@ def hf_to_mcore_checkpoint(hf_dir: str | os.PathLike, out: str | os.PathLike, *,
                            pp: int = 1, force: bool = False) -> Path:
     """HF dir -> megatron dist checkpoint at TP x EP x PP (collective: run with the layout's ranks or one process
     with tp=ep=pp=1; a pipeline stage reads its own layers). fp32 masters; the source dtype is recorded so
-    mcore-to-hf writes it back bit-exactly. Each rank reads only its own shards (load_hf_checkpoint_into_model) and checks what it reads; a bad
-    weight on any rank stops every rank before anything is written."""
+    mcore-to-hf writes it back bit-exactly. Each rank reads only its own shards (load_hf_checkpoint_into_model)
+    and checks what it reads; a bad weight on any rank stops every rank before anything is written."""
     out = check_output(out, force, [hf_dir])
     hf_config = read_hf_config(hf_dir)
     index = scan_hf_checkpoint(hf_dir)
     validate_hf_index(index, hf_config)
     for name, st_dtype in index.dtypes.items():
         check_weight_dtype(name, st_dtype)
-    layout = _init_world(tp, ep, pp)
-    ParallelLayout(tp=tp, ep=ep, pp=pp).stage_layers(hf_config.num_hidden_layers)  # one line if they do not split
+    layout = ParallelLayout(tp=tp, ep=ep, pp=pp)
+    layout.stage_layers(hf_config.num_hidden_layers)  # layers that do not split over the stages: one line, now
+    layout = _init_world(layout)
     remove_stale_outputs(out)
     model = _build_model(hf_config, layout)
     say(f"hf-to-mcore: reading {len(index.location)} tensors ({index.total_bytes / 2 ** 30:.2f} GiB over all ranks) "

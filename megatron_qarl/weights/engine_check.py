@@ -42,8 +42,9 @@ def check_expert_activations(engine, quant_cfg) -> str | None:
     aligned learner does (quant.expert_activations, resolved from the engine's kind when the config said auto): the
     kind's rule is a promise about the kernel the engine picks, read back here. None: they agree or it does not
     matter (bf16, an unaligned learner); a line to warn with when the engine cannot tell."""
-    rule = getattr(quant_cfg, "expert_activations", "none")
-    if not as_quant_config(quant_cfg).enabled or not getattr(quant_cfg, "learner_aligned", True) or rule == "auto":
+    cfg = as_quant_config(quant_cfg)
+    rule = cfg.expert_activations
+    if not cfg.enabled or not getattr(quant_cfg, "learner_aligned", True) or rule == "auto":
         return None
     try:
         served = engine.expert_activations()
