@@ -139,6 +139,8 @@ OLD_SUPPORT = {
     **{(scheme, engine): fields for scheme in ("w3a16", "w2a16", "w3a16_nested", "w2a16_nested")
        for engine, fields in _LOW_BIT.items()},
 }
+# Kimi's int4 grid writes W4A16's format unmarked (checkpoint_scheme): every engine serves it as it serves W4A16
+OLD_SUPPORT.update({("w4a16_kimi", engine): OLD_SUPPORT[("w4a16", engine)] for engine in ("embedded", "sglang", "vllm")})
 
 
 def test_every_registered_scheme_on_every_engine_gets_the_support_it_had_before():
@@ -172,8 +174,9 @@ def _toy_scheme():
 
 
 REFITS_TODAY = {"embedded": "w4a16, fp8, nvfp4, w3a16, w2a16", "sglang": "w4a16, fp8", "vllm": "w4a16"}
-SCHEMES_REFIT_TODAY = {"embedded": "w4a16 or fp8 or nvfp4 or w3a16 or w2a16 or w3a16_nested or w2a16_nested",
-                       "sglang": "w4a16 or fp8", "vllm": "w4a16"}
+SCHEMES_REFIT_TODAY = {"embedded": "w4a16 or fp8 or nvfp4 or w3a16 or w2a16 or w3a16_nested or w2a16_nested or "
+                                   "w4a16_kimi",
+                       "sglang": "w4a16 or fp8 or w4a16_kimi", "vllm": "w4a16 or w4a16_kimi"}
 
 
 @pytest.mark.parametrize("engine", ["embedded", "sglang", "vllm"])

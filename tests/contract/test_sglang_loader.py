@@ -32,6 +32,7 @@ from megatron_qarl.quant.engine_layout import (  # noqa: E402
     engine_named_tensors,
     fp8_quantization_config,
     is_expert_engine_name,
+    quantization_config_for,
     w4a16_quantization_config,
 )
 from megatron_qarl.models.registry import family_named  # noqa: E402
@@ -78,6 +79,11 @@ SCHEMES = {
     "w4a16": (QuantConfig(scheme="w4a16", scope="experts"),
               ("compressed-tensors", w4a16_quantization_config("experts", naming=QWEN3))),
     "fp8": (QuantConfig(scheme="fp8", scope="all-linears"), ("fp8", fp8_quantization_config(naming=QWEN3))),
+    # Kimi-K2's int4 grid (g32, amax / 7, codes [-7, 7]) in W4A16's format: the quantization_config a Kimi-K2-Thinking
+    # checkpoint carries (group 32), loaded by the same compressed-tensors WNA16 MoE method
+    "w4a16_kimi": (QuantConfig(scheme="w4a16_kimi", scope="experts", group_size=32),
+                   ("compressed-tensors", quantization_config_for(QuantConfig(scheme="w4a16_kimi", scope="experts",
+                                                                              group_size=32), naming=QWEN3))),
 }
 
 
@@ -179,7 +185,7 @@ def expected_param(name, payload, scheme):
                 t = torch.cat([payload[f"{pre}.gate_proj.{suffix}"], payload[f"{pre}.up_proj.{suffix}"]], dim=0)
             else:
                 t = payload[f"{pre}.down_proj.{suffix}"]
-            per_expert.append(t.t() if scheme == "w4a16" else t)  # Marlin path stores [in, out]
+            per_expert.append(t.t() if scheme.startswith("w4a16") else t)  # Marlin path stores [in, out]
         return torch.stack(per_expert)
     return payload[name]
 
@@ -208,7 +214,7 @@ def check_loaded(model, payload, consumed, scheme):
     return compared
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "w4a16", "fp8"])
+@pytest.mark.parametrize("scheme", ["bf16", "w4a16", "fp8", "w4a16_kimi"])
 def test_engine_layout_loads_into_sglang_qwen3_moe(sglang_runtime, scheme):
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
@@ -216,8 +222,15 @@ def test_engine_layout_loads_into_sglang_qwen3_moe(sglang_runtime, scheme):
     model = build_model(scheme)
     fill_sentinels(model)
     payload = dict(engine_named_tensors(hf_weights(1).items(), quant_cfg, naming=QWEN3))
-    if scheme == "w4a16":
+    if scheme.startswith("w4a16"):
         assert any(n.endswith("weight_packed") for n in payload)
+    if scheme == "w4a16_kimi":  # Kimi's grid: groups of 32 (a bf16 scale per 32 codes), code -8 never sent
+        from megatron_qarl.quant.int4 import unpack_int4_groupwise
+
+        down = "model.layers.0.mlp.experts.0.down_proj"
+        assert payload[f"{down}.weight_scale"].shape == (HIDDEN, INTER // 32)
+        codes = unpack_int4_groupwise(payload[f"{down}.weight_packed"], (HIDDEN, INTER))
+        assert int(codes.min()) == -7 and int(codes.max()) == 7
     consumed = push_through_sglang_buckets(model, payload)
     n1 = check_loaded(model, payload, consumed, scheme)
     assert n1 >= 10

@@ -7,7 +7,7 @@ import torch
 
 from megatron_qarl.quant.errors import QuantConfigError
 from megatron_qarl.quant.scheme import QuantScheme
-from megatron_qarl.quant.schemes import fp8, int_wna16, nvfp4, w4a16
+from megatron_qarl.quant.schemes import fp8, int4_kimi, int_wna16, nvfp4, w4a16
 
 SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (
     w4a16.SCHEME,
@@ -17,6 +17,7 @@ SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (
     int_wna16.W2A16,
     int_wna16.W3A16_NESTED,
     int_wna16.W2A16_NESTED,
+    int4_kimi.SCHEME,
 )}
 SCHEME_NAMES: tuple[str, ...] = tuple(SCHEMES)  # the low-bit choices of quant.scheme (besides "none")
 NO_SCHEME = "none"
