@@ -2,18 +2,32 @@
 stored as compressed-tensors ``pack-quantized`` num_bits 4 -- the format W4A16 writes, so every engine that
 loads or refits W4A16 serves it unchanged (`checkpoint_scheme`).
 
-Why a scheme of its own: Kimi-K2-Thinking was trained with weight-only INT4 QAT on this grid (Moonshot's
-fake quantization; slime's and Miles' trainers for Kimi, SkyRL's ``scale_divisor=7.0, q_min=-7``), while
-compressed-tensors' symmetric rule (W4A16, quant/int4.py) divides by 7.5 and keeps code -8. The two grids
-share the storage and the dequantization (``code x scale``, no zero point) but not the codes: a learner on the
-7.5 grid re-quantizing a Kimi master gives codes the engine serving Kimi's own checkpoint never sees, and
-the reverse. The rule, op for op in the dtypes W4A16 uses (the engine's bf16 weight):
+Why a scheme of its own: Kimi-K2-Thinking was trained with weight-only INT4 QAT on this grid, while
+compressed-tensors' symmetric rule (W4A16, quant/int4.py) divides by 7.5 and keeps code -8 in every version
+0.12-0.18 (``calculate_qparams``: ``max_val / (bit_range / 2)``, quantization/utils/helpers.py). The two grids share
+the storage and the dequantization (engines compute ``(nibble - 8) x scale``: SGLang's and vLLM's WNA16 Marlin MoE,
+``uint4b8``, group 32 in ``MARLIN_SUPPORTED_GROUP_SIZES``) but not the codes: a learner on the 7.5 grid would
+publish codes the Kimi checkpoint's own serving never sees, and the reverse.
+
+What the checkpoints say (Kimi-K2.5's config.json, the one published copy found; K2-Thinking's carries the same
+ignore list): compressed-tensors ``pack-quantized``, weights ``num_bits 4, type int, symmetric, strategy group,
+group_size 32, observer minmax``, ``ignore: lm_head, re:.*self_attn.*, re:.*shared_experts.*, re:.*mlp\.(gate|up|
+gate_up|down)_proj.*`` -- the routed experts only, W4A16's ``experts`` scope. The divisor is not recorded.
+
+The rule followed is the one published as bit-exact against Kimi's released weights (SkyRL, NovaSky-AI/SkyRL
+@a9564572 skyrl/backends/skyrl_train/workers/megatron/fake_int4_qat.py:79-84, golden data from K2.6, with
+``scale_divisor=7.0, q_min=-7``), op for op in the dtypes W4A16 uses (the engine's bf16 weight). slime's and Miles'
+QAT forward keeps the scale in fp32 (``x_max / 7`` clamped at 1e-5, docker/patch/latest/megatron.patch:235-246 in
+THUDM/slime@624b824a) and their exporter re-quantizes against the bf16 scale it writes; Miles' own docs say that
+alone is not bitwise train == rollout (radixark/miles docs/advanced/int4-qat.md:75-77). Here the codes and the bf16
+scales the engine holds are the ones the learner multiplies, by construction:
 
 * input: the master weight cast to bf16;
-* per group of 32 K elements: ``amax = max |w|`` (bf16), ``scale = amax / 7`` (bf16), a zero scale replaced
-  by bf16's eps;
+* per group of 32 K elements: ``amax = max |w|`` (bf16), ``scale = amax / 7`` (fp32 division rounded to bf16, as
+  SkyRL's ``(amax_fp32 / 7).to(bf16)``), a zero scale replaced by bf16's eps (SkyRL divides by 1 there: either way
+  the group's codes and values are 0);
 * ``code = clamp(round_half_even(w / scale), -7, 7)`` with ``w / scale`` in bf16 (+amax gives 7 up to the
-  rounding of the bf16 quotient: the clamp keeps 7.something at 7, never 8); -8 never occurs;
+  rounding of the bf16 quotient: the clamp keeps 7.something at 7); -8 never occurs;
 * dequantized ``code.to(bf16) * scale``; packed as W4A16's words (code + 8 per nibble, lowest nibble first).
 
 A checkpoint does not record the divisor (its quantization_config is W4A16's at group 32): it loads as
