@@ -345,7 +345,7 @@ def test_sglang_with_nvfp4_is_refused_in_one_line_naming_the_alternatives(tmp_pa
     lines = [ln for ln in err.splitlines() if "quant.scheme=nvfp4" in ln]
     assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert "restore none before the next load" in lines[0]
-    assert "use quant.scheme=w4a16 or fp8 or none, or rollout.engine=embedded for nvfp4" in lines[0]
+    assert "use quant.scheme=w4a16 or fp8 or w4a16_kimi or none, or rollout.engine=embedded for nvfp4" in lines[0]
     assert not out.exists()
 
 
