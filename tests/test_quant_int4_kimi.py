@@ -1,7 +1,7 @@
 """Kimi-K2's INT4 grid (quant/schemes/int4_kimi.py: groups of 32, scale = amax / 7, codes [-7, 7], W4A16's
 pack-quantized storage): bitwise against hand-computed groups and an independent numpy emulation of the rule, the
 compressed-tensors library where it expresses the rule (rounding and clamp given the scales, the packing and the
-decompression), and through the seams: the incremental cache, the config, the export's quantization_config, the
+decompression), and through the seams: the config, the export's quantization_config, the
 aligned learner and a publish to the embedded engine, which serves it as the W4A16 format it loads.
 """
 import sys
@@ -123,28 +123,15 @@ def test_the_librarys_rounding_packing_and_decompression_given_kimis_scales():
 
 # ------------------------------------------------------------------------------------------ the scheme object
 
-def test_incremental_requantization_is_a_fresh_quantization():
-    gen = torch.Generator().manual_seed(7)
-    w = (torch.randn(16, 256, generator=gen) * 0.02).to(torch.bfloat16)
-    q, deq = KIMI.quantize_dequantize(w, G32)
-    w2 = w.clone()
-    w2[3, 40] += 0.5
-    w2[9, 200] = -w2[9, 200]
-    changed = KIMI.changed_groups(w2, w, q)
-    assert int(changed.sum()) == 2
-    q2, deq2 = KIMI.requantize_groups(w2, q, deq, changed)
-    fresh, fresh_deq = KIMI.quantize_dequantize(w2, G32)
-    assert torch.equal(q2.codes, fresh.codes) and torch.equal(bits_of(q2.scales), bits_of(fresh.scales))
-    assert torch.equal(q2.packed(), fresh.packed()) and torch.equal(bits_of(deq2), bits_of(fresh_deq))
-    assert scheme_of_weight(q2) is KIMI and scheme_of_weight(scheme_named("w4a16").quantize(w, G32)) is not KIMI
-
-
 def test_config_group_and_the_checkpoint_it_writes():
     """The group is the format's (32); the checkpoint is W4A16's at group 32 and loads back as w4a16 (the
     divisor is not recorded), dequantizing to the same weights."""
     with pytest.raises(QuantConfigError, match="fixed group of 32.*quant.group_size=32"):
         QuantConfig(scheme="w4a16_kimi", group_size=128)
     assert KIMI.format_name == "w4a16" and KIMI.bytes_per_weight(G32) == 0.5 + 2 / 32
+    w = torch.randn(8, 64)
+    assert scheme_of_weight(KIMI.quantize(w, G32)) is KIMI  # its own weight type: the incremental requantization
+    assert scheme_of_weight(scheme_named("w4a16").quantize(w, G32)) is not KIMI  # (test_quant_int_schemes) keeps it
     qc = quantization_config_for(G32, naming=QWEN3)
     weights = qc["config_groups"]["group_0"]["weights"]
     assert qc["format"] == "pack-quantized" and weights["num_bits"] == 4 and weights["group_size"] == 32

@@ -201,7 +201,7 @@ def test_one_int4_cache_entry_serves_every_nested_width():
         assert torch.equal(codes, nested.codes) and torch.equal(bits_of(scales), bits_of(nested.scales))
 
 
-@pytest.mark.parametrize("name", ["w3a16", "w2a16", "w3a16_nested", "w2a16_nested"])
+@pytest.mark.parametrize("name", ["w3a16", "w2a16", "w3a16_nested", "w2a16_nested", "w4a16_kimi"])
 def test_incremental_requantization_is_a_fresh_quantization(name):
     scheme = scheme_named(name)
     cfg = QuantConfig(scheme=name, group_size=32)

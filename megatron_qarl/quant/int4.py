@@ -167,13 +167,16 @@ def quantize_int4_groups(groups: torch.Tensor, dequantize: bool = True
     return quantize_int_groups(groups, 4, dequantize)
 
 
-def quantize_int_groups(groups: torch.Tensor, bits: int, dequantize: bool = True
+def quantize_int_groups(groups: torch.Tensor, bits: int, dequantize: bool = True, *, half_range: float | None = None,
+                        code_range: tuple[int, int] | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`quantize_int4_groups` for signed `bits`-bit codes (2..8): the same ops with compressed-tensors'
     range and divisor for `bits` (`int_code_range`, `int_half_range`): ``scale = amax / half_range``,
-    ``code = clamp(round_half_even(w / scale), qmin, qmax)``, ``code.to(bf16) * scale``. bits=4 is int4."""
-    qmin, qmax = int_code_range(bits)
-    half_range = int_half_range(bits)
+    ``code = clamp(round_half_even(w / scale), qmin, qmax)``, ``code.to(bf16) * scale``. bits=4 is int4.
+    `half_range` / `code_range` replace the library's divisor / range for a grid of another convention (Kimi's
+    amax / 7 with codes [-7, 7]: quant/schemes/int4_kimi.py)."""
+    qmin, qmax = int_code_range(bits) if code_range is None else code_range
+    half_range = int_half_range(bits) if half_range is None else half_range
     magnitudes = _magnitude_bits(groups)
     if magnitudes is None or not _int8_holds_rounded_quotients(groups.dtype, half_range):
         raise QuantizationError(f"int{bits} quantization: unsupported weight dtype {groups.dtype}")
@@ -192,22 +195,25 @@ def quantize_int4_groupwise(
 
     `w` is cast to `weight_dtype` (the dtype the engine stores, bf16) before anything else.
     """
-    return _quantize_int4(w, group_size, weight_dtype, dequantize=False)[0]
+    return quantize_int4_by_rule(w, group_size, weight_dtype, dequantize=False)[0]
 
 
 def quantize_dequantize_int4(
     w: torch.Tensor, group_size: int = 128, weight_dtype: torch.dtype = torch.bfloat16
 ) -> tuple[Int4Weight, torch.Tensor]:
     """`quantize_int4_groupwise` and the dequantized weight [N, K] (weight_dtype) from the same pass."""
-    return _quantize_int4(w, group_size, weight_dtype, dequantize=True)
+    return quantize_int4_by_rule(w, group_size, weight_dtype, dequantize=True)
 
 
-def _quantize_int4(w, group_size, weight_dtype, dequantize):
+def quantize_int4_by_rule(w, group_size, weight_dtype, dequantize, groups_rule=quantize_int4_groups,
+                          weight_type=Int4Weight):
+    """(int4 weight of `weight_type`, dequantized weight or None) of w [N, K] in groups along K, each group through
+    `groups_rule` (groups -> codes, scales, values; compressed-tensors' by default) on w cast to `weight_dtype`."""
     _check_2d_grouped(w.shape, group_size, "quantize_int4_groupwise")
     weight = w.detach().to(weight_dtype).contiguous()
     groups = weight.unflatten(-1, (weight.shape[-1] // group_size, group_size))
-    codes, scales, dequantized = quantize_int4_groups(groups, dequantize)
-    qweight = Int4Weight(codes=codes.flatten(-2), scales=scales, group_size=group_size)
+    codes, scales, dequantized = groups_rule(groups, dequantize)
+    qweight = weight_type(codes=codes.flatten(-2), scales=scales, group_size=group_size)
     if dequantize:  # the fused pass (the learner's per-step cache) also makes what the publisher sends
         qweight.packed()
     return qweight, (dequantized.flatten(-2) if dequantize else None)
@@ -222,15 +228,16 @@ def changed_int4_groups(weight: torch.Tensor, previous: torch.Tensor, group_size
 
 
 def requantize_int4_groups(weight: torch.Tensor, qweight: Int4Weight, dequantized: torch.Tensor,
-                           changed: torch.Tensor) -> tuple[Int4Weight, torch.Tensor]:
+                           changed: torch.Tensor, groups_rule=quantize_int4_groups) -> tuple[Int4Weight, torch.Tensor]:
     """`quantize_dequantize_int4(weight)` (dequantized in `dequantized`'s dtype), given the quantization
-    `qweight` / `dequantized` of a weight that differs from `weight` only in the `changed` groups [N, G].
+    `qweight` / `dequantized` of a weight that differs from `weight` only in the `changed` groups [N, G];
+    the groups through `groups_rule` (the rule that made `qweight`), the result of `qweight`'s type.
 
     Returns new tensors: the old ones may still be held by a caller (a publisher, an autograd graph).
     """
     group_size = qweight.group_size
     rows = changed.flatten().nonzero().squeeze(1)  # flat group ids
-    codes, scales, values = quantize_int4_groups(weight.reshape(-1, group_size).index_select(0, rows))
+    codes, scales, values = groups_rule(weight.reshape(-1, group_size).index_select(0, rows))
     new_codes = qweight.codes.clone()
     new_codes.view(-1, group_size).index_copy_(0, rows, codes)
     new_scales = qweight.scales.clone()
@@ -241,7 +248,7 @@ def requantize_int4_groups(weight: torch.Tensor, qweight: Int4Weight, dequantize
     if qweight.packed_codes is not None:  # a group is group_size / 8 whole words
         new_packed = qweight.packed_codes.clone()
         new_packed.view(-1, group_size // _CODES_PER_INT32).index_copy_(0, rows, pack_int4_groupwise(codes))
-    return Int4Weight(new_codes, new_scales, group_size, packed_codes=new_packed), new_dequantized
+    return type(qweight)(new_codes, new_scales, group_size, packed_codes=new_packed), new_dequantized
 
 
 def dequantize_int4_groupwise(

@@ -39,8 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_qarl.quant.errors import QuantizationError
-from megatron_qarl.quant.int4 import Int4Weight, _check_2d_grouped, _magnitude_bits, pack_int4_groupwise
+from megatron_qarl.quant.int4 import Int4Weight, quantize_int4_by_rule, quantize_int_groups, requantize_int4_groups
 from megatron_qarl.quant.schemes.w4a16 import W4A16
 
 KIMI_GROUP = 32
@@ -55,52 +54,17 @@ class KimiInt4Weight(Int4Weight):
 
 def kimi_int4_groups(groups: torch.Tensor, dequantize: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Groups [..., 32] in bf16 -> (int8 codes, bf16 scales [...], dequantized bf16 or None), Kimi's rule."""
-    magnitudes = _magnitude_bits(groups)
-    if magnitudes is None:
-        raise QuantizationError(f"Kimi int4 quantization: unsupported weight dtype {groups.dtype}")
-    scales = magnitudes.amax(-1).view(groups.dtype) / KIMI_DIVISOR
-    scales = torch.where(scales == 0, torch.tensor(torch.finfo(scales.dtype).eps, dtype=scales.dtype), scales)
-    values = torch.div(groups, scales.unsqueeze(-1), out=magnitudes.view(groups.dtype))
-    # |w / scale| <= 7 (1 + eps)^2 + a subnormal scale's 1.5x: the rounded quotient fits int8 before the clamp
-    codes = values.round_().to(torch.int8).clamp_(KIMI_QMIN, KIMI_QMAX)
-    if not dequantize:
-        return codes, scales, None
-    return codes, scales, values.copy_(codes).mul_(scales.unsqueeze(-1))
+    """Groups [..., 32] in bf16 -> (int8 codes, bf16 scales [...], dequantized bf16 or None): the int group rule
+    with Kimi's divisor and range (a zero scale becomes bf16's eps, as there)."""
+    return quantize_int_groups(groups, 4, dequantize, half_range=KIMI_DIVISOR, code_range=(KIMI_QMIN, KIMI_QMAX))
 
 
 def quantize_kimi_int4(w: torch.Tensor, group_size: int = KIMI_GROUP, dequantize: bool = True
                        ) -> tuple[KimiInt4Weight, torch.Tensor | None]:
     """A (master) weight [N, K] -> its Kimi int4 weight and (`dequantize`) the bf16 weight it stands for (then
     packed too, as the learner's per-step cache pass makes what the publisher sends)."""
-    _check_2d_grouped(w.shape, group_size, "quantize w4a16_kimi")
-    weight = w.detach().to(WEIGHT_DTYPE).contiguous()
-    groups = weight.unflatten(-1, (weight.shape[-1] // group_size, group_size))
-    codes, scales, dequantized = kimi_int4_groups(groups, dequantize)
-    qweight = KimiInt4Weight(codes=codes.flatten(-2), scales=scales, group_size=group_size)
-    if not dequantize:
-        return qweight, None
-    qweight.packed()
-    return qweight, dequantized.flatten(-2)
-
-
-def requantize_kimi_int4(weight, qweight: KimiInt4Weight, dequantized, changed):
-    """`quantize_kimi_int4(weight)` given the quantization of a weight that differs only in the `changed` groups;
-    new tensors (the old ones may still be held by the publisher or an autograd graph)."""
-    group_size = qweight.group_size
-    rows = changed.flatten().nonzero().squeeze(1)
-    codes, scales, values = kimi_int4_groups(weight.reshape(-1, group_size).index_select(0, rows))
-    new_codes = qweight.codes.clone()
-    new_codes.view(-1, group_size).index_copy_(0, rows, codes)
-    new_scales = qweight.scales.clone()
-    new_scales.view(-1).index_copy_(0, rows, scales)
-    new_dequantized = dequantized.clone()
-    new_dequantized.view(-1, group_size).index_copy_(0, rows, values.to(dequantized.dtype))
-    new_packed = None
-    if qweight.packed_codes is not None:  # a group of 32 codes is 4 whole int32 words
-        new_packed = qweight.packed_codes.clone()
-        new_packed.view(-1, group_size // 8).index_copy_(0, rows, pack_int4_groupwise(codes))
-    return KimiInt4Weight(new_codes, new_scales, group_size, packed_codes=new_packed), new_dequantized
+    return quantize_int4_by_rule(w, group_size, WEIGHT_DTYPE, dequantize, groups_rule=kimi_int4_groups,
+                                 weight_type=KimiInt4Weight)
 
 
 class W4A16Kimi(W4A16):
@@ -120,7 +84,7 @@ class W4A16Kimi(W4A16):
         return quantize_kimi_int4(weight, cfg.group_size, dequantize)
 
     def requantize_groups(self, weight, qweight, dequantized, changed):
-        return requantize_kimi_int4(weight, qweight, dequantized, changed)
+        return requantize_int4_groups(weight, qweight, dequantized, changed, groups_rule=kimi_int4_groups)
 
     def config_fields(self, qc):
         return None  # the checkpoint does not record the divisor: it loads as `checkpoint_scheme`
